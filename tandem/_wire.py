@@ -1,0 +1,181 @@
+"""Sockets, framing and authentication shared by the store, the transport and RPC.
+
+Every TCP connection in tandem starts with a mutual HMAC-SHA256 challenge-response
+over the job secret, before any payload is parsed. The handshake has fixed sizes,
+so nothing a stranger sends is ever interpreted as a length:
+
+    server -> client   MAGIC(8) nonce_s(32)
+    client -> server   MAGIC(8) nonce_c(32) HMAC(secret, "C" purpose nonce_s nonce_c)
+    server -> client   HMAC(secret, "S" purpose nonce_c nonce_s)
+
+``purpose`` separates the store protocol from the transport protocol, so a reply
+recorded on one cannot be replayed on the other. After the handshake, frames are
+length-prefixed and the length is checked against a cap before anything is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+import time
+
+from tandem.errors import AuthenticationError, NetworkError, ProtocolError
+
+__all__ = [
+    "MAGIC",
+    "HANDSHAKE_TIMEOUT",
+    "client_handshake",
+    "server_handshake",
+    "connect",
+    "listen",
+    "recv_exact",
+    "recv_into_exact",
+    "send_frame",
+    "recv_frame",
+    "is_loopback",
+    "tune",
+]
+
+MAGIC = b"TANDEM01"
+NONCE = 32
+MAC = 32
+HANDSHAKE_TIMEOUT = 10.0
+_LEN = struct.Struct("!I")
+
+
+def _mac(secret: bytes, *parts: bytes) -> bytes:
+    return hmac.new(secret, b"".join(parts), hashlib.sha256).digest()
+
+
+def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` completely from ``sock``; raise ``NetworkError`` on EOF."""
+    got = 0
+    total = len(view)
+    while got < total:
+        n = sock.recv_into(view[got:], total - got)
+        if n == 0:
+            raise NetworkError(f"connection closed after {got} of {total} bytes")
+        got += n
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_into_exact(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def server_handshake(sock: socket.socket, secret: bytes, purpose: bytes) -> None:
+    """Authenticate the connecting peer; raise ``AuthenticationError`` if it fails."""
+    old = sock.gettimeout()
+    sock.settimeout(HANDSHAKE_TIMEOUT)
+    try:
+        nonce_s = os.urandom(NONCE)
+        sock.sendall(MAGIC + nonce_s)
+        reply = recv_exact(sock, len(MAGIC) + NONCE + MAC)
+        if reply[: len(MAGIC)] != MAGIC:
+            raise AuthenticationError("peer does not speak the tandem protocol")
+        nonce_c = reply[len(MAGIC) : len(MAGIC) + NONCE]
+        expected = _mac(secret, b"C", purpose, nonce_s, nonce_c)
+        if not hmac.compare_digest(expected, reply[len(MAGIC) + NONCE :]):
+            raise AuthenticationError("peer failed authentication (wrong job secret?)")
+        sock.sendall(_mac(secret, b"S", purpose, nonce_c, nonce_s))
+    except (OSError, NetworkError) as exc:
+        if isinstance(exc, AuthenticationError):
+            raise
+        raise AuthenticationError(f"handshake with peer failed: {exc}") from exc
+    finally:
+        sock.settimeout(old)
+
+
+def client_handshake(sock: socket.socket, secret: bytes, purpose: bytes) -> None:
+    """Prove knowledge of the secret to the server and check that it knows it too."""
+    old = sock.gettimeout()
+    sock.settimeout(HANDSHAKE_TIMEOUT)
+    try:
+        hello = recv_exact(sock, len(MAGIC) + NONCE)
+        if hello[: len(MAGIC)] != MAGIC:
+            raise AuthenticationError("server does not speak the tandem protocol")
+        nonce_s = hello[len(MAGIC) :]
+        nonce_c = os.urandom(NONCE)
+        sock.sendall(MAGIC + nonce_c + _mac(secret, b"C", purpose, nonce_s, nonce_c))
+        proof = recv_exact(sock, MAC)
+        if not hmac.compare_digest(proof, _mac(secret, b"S", purpose, nonce_c, nonce_s)):
+            raise AuthenticationError("server failed authentication (wrong job secret?)")
+    except (OSError, NetworkError) as exc:
+        if isinstance(exc, AuthenticationError):
+            raise
+        raise AuthenticationError(
+            f"handshake with server failed (wrong job secret, or not a tandem server): {exc}"
+        ) from exc
+    finally:
+        sock.settimeout(old)
+
+
+def tune(sock: socket.socket) -> None:
+    """Latency and throughput settings applied to every data connection."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+        except OSError:
+            pass
+
+
+def connect(host: str, port: int, timeout: float, what: str) -> socket.socket:
+    """Connect to ``host:port``, retrying refused connections until ``timeout``."""
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    last: Exception | None = None
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise NetworkError(
+                f"could not connect to {what} at {host}:{port} within {timeout:.0f}s: {last}"
+            ) from last
+        try:
+            sock = socket.create_connection((host, port), timeout=min(remaining, 10.0))
+            sock.settimeout(None)
+            tune(sock)
+            return sock
+        except OSError as exc:
+            last = exc
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.5)
+
+
+def listen(host: str, port: int = 0, backlog: int = 128) -> socket.socket:
+    """A listening socket bound to exactly ``host`` (never widened)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise NetworkError(f"cannot listen on {host}:{port}: {exc}") from exc
+    sock.listen(backlog)
+    return sock
+
+
+def send_frame(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(_LEN.pack(len(payload)) + payload)
+
+
+def recv_frame(sock: socket.socket, cap: int) -> bytes:
+    """Read one length-prefixed frame; refuse lengths above ``cap`` before reading."""
+    (n,) = _LEN.unpack(recv_exact(sock, _LEN.size))
+    if n > cap:
+        raise ProtocolError(f"frame of {n} bytes exceeds the cap of {cap} bytes")
+    return recv_exact(sock, n)
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", "::1") or host.startswith("127."):
+        return True
+    try:
+        return socket.gethostbyname(host).startswith("127.")
+    except OSError:
+        return False

@@ -1,0 +1,1 @@
+"""Collective communication: process groups, algorithms and the torch-compatible API."""

@@ -1,0 +1,79 @@
+"""Collective algorithms and the registry that picks one per call.
+
+Built in, for all-reduce: ``naive`` (the oracle), ``doubling`` (recursive doubling,
+latency-optimal, for payloads below ``TANDEM_RING_THRESHOLD``) and ``ring``
+(bandwidth-optimal, pipelined, for larger ones). ``TANDEM_ALGORITHM`` or
+``group.algorithm_override["all_reduce"]`` forces one.
+
+A custom algorithm is a function ``fn(op, flat_tensor, reduce_op)`` that uses
+``op.send``/``op.recv``/``op.wait`` (see ``tandem.collectives.group.Op``)::
+
+    def star(op, buf, redop): ...
+    tandem.register_algorithm("all_reduce", "star", star)
+    group.algorithm_override["all_reduce"] = "star"     # or TANDEM_ALGORITHM=star
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from tandem.collectives.algorithms.direct import (
+    direct_gather,
+    direct_scatter,
+    pairwise_all_to_all,
+)
+from tandem.collectives.algorithms.doubling import doubling_all_reduce
+from tandem.collectives.algorithms.naive import naive_all_reduce
+from tandem.collectives.algorithms.ring import even_bounds, ring, ring_all_reduce
+from tandem.collectives.algorithms.tree import tree_broadcast, tree_reduce
+from tandem.collectives.group import ProcessGroup
+from tandem.errors import ArgumentError
+
+__all__ = [
+    "ALL_REDUCE",
+    "register_algorithm",
+    "select_all_reduce",
+    "direct_gather",
+    "direct_scatter",
+    "pairwise_all_to_all",
+    "even_bounds",
+    "ring",
+    "tree_broadcast",
+    "tree_reduce",
+]
+
+AllReduce = Callable[..., None]
+
+ALL_REDUCE: dict[str, AllReduce] = {
+    "naive": naive_all_reduce,
+    "doubling": doubling_all_reduce,
+    "ring": ring_all_reduce,
+}
+
+_REGISTRIES: dict[str, dict[str, AllReduce]] = {"all_reduce": ALL_REDUCE}
+
+
+def register_algorithm(collective: str, name: str, fn: AllReduce) -> None:
+    """Make ``fn`` selectable by ``name`` for ``collective`` (currently "all_reduce")."""
+    registry = _REGISTRIES.get(collective)
+    if registry is None:
+        raise ArgumentError(
+            f"custom algorithms can be registered for {sorted(_REGISTRIES)}, not {collective!r}")
+    if not callable(fn):
+        raise ArgumentError(f"algorithm {name!r} must be callable")
+    registry[name] = fn
+
+
+def select_all_reduce(group: ProcessGroup, buf: torch.Tensor) -> tuple[str, AllReduce]:
+    name = group.algorithm_override.get("all_reduce") or group.settings.algorithm
+    if name == "auto":
+        nbytes = buf.numel() * buf.element_size()
+        big = nbytes >= group.settings.ring_threshold and buf.numel() >= group.group_size
+        name = "ring" if big else "doubling"
+    fn = ALL_REDUCE.get(name)
+    if fn is None:
+        raise ArgumentError(
+            f"all_reduce algorithm {name!r} is not registered; known: {sorted(ALL_REDUCE)}")
+    return name, fn

@@ -1,0 +1,54 @@
+"""Recursive doubling all-reduce: latency-optimal for small tensors.
+
+In round ``k`` each rank swaps its whole buffer with the rank whose number differs
+in bit ``k`` and combines, so ``log2(p)`` rounds finish the job (one round for two
+ranks). With a rank count that is not a power of two, the ranks above the largest
+power of two first fold their data into a partner and get the result back at the
+end. Partners combine in the same argument order, so results are bit-identical.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.collectives.group import Op, as_bytes
+from tandem.collectives.reduce_op import ReduceOp, combine, finish
+
+__all__ = ["doubling_all_reduce"]
+
+_RESULT = 1 << 20  # step number of the result returned to a folded rank
+
+
+def doubling_all_reduce(op: Op, buf: torch.Tensor, redop: ReduceOp) -> None:
+    g = op.group
+    p, r = g.group_size, g.group_rank
+    if p == 1:
+        finish(redop, buf, 1)
+        return
+    pow2 = 1 << (p.bit_length() - 1)
+    extra = p - pow2
+    view = as_bytes(buf)
+    if r >= pow2:  # folded rank: hand data to the partner, wait for the answer
+        op.wait(op.send(r - pow2, 0, view))
+        op.wait(op.recv(r - pow2, _RESULT, view))
+        return
+    tmp = torch.empty_like(buf)
+    tmp_view = as_bytes(tmp)
+    if r < extra:
+        op.wait(op.recv(r + pow2, 0, tmp_view))
+        combine(redop, buf, tmp, buf)
+    distance, step = 1, 1
+    while distance < pow2:
+        partner = r ^ distance
+        got = op.recv(partner, step, tmp_view)
+        sent = op.send(partner, step, view)
+        op.wait(got, sent)  # the send must finish before buf changes
+        if partner < r:
+            combine(redop, tmp, buf, buf)
+        else:
+            combine(redop, buf, tmp, buf)
+        distance <<= 1
+        step += 1
+    finish(redop, buf, p)
+    if r < extra:
+        op.wait(op.send(r + pow2, _RESULT, view))

@@ -1,0 +1,99 @@
+"""Ring algorithms: reduce-scatter, all-gather, and all-reduce as the two in a row.
+
+The buffer is cut into one segment per rank (``bounds``), and every segment into
+chunks of ``chunk_bytes``. Messages travel to the next rank only. Each received
+chunk is reduced and immediately forwarded, so the wire, the reduction kernel and
+the peer's reduction overlap (a pipelined ring). Every rank sends and receives
+``2 (p-1)/p`` of the buffer in an all-reduce: bandwidth-optimal, which is why it is
+chosen for large tensors.
+
+Step ``t`` of the reduce-scatter phase sends segment ``r-t-1`` and receives
+segment ``r-t-2``; after ``p-1`` steps rank ``r`` holds the reduced segment ``r``.
+Step ``t`` of the all-gather phase sends segment ``r-t`` and receives ``r-t-1``
+straight into place. The segment received in one step is the one sent in the
+next, chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.collectives.group import Op, as_bytes
+from tandem.collectives.reduce_op import ReduceOp, combine, finish
+
+__all__ = ["ring", "even_bounds", "ring_all_reduce"]
+
+Bounds = list[tuple[int, int]]
+
+
+def even_bounds(numel: int, parts: int) -> Bounds:
+    base, extra = divmod(numel, parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def _chunks(bounds: tuple[int, int], chunk: int) -> list[tuple[int, int]]:
+    a, b = bounds
+    if b - a <= chunk:
+        return [(a, b)]
+    return [(s, min(s + chunk, b)) for s in range(a, b, chunk)]
+
+
+def ring(op: Op, buf: torch.Tensor, bounds: Bounds, redop: ReduceOp | None,
+         reduce_scatter: bool, all_gather: bool) -> None:
+    """Run the reduce-scatter and/or all-gather phase on flat ``buf`` in place."""
+    g = op.group
+    p, r = g.group_size, g.group_rank
+    if p == 1:
+        if reduce_scatter:
+            finish(redop, buf, 1)  # type: ignore[arg-type]
+        return
+    nxt, prv = (r + 1) % p, (r - 1) % p
+    steps: list[tuple[bool, int, int]] = []  # (reducing, send segment, receive segment)
+    if reduce_scatter:
+        steps += [(True, (r - t - 1) % p, (r - t - 2) % p) for t in range(p - 1)]
+    if all_gather:
+        steps += [(False, (r - t) % p, (r - t - 1) % p) for t in range(p - 1)]
+    chunk = max(1, g.settings.chunk_bytes // max(1, buf.element_size()))
+    pieces = [_chunks(b, chunk) for b in bounds]
+    stride = max(len(c) for c in pieces)
+    scratch: list[torch.Tensor] = []
+    if reduce_scatter:
+        longest = max(b - a for a, b in bounds)
+        scratch = [torch.empty(longest, dtype=buf.dtype) for _ in range(min(2, len(steps)))]
+
+    def post(t: int) -> list:
+        reducing, _, seg = steps[t]
+        base = bounds[seg][0]
+        if reducing:
+            views = [as_bytes(scratch[t % 2][a - base:b - base]) for a, b in pieces[seg]]
+        else:
+            views = [as_bytes(buf[a:b]) for a, b in pieces[seg]]
+        return [op.recv(prv, t * stride + c, v) for c, v in enumerate(views)]
+
+    sends = [op.send(nxt, c, as_bytes(buf[a:b])) for c, (a, b) in enumerate(pieces[steps[0][1]])]
+    recvs = post(0)
+    last_reduce = p - 2 if reduce_scatter else -1
+    for t, (reducing, _, seg) in enumerate(steps):
+        upcoming = post(t + 1) if t + 1 < len(steps) else []
+        base = bounds[seg][0]
+        for c, slot in enumerate(recvs):
+            op.wait(slot)
+            a, b = pieces[seg][c]
+            if reducing:
+                mine = buf[a:b]
+                combine(redop, scratch[t % 2][a - base:b - base], mine, mine)  # type: ignore[arg-type]
+                if t == last_reduce:
+                    finish(redop, mine, p)  # type: ignore[arg-type]
+            if t + 1 < len(steps):
+                sends.append(op.send(nxt, (t + 1) * stride + c, as_bytes(buf[a:b])))
+        recvs = upcoming
+    op.wait(*sends)
+
+
+def ring_all_reduce(op: Op, buf: torch.Tensor, redop: ReduceOp) -> None:
+    ring(op, buf, even_bounds(buf.numel(), op.group.group_size), redop, True, True)

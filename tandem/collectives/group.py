@@ -1,0 +1,261 @@
+"""``ProcessGroup``: a set of ranks, its progress engine and the per-call ``Op`` context.
+
+Collectives on one group complete in issue order. A blocking call runs inline in
+the caller's thread when nothing is queued (no thread hand-off on the latency
+path); ``async_op=True`` calls are queued to the group's progress engine, one
+daemon thread per group, started on first use.
+
+Any failure that leaves ranks out of step (a signature mismatch, a timeout, a
+lost peer) *aborts* the group: every member is told and raises the same error,
+and later calls on the group fail at once instead of hanging.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import threading
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+
+from tandem.config import Settings
+from tandem.errors import ArgumentError, CollectiveError, StateError
+from tandem.collectives.work import Work
+from tandem.transport.base import Header, Kind, Slot, Transport, wait_all
+
+__all__ = ["ProcessGroup", "NonMemberGroup", "Op", "as_bytes", "timeout_seconds"]
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous tensor as a writable memoryview (any dtype)."""
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(bytearray(0))
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+class Op:
+    """One collective call: its group, sequence number, signature and deadline.
+
+    Algorithms address peers by *group* rank; ``step`` numbers the messages of one
+    call so each (peer, step) pair is unique within the call.
+    """
+
+    __slots__ = ("group", "name", "seq", "sig", "site", "deadline", "algorithm")
+
+    def __init__(self, group: "ProcessGroup", name: str, seq: int, sig: bytes, site: bytes) -> None:
+        self.group = group
+        self.name = name
+        self.seq = seq
+        self.sig = sig
+        self.site = site
+        self.deadline = 0.0
+        self.algorithm = ""
+
+    def send(self, to: int, step: int, view: memoryview) -> Slot:
+        g = self.group
+        header = Header(Kind.COLL, g.group_id, self.seq, step, len(view), self.sig, self.site)
+        return g.transport.isend(g.ranks[to], header, view)
+
+    def recv(self, frm: int, step: int, view: memoryview) -> Slot:
+        g = self.group
+        return g.transport.irecv(g.ranks[frm], Kind.COLL, g.group_id, self.seq, step, view,
+                                 self.sig)
+
+    def wait(self, *slots: Slot) -> None:
+        g = self.group
+        wait_all(slots, self.deadline, self.describe, g.transport.mailbox, g.ranks)
+
+    def wait_list(self, slots: Iterable[Slot]) -> None:
+        self.wait(*slots)
+
+    def describe(self) -> str:
+        g = self.group
+        return (f"{self.name} #{self.seq} on group '{g.group_name}' (rank {g.group_rank} of "
+                f"{g.group_size}, global ranks {g.ranks}) called at "
+                f"{self.site.decode(errors='replace')}")
+
+
+class ProcessGroup:
+    """The ranks ``ranks`` (global ranks, in group-rank order) talking over ``transport``."""
+
+    def __init__(self, transport: Transport, ranks: list[int], group_id: int, group_name: str,
+                 timeout: float, settings: Settings, backend: str) -> None:
+        if transport.rank not in ranks:
+            raise StateError(f"rank {transport.rank} is not in group ranks {ranks}")
+        self.transport = transport
+        self.ranks = list(ranks)
+        self.group_id = group_id
+        self.group_name = group_name
+        self.group_rank = self.ranks.index(transport.rank)
+        self.group_size = len(self.ranks)
+        self.timeout = timeout
+        self.settings = settings
+        self.backend = backend
+        self.algorithm_override: dict[str, str] = {}
+        self._seq = 0
+        self._p2p_sent: collections.Counter[tuple[int, int]] = collections.Counter()
+        self._p2p_recv: collections.Counter[tuple[int, int]] = collections.Counter()
+        self._cv = threading.Condition()
+        self._queue: collections.deque[tuple[Op, Callable[[Op], Any], Work]] = collections.deque()
+        self._busy = False
+        self._engine: threading.Thread | None = None
+        self._closed = False
+
+    # -- torch-compatible accessors -----------------------------------------------
+    def rank(self) -> int:
+        return self.group_rank
+
+    def size(self) -> int:
+        return self.group_size
+
+    def name(self) -> str:
+        return self.group_name
+
+    def __repr__(self) -> str:
+        return f"<ProcessGroup '{self.group_name}' ranks={self.ranks} backend={self.backend}>"
+
+    # -- issuing operations --------------------------------------------------------
+    def new_op(self, name: str, sig: str, site: str) -> Op:
+        if self._closed:
+            raise StateError(f"process group '{self.group_name}' was destroyed")
+        with self._cv:
+            seq = self._seq
+            self._seq += 1
+        return Op(self, name, seq, sig.encode(), site.encode())
+
+    def run(self, op: Op, fn: Callable[[Op], Any], async_op: bool, result: Any = None) -> Work | None:
+        """Execute ``fn(op)`` in issue order; return a Work when ``async_op``."""
+        failure = self.transport.mailbox.aborted.get(self.group_id)
+        if failure is not None:
+            raise StateError(f"process group '{self.group_name}' was aborted earlier: "
+                             f"{failure}") from failure
+        if not async_op:
+            with self._cv:
+                inline = not self._queue and not self._busy
+                if inline:
+                    self._busy = True
+            if inline:
+                try:
+                    self._execute(op, fn)
+                finally:
+                    with self._cv:
+                        self._busy = False
+                        self._cv.notify_all()
+                return None
+        work = Work(op.describe(), result)
+        with self._cv:
+            self._queue.append((op, fn, work))
+            if self._engine is None:
+                self._engine = threading.Thread(target=self._engine_loop, daemon=True,
+                                                name=f"tandem-engine-{self.group_name}")
+                self._engine.start()
+            self._cv.notify_all()
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def _engine_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue or self._busy:
+                    self._cv.wait()
+                op, fn, work = self._queue.popleft()
+                self._busy = True
+            try:
+                self._execute(op, fn)
+                work._complete()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                work._complete(error=exc)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _execute(self, op: Op, fn: Callable[[Op], Any]) -> None:
+        op.deadline = time.monotonic() + self.timeout
+        try:
+            fn(op)
+        except CollectiveError as exc:
+            self.abort(exc)
+            raise
+
+    def abort(self, error: CollectiveError) -> None:
+        """Fail this group here and on every member, with ``error``."""
+        self.transport.abort(self.group_id, self.ranks, error)
+
+    # -- point-to-point ------------------------------------------------------------
+    def p2p_send(self, dst: int, tag: int, view: memoryview, site: str) -> Slot:
+        key = (dst, tag)
+        seq = self._p2p_sent[key]
+        self._p2p_sent[key] += 1
+        header = Header(Kind.P2P, self.group_id, seq, tag, len(view), b"", site.encode())
+        return self.transport.isend(self.ranks[dst], header, view)
+
+    def p2p_recv(self, src: int | None, tag: int, view: memoryview) -> Slot:
+        mailbox = self.transport.mailbox
+        if src is not None:
+            key = (src, tag)
+            seq = self._p2p_recv[key]
+            self._p2p_recv[key] += 1
+            return self.transport.irecv(self.ranks[src], Kind.P2P, self.group_id, seq, tag, view)
+        index = {g: i for i, g in enumerate(self.ranks)}
+
+        def match(peer: int, header: Header) -> bool:
+            src_rank = index.get(peer)
+            if src_rank is None or header.kind != Kind.P2P or header.group != self.group_id:
+                return False
+            if header.step != tag or header.seq != self._p2p_recv[(src_rank, tag)]:
+                return False
+            self._p2p_recv[(src_rank, tag)] += 1  # claimed under the mailbox lock
+            return True
+
+        return mailbox.post_any(self.ranks, Kind.P2P, self.group_id, view, match)
+
+    def wait_p2p(self, slot: Slot, timeout: float | None, what: str) -> None:
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        peers = [slot.peer] if slot.peer >= 0 else self.ranks
+        wait_all([slot], deadline, lambda: f"{what} on group '{self.group_name}'",
+                 self.transport.mailbox, peers)
+
+    # -- lifetime --------------------------------------------------------------------
+    def close(self) -> None:
+        self._closed = True
+
+
+class NonMemberGroup:
+    """What ``new_group`` returns on a rank outside the group: every use raises."""
+
+    def __init__(self, ranks: list[int], group_name: str, my_rank: int) -> None:
+        self.ranks = list(ranks)
+        self.group_name = group_name
+        self.my_rank = my_rank
+
+    def error(self, what: str) -> StateError:
+        return StateError(
+            f"rank {self.my_rank} called {what} on group '{self.group_name}' (global ranks "
+            f"{self.ranks}) but is not a member of it"
+        )
+
+    def rank(self) -> int:
+        return -1
+
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def __repr__(self) -> str:
+        return f"<NonMemberGroup '{self.group_name}' ranks={self.ranks}>"
+
+
+def timeout_seconds(timeout: float | datetime.timedelta | None, default: float) -> float:
+    if timeout is None:
+        return default
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    if timeout <= 0:
+        raise ArgumentError(f"timeout must be positive, got {timeout}")
+    return float(timeout)
+

@@ -1,0 +1,152 @@
+"""Collectives on picklable Python objects.
+
+Objects are pickled into byte tensors; sizes travel first so receivers allocate
+exactly. Only authenticated peers of the job can send these bytes (every
+connection proved the job secret), and unpickling runs only on what they sent.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import torch
+
+from tandem.collectives import api, p2p
+from tandem.collectives.world import AnyGroup, resolve_group
+from tandem.errors import ArgumentError
+
+__all__ = ["broadcast_object_list", "all_gather_object", "gather_object",
+           "scatter_object_list", "send_object_list", "recv_object_list"]
+
+
+def _pack(obj: Any) -> torch.Tensor:
+    buf = io.BytesIO()
+    pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _unpack(t: torch.Tensor) -> Any:
+    return pickle.loads(t.numpy().tobytes())
+
+
+def _sizes(group: AnyGroup | None, n: int) -> list[int]:
+    g = resolve_group(group, "object collective")
+    mine = torch.tensor([n], dtype=torch.int64)
+    all_sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(g.group_size)]
+    api.all_gather(all_sizes, mine, group=group)
+    return [int(s.item()) for s in all_sizes]
+
+
+def broadcast_object_list(object_list: list[Any], src: int | None = None,
+                          group: AnyGroup | None = None, device: Any = None,
+                          group_src: int | None = None) -> None:
+    g = resolve_group(group, "broadcast_object_list")
+    root = api._root(g, "broadcast_object_list", src, group_src, "src")
+    if not isinstance(object_list, list):
+        raise ArgumentError("broadcast_object_list: object_list must be a list")
+    sizes = torch.zeros(len(object_list), dtype=torch.int64)
+    packed: list[torch.Tensor] = []
+    if g.group_rank == root:
+        packed = [_pack(o) for o in object_list]
+        sizes = torch.tensor([t.numel() for t in packed], dtype=torch.int64)
+    api.broadcast(sizes, group=group, group_src=root)
+    data = torch.cat(packed) if packed else torch.empty(int(sizes.sum()), dtype=torch.uint8)
+    api.broadcast(data, group=group, group_src=root)
+    if g.group_rank != root:
+        offset = 0
+        for i, n in enumerate(sizes.tolist()):
+            object_list[i] = _unpack(data[offset:offset + n])
+            offset += n
+
+
+def all_gather_object(object_list: list[Any], obj: Any, group: AnyGroup | None = None) -> None:
+    g = resolve_group(group, "all_gather_object")
+    if not isinstance(object_list, list) or len(object_list) != g.group_size:
+        raise ArgumentError(f"all_gather_object: object_list must be a list of {g.group_size}")
+    mine = _pack(obj)
+    sizes = _sizes(group, mine.numel())
+    outs = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+    api.all_gather(outs, mine, group=group)
+    for i, t in enumerate(outs):
+        object_list[i] = _unpack(t)
+
+
+def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int | None = None,
+                  group: AnyGroup | None = None, group_dst: int | None = None) -> None:
+    g = resolve_group(group, "gather_object")
+    root = api._root(g, "gather_object", dst, group_dst, "dst")
+    if g.group_rank == root and (not isinstance(object_gather_list, list)
+                                 or len(object_gather_list) != g.group_size):
+        raise ArgumentError(
+            f"gather_object: the destination must pass object_gather_list of {g.group_size}")
+    mine = _pack(obj)
+    sizes = _sizes(group, mine.numel())
+    if g.group_rank == root:
+        # sizes differ per rank, so gather the padded maximum and trim
+        width = max(sizes)
+        padded = [torch.empty(width, dtype=torch.uint8) for _ in sizes]
+        api.gather(_pad(mine, width), padded, group=group, group_dst=root)
+        assert object_gather_list is not None
+        for i, (t, n) in enumerate(zip(padded, sizes)):
+            object_gather_list[i] = _unpack(t[:n])
+    else:
+        api.gather(_pad(mine, max(sizes)), None, group=group, group_dst=root)
+
+
+def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    out = torch.zeros(width, dtype=torch.uint8)
+    out[: t.numel()] = t
+    return out
+
+
+def scatter_object_list(scatter_object_output_list: list[Any],
+                        scatter_object_input_list: list[Any] | None = None,
+                        src: int | None = None, group: AnyGroup | None = None,
+                        group_src: int | None = None) -> None:
+    g = resolve_group(group, "scatter_object_list")
+    root = api._root(g, "scatter_object_list", src, group_src, "src")
+    if not isinstance(scatter_object_output_list, list) or not scatter_object_output_list:
+        raise ArgumentError("scatter_object_list: scatter_object_output_list must be a "
+                            "non-empty list")
+    sizes = torch.zeros(g.group_size, dtype=torch.int64)
+    packed: list[torch.Tensor] = []
+    if g.group_rank == root:
+        if (not isinstance(scatter_object_input_list, list)
+                or len(scatter_object_input_list) != g.group_size):
+            raise ArgumentError(f"scatter_object_list: the source must pass "
+                                f"scatter_object_input_list of {g.group_size}")
+        packed = [_pack(o) for o in scatter_object_input_list]
+        sizes = torch.tensor([t.numel() for t in packed], dtype=torch.int64)
+    api.broadcast(sizes, group=group, group_src=root)
+    width = int(sizes.max())
+    out = torch.empty(width, dtype=torch.uint8)
+    ins = [_pad(t, width) for t in packed] if packed else None
+    api.scatter(out, ins, group=group, group_src=root)
+    scatter_object_output_list[0] = _unpack(out[: int(sizes[g.group_rank])])
+
+
+def send_object_list(object_list: list[Any], dst: int | None = None,
+                     group: AnyGroup | None = None, device: Any = None,
+                     group_dst: int | None = None) -> None:
+    packed = [_pack(o) for o in object_list]
+    sizes = torch.tensor([t.numel() for t in packed], dtype=torch.int64)
+    p2p.send(sizes, dst, group, group_dst=group_dst)
+    p2p.send(torch.cat(packed) if packed else torch.empty(0, dtype=torch.uint8), dst, group,
+             group_dst=group_dst)
+
+
+def recv_object_list(object_list: list[Any], src: int | None = None,
+                     group: AnyGroup | None = None, device: Any = None,
+                     group_src: int | None = None) -> int:
+    """Fill ``object_list`` in place; return the sender's global rank."""
+    sizes = torch.zeros(len(object_list), dtype=torch.int64)
+    sender = p2p.recv(sizes, src, group, group_src=group_src)
+    data = torch.empty(int(sizes.sum()), dtype=torch.uint8)
+    p2p.recv(data, sender, group)
+    offset = 0
+    for i, n in enumerate(sizes.tolist()):
+        object_list[i] = _unpack(data[offset:offset + n])
+        offset += n
+    return sender

@@ -1,0 +1,115 @@
+"""Point-to-point: send, recv (from any source too), isend, irecv, batched P2POp.
+
+Messages between two ranks with the same tag arrive in the order they were sent.
+``dst``/``src`` are global ranks as in torch (``group_dst``/``group_src`` take
+group ranks). A blocking call has the group's timeout as its deadline; a peer
+that dies while we wait on it is reported at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from tandem.collectives.api import _root, _tensor, call_site
+from tandem.collectives.group import ProcessGroup, as_bytes
+from tandem.collectives.work import Work
+from tandem.collectives.world import AnyGroup, resolve_group
+from tandem.errors import ArgumentError
+from tandem.transport.base import Slot
+
+__all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv"]
+
+
+def _peer(g: ProcessGroup, what: str, rank: int | None, group_rank: int | None, name: str) -> int:
+    if rank is None and group_rank is None:
+        raise ArgumentError(f"{what}: {name} is required")
+    peer = _root(g, what, rank, group_rank, name)
+    if peer == g.group_rank:
+        raise ArgumentError(f"{what}: {name} is this rank itself ({g.ranks[peer]})")
+    return peer
+
+
+def _contiguous(t: torch.Tensor, what: str) -> torch.Tensor:
+    _tensor(t, what, "tensor")
+    if not t.is_contiguous():
+        raise ArgumentError(f"{what}: tensor must be contiguous")
+    return t
+
+
+def _work(g: ProcessGroup, slot: Slot, what: str, result: Any) -> Work:
+    work = Work(f"{what} on group '{g.group_name}'", result)
+
+    def done(s: Slot) -> None:
+        work._source = g.ranks.index(s.peer) if s.peer in g.ranks else -1
+        work._complete(error=s.error)
+
+    def drive(timeout: float | None) -> None:
+        g.wait_p2p(slot, timeout, what)
+
+    work._waiter = drive
+    slot.on_done = done
+    if slot.done():
+        done(slot)
+    return work
+
+
+def isend(tensor: torch.Tensor, dst: int | None = None, group: AnyGroup | None = None,
+          tag: int = 0, group_dst: int | None = None) -> Work:
+    g = resolve_group(group, "isend")
+    peer = _peer(g, "isend", dst, group_dst, "dst")
+    slot = g.p2p_send(peer, tag, as_bytes(_contiguous(tensor, "isend")), call_site())
+    return _work(g, slot, f"isend to rank {g.ranks[peer]} (tag {tag})", [tensor])
+
+
+def irecv(tensor: torch.Tensor, src: int | None = None, group: AnyGroup | None = None,
+          tag: int = 0, group_src: int | None = None) -> Work:
+    g = resolve_group(group, "irecv")
+    peer = None if src is None and group_src is None else _peer(g, "irecv", src, group_src, "src")
+    slot = g.p2p_recv(peer, tag, as_bytes(_contiguous(tensor, "irecv")))
+    who = "any rank" if peer is None else f"rank {g.ranks[peer]}"
+    return _work(g, slot, f"irecv from {who} (tag {tag})", [tensor])
+
+
+def send(tensor: torch.Tensor, dst: int | None = None, group: AnyGroup | None = None,
+         tag: int = 0, group_dst: int | None = None) -> None:
+    isend(tensor, dst, group, tag, group_dst).wait()
+
+
+def recv(tensor: torch.Tensor, src: int | None = None, group: AnyGroup | None = None,
+         tag: int = 0, group_src: int | None = None) -> int:
+    """Receive into ``tensor``; return the sender's global rank (useful with src=None)."""
+    g = resolve_group(group, "recv")
+    work = irecv(tensor, src, group, tag, group_src)
+    work.wait()
+    return g.ranks[work._source]
+
+
+class P2POp:
+    """One operation of :func:`batch_isend_irecv`: ``P2POp(tandem.isend, t, peer)``."""
+
+    def __init__(self, op: Callable[..., Work], tensor: torch.Tensor, peer: int | None = None,
+                 group: AnyGroup | None = None, tag: int = 0, group_peer: int | None = None) -> None:
+        if op not in (isend, irecv, send, recv):
+            raise ArgumentError("P2POp op must be tandem.isend or tandem.irecv")
+        self.op = isend if op in (isend, send) else irecv
+        self.tensor = tensor
+        self.peer = peer
+        self.group = group
+        self.tag = tag
+        self.group_peer = group_peer
+
+
+def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
+    """Post every receive, then every send; return their Works in list order."""
+    if not p2p_op_list or not all(isinstance(p, P2POp) for p in p2p_op_list):
+        raise ArgumentError("batch_isend_irecv takes a non-empty list of P2POp")
+    works: dict[int, Work] = {}
+    for i, p in enumerate(p2p_op_list):
+        if p.op is irecv:
+            works[i] = irecv(p.tensor, p.peer, p.group, p.tag, p.group_peer)
+    for i, p in enumerate(p2p_op_list):
+        if p.op is isend:
+            works[i] = isend(p.tensor, p.peer, p.group, p.tag, p.group_peer)
+    return [works[i] for i in range(len(p2p_op_list))]

@@ -1,0 +1,86 @@
+"""``Work``: the handle an ``async_op=True`` collective or an isend/irecv returns."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from typing import Any, Callable
+
+import torch
+
+from tandem.errors import CollectiveTimeoutError
+
+__all__ = ["Work"]
+
+
+class Work:
+    """Completion handle. ``wait()`` blocks and re-raises the operation's error."""
+
+    def __init__(self, describe: str, result: Any = None) -> None:
+        self._describe = describe
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+        self._result = result
+        self._future: torch.futures.Future | None = None
+        self._lock = threading.Lock()
+        self._source: int = -1
+        self._waiter: Callable[[float | None], None] | None = None
+
+    # -- completion (called by the progress engine) ----------------------------------
+    def _complete(self, result: Any = None, error: BaseException | None = None) -> None:
+        with self._lock:
+            if result is not None:
+                self._result = result
+            self._error = error
+            self._event.set()
+            future = self._future
+        if future is not None:
+            self._resolve(future)
+
+    def _resolve(self, future: torch.futures.Future) -> None:
+        if self._error is not None:
+            future.set_exception(self._error)
+        else:
+            future.set_result(self._result)
+
+    # -- torch-compatible API --------------------------------------------------------
+    def wait(self, timeout: float | datetime.timedelta | None = None) -> bool:
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        if self._waiter is not None and not self._event.is_set():
+            self._waiter(seconds)  # drives the operation from this thread (p2p)
+        if not self._event.wait(seconds):
+            raise CollectiveTimeoutError(f"{self._describe} did not complete within {seconds}s")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._event.is_set()
+
+    def is_success(self) -> bool:
+        return self._event.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> Any:
+        self.wait()
+        return self._result
+
+    def source_rank(self) -> int:
+        """For a receive from any source: the group rank that sent the message."""
+        self.wait()
+        return self._source
+
+    def get_future(self) -> torch.futures.Future:
+        """A ``torch.futures.Future`` completed with the op's result tensors."""
+        with self._lock:
+            if self._future is None:
+                self._future = torch.futures.Future()
+                if self._event.is_set():
+                    self._resolve(self._future)
+            return self._future
+
+    def __repr__(self) -> str:
+        state = "done" if self._event.is_set() else "pending"
+        return f"<Work {self._describe} {state}>"

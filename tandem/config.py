@@ -1,0 +1,142 @@
+"""Every tandem setting in one place.
+
+Settings are read from the environment once, when a process group is created,
+into an immutable :class:`Settings`; the object is then passed down explicitly.
+Tests build their own with ``Settings(...)`` or ``load_settings(env)``.
+
+=============================  =========================================================
+variable                       meaning (default)
+=============================  =========================================================
+TANDEM_SECRET                  job secret used to authenticate every connection
+TANDEM_SECRET_FILE             file holding the job secret (used if TANDEM_SECRET unset)
+                               without either, a per-user secret in
+                               ``~/.config/tandem/secret`` (mode 0600) is created/used
+TANDEM_TIMEOUT                 default deadline of collectives and p2p ops, seconds (1800)
+TANDEM_CONNECT_TIMEOUT         deadline to connect to peers and store, seconds (60)
+TANDEM_BIND_ADDR               address the transport listens on; default: loopback when
+                               MASTER_ADDR is a loopback name, else all interfaces only
+                               if set to 0.0.0.0 explicitly, otherwise the address of the
+                               interface that routes to MASTER_ADDR
+TANDEM_MAX_FRAME               largest accepted message payload in bytes (16 GiB)
+TANDEM_ALGORITHM               force one all-reduce algorithm: auto, naive, ring,
+                               doubling, or a registered custom one (auto)
+TANDEM_RING_THRESHOLD          all-reduce payloads of at least this many bytes use the
+                               ring algorithm; smaller ones recursive doubling (65536)
+TANDEM_CHUNK_BYTES             pipeline chunk of the ring algorithm (1 MiB)
+TANDEM_DEBUG                   1: log connection set-up and aborts to stderr (0)
+=============================  =========================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+from pathlib import Path
+from typing import Mapping
+
+from tandem.errors import ArgumentError
+
+__all__ = ["Settings", "load_settings", "load_secret", "ALGORITHMS"]
+
+ALGORITHMS = ("auto", "naive", "ring", "doubling")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Settings:
+    timeout: float = 1800.0
+    connect_timeout: float = 60.0
+    bind_addr: str | None = None
+    max_frame: int = 16 << 30
+    algorithm: str = "auto"
+    ring_threshold: int = 65536
+    chunk_bytes: int = 1 << 20
+    debug: bool = False
+
+    def __post_init__(self) -> None:
+        if self.timeout <= 0:
+            raise ArgumentError(f"TANDEM_TIMEOUT must be positive seconds, got {self.timeout}")
+        if self.connect_timeout <= 0:
+            raise ArgumentError(
+                f"TANDEM_CONNECT_TIMEOUT must be positive seconds, got {self.connect_timeout}"
+            )
+        if not self.algorithm:
+            # names are checked against the algorithm registry when a collective runs,
+            # so algorithms registered by the user are accepted too
+            raise ArgumentError(f"TANDEM_ALGORITHM must name an algorithm, e.g. {ALGORITHMS}")
+        if self.chunk_bytes < 4096:
+            raise ArgumentError(f"TANDEM_CHUNK_BYTES must be >= 4096, got {self.chunk_bytes}")
+        if self.max_frame < 1024:
+            raise ArgumentError(f"TANDEM_MAX_FRAME must be >= 1024, got {self.max_frame}")
+
+
+def _number(env: Mapping[str, str], name: str, kind: type, default: object) -> object:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return kind(raw)
+    except ValueError as exc:
+        raise ArgumentError(f"{name}={raw!r} is not a valid {kind.__name__}") from exc
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> Settings:
+    """Read every ``TANDEM_*`` setting from ``env`` (default: ``os.environ``)."""
+    env = os.environ if env is None else env
+    base = Settings()
+    return Settings(
+        timeout=float(_number(env, "TANDEM_TIMEOUT", float, base.timeout)),  # type: ignore[arg-type]
+        connect_timeout=float(
+            _number(env, "TANDEM_CONNECT_TIMEOUT", float, base.connect_timeout)  # type: ignore[arg-type]
+        ),
+        bind_addr=env.get("TANDEM_BIND_ADDR") or None,
+        max_frame=int(_number(env, "TANDEM_MAX_FRAME", int, base.max_frame)),  # type: ignore[arg-type]
+        algorithm=env.get("TANDEM_ALGORITHM", base.algorithm) or base.algorithm,
+        ring_threshold=int(
+            _number(env, "TANDEM_RING_THRESHOLD", int, base.ring_threshold)  # type: ignore[arg-type]
+        ),
+        chunk_bytes=int(_number(env, "TANDEM_CHUNK_BYTES", int, base.chunk_bytes)),  # type: ignore[arg-type]
+        debug=env.get("TANDEM_DEBUG", "0") not in ("", "0", "false", "False"),
+    )
+
+
+def _user_secret_path() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "tandem" / "secret"
+
+
+def load_secret(env: Mapping[str, str] | None = None) -> bytes:
+    """Return the job secret that authenticates every connection.
+
+    Order: ``TANDEM_SECRET``, then the file named by ``TANDEM_SECRET_FILE``, then a
+    per-user secret file (created with mode 0600 on first use). The per-user file
+    makes single-host jobs and clusters with a shared home directory work without
+    set-up while keeping other users of the machine out.
+    """
+    env = os.environ if env is None else env
+    value = env.get("TANDEM_SECRET")
+    if value:
+        return value.encode()
+    path_name = env.get("TANDEM_SECRET_FILE")
+    if path_name:
+        try:
+            data = Path(path_name).read_bytes().strip()
+        except OSError as exc:
+            raise ArgumentError(f"TANDEM_SECRET_FILE={path_name!r} cannot be read: {exc}") from exc
+        if not data:
+            raise ArgumentError(f"TANDEM_SECRET_FILE={path_name!r} is empty")
+        return data
+    path = _user_secret_path()
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_name(f".secret.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        try:
+            os.link(tmp, path)  # atomic: the first writer wins, others read its secret
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    return path.read_bytes().strip()

@@ -1,0 +1,113 @@
+"""The one exception tree of tandem.
+
+Every error tandem raises on purpose is a :class:`TandemError`. Lower-layer
+errors (``OSError``, ``socket.timeout``, ...) are translated where they cross a
+layer boundary with ``raise ... from exc`` so the original stays visible in the
+traceback::
+
+    TandemError
+    ├── ArgumentError        (also a ValueError) bad input: wrong rank, dtype, shape, op...
+    ├── StateError           (also a RuntimeError) misuse: no default group, rank outside group,
+    │                        a process group that was destroyed or aborted
+    ├── TimeoutError         (also the builtin TimeoutError) a deadline passed
+    │   ├── StoreTimeoutError       store get/wait/connect ran out of time
+    │   └── CollectiveTimeoutError  a collective or p2p op ran out of time;
+    │                               ``.missing`` names the ranks not heard from
+    ├── StoreError           the key-value store failed (server gone, protocol error)
+    ├── NetworkError         a connection could not be made or broke
+    │   ├── AuthenticationError     a peer failed the HMAC challenge (wrong secret, stranger)
+    │   ├── ProtocolError           malformed or over-sized frame
+    │   └── PeerLostError           a peer rank died or closed its connection; ``.rank`` names it
+    └── CollectiveMismatchError     ranks called different collectives (op, sequence number,
+                                    dtype, shape, reduce op or root); the message names the
+                                    ranks, both signatures and both callers' file:line
+
+A :class:`CollectiveError` base groups the errors raised by collective and p2p
+calls (timeouts are reported through ``CollectiveTimeoutError``).
+"""
+
+from __future__ import annotations
+
+import builtins
+
+__all__ = [
+    "TandemError",
+    "ArgumentError",
+    "StateError",
+    "TimeoutError",
+    "StoreTimeoutError",
+    "CollectiveTimeoutError",
+    "StoreError",
+    "NetworkError",
+    "AuthenticationError",
+    "ProtocolError",
+    "PeerLostError",
+    "CollectiveError",
+    "CollectiveMismatchError",
+]
+
+
+class TandemError(Exception):
+    """Base class of every error tandem raises on purpose."""
+
+
+class ArgumentError(TandemError, ValueError):
+    """An argument is invalid: the message names the argument and what was wrong."""
+
+
+class StateError(TandemError, RuntimeError):
+    """An operation is not allowed in the current state (not initialised, not a member...)."""
+
+
+class TimeoutError(TandemError, builtins.TimeoutError):  # noqa: A001 - deliberate shadow
+    """A deadline passed."""
+
+
+class StoreTimeoutError(TimeoutError):
+    """A store operation (connect, get, wait) did not finish before its deadline."""
+
+
+class CollectiveError(TandemError, RuntimeError):
+    """Base class of errors raised by collective and point-to-point operations."""
+
+
+class CollectiveTimeoutError(TimeoutError, CollectiveError):
+    """A collective or p2p op did not finish in time.
+
+    ``missing`` lists the global ranks from which an expected message never came.
+    """
+
+    def __init__(self, message: str, missing: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+class StoreError(TandemError, RuntimeError):
+    """The key-value store failed."""
+
+
+class NetworkError(TandemError, ConnectionError):
+    """A connection could not be established or broke."""
+
+
+class AuthenticationError(NetworkError):
+    """A peer did not prove knowledge of the job secret."""
+
+
+class ProtocolError(NetworkError):
+    """A frame was malformed, too large or unexpected."""
+
+
+class PeerLostError(NetworkError, CollectiveError):
+    """A peer rank died or closed its connection.
+
+    ``rank`` is the global rank that was lost.
+    """
+
+    def __init__(self, message: str, rank: int = -1) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class CollectiveMismatchError(CollectiveError):
+    """Ranks issued different collectives; nothing was combined."""

@@ -1,0 +1,157 @@
+"""The ``Store`` seam: a small key-value service that ranks rendezvous through.
+
+Public methods validate their arguments and translate deadlines; each store
+implements the private ``_``-methods. Values are bytes; ``str`` values are
+UTF-8 encoded. Counters made by :meth:`Store.add` are stored as decimal text, so
+``get`` on them returns e.g. ``b"3"`` (as torch's stores do).
+"""
+
+from __future__ import annotations
+
+import abc
+import datetime
+import time
+from typing import Iterable, Sequence
+
+from tandem.errors import ArgumentError, StoreTimeoutError
+
+__all__ = ["Store", "DEFAULT_STORE_TIMEOUT", "as_seconds"]
+
+DEFAULT_STORE_TIMEOUT = 300.0
+
+
+def as_seconds(timeout: float | datetime.timedelta | None, default: float) -> float:
+    if timeout is None:
+        return default
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    if timeout <= 0:
+        raise ArgumentError(f"timeout must be positive, got {timeout}")
+    return float(timeout)
+
+
+def _key(key: object) -> str:
+    if not isinstance(key, str):
+        raise ArgumentError(f"store keys are str, got {type(key).__name__}")
+    return key
+
+
+def _value(value: object) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
+        return bytes(value)  # torch accepts a list of byte values
+    raise ArgumentError(f"store values are str or bytes, got {type(value).__name__}")
+
+
+class Store(abc.ABC):
+    """Key-value store with blocking ``get``/``wait`` bounded by a deadline."""
+
+    def __init__(self, timeout: float | datetime.timedelta | None = None) -> None:
+        self._timeout = as_seconds(timeout, DEFAULT_STORE_TIMEOUT)
+
+    # -- public API, mirrors torch.distributed.Store ---------------------------------
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self._timeout)
+
+    def set_timeout(self, timeout: float | datetime.timedelta) -> None:
+        self._timeout = as_seconds(timeout, self._timeout)
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._set(_key(key), _value(value))
+
+    def get(self, key: str) -> bytes:
+        """Return the value of ``key``, waiting up to the store timeout for it to appear."""
+        key = _key(key)
+        return self._get(key, self._deadline(None), self._timeout)
+
+    def add(self, key: str, amount: int) -> int:
+        if not isinstance(amount, int) or isinstance(amount, bool):
+            raise ArgumentError(f"add amount must be int, got {type(amount).__name__}")
+        return self._add(_key(key), amount)
+
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
+        """Set ``key`` to ``desired_value`` if it currently holds ``expected_value``.
+
+        A missing key matches an empty ``expected_value``. Returns the value the key
+        holds afterwards (``expected_value`` itself if the key is missing and the
+        expectation was not empty).
+        """
+        return self._compare_set(_key(key), _value(expected_value), _value(desired_value))
+
+    def wait(
+        self, keys: Sequence[str], timeout: float | datetime.timedelta | None = None
+    ) -> None:
+        if isinstance(keys, str):
+            raise ArgumentError("wait takes a list of keys, got a single str")
+        key_list = [_key(k) for k in keys]
+        seconds = as_seconds(timeout, self._timeout)
+        self._wait(key_list, time.monotonic() + seconds, seconds)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        if isinstance(keys, str):
+            raise ArgumentError("check takes a list of keys, got a single str")
+        return self._check([_key(k) for k in keys])
+
+    def delete_key(self, key: str) -> bool:
+        return self._delete(_key(key))
+
+    def num_keys(self) -> int:
+        return self._num_keys()
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
+        if len(keys) != len(values):
+            raise ArgumentError(f"multi_set got {len(keys)} keys but {len(values)} values")
+        for k, v in zip(keys, values):
+            self.set(k, v)
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        return [self.get(k) for k in keys]
+
+    def close(self) -> None:
+        """Release connections or files; the store is unusable afterwards."""
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- helpers for implementations --------------------------------------------------
+    def _deadline(self, timeout: float | None) -> float:
+        return time.monotonic() + (self._timeout if timeout is None else timeout)
+
+    @staticmethod
+    def _timed_out(keys: Iterable[str], seconds: float) -> StoreTimeoutError:
+        names = ", ".join(repr(k) for k in keys)
+        return StoreTimeoutError(f"store keys {names} did not appear within {seconds:.1f}s")
+
+    # -- what each store implements ---------------------------------------------------
+    @abc.abstractmethod
+    def _set(self, key: str, value: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def _get(self, key: str, deadline: float, seconds: float) -> bytes:
+        """Return the value, waiting until ``deadline`` (monotonic) for the key."""
+
+    @abc.abstractmethod
+    def _add(self, key: str, amount: int) -> int: ...
+
+    @abc.abstractmethod
+    def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes: ...
+
+    @abc.abstractmethod
+    def _wait(self, keys: list[str], deadline: float, seconds: float) -> None:
+        """Return once every key exists; raise ``_timed_out`` after ``deadline``."""
+
+    @abc.abstractmethod
+    def _check(self, keys: list[str]) -> bool: ...
+
+    @abc.abstractmethod
+    def _delete(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def _num_keys(self) -> int: ...

@@ -1,0 +1,194 @@
+"""FileStore: a store shared by the processes of one host through a file.
+
+    store = FileStore("/tmp/job.store", world_size=2)   # the same path in every process
+    store.set("addr", b"...");  store.get("addr")
+    store.close()                                       # or use it in a ``with`` block
+
+The file (created with mode 0600) is an append-only log of records
+``op(1) key_length(4) value_length(4) key value``, op ``S`` for set and ``D`` for delete.
+Each instance replays the records it has not seen yet into a private dict. Writers
+replay and append under an exclusive ``flock``, so read-modify-write ops (add,
+compare_set) are atomic across processes; readers take a shared one, so they never see
+half a record. ``get``/``wait`` poll with short sleeps: there is nothing to block on
+across processes, and a poll is an fstat plus, when the file grew, one read.
+
+With ``world_size > 0`` each instance counts its ``close()`` in the file and the
+``world_size``-th close deletes the file, as torch's FileStore does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import os
+import struct
+import threading
+import time
+import weakref
+from typing import Iterator
+
+from tandem.errors import ArgumentError, StateError, StoreError
+from tandem.store.base import Store
+
+__all__ = ["FileStore"]
+
+_HEADER = struct.Struct("!cII")
+_SET, _DELETE = b"S", b"D"
+INTERNAL = "\x00tandem/"  # keys the store uses for itself; not counted by num_keys
+_CLOSES = INTERNAL + "closes"
+_POLL_FIRST, _POLL_MAX = 0.001, 0.05  # seconds; the sleep doubles between polls
+
+
+class FileStore(Store):
+    """A store in the file ``file_name``; see the module docstring."""
+
+    def __init__(
+        self,
+        file_name: str | os.PathLike[str],
+        world_size: int = -1,
+        timeout: float | datetime.timedelta | None = None,
+    ) -> None:
+        super().__init__(timeout)
+        bad = not isinstance(world_size, int) or isinstance(world_size, bool)
+        if bad or world_size == 0 or world_size < -1:
+            raise ArgumentError(f"world_size must be positive or -1 (unknown), got {world_size!r}")
+        self.path = os.fspath(file_name)
+        self.world_size = world_size
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+        except OSError as exc:
+            raise StoreError(f"cannot open the store file {self.path!r}: {exc}") from exc
+        # flock excludes other open files, not threads sharing this one
+        self._lock = threading.Lock()
+        self._closed = False
+        self._data: dict[str, bytes] = {}
+        self._offset = 0  # bytes of the log replayed into _data
+        self._release_fd = weakref.finalize(self, os.close, self._fd)  # if never closed
+
+    # -- log -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _locked(self, exclusive: bool) -> Iterator[None]:
+        """Hold the thread lock and the file lock, with ``_data`` brought up to date."""
+        with self._lock:
+            if self._closed:
+                raise StateError(f"FileStore {self.path!r} is closed")
+            fcntl.flock(self._fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            try:
+                self._replay()
+                yield
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _replay(self) -> None:
+        size = os.fstat(self._fd).st_size
+        if size <= self._offset:
+            return
+        chunk = os.pread(self._fd, size - self._offset, self._offset)
+        pos = 0
+        while pos + _HEADER.size <= len(chunk):
+            op, key_len, value_len = _HEADER.unpack_from(chunk, pos)
+            start = pos + _HEADER.size
+            end = start + key_len + value_len
+            if end > len(chunk):
+                break  # a writer died mid-record; the next writer truncates the tail
+            key = chunk[start : start + key_len].decode()
+            if op == _SET:
+                self._data[key] = chunk[start + key_len : end]
+            elif op == _DELETE:
+                self._data.pop(key, None)
+            else:
+                raise StoreError(f"store file {self.path!r} is corrupt at byte {self._offset + pos}")
+            pos = end
+        self._offset += pos
+
+    def _append(self, op: bytes, key: str, value: bytes = b"") -> None:
+        """Append one record; the caller holds the exclusive lock."""
+        if os.fstat(self._fd).st_size != self._offset:
+            os.ftruncate(self._fd, self._offset)  # drop a torn record of a dead writer
+        raw_key = key.encode()
+        record = memoryview(_HEADER.pack(op, len(raw_key), len(value)) + raw_key + value)
+        while record:
+            record = record[os.write(self._fd, record) :]
+        self._offset = os.fstat(self._fd).st_size
+        if op == _SET:
+            self._data[key] = value
+        else:
+            self._data.pop(key, None)
+
+    def _await(self, keys: list[str], deadline: float, seconds: float) -> list[bytes]:
+        delay = _POLL_FIRST
+        while True:
+            with self._locked(exclusive=False):
+                missing = [k for k in keys if k not in self._data]
+                if not missing:
+                    return [self._data[k] for k in keys]
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise self._timed_out(missing, seconds)
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2, _POLL_MAX)
+
+    def _add_locked(self, key: str, amount: int) -> int:
+        try:
+            value = int(self._data.get(key, b"0")) + amount
+        except ValueError as exc:
+            raise ArgumentError(f"store key {key!r} does not hold an integer") from exc
+        self._append(_SET, key, str(value).encode())
+        return value
+
+    # -- Store -----------------------------------------------------------------------
+    def _set(self, key: str, value: bytes) -> None:
+        with self._locked(exclusive=True):
+            self._append(_SET, key, value)
+
+    def _get(self, key: str, deadline: float, seconds: float) -> bytes:
+        return self._await([key], deadline, seconds)[0]
+
+    def _add(self, key: str, amount: int) -> int:
+        with self._locked(exclusive=True):
+            return self._add_locked(key, amount)
+
+    def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        with self._locked(exclusive=True):
+            current = self._data.get(key)
+            if current is None and expected:
+                return expected
+            if current is not None and current != expected:
+                return current
+            self._append(_SET, key, desired)
+            return desired
+
+    def _wait(self, keys: list[str], deadline: float, seconds: float) -> None:
+        self._await(keys, deadline, seconds)
+
+    def _check(self, keys: list[str]) -> bool:
+        with self._locked(exclusive=False):
+            return all(k in self._data for k in keys)
+
+    def _delete(self, key: str) -> bool:
+        with self._locked(exclusive=True):
+            if key not in self._data:
+                return False
+            self._append(_DELETE, key)
+            return True
+
+    def _num_keys(self) -> int:
+        with self._locked(exclusive=False):
+            return sum(1 for k in self._data if not k.startswith(INTERNAL))
+
+    def close(self) -> None:
+        """Count this instance out; the ``world_size``-th close deletes the file."""
+        if self._closed:
+            return
+        try:
+            if self.world_size > 0:
+                with self._locked(exclusive=True):
+                    if self._add_locked(_CLOSES, 1) >= self.world_size:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(self.path)
+        finally:
+            with self._lock:
+                if not self._closed:
+                    self._closed = True
+                    self._release_fd()

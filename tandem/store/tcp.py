@@ -1,0 +1,519 @@
+"""TCPStore: the key-value store that ranks on one or many hosts rendezvous through.
+
+The master rank runs the server in a daemon thread of its own process; every rank,
+the master included, talks to it over TCP::
+
+    master = TCPStore("127.0.0.1", 0, world_size=2, is_master=True)  # port 0: pick one
+    worker = TCPStore("127.0.0.1", master.port, world_size=2)        # in another process
+    worker.set("addr", b"10.0.0.2:5000");  master.get("addr")
+
+Each connection first passes the HMAC handshake of :mod:`tandem._wire` with the job
+secret (:func:`tandem.config.load_secret` unless ``secret=`` is given); nothing is parsed
+before it. A request and its reply are then one length-prefixed frame each::
+
+    request  op(1)     field*        field = length(4, big-endian) bytes
+    reply    status(1) field*
+
+Values are capped at ``MAX_VALUE`` bytes; a larger frame makes the server drop that
+connection. ``get``/``wait`` send the seconds they have left; the server parks them on a
+condition variable that every write notifies and answers TIMEOUT when the time is up.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import math
+import socket
+import struct
+import threading
+import time
+import weakref
+from typing import Sequence
+
+from tandem import _wire
+from tandem.config import load_secret
+from tandem.errors import (
+    ArgumentError,
+    NetworkError,
+    ProtocolError,
+    StateError,
+    StoreError,
+    StoreTimeoutError,
+    TandemError,
+)
+from tandem.store.base import Store
+
+__all__ = ["TCPStore", "MAX_VALUE"]
+
+PURPOSE = b"tandem-store"
+MAX_VALUE = 64 << 20
+MAX_FRAME = 2 * MAX_VALUE + (1 << 20)  # compare_set carries two values, plus keys and headers
+# Connections still in the handshake at once; more are closed unanswered, so a flood of
+# strangers cannot pile up threads (each waits up to _wire.HANDSHAKE_TIMEOUT).
+MAX_PENDING = 1024
+MAX_IDLE = 4  # idle client connections kept per TCPStore for reuse
+# Seconds a client allows beyond a get/wait deadline for the reply (the server answers
+# TIMEOUT itself at the deadline), and for opening an extra connection to a live server.
+REPLY_GRACE = 5.0
+_MAX_WAIT = 7 * 24 * 3600.0  # threading refuses huge timeouts; nobody waits a week
+# Keys the store uses for itself; they are not counted by num_keys.
+INTERNAL = b"\x00tandem/"
+_WORKERS = "\x00tandem/workers"
+_JOINED = "\x00tandem/all_workers_joined"
+
+_U32 = struct.Struct("!I")
+_F64 = struct.Struct("!d")
+
+
+class Op(enum.IntEnum):
+    SET = 1
+    GET = 2
+    ADD = 3
+    COMPARE_SET = 4
+    WAIT = 5
+    CHECK = 6
+    DELETE = 7
+    NUM_KEYS = 8
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    TIMEOUT = 1  # fields: the keys still missing
+    BAD_ARGUMENT = 2  # fields: the message
+
+
+def _encode(code: int, fields: Sequence[bytes]) -> bytes:
+    parts = [bytes([code])]
+    for field in fields:
+        parts += (_U32.pack(len(field)), field)
+    return b"".join(parts)
+
+
+def _decode(frame: bytes) -> tuple[int, list[bytes]]:
+    if not frame:
+        raise ProtocolError("empty store frame")
+    fields, pos = [], 1
+    while pos < len(frame):
+        if pos + _U32.size > len(frame):
+            raise ProtocolError("store frame ends inside a field length")
+        (n,) = _U32.unpack_from(frame, pos)
+        pos += _U32.size
+        if pos + n > len(frame):
+            raise ProtocolError(f"store frame field of {n} bytes overruns the frame")
+        fields.append(frame[pos : pos + n])
+        pos += n
+    return frame[0], fields
+
+
+def _seconds(field: bytes) -> float:
+    if len(field) != _F64.size:
+        raise ProtocolError(f"store wait time of {len(field)} bytes")
+    value = float(_F64.unpack(field)[0])
+    if math.isnan(value):
+        raise ProtocolError("store wait time is NaN")
+    return min(max(value, 0.0), _MAX_WAIT)
+
+
+class _Server:
+    """The store's data and the daemon threads serving it, inside the master process."""
+
+    def __init__(self, host: str, port: int, secret: bytes) -> None:
+        self._secret = secret
+        self._listener = _wire.listen(host, port)
+        self.address: tuple[str, int] = self._listener.getsockname()[:2]
+        self.users = 1  # TCPStore instances sharing this server (multi_tenant)
+        self._data: dict[bytes, bytes] = {}
+        self._cond = threading.Condition()  # guards everything below; notified on writes
+        self._conns: set[socket.socket] = set()
+        self._closed = False
+        self._pending = threading.Semaphore(MAX_PENDING)
+        self._thread = threading.Thread(
+            target=self._accept_loop, name=f"tandem-store-server:{self.address[1]}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            conns = list(self._conns)
+            self._cond.notify_all()
+        # shutdown() wakes the threads blocked in accept()/recv(); they close their sockets
+        for sock in (self._listener, *conns):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._listener.close()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                if self._closed:
+                    return
+                time.sleep(0.05)  # e.g. out of file descriptors: keep serving the others
+                continue
+            if not self._pending.acquire(blocking=False):
+                conn.close()
+                continue
+            with self._cond:
+                if self._closed:
+                    conn.close()
+                    return
+                self._conns.add(conn)
+            threading.Thread(
+                target=self._serve, args=(conn,), name="tandem-store-conn", daemon=True
+            ).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            try:
+                _wire.server_handshake(conn, self._secret, PURPOSE)
+            finally:
+                self._pending.release()
+            while True:
+                request = _wire.recv_frame(conn, MAX_FRAME)
+                _wire.send_frame(conn, self._handle(request))
+        except (TandemError, OSError):
+            pass  # a stranger, a client that left or a malformed frame: drop this one only
+        finally:
+            with self._cond:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _handle(self, frame: bytes) -> bytes:
+        code, f = _decode(frame)
+        try:
+            op = Op(code)
+        except ValueError as exc:
+            raise ProtocolError(f"unknown store op {code}") from exc
+        arity = {Op.SET: 2, Op.GET: 2, Op.ADD: 2, Op.COMPARE_SET: 3, Op.DELETE: 1, Op.NUM_KEYS: 0}
+        if op in arity and len(f) != arity[op] or op is Op.WAIT and not f:
+            raise ProtocolError(f"store op {op.name} with {len(f)} fields")
+        ok = Status.OK
+        with self._cond:
+            if op is Op.SET:
+                self._write(f[0], f[1])
+                return _encode(ok, ())
+            if op is Op.GET or op is Op.WAIT:
+                missing = self._await(f[1:], _seconds(f[0]))
+                if missing:
+                    return _encode(Status.TIMEOUT, missing)
+                return _encode(ok, [self._data[f[1]]] if op is Op.GET else [])
+            if op is Op.ADD:
+                try:
+                    value = int(self._data.get(f[0], b"0")) + int(f[1])
+                except ValueError:
+                    message = f"store key {f[0]!r} does not hold an integer"
+                    return _encode(Status.BAD_ARGUMENT, [message.encode()])
+                self._write(f[0], str(value).encode())
+                return _encode(ok, [str(value).encode()])
+            if op is Op.COMPARE_SET:
+                key, expected, desired = f
+                current = self._data.get(key)
+                if current is None and expected:
+                    return _encode(ok, [expected])
+                if current is not None and current != expected:
+                    return _encode(ok, [current])
+                self._write(key, desired)
+                return _encode(ok, [desired])
+            if op is Op.CHECK:
+                return _encode(ok, [b"\x01" if all(k in self._data for k in f) else b"\x00"])
+            if op is Op.DELETE:
+                return _encode(ok, [b"\x01" if self._data.pop(f[0], None) is not None else b"\x00"])
+            count = sum(1 for k in self._data if not k.startswith(INTERNAL))
+            return _encode(ok, [str(count).encode()])
+
+    def _write(self, key: bytes, value: bytes) -> None:
+        self._data[key] = value
+        self._cond.notify_all()
+
+    def _await(self, keys: list[bytes], seconds: float) -> list[bytes]:
+        """Wait (holding ``_cond``) until every key exists; return those still missing."""
+        end = time.monotonic() + seconds
+        while True:
+            if self._closed:
+                raise StoreError("store server closed")
+            missing = [k for k in keys if k not in self._data]
+            remaining = end - time.monotonic()
+            if not missing or remaining <= 0:
+                return missing
+            self._cond.wait(remaining)
+
+
+class _Client:
+    """The connections of one TCPStore: one per concurrent caller, reused when idle.
+
+    A blocked ``get`` keeps its connection, so another thread of the same store can
+    still ``set`` the key it waits for (one shared connection would deadlock them).
+    """
+
+    def __init__(self, host: str, port: int, secret: bytes, timeout: float) -> None:
+        self.where = f"{host}:{port}"
+        self.timeout = timeout
+        self._host, self._port, self._secret = host, port, secret
+        self._lock = threading.Lock()  # guards the fields below
+        self._idle: list[socket.socket] = []
+        self._all: set[socket.socket] = set()
+        self._closed = False
+        self._lost: str | None = None  # why the server is gone, once it is
+        self._idle.append(self._open(first=True))
+
+    def _open(self, first: bool = False) -> socket.socket:
+        # The first connect waits for the server to come up; later ones only run while
+        # it is known to be up, so a refusal soon means that it is gone.
+        limit = self.timeout if first else min(self.timeout, REPLY_GRACE)
+        try:
+            sock = _wire.connect(self._host, self._port, limit, "store")
+        except NetworkError as exc:
+            if not first:
+                raise StoreError(f"the store server at {self.where} stopped accepting") from exc
+            raise StoreTimeoutError(
+                f"could not connect to the store at {self.where} within {limit:.1f}s"
+            ) from exc
+        try:
+            _wire.client_handshake(sock, self._secret, PURPOSE)
+        except BaseException:
+            sock.close()
+            raise
+        with self._lock:
+            if self._closed:
+                sock.close()
+                raise StateError("TCPStore is closed")
+            self._all.add(sock)
+        return sock
+
+    def _take(self) -> socket.socket:
+        with self._lock:
+            if self._closed:
+                raise StateError("TCPStore is closed")
+            if self._lost is not None:
+                raise StoreError(self._lost)
+            if self._idle:
+                return self._idle.pop()
+        return self._open()
+
+    def _release(self, sock: socket.socket, reuse: bool) -> None:
+        with self._lock:
+            if reuse and not self._closed and self._lost is None and len(self._idle) < MAX_IDLE:
+                self._idle.append(sock)
+                return
+            self._all.discard(sock)
+        sock.close()
+
+    def call(self, op: Op, fields: Sequence[bytes], wait: float = 0.0) -> tuple[Status, list[bytes]]:
+        """Send one request and return the reply; ``wait`` is how long the server may block."""
+        request = _encode(op, fields)
+        if len(request) > MAX_FRAME:
+            raise ArgumentError(f"store request of {len(request)} bytes exceeds {MAX_FRAME}")
+        sock = self._take()
+        limit = wait + REPLY_GRACE if op in (Op.GET, Op.WAIT) else self.timeout
+        try:
+            sock.settimeout(limit)
+            _wire.send_frame(sock, request)
+            code, reply = _decode(_wire.recv_frame(sock, MAX_FRAME))
+            status = Status(code)
+        except socket.timeout as exc:
+            self._release(sock, reuse=False)  # a late reply would answer the next request
+            raise StoreTimeoutError(
+                f"store server at {self.where} did not answer {op.name} within {limit:.1f}s"
+            ) from exc
+        except (OSError, NetworkError, ValueError) as exc:
+            self._release(sock, reuse=False)
+            if self._closed:
+                raise StateError("TCPStore was closed during the call") from exc
+            # The server only hangs up when it stops, so every other call fails fast too.
+            with self._lock:
+                self._lost = self._lost or f"lost the store server at {self.where}: {exc}"
+            self.close_idle()
+            raise StoreError(self._lost) from exc
+        self._release(sock, reuse=True)
+        if status is Status.BAD_ARGUMENT:
+            raise ArgumentError(b"".join(reply).decode(errors="replace"))
+        return status, reply
+
+    def close_idle(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+            self._all.difference_update(idle)
+        for sock in idle:
+            sock.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            socks, self._all, self._idle = list(self._all), set(), []
+        for sock in socks:  # shutdown wakes other threads blocked on these sockets
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+
+# multi_tenant masters of one process share one server per (host, port), as in torch.
+_TENANTS: dict[tuple[str, int], _Server] = {}
+_TENANTS_LOCK = threading.Lock()
+
+
+def _acquire_server(host: str, port: int, secret: bytes, multi_tenant: bool) -> _Server:
+    if not multi_tenant or port == 0:
+        return _Server(host, port, secret)
+    with _TENANTS_LOCK:
+        server = _TENANTS.get((host, port))
+        if server is None or server.closed:
+            server = _TENANTS[(host, port)] = _Server(host, port, secret)
+        else:
+            server.users += 1
+        return server
+
+
+def _release_server(server: _Server) -> None:
+    with _TENANTS_LOCK:
+        server.users -= 1
+        if server.users > 0:
+            return
+        for key, value in list(_TENANTS.items()):
+            if value is server:
+                del _TENANTS[key]
+    server.close()
+
+
+def _shutdown(client: _Client, server: _Server | None) -> None:
+    client.close()
+    if server is not None:
+        _release_server(server)
+
+
+def _connect_host(host: str) -> str:
+    return {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+
+
+class TCPStore(Store):
+    """A store served over TCP by the master rank; see the module docstring.
+
+    Mirrors ``torch.distributed.TCPStore``. With ``wait_for_workers`` and a
+    ``world_size``, every instance counts itself in and the master's constructor
+    returns once ``world_size`` instances (itself included) have joined, or raises
+    ``StoreTimeoutError`` after ``timeout``. ``close()`` (or ``with``) releases the
+    connections and, on the master, stops the server.
+    """
+
+    def __init__(
+        self,
+        host_name: str,
+        port: int,
+        world_size: int | None = None,
+        is_master: bool = False,
+        timeout: float | datetime.timedelta = datetime.timedelta(seconds=300),
+        wait_for_workers: bool = True,
+        multi_tenant: bool = False,
+        *,
+        secret: bytes | str | None = None,
+    ) -> None:
+        super().__init__(timeout)
+        if not isinstance(port, int) or not 0 <= port <= 65535 or (port == 0 and not is_master):
+            raise ArgumentError(f"port must be 1..65535 (or 0 on the master), got {port!r}")
+        if world_size == -1:
+            world_size = None
+        if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
+            raise ArgumentError(f"world_size must be a positive int or None, got {world_size!r}")
+        key = load_secret() if secret is None else secret
+        key = key.encode() if isinstance(key, str) else bytes(key)
+        if not key:
+            raise ArgumentError("the store secret must not be empty")
+        self.host = host_name
+        self._server = _acquire_server(host_name, port, key, multi_tenant) if is_master else None
+        self.port: int = self._server.address[1] if self._server else port
+        try:
+            self._client = _Client(_connect_host(host_name), self.port, key, self._timeout)
+        except BaseException:
+            if self._server is not None:
+                _release_server(self._server)
+            raise
+        self._finalizer = weakref.finalize(self, _shutdown, self._client, self._server)
+        if wait_for_workers and world_size is not None:
+            try:
+                self._join(world_size)
+            except BaseException:
+                self.close()
+                raise
+
+    def _join(self, world_size: int) -> None:
+        if self._add(_WORKERS, 1) == world_size:
+            self._set(_JOINED, b"1")
+        if self._server is None:
+            return  # as in torch, only the master waits for everyone
+        try:
+            self._wait([_JOINED], time.monotonic() + self._timeout, self._timeout)
+        except StoreTimeoutError as exc:
+            joined = int(self._get(_WORKERS, time.monotonic(), 0.0))
+            raise StoreTimeoutError(
+                f"only {joined} of {world_size} workers joined the store at "
+                f"{self.host}:{self.port} within {self._timeout:.1f}s"
+            ) from exc
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def _check_size(self, *values: bytes) -> None:
+        for value in values:
+            if len(value) > MAX_VALUE:
+                raise ArgumentError(f"store value of {len(value)} bytes exceeds {MAX_VALUE} bytes")
+
+    def _set(self, key: str, value: bytes) -> None:
+        self._check_size(value)
+        self._client.call(Op.SET, [key.encode(), value])
+
+    def _get(self, key: str, deadline: float, seconds: float) -> bytes:
+        remaining = max(0.0, deadline - time.monotonic())
+        status, reply = self._client.call(Op.GET, [_F64.pack(remaining), key.encode()], remaining)
+        if status is Status.TIMEOUT:
+            raise self._timed_out([key], seconds)
+        return _single(reply)
+
+    def _add(self, key: str, amount: int) -> int:
+        _, reply = self._client.call(Op.ADD, [key.encode(), str(amount).encode()])
+        return int(_single(reply))
+
+    def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        self._check_size(expected, desired)
+        _, reply = self._client.call(Op.COMPARE_SET, [key.encode(), expected, desired])
+        return _single(reply)
+
+    def _wait(self, keys: list[str], deadline: float, seconds: float) -> None:
+        if not keys:
+            return
+        remaining = max(0.0, deadline - time.monotonic())
+        fields = [_F64.pack(remaining), *(k.encode() for k in keys)]
+        status, missing = self._client.call(Op.WAIT, fields, remaining)
+        if status is Status.TIMEOUT:
+            raise self._timed_out([k.decode(errors="replace") for k in missing], seconds)
+
+    def _check(self, keys: list[str]) -> bool:
+        _, reply = self._client.call(Op.CHECK, [k.encode() for k in keys])
+        return _single(reply) == b"\x01"
+
+    def _delete(self, key: str) -> bool:
+        _, reply = self._client.call(Op.DELETE, [key.encode()])
+        return _single(reply) == b"\x01"
+
+    def _num_keys(self) -> int:
+        _, reply = self._client.call(Op.NUM_KEYS, [])
+        return int(_single(reply))
+
+
+def _single(reply: list[bytes]) -> bytes:
+    if len(reply) != 1:
+        raise StoreError(f"malformed store reply with {len(reply)} fields")
+    return reply[0]

@@ -1,0 +1,342 @@
+"""The ``Transport`` seam: tagged byte messages between ranks, with posted receives.
+
+A transport connects one rank to every other rank of a job and moves messages.
+Each message has a :class:`Header` (kind, group, sequence number, step, size, the
+sender's signature of the operation and its call site) and a payload. Receivers
+*post* a buffer for a message key before or after it arrives:
+
+* posted first: the payload is read straight into the posted memory (no copy);
+* arrived first: it is parked in a temporary buffer and copied when posted.
+
+Before a payload touches posted memory, the sender's signature is compared with
+the receiver's; a mismatch fails the receive with ``CollectiveMismatchError`` and
+the payload is discarded, so mismatched collectives never combine data.
+
+Implementations (tcp, loopback) only deliver bytes; matching, signatures, dead
+peers and aborts live here, written once.
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import dataclasses
+import threading
+import time
+from typing import Callable, Iterable
+
+from tandem.errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    PeerLostError,
+    ProtocolError,
+    StateError,
+    TandemError,
+)
+
+__all__ = ["Kind", "Header", "Slot", "Mailbox", "Transport", "wait_all"]
+
+
+class Kind:
+    """Message kinds (one byte on the wire)."""
+
+    COLL = 1  # collective data: key is (group, seq, step)
+    P2P = 2  # point-to-point: key is (group, per-pair counter, tag)
+    ABORT = 3  # a rank aborted a group; payload is the UTF-8 reason
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    kind: int
+    group: int
+    seq: int
+    step: int
+    nbytes: int
+    sig: bytes = b""
+    site: bytes = b""
+
+
+# An ABORT message's ``step`` says which error the receivers raise.
+ABORT_CODES: dict[int, type[TandemError]] = {
+    0: StateError,
+    1: CollectiveMismatchError,
+    2: CollectiveTimeoutError,
+    3: PeerLostError,
+}
+
+Key = tuple[int, int, int, int, int]  # (peer, kind, group, seq, step)
+Reader = Callable[[memoryview], None]
+
+
+class Slot:
+    """One posted receive (or a parked early arrival)."""
+
+    __slots__ = ("peer", "key", "view", "sig", "event", "header", "error", "parked", "on_done")
+
+    def __init__(self, peer: int, key: Key, view: memoryview | None, sig: bytes) -> None:
+        self.peer = peer
+        self.key = key
+        self.view = view
+        self.sig = sig
+        self.event = threading.Event()
+        self.header: Header | None = None
+        self.error: BaseException | None = None
+        self.parked: bytearray | None = None
+        self.on_done: Callable[[Slot], None] | None = None
+
+    def done(self) -> bool:
+        return self.event.is_set()
+
+    def finish(self, header: Header | None, error: BaseException | None = None) -> None:
+        if self.event.is_set():
+            return
+        self.header = header
+        self.error = error
+        self.event.set()
+        if self.on_done is not None:
+            self.on_done(self)
+
+    @property
+    def nbytes(self) -> int:
+        return self.header.nbytes if self.header is not None else 0
+
+
+def _mismatch(slot: Slot, header: Header, my_rank: int) -> CollectiveMismatchError:
+    return CollectiveMismatchError(
+        f"collective mismatch (group {header.group}, sequence {header.seq}): "
+        f"rank {my_rank} called {slot.sig.decode(errors='replace')} "
+        f"but rank {slot.peer} called {header.sig.decode(errors='replace')} "
+        f"at {header.site.decode(errors='replace')}"
+    )
+
+
+class Mailbox:
+    """Matches arriving messages with posted receives, for one rank and all peers."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._lock = threading.Lock()
+        self._posted: dict[Key, Slot] = {}
+        self._parked: dict[Key, Slot] = {}
+        self._wild: list[tuple[Callable[[int, Header], bool], Slot]] = []
+        self.dead: dict[int, PeerLostError] = {}
+        self.aborted: dict[int, TandemError] = {}
+
+    # -- receiving side (called by the transport's reader for ``peer``) ----------------
+    def arrive(self, peer: int, header: Header, read: Reader) -> None:
+        """Deliver one message; ``read(view)`` fills ``view`` with the payload."""
+        if header.kind == Kind.ABORT:
+            buf = bytearray(header.nbytes)
+            read(memoryview(buf))
+            error_type = ABORT_CODES.get(header.step, StateError)
+            self.abort_group(header.group, error_type(buf.decode(errors="replace")))
+            return
+        key = (peer, header.kind, header.group, header.seq, header.step)
+        with self._lock:
+            slot = self._posted.pop(key, None)
+            if slot is None:
+                slot = self._take_wild(peer, header)
+            if slot is None:
+                parked = Slot(peer, key, None, b"")
+                parked.header = header
+                self._parked[key] = parked
+        if slot is None:
+            buf = bytearray(header.nbytes)
+            read(memoryview(buf))
+            parked.parked = buf
+            parked.event.set()
+            return
+        error = self._check(slot, header)
+        if error is not None:
+            read(memoryview(bytearray(header.nbytes)))  # drain, never combine
+            slot.finish(header, error)
+            return
+        assert slot.view is not None
+        read(slot.view)
+        slot.finish(header)
+
+    def _take_wild(self, peer: int, header: Header) -> Slot | None:
+        for i, (match, slot) in enumerate(self._wild):
+            if match(peer, header):
+                del self._wild[i]
+                slot.peer = peer
+                return slot
+        return None
+
+    def _check(self, slot: Slot, header: Header) -> BaseException | None:
+        if header.kind == Kind.COLL and header.sig != slot.sig:
+            return _mismatch(slot, header, self.rank)
+        if slot.view is not None and header.nbytes != len(slot.view):
+            what = slot.sig.decode(errors="replace") or "receive"
+            return CollectiveMismatchError(
+                f"rank {slot.peer} sent {header.nbytes} bytes but rank {self.rank} expected "
+                f"{len(slot.view)} for {what} (tensor sizes differ across ranks; sender at "
+                f"{header.site.decode(errors='replace')})"
+            )
+        return None
+
+    # -- posting side ----------------------------------------------------------------
+    def post(self, peer: int, kind: int, group: int, seq: int, step: int,
+             view: memoryview, sig: bytes = b"") -> Slot:
+        key = (peer, kind, group, seq, step)
+        slot = Slot(peer, key, view, sig)
+        with self._lock:
+            early = self._parked.pop(key, None)
+            if early is None:
+                failure = self._failure(peer, group)
+                if failure is None:
+                    self._posted[key] = slot
+        if early is None:
+            if failure is not None:
+                slot.finish(None, failure)
+            return slot
+        self._complete_from_parked(slot, early)
+        return slot
+
+    def post_any(self, peers: Iterable[int], kind: int, group: int, view: memoryview,
+                 match: Callable[[int, Header], bool]) -> Slot:
+        """Post a receive that any of ``peers`` may satisfy (``recv(src=None)``)."""
+        slot = Slot(-1, (-1, kind, group, -1, -1), view, b"")
+        with self._lock:
+            early = None
+            for key, parked in self._parked.items():
+                if parked.header is not None and match(key[0], parked.header):
+                    early = self._parked.pop(key)
+                    slot.peer = key[0]
+                    break
+            if early is None:
+                failure = self.aborted.get(group)
+                if failure is None:
+                    self._wild.append((match, slot))
+        if early is None:
+            if failure is not None:
+                slot.finish(None, failure)
+            return slot
+        self._complete_from_parked(slot, early)
+        return slot
+
+    def _complete_from_parked(self, slot: Slot, early: Slot) -> None:
+        early.event.wait()  # the reader may still be filling the parked buffer
+        header = early.header
+        assert header is not None and early.parked is not None
+        error = self._check(slot, header)
+        if error is None and slot.view is not None:
+            slot.view[: header.nbytes] = early.parked
+        slot.finish(header, error)
+
+    def cancel(self, slot: Slot) -> None:
+        with self._lock:
+            self._posted.pop(slot.key, None)
+            self._wild = [(m, s) for m, s in self._wild if s is not slot]
+
+    # -- failures --------------------------------------------------------------------
+    def _failure(self, peer: int, group: int) -> TandemError | None:
+        if group in self.aborted:
+            return self.aborted[group]
+        return self.dead.get(peer)
+
+    def peer_lost(self, peer: int, error: PeerLostError) -> None:
+        with self._lock:
+            self.dead.setdefault(peer, error)
+            victims = [s for k, s in self._posted.items() if k[0] == peer]
+            for s in victims:
+                del self._posted[s.key]
+        for s in victims:
+            s.finish(None, error)
+
+    def abort_group(self, group: int, error: TandemError) -> None:
+        with self._lock:
+            self.aborted.setdefault(group, error)
+            victims = [s for k, s in self._posted.items() if k[2] == group]
+            for s in victims:
+                del self._posted[s.key]
+            wild = [s for _, s in self._wild if s.key[2] == group]
+            self._wild = [(m, s) for m, s in self._wild if s.key[2] != group]
+        for s in victims + wild:
+            s.finish(None, error)
+
+
+class Transport(abc.ABC):
+    """Moves messages between this rank and its peers.
+
+    ``isend`` returns a :class:`Slot`-like handle whose ``event`` is set when the
+    buffer may be reused; ``irecv`` posts a receive in the :class:`Mailbox`.
+    """
+
+    rank: int
+    world_size: int
+    mailbox: Mailbox
+
+    def irecv(self, peer: int, kind: int, group: int, seq: int, step: int,
+              view: memoryview, sig: bytes = b"") -> Slot:
+        return self.mailbox.post(peer, kind, group, seq, step, view, sig)
+
+    @abc.abstractmethod
+    def isend(self, peer: int, header: Header, payload: memoryview) -> Slot:
+        """Queue ``payload`` for ``peer``; the handle completes when it was written."""
+
+    def abort(self, group: int, peers: Iterable[int], error: TandemError) -> None:
+        """Fail ``group`` here and tell ``peers`` so they raise the same error."""
+        self.mailbox.abort_group(group, error)
+        code = next((c for c, t in ABORT_CODES.items() if type(error) is t), 0)
+        data = str(error).encode()
+        header = Header(Kind.ABORT, group, 0, code, len(data))
+        targets = [p for p in peers if p != self.rank and p not in self.mailbox.dead]
+
+        def tell() -> None:
+            for p in targets:
+                try:
+                    self.isend(p, header, memoryview(data))
+                except TandemError:
+                    pass
+
+        # a stuck peer with a full socket buffer must not block the rank that aborts
+        threading.Thread(target=tell, daemon=True, name="tandem-abort").start()
+
+    def close(self) -> None:
+        """Close every connection; pending operations fail."""
+
+    def host_of(self, rank: int) -> str:
+        """The host identity of ``rank`` (used for topology decisions)."""
+        return ""
+
+
+def wait_all(slots: Iterable[Slot], deadline: float, describe: Callable[[], str],
+             mailbox: Mailbox, group_peers: Iterable[int] = ()) -> None:
+    """Wait for every slot; raise its error, a lost peer, or a timeout naming who is missing.
+
+    ``group_peers`` are checked for death while waiting, so a rank dying anywhere in
+    the group is reported within a fraction of a second even when this rank waits
+    on someone else.
+    """
+    pending = collections.deque(slots)
+    peers = tuple(group_peers)
+    while pending:
+        slot = pending[0]
+        if slot.event.is_set():
+            pending.popleft()
+            if slot.error is not None:
+                raise slot.error
+            continue
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = tuple(sorted({s.peer for s in pending if not s.event.is_set()}))
+            for s in pending:
+                mailbox.cancel(s)
+            raise CollectiveTimeoutError(
+                f"{describe()} timed out: no message from rank(s) "
+                f"{', '.join(map(str, missing))}", missing
+            )
+        if slot.event.wait(min(remaining, 0.05)):
+            continue
+        for p in peers:
+            lost = mailbox.dead.get(p)
+            if lost is not None:
+                for s in pending:
+                    mailbox.cancel(s)
+                raise PeerLostError(f"{describe()} failed: {lost}", p) from lost
+
+
+def check_size(nbytes: int, cap: int, peer: int) -> None:
+    if nbytes > cap:
+        raise ProtocolError(f"rank {peer} announced a {nbytes}-byte message; the cap is {cap}")

@@ -1,0 +1,78 @@
+"""FileStore beyond the Store contract: processes, file lifetime, torn records."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import _store_children as children
+import pytest
+
+from tandem.errors import ArgumentError, StateError
+from tandem.store import FileStore
+
+
+def test_two_processes_share_a_store(tmp_path: Path, spawn: Any) -> None:
+    path = str(tmp_path / "store")
+    adds = 50
+    with FileStore(path, timeout=5) as store:
+        child = spawn(children.file_worker, path, adds)
+        store.set("parent", b"from parent")
+        for _ in range(adds):
+            store.add("counter", 1)
+        assert store.get("child") == b"\x00from child\x00"
+        child.join(8)
+        assert child.exitcode == 0
+        assert store.get("counter") == str(2 * adds).encode()
+
+
+def test_file_is_private_to_the_user(tmp_path: Path) -> None:
+    with FileStore(tmp_path / "store", timeout=1):
+        mode = stat.S_IMODE(os.stat(tmp_path / "store").st_mode)
+    assert mode & 0o077 == 0
+
+
+def test_world_size_th_close_removes_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "store"
+    first = FileStore(path, world_size=2, timeout=1)
+    second = FileStore(path, world_size=2, timeout=1)
+    first.set("k", b"v")
+    first.close()
+    assert path.exists()
+    assert second.get("k") == b"v"
+    assert second.num_keys() == 1  # the close counter is internal
+    second.close()
+    assert not path.exists()
+
+
+def test_unknown_world_size_keeps_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "store"
+    FileStore(path, timeout=1).close()
+    assert path.exists()
+
+
+def test_torn_record_of_a_dead_writer_is_ignored_and_overwritten(tmp_path: Path) -> None:
+    path = tmp_path / "store"
+    with FileStore(path, timeout=1) as store:
+        store.set("before", b"1")
+        with open(path, "ab") as f:
+            f.write(b"S\x00\x00\x00\x05\x00\x00\x10\x00parti")  # header promises more bytes
+        store.set("after", b"2")
+        with FileStore(path, timeout=1) as reader:
+            assert reader.multi_get(["before", "after"]) == [b"1", b"2"]
+
+
+def test_closed_store_raises_state_error(tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "store", timeout=1)
+    store.close()
+    store.close()  # idempotent
+    with pytest.raises(StateError):
+        store.set("k", b"v")
+
+
+@pytest.mark.parametrize("world_size", [0, -2, True])
+def test_bad_world_size_raises_argument_error(tmp_path: Path, world_size: Any) -> None:
+    with pytest.raises(ArgumentError, match="world_size"):
+        FileStore(tmp_path / "store", world_size=world_size)

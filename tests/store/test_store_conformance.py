@@ -1,0 +1,235 @@
+"""The Store contract, written once and run on every store.
+
+Each store kind gives two handles onto the same data (``a`` and ``b``): two clients
+of one TCPStore server, two FileStore instances on one file, one HashStore twice.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+from tandem.errors import ArgumentError, StoreTimeoutError
+from tandem.store import FileStore, HashStore, PrefixStore, Store, TCPStore
+
+Pair = tuple[Store, Store]
+TIMEOUT = 5.0  # no test below should need to wait this long
+
+
+def _hash(tmp: Path) -> Pair:
+    store = HashStore(TIMEOUT)
+    return store, store
+
+
+def _file(tmp: Path) -> Pair:
+    path = tmp / "store"
+    return FileStore(path, timeout=TIMEOUT), FileStore(path, timeout=TIMEOUT)
+
+
+def _tcp(tmp: Path) -> Pair:
+    master = TCPStore("127.0.0.1", 0, is_master=True, timeout=TIMEOUT)
+    return master, TCPStore("127.0.0.1", master.port, timeout=TIMEOUT)
+
+
+def _prefixed(make: Callable[[Path], Pair]) -> Callable[[Path], Pair]:
+    def make_prefixed(tmp: Path) -> Pair:
+        a, b = make(tmp)
+        return PrefixStore("job", a), PrefixStore("job", b)
+
+    return make_prefixed
+
+
+KINDS = {
+    "hash": _hash,
+    "file": _file,
+    "tcp": _tcp,
+    "prefix-hash": _prefixed(_hash),
+    "prefix-tcp": _prefixed(_tcp),
+}
+
+
+@pytest.fixture(params=list(KINDS))
+def pair(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Pair]:
+    a, b = KINDS[request.param](tmp_path)
+    yield a, b
+    # close b first: on TCP, a is the master and closing it stops the server
+    for store in (b, a):
+        store.close()
+        if isinstance(store, PrefixStore):
+            store.underlying_store.close()
+
+
+@pytest.fixture
+def store(pair: Pair) -> Store:
+    return pair[0]
+
+
+def _in_thread(fn: Callable[[], None], delay: float) -> threading.Thread:
+    def run() -> None:
+        time.sleep(delay)
+        fn()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_set_then_get_returns_bytes_for_bytes_and_str(pair: Pair) -> None:
+    a, b = pair
+    a.set("bytes", b"value")
+    a.set("text", "välue")
+    assert b.get("bytes") == b"value"
+    assert b.get("text") == "välue".encode()
+
+
+def test_set_overwrites(store: Store) -> None:
+    store.set("k", b"one")
+    store.set("k", b"two")
+    assert store.get("k") == b"two"
+
+
+def test_binary_values_with_nul_bytes_round_trip(pair: Pair) -> None:
+    a, b = pair
+    value = bytes(range(256)) * 3 + b"\x00\x00"
+    a.set("bin", value)
+    a.set("empty", b"")
+    assert b.get("bin") == value
+    assert b.get("empty") == b""
+
+
+def test_get_waits_for_a_later_set_from_another_thread(pair: Pair) -> None:
+    a, b = pair
+    writer = _in_thread(lambda: b.set("late", b"here"), delay=0.2)
+    start = time.monotonic()
+    assert a.get("late") == b"here"
+    assert time.monotonic() - start >= 0.1
+    writer.join(TIMEOUT)
+
+
+def test_blocked_get_does_not_block_a_set_through_the_same_handle(store: Store) -> None:
+    writer = _in_thread(lambda: store.set("same", b"handle"), delay=0.2)
+    assert store.get("same") == b"handle"
+    writer.join(TIMEOUT)
+
+
+def test_get_timeout_raises_store_timeout_error_naming_the_key(store: Store) -> None:
+    store.set_timeout(0.2)
+    start = time.monotonic()
+    with pytest.raises(StoreTimeoutError, match="never-set"):
+        store.get("never-set")
+    assert 0.15 <= time.monotonic() - start < 2.0
+
+
+def test_add_returns_running_total_and_get_reads_decimal_text(pair: Pair) -> None:
+    a, b = pair
+    assert a.add("n", 3) == 3
+    assert b.add("n", 4) == 7
+    assert a.add("n", -10) == -3
+    assert b.get("n") == b"-3"
+
+
+def test_add_to_a_non_integer_value_raises_argument_error(store: Store) -> None:
+    store.set("word", b"abc")
+    with pytest.raises(ArgumentError, match="integer"):
+        store.add("word", 1)
+
+
+def test_compare_set_on_missing_key_with_empty_expected_sets(pair: Pair) -> None:
+    a, b = pair
+    assert a.compare_set("cas", b"", b"first") == b"first"
+    assert b.get("cas") == b"first"
+
+
+def test_compare_set_on_missing_key_with_nonempty_expected_returns_expected(store: Store) -> None:
+    assert store.compare_set("cas", b"guess", b"new") == b"guess"
+    assert not store.check(["cas"])
+
+
+def test_compare_set_with_matching_expected_sets(store: Store) -> None:
+    store.set("cas", b"old")
+    assert store.compare_set("cas", b"old", b"new") == b"new"
+    assert store.get("cas") == b"new"
+
+
+def test_compare_set_with_mismatching_expected_returns_current(store: Store) -> None:
+    store.set("cas", b"current")
+    assert store.compare_set("cas", b"other", b"new") == b"current"
+    assert store.get("cas") == b"current"
+
+
+def test_wait_returns_once_every_key_exists(pair: Pair) -> None:
+    a, b = pair
+    a.set("w1", b"1")
+    writer = _in_thread(lambda: b.set("w2", b"2"), delay=0.2)
+    a.wait(["w1", "w2"], timeout=TIMEOUT)
+    writer.join(TIMEOUT)
+
+
+def test_wait_timeout_names_only_the_missing_keys(store: Store) -> None:
+    store.set("present", b"1")
+    with pytest.raises(StoreTimeoutError, match="absent") as info:
+        store.wait(["present", "absent"], timeout=0.2)
+    assert "present" not in str(info.value)
+
+
+def test_check_is_true_only_when_every_key_exists(store: Store) -> None:
+    assert not store.check(["c1"])
+    store.set("c1", b"")
+    assert store.check(["c1"])
+    assert not store.check(["c1", "c2"])
+
+
+def test_delete_key_returns_whether_the_key_existed(pair: Pair) -> None:
+    a, b = pair
+    a.set("gone", b"x")
+    assert b.delete_key("gone") is True
+    assert a.delete_key("gone") is False
+    assert not a.check(["gone"])
+
+
+def test_num_keys_counts_sets_and_deletes(store: Store) -> None:
+    base = store.num_keys()
+    store.set("k1", b"1")
+    store.add("k2", 1)
+    assert store.num_keys() == base + 2
+    store.delete_key("k1")
+    assert store.num_keys() == base + 1
+
+
+def test_multi_set_and_multi_get(pair: Pair) -> None:
+    a, b = pair
+    a.multi_set(["m1", "m2", "m3"], [b"1", "2", b"\x003"])
+    assert b.multi_get(["m3", "m1", "m2"]) == [b"\x003", b"1", b"2"]
+
+
+def test_multi_set_with_unequal_lengths_raises_argument_error(store: Store) -> None:
+    with pytest.raises(ArgumentError):
+        store.multi_set(["a", "b"], [b"1"])
+
+
+def test_concurrent_adds_from_32_threads_sum_correctly(pair: Pair) -> None:
+    threads_n, adds = 32, 10
+    barrier = threading.Barrier(threads_n)
+    errors: list[BaseException] = []
+
+    def work(handle: Store) -> None:
+        try:
+            barrier.wait(TIMEOUT)
+            for _ in range(adds):
+                handle.add("total", 1)
+        except BaseException as exc:  # reported below with the thread's store
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=work, args=(pair[i % 2],), daemon=True) for i in range(threads_n)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(TIMEOUT)
+    assert not errors
+    assert pair[0].get("total") == str(threads_n * adds).encode()

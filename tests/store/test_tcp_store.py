@@ -1,0 +1,257 @@
+"""TCPStore beyond the Store contract: processes, authentication, hostile peers, failures."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+from typing import Any, Iterator
+
+import _store_children as children
+import pytest
+
+from tandem import _wire
+from tandem.errors import (
+    ArgumentError,
+    AuthenticationError,
+    StateError,
+    StoreError,
+    StoreTimeoutError,
+)
+from tandem.store import TCPStore
+from tandem.store.tcp import MAX_VALUE, PURPOSE
+
+HOST = "127.0.0.1"
+
+
+@pytest.fixture
+def master() -> Iterator[TCPStore]:
+    store = TCPStore(HOST, 0, is_master=True, timeout=5)
+    yield store
+    store.close()
+
+
+def _free_port() -> int:
+    # Only for the cases that need a port before the master exists (a master that waits
+    # for workers in its constructor, multi_tenant); everything else uses port 0.
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def _closed_by_peer(sock: socket.socket, within: float = 2.0) -> bool:
+    sock.settimeout(within)
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_port_zero_picks_a_free_port_and_reports_it(master: TCPStore) -> None:
+    assert master.port > 0
+    assert master.host == HOST
+    with TCPStore(HOST, master.port, timeout=5) as client:
+        client.set("k", b"v")
+    assert master.get("k") == b"v"
+
+
+def test_server_binds_exactly_the_requested_host(master: TCPStore) -> None:
+    assert master._server is not None
+    assert master._server.address == (HOST, master.port)
+
+
+def test_non_master_needs_a_port() -> None:
+    with pytest.raises(ArgumentError, match="port"):
+        TCPStore(HOST, 0, timeout=1)
+
+
+def test_two_processes_share_a_store(master: TCPStore, spawn: Any) -> None:
+    child = spawn(children.tcp_worker, master.port)
+    master.set("parent", b"from parent")
+    assert master.get("child") == b"from child"
+    master.wait(["done"])
+    child.join(8)
+    assert child.exitcode == 0
+
+
+def test_master_waits_until_world_size_workers_joined(spawn: Any) -> None:
+    port = _free_port()
+    child = spawn(children.tcp_joining_worker, port)
+    with TCPStore(HOST, port, world_size=2, is_master=True, timeout=8) as store:
+        assert store.get("child-joined") == b"1"
+        assert store.num_keys() == 1  # the join counter is internal
+    child.join(8)
+    assert child.exitcode == 0
+
+
+def test_master_times_out_naming_how_many_workers_joined() -> None:
+    with pytest.raises(StoreTimeoutError, match="1 of 3 workers"):
+        TCPStore(HOST, 0, world_size=3, is_master=True, timeout=0.3)
+
+
+def test_wrong_secret_raises_authentication_error_and_server_keeps_serving(
+    master: TCPStore,
+) -> None:
+    with pytest.raises(AuthenticationError):
+        TCPStore(HOST, master.port, timeout=5, secret=b"not the job secret")
+    with TCPStore(HOST, master.port, timeout=5) as good:
+        good.set("still", b"serving")
+        assert master.get("still") == b"serving"
+
+
+def test_hostile_connections_do_not_disturb_other_clients(
+    master: TCPStore, job_secret: bytes
+) -> None:
+    idle = socket.create_connection((HOST, master.port))
+    garbage = socket.create_connection((HOST, master.port))
+    garbage.sendall(os.urandom(4096))
+    huge_unauthenticated = socket.create_connection((HOST, master.port))
+    huge_unauthenticated.sendall(b"\xff" * 80)
+    huge_after_handshake = socket.create_connection((HOST, master.port))
+    _wire.client_handshake(huge_after_handshake, job_secret, PURPOSE)
+    huge_after_handshake.sendall(struct.pack("!I", 0xFFFFFFFF))
+    unknown_op = socket.create_connection((HOST, master.port))
+    _wire.client_handshake(unknown_op, job_secret, PURPOSE)
+    _wire.send_frame(unknown_op, b"\x63junk")
+    try:
+        start = time.monotonic()
+        with TCPStore(HOST, master.port, timeout=5) as good:
+            good.set("k", b"v")
+            assert master.get("k") == b"v"
+        assert time.monotonic() - start < 2.0
+        for sock in (garbage, huge_unauthenticated, huge_after_handshake, unknown_op):
+            assert _closed_by_peer(sock), "the server kept a bad connection open"
+    finally:
+        for sock in (idle, garbage, huge_unauthenticated, huge_after_handshake, unknown_op):
+            sock.close()
+
+
+def test_value_over_the_cap_is_refused_before_sending(master: TCPStore) -> None:
+    with pytest.raises(ArgumentError, match="exceeds"):
+        master.set("big", bytes(MAX_VALUE + 1))
+    master.set("small", b"ok")  # the connection is still usable
+    assert master.get("small") == b"ok"
+
+
+def test_32_clients_block_on_get_until_one_set_wakes_them(master: TCPStore) -> None:
+    results: list[bytes | BaseException] = []
+    lock = threading.Lock()
+
+    def client() -> None:
+        value: bytes | BaseException
+        try:
+            with TCPStore(HOST, master.port, timeout=5) as store:
+                store.add("joined", 1)
+                value = store.get("go")
+        except BaseException as exc:  # reported by the assertion below
+            value = exc
+        with lock:
+            results.append(value)
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(32)]
+    for thread in threads:
+        thread.start()
+    master.wait(["joined"])
+    deadline = time.monotonic() + 5
+    while master.get("joined") != b"32" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    master.set("go", b"now")
+    for thread in threads:
+        thread.join(5)
+    assert results == [b"now"] * 32
+
+
+def test_closing_the_server_fails_a_blocked_client_promptly(master: TCPStore) -> None:
+    client = TCPStore(HOST, master.port, timeout=30)
+    errors: list[BaseException] = []
+
+    def blocked_get() -> None:
+        try:
+            client.get("never")
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=blocked_get, daemon=True)
+    thread.start()
+    time.sleep(0.1)
+    start = time.monotonic()
+    master.close()
+    thread.join(3)
+    assert time.monotonic() - start < 2.0
+    assert len(errors) == 1 and isinstance(errors[0], StoreError)
+    with pytest.raises(StoreError):
+        client.set("after", b"x")
+    client.close()
+
+
+def test_killed_server_process_fails_clients_promptly(spawn: Any, mp_queue: Any) -> None:
+    server = spawn(children.tcp_master, mp_queue)
+    port = mp_queue.get(timeout=8)
+    client = TCPStore(HOST, port, timeout=30)
+    client.set("alive", b"1")
+    errors: list[BaseException] = []
+
+    def blocked_get() -> None:
+        try:
+            client.get("never")
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=blocked_get, daemon=True)
+    thread.start()
+    time.sleep(0.1)
+    start = time.monotonic()
+    server.kill()
+    thread.join(3)
+    assert time.monotonic() - start < 2.0
+    assert len(errors) == 1 and isinstance(errors[0], StoreError), errors
+    with pytest.raises(StoreError):
+        client.get("alive")
+    client.close()
+
+
+def test_closed_store_raises_state_error(master: TCPStore) -> None:
+    client = TCPStore(HOST, master.port, timeout=5)
+    client.close()
+    client.close()  # idempotent
+    with pytest.raises(StateError):
+        client.set("k", b"v")
+
+
+def test_close_leaves_no_store_threads_running() -> None:
+    store = TCPStore(HOST, 0, is_master=True, timeout=5)
+    other = TCPStore(HOST, store.port, timeout=5)
+    other.set("k", b"v")
+    other.close()
+    store.close()
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        alive = [t for t in threading.enumerate() if t.name.startswith(f"tandem-store-server:{store.port}")]
+        if not alive:
+            break
+        time.sleep(0.01)
+    assert not alive
+    assert all(t.daemon for t in threading.enumerate() if t.name.startswith("tandem-store"))
+
+
+def test_a_process_with_an_open_store_still_exits(spawn: Any) -> None:
+    child = spawn(children.tcp_master_left_open, 3)
+    child.join(8)
+    assert child.exitcode == 0
+
+
+def test_multi_tenant_masters_share_one_server() -> None:
+    port = _free_port()
+    first = TCPStore(HOST, port, is_master=True, multi_tenant=True, timeout=5)
+    second = TCPStore(HOST, port, is_master=True, multi_tenant=True, timeout=5)
+    first.set("shared", b"yes")
+    assert second.get("shared") == b"yes"
+    first.close()
+    assert second.get("shared") == b"yes"  # the server lives while a tenant does
+    second.close()
