@@ -17,6 +17,7 @@ from typing import Mapping
 
 from tandem import _wire
 from tandem.collectives.backend import Backend, BackendOptions, resolve_backend
+from tandem.collectives.cluster_env import cluster_env
 from tandem.collectives.group import NonMemberGroup, ProcessGroup, timeout_seconds
 from tandem.config import Settings, load_secret, load_settings
 from tandem.errors import ArgumentError, StateError
@@ -77,6 +78,7 @@ def _rendezvous(init_method: str, rank: int, world_size: int, timeout: float,
     if "world_size" in query:
         world_size = int(query["world_size"])
     if url.scheme == "env":
+        env = cluster_env(env)  # srun / mpirun give ranks through their own variables
         if rank < 0:
             rank = _env_int(env, "RANK") if _env_int(env, "RANK") is not None else -1  # type: ignore[assignment]
         if world_size < 0:
@@ -89,7 +91,8 @@ def _rendezvous(init_method: str, rank: int, world_size: int, timeout: float,
         if missing:
             raise ArgumentError(
                 f"init_method='env://' needs the environment variable(s) {', '.join(missing)} "
-                f"(set by tandemrun / torchrun, or export them yourself)")
+                f"(set by tandemrun / torchrun, derived under srun / mpirun, or export them "
+                f"yourself)")
         host, port = env["MASTER_ADDR"], _env_int(env, "MASTER_PORT")
     elif url.scheme == "tcp":
         if not url.hostname or not url.port:

@@ -13,6 +13,8 @@ import pytest
 from tandem.errors import ArgumentError, StateError
 from tandem.store import FileStore
 
+CHILD_START = 20.0  # a spawned child imports torch: about 2s idle, more on a busy machine
+
 
 def test_two_processes_share_a_store(tmp_path: Path, spawn: Any) -> None:
     path = str(tmp_path / "store")
@@ -22,8 +24,9 @@ def test_two_processes_share_a_store(tmp_path: Path, spawn: Any) -> None:
         store.set("parent", b"from parent")
         for _ in range(adds):
             store.add("counter", 1)
+        store.wait(["child"], timeout=CHILD_START)
         assert store.get("child") == b"\x00from child\x00"
-        child.join(8)
+        child.join(CHILD_START)
         assert child.exitcode == 0
         assert store.get("counter") == str(2 * adds).encode()
 

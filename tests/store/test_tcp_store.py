@@ -24,6 +24,9 @@ from tandem.store import TCPStore
 from tandem.store.tcp import MAX_VALUE, PURPOSE
 
 HOST = "127.0.0.1"
+# Deadline for anything that includes starting a spawned child (it imports torch:
+# about 2s on an idle machine, more on a busy one). Passing runs take far less.
+CHILD_START = 20.0
 
 
 @pytest.fixture
@@ -74,19 +77,19 @@ def test_non_master_needs_a_port() -> None:
 def test_two_processes_share_a_store(master: TCPStore, spawn: Any) -> None:
     child = spawn(children.tcp_worker, master.port)
     master.set("parent", b"from parent")
+    master.wait(["child", "done"], timeout=CHILD_START)
     assert master.get("child") == b"from child"
-    master.wait(["done"])
-    child.join(8)
+    child.join(CHILD_START)
     assert child.exitcode == 0
 
 
 def test_master_waits_until_world_size_workers_joined(spawn: Any) -> None:
     port = _free_port()
     child = spawn(children.tcp_joining_worker, port)
-    with TCPStore(HOST, port, world_size=2, is_master=True, timeout=8) as store:
+    with TCPStore(HOST, port, world_size=2, is_master=True, timeout=CHILD_START) as store:
         assert store.get("child-joined") == b"1"
         assert store.num_keys() == 1  # the join counter is internal
-    child.join(8)
+        child.join(CHILD_START)  # before closing the server, which fails the child's calls in flight
     assert child.exitcode == 0
 
 
@@ -192,7 +195,7 @@ def test_closing_the_server_fails_a_blocked_client_promptly(master: TCPStore) ->
 
 def test_killed_server_process_fails_clients_promptly(spawn: Any, mp_queue: Any) -> None:
     server = spawn(children.tcp_master, mp_queue)
-    port = mp_queue.get(timeout=8)
+    port = mp_queue.get(timeout=CHILD_START)
     client = TCPStore(HOST, port, timeout=30)
     client.set("alive", b"1")
     errors: list[BaseException] = []
@@ -242,7 +245,7 @@ def test_close_leaves_no_store_threads_running() -> None:
 
 def test_a_process_with_an_open_store_still_exits(spawn: Any) -> None:
     child = spawn(children.tcp_master_left_open, 3)
-    child.join(8)
+    child.join(CHILD_START)
     assert child.exitcode == 0
 
 
