@@ -1,0 +1,139 @@
+"""Job start-up time: tandemrun + tandem against torchrun + gloo.
+
+Run::
+
+    python -m tandem.bench startup                      # 2 and 4 ranks, 3 rounds each
+    python -m tandem.bench startup --world-sizes 2 --rounds 5 --markdown
+    python -m tandem.bench startup --quick              # 2 ranks, 1 round: what a smoke test runs
+
+How it measures. Each round launches a tiny script with ``--standalone
+--nproc-per-node N``: ``python -m tandem.run`` whose workers call
+``tandem.init_process_group()``, and ``python -m torch.distributed.run`` whose
+workers call ``torch.distributed.init_process_group("gloo")``; both over env://.
+Every worker notes the wall-clock time when its script starts, when ``import torch``
+and the library are done, and when ``init_process_group`` returned. The columns are,
+from the moment the launcher process is started:
+
+    script  the last rank's script starts          (launcher start-up + spawning)
+    init    the last rank returned from init        (the number that matters)
+    exit    the launcher exited (workers destroyed their groups and left)
+
+Rounds alternate between the two launchers so both see the same machine noise; the
+table shows the median round. ratio = torchrun init / tandemrun init: above 1 means
+tandem's job is ready sooner. Both launchers import torch themselves (``import
+tandem`` imports torch), which dominates on a slow disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Sequence
+
+__all__ = ["main", "measure"]
+
+WORKER = '''\
+import json, os, sys, time
+start = time.time()
+import torch
+lib = sys.argv[1]
+if lib == "tandem":
+    import tandem as dist
+    backend = None
+else:
+    import torch.distributed as dist
+    backend = "gloo"
+imported = time.time()
+dist.init_process_group(backend)
+ready = time.time()
+dist.barrier()
+with open(os.path.join(sys.argv[2], "rank%s.json" % os.environ["RANK"]), "w") as f:
+    json.dump({"start": start, "imported": imported, "ready": ready}, f)
+dist.destroy_process_group()
+'''
+
+LAUNCHERS = {"tandem": ["-m", "tandem.run"], "torch": ["-m", "torch.distributed.run"]}
+COLUMNS = ("script", "init", "exit")
+
+
+def measure(lib: str, world_size: int, workdir: str, timeout: float = 300.0) -> dict[str, float]:
+    """One launch; seconds from launcher start to each milestone (see the module docstring)."""
+    script = os.path.join(workdir, "startup_worker.py")
+    if not os.path.exists(script):
+        with open(script, "w") as f:
+            f.write(WORKER)
+    out = tempfile.mkdtemp(dir=workdir)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC"))}
+    cmd = [sys.executable, *LAUNCHERS[lib], "--standalone", "--nproc-per-node",
+           str(world_size), script, lib, out]
+    t0 = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    t_exit = time.time()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{lib} launch failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world_size)]
+    return {"script": max(r["start"] for r in ranks) - t0,
+            "import": max(r["imported"] - r["start"] for r in ranks),
+            "init": max(r["ready"] for r in ranks) - t0,
+            "exit": t_exit - t0}
+
+
+def run(world_sizes: Sequence[int], rounds: int) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-startup-") as workdir:
+        for n in world_sizes:
+            samples: dict[str, list[dict[str, float]]] = {"tandem": [], "torch": []}
+            for i in range(rounds):
+                order = ("tandem", "torch") if i % 2 == 0 else ("torch", "tandem")
+                for lib in order:
+                    samples[lib].append(measure(lib, n, workdir))
+            med = {lib: {c: statistics.median(s[c] for s in samples[lib])
+                         for c in (*COLUMNS, "import")} for lib in samples}
+            rows.append({"world_size": n, **med})
+    return rows
+
+
+def format_table(rows: Sequence[dict[str, object]], markdown: bool = False) -> str:
+    head = ["ranks", "launcher", "script s", "import s", "init s", "exit s", "ratio (init)"]
+    body = []
+    for row in rows:
+        t, g = row["tandem"], row["torch"]
+        assert isinstance(t, dict) and isinstance(g, dict)
+        for name, m in (("tandemrun+tandem", t), ("torchrun+gloo", g)):
+            ratio = f"{g['init'] / t['init']:.2f}" if name.startswith("tandem") else ""
+            body.append([str(row["world_size"]), name, f"{m['script']:.2f}",
+                         f"{m['import']:.2f}", f"{m['init']:.2f}", f"{m['exit']:.2f}", ratio])
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in body])
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    return "\n".join("  ".join(x.rjust(w) for x, w in zip(r, widths)) for r in [head, *body])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tandem.bench startup",
+                                     description="Launch-to-ready time: tandemrun vs torchrun.")
+    parser.add_argument("--world-sizes", default="2,4", help="comma-separated (default 2,4)")
+    parser.add_argument("--rounds", type=int, default=3, help="launches per library (default 3)")
+    parser.add_argument("--quick", action="store_true", help="2 ranks, 1 round")
+    parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    sizes = [2] if args.quick else [int(x) for x in args.world_sizes.split(",") if x]
+    rounds = 1 if args.quick else max(1, args.rounds)
+    start = time.monotonic()
+    rows = run(sizes, rounds)
+    print(f"# startup: median of {rounds} round(s), {os.cpu_count()} CPUs; seconds from "
+          f"launcher start; ratio = torchrun/tandemrun init (>1: tandem ready sooner); "
+          f"{time.monotonic() - start:.0f} s")
+    print(format_table(rows, markdown=args.markdown))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
