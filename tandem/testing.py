@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import pickle
 import queue
 import tempfile
 import threading
@@ -67,7 +68,9 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, args: Sequence[An
                 tandem.init_process_group(init["backend"], init_method=init["init_method"],
                                           rank=rank, world_size=world_size,
                                           timeout=init["timeout"])
-        value = fn(rank, world_size, *args)
+        # plain pickle copies tensor bytes; the queue's own pickler would share storage by
+        # file descriptor, which dies with this process before the parent reads it
+        value = pickle.dumps(fn(rank, world_size, *args))
         results.put((rank, True, value, "", ""))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         results.put((rank, False, None, traceback.format_exc(), type(exc).__name__))
@@ -128,8 +131,7 @@ def launch(world_size: int, fn: Callable[..., Any], args: Sequence[Any] = (), *,
                 if left <= 0:
                     break
                 try:
-                    rank, ok, value, error, etype = results.get(timeout=min(left, 0.2))
-                    outcomes[rank] = Outcome(rank, ok, value, error, etype)
+                    _record(results.get(timeout=min(left, 0.2)), outcomes)
                 except queue.Empty:
                     for r, p in enumerate(procs):  # a child that died without reporting
                         if r not in outcomes and p.exitcode is not None:
@@ -139,10 +141,11 @@ def launch(world_size: int, fn: Callable[..., Any], args: Sequence[Any] = (), *,
                                                       f"{p.exitcode} without a result",
                                                       error_type="exit", exitcode=p.exitcode)
         finally:
-            for p in procs:
+            started = [p for p in procs if p.pid is not None]
+            for p in started:
                 if p.is_alive():
                     p.kill()
-            for p in procs:
+            for p in started:
                 p.join(5)
             if server is not None:
                 server.close()
@@ -158,10 +161,19 @@ def _drain(results: Any, outcomes: dict[int, Outcome]) -> None:
     time.sleep(0.05)  # the queue feeder thread may still be flushing the report
     while True:
         try:
-            rank, ok, value, error, etype = results.get_nowait()
+            _record(results.get_nowait(), outcomes)
         except queue.Empty:
             return
-        outcomes[rank] = Outcome(rank, ok, value, error, etype)
+
+
+def _record(report: tuple[int, bool, Any, str, str], outcomes: dict[int, Outcome]) -> None:
+    rank, ok, value, error, etype = report
+    if ok:
+        try:
+            value = pickle.loads(value)
+        except Exception:  # noqa: BLE001 - reported as this rank's failure
+            ok, value, error, etype = False, None, traceback.format_exc(), "unpickling"
+    outcomes[rank] = Outcome(rank, ok, value, error, etype)
 
 
 def spawn(world_size: int, fn: Callable[..., Any], args: Sequence[Any] = (), **kw: Any) -> list[Any]:

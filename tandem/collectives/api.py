@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -62,6 +63,12 @@ def _tensors(ts: Any, what: str, name: str, count: int, dtype: torch.dtype) -> l
         if t.dtype != dtype:
             raise ArgumentError(f"{what}: {name}[{i}] is {t.dtype}, expected {dtype}")
     return out
+
+
+def _sizes_match(ts: Sequence[torch.Tensor], what: str, name: str, numel: int) -> None:
+    for i, t in enumerate(ts):
+        if t.numel() != numel:
+            raise ArgumentError(f"{what}: {name}[{i}] has {t.numel()} elements, tensor has {numel}")
 
 
 def _root(g: ProcessGroup, what: str, rank: int | None, group_rank: int | None, name: str) -> int:
@@ -223,6 +230,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None,
         if gather_list is None:
             raise ArgumentError("gather: the destination rank must pass gather_list")
         lst = _tensors(gather_list, "gather", "gather_list", g.group_size, tensor.dtype)
+        _sizes_match(lst, "gather", "gather_list", tensor.numel())
         outs = [_Flat(t, load=False) for t in lst]
     src = _Flat(tensor)
 
@@ -246,6 +254,7 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
             raise ArgumentError("scatter: the source rank must pass scatter_list")
         ins = [t.contiguous().view(-1) for t in
                _tensors(scatter_list, "scatter", "scatter_list", g.group_size, tensor.dtype)]
+        _sizes_match(ins, "scatter", "scatter_list", tensor.numel())
     out = _Flat(tensor, load=False)
 
     def body(o: Op) -> None:
@@ -320,6 +329,10 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
            _tensors(input_tensor_list, "all_to_all", "input_tensor_list", g.group_size, dtype)]
     outs = [_Flat(t, load=False) for t in
             _tensors(output_tensor_list, "all_to_all", "output_tensor_list", g.group_size, dtype)]
+    r = g.group_rank
+    if outs[r].flat.numel() != ins[r].numel():
+        raise ArgumentError(f"all_to_all: output_tensor_list[{r}] has {outs[r].flat.numel()} "
+                            f"elements, input_tensor_list[{r}] has {ins[r].numel()}")
 
     def body(o: Op) -> None:
         algo.pairwise_all_to_all(o, [f.flat for f in outs], [t.view(-1) for t in ins])
@@ -374,12 +387,16 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
 
 
 def barrier(group: AnyGroup | None = None, async_op: bool = False,
-            device_ids: Any = None) -> Work | None:
-    """Return once every rank of the group has entered the barrier."""
+            device_ids: Any = None, timeout: float | datetime.timedelta | None = None) -> Work | None:
+    """Return once every rank of the group has entered the barrier (``timeout``: this call's
+    deadline instead of the group's)."""
     g = resolve_group(group, "barrier")
     token = torch.zeros(1, dtype=torch.uint8)
+    seconds = None if timeout is None else timeout_seconds(timeout, g.timeout)
 
     def body(o: Op) -> None:
+        if seconds is not None:
+            o.deadline = time.monotonic() + seconds
         algo.ALL_REDUCE["doubling"](o, token, ReduceOp.MAX)
 
     return _launch(g, "barrier", "barrier", body, async_op, None)
@@ -399,8 +416,6 @@ def monitored_barrier(group: AnyGroup | None = None,
     token = torch.zeros(1, dtype=torch.uint8)
 
     def body(o: Op) -> None:
-        import time
-
         o.deadline = time.monotonic() + seconds
         if g.group_rank != 0:
             o.wait(o.send(0, 0, as_bytes(token)))

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from tandem.config import Settings
-from tandem.errors import ArgumentError, CollectiveError, StateError
+from tandem.errors import ArgumentError, CollectiveError, StateError, TandemError
 from tandem.collectives.work import Work
 from tandem.transport.base import Header, Kind, Slot, Transport, wait_all
 
@@ -62,7 +62,7 @@ class Op:
     def recv(self, frm: int, step: int, view: memoryview) -> Slot:
         g = self.group
         return g.transport.irecv(g.ranks[frm], Kind.COLL, g.group_id, self.seq, step, view,
-                                 self.sig)
+                                 self.sig, self.site)
 
     def wait(self, *slots: Slot) -> None:
         g = self.group
@@ -182,9 +182,16 @@ class ProcessGroup:
         except CollectiveError as exc:
             self.abort(exc)
             raise
+        except Exception as exc:
+            # e.g. a custom reduce op raised: the peers must not wait for us until the deadline
+            self.abort(StateError(f"{op.describe()} failed on rank {self.ranks[self.group_rank]}: "
+                                  f"{type(exc).__name__}: {exc}"))
+            raise
 
-    def abort(self, error: CollectiveError) -> None:
+    def abort(self, error: TandemError) -> None:
         """Fail this group here and on every member, with ``error``."""
+        if self.transport.mailbox.aborted.get(self.group_id) is error:
+            return  # we learnt it from a peer's abort: everyone has been told already
         self.transport.abort(self.group_id, self.ranks, error)
 
     # -- point-to-point ------------------------------------------------------------

@@ -23,10 +23,13 @@ __all__ = ["new_group", "new_subgroups", "new_subgroups_by_enumeration", "get_gr
 def new_group(ranks: Sequence[int] | None = None,
               timeout: float | datetime.timedelta | None = None, backend: str | None = None,
               pg_options: Any = None, use_local_synchronization: bool = False,
-              group_desc: str | None = None) -> AnyGroup:
+              group_desc: str | None = None, device_id: Any = None,
+              sort_ranks: bool = True) -> AnyGroup:
     w = world()
     size = w.default.group_size
-    members = sorted(range(size) if ranks is None else ranks)
+    members = list(range(size) if ranks is None else ranks)
+    if sort_ranks:
+        members.sort()
     if len(set(members)) != len(members):
         raise ArgumentError(f"new_group: ranks {list(ranks or [])} contain duplicates")
     bad = [r for r in members if not 0 <= r < size]
@@ -67,7 +70,8 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list: Sequence[Sequence[int]
 
 def new_subgroups(group_size: int | None = None, group: AnyGroup | None = None,
                   timeout: float | datetime.timedelta | None = None, backend: str | None = None,
-                  pg_options: Any = None) -> tuple[AnyGroup | None, list[AnyGroup]]:
+                  pg_options: Any = None,
+                  group_desc: str | None = None) -> tuple[AnyGroup | None, list[AnyGroup]]:
     """Split the world into consecutive subgroups of ``group_size`` ranks.
 
     ``group_size`` defaults to ``LOCAL_WORLD_SIZE`` (ranks per node), as set by the

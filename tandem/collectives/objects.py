@@ -129,7 +129,7 @@ def scatter_object_list(scatter_object_output_list: list[Any],
 
 def send_object_list(object_list: list[Any], dst: int | None = None,
                      group: AnyGroup | None = None, device: Any = None,
-                     group_dst: int | None = None) -> None:
+                     group_dst: int | None = None, use_batch: bool = False) -> None:
     packed = [_pack(o) for o in object_list]
     sizes = torch.tensor([t.numel() for t in packed], dtype=torch.int64)
     p2p.send(sizes, dst, group, group_dst=group_dst)
@@ -139,7 +139,7 @@ def send_object_list(object_list: list[Any], dst: int | None = None,
 
 def recv_object_list(object_list: list[Any], src: int | None = None,
                      group: AnyGroup | None = None, device: Any = None,
-                     group_src: int | None = None) -> int:
+                     group_src: int | None = None, use_batch: bool = False) -> int:
     """Fill ``object_list`` in place; return the sender's global rank."""
     sizes = torch.zeros(len(object_list), dtype=torch.int64)
     sender = p2p.recv(sizes, src, group, group_src=group_src)

@@ -46,7 +46,12 @@ def _work(g: ProcessGroup, slot: Slot, what: str, result: Any) -> Work:
         work._complete(error=s.error)
 
     def drive(timeout: float | None) -> None:
-        g.wait_p2p(slot, timeout, what)
+        # Only the group's deadline fails the operation (wait_p2p cancels the receive when
+        # it passes). A caller's own wait(timeout) that runs out must leave the receive
+        # posted, as for collectives: else waiting again never completes and the message,
+        # arriving later, is dropped silently. Work.wait then waits on completion itself.
+        if timeout is None:
+            g.wait_p2p(slot, timeout, what)
 
     work._waiter = drive
     slot.on_done = done

@@ -23,6 +23,11 @@ from tandem.errors import ArgumentError
 __all__ = ["ReduceOp", "combine", "finish", "check_dtype"]
 
 _BITWISE_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+# dtypes whose CPU kernels cover every combine below; torch's uint16/32/64, complex32 and
+# float8 types lack add, minimum or maximum, which would fail mid-collective on the
+# combining ranks only and leave the others waiting
+_REDUCIBLE_DTYPES = _BITWISE_DTYPES | {torch.float64, torch.float32, torch.float16,
+                                       torch.bfloat16, torch.complex64, torch.complex128}
 
 
 class ReduceOp:
@@ -80,6 +85,9 @@ def check_dtype(op: ReduceOp, dtype: torch.dtype) -> None:
         raise ArgumentError(f"op must be a tandem ReduceOp, got {op!r}")
     if op.fn is not None:
         return
+    if dtype not in _REDUCIBLE_DTYPES:
+        raise ArgumentError(f"ReduceOp.{op.name} is not supported for {dtype}; reductions take "
+                            f"{sorted(str(d) for d in _REDUCIBLE_DTYPES)}")
     if op.name in ("BAND", "BOR", "BXOR") and dtype not in _BITWISE_DTYPES:
         raise ArgumentError(f"ReduceOp.{op.name} needs an integer or bool tensor, got {dtype}")
     if op.name == "AVG" and not (dtype.is_floating_point or dtype.is_complex):

@@ -23,19 +23,23 @@ class Work:
         self._result = result
         self._future: torch.futures.Future | None = None
         self._lock = threading.Lock()
+        self._done = False
         self._source: int = -1
         self._waiter: Callable[[float | None], None] | None = None
 
     # -- completion (called by the progress engine) ----------------------------------
     def _complete(self, result: Any = None, error: BaseException | None = None) -> None:
         with self._lock:
+            if self._done:
+                return
             if result is not None:
                 self._result = result
             self._error = error
-            self._event.set()
+            self._done = True
             future = self._future
         if future is not None:
-            self._resolve(future)
+            self._resolve(future)  # before waking waiters: wait() implies the future is done
+        self._event.set()
 
     def _resolve(self, future: torch.futures.Future) -> None:
         if self._error is not None:
@@ -77,7 +81,7 @@ class Work:
         with self._lock:
             if self._future is None:
                 self._future = torch.futures.Future()
-                if self._event.is_set():
+                if self._done:
                     self._resolve(self._future)
             return self._future
 

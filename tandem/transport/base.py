@@ -71,13 +71,16 @@ Reader = Callable[[memoryview], None]
 class Slot:
     """One posted receive (or a parked early arrival)."""
 
-    __slots__ = ("peer", "key", "view", "sig", "event", "header", "error", "parked", "on_done")
+    __slots__ = ("peer", "key", "view", "sig", "site", "event", "header", "error", "parked",
+                 "on_done")
 
-    def __init__(self, peer: int, key: Key, view: memoryview | None, sig: bytes) -> None:
+    def __init__(self, peer: int, key: Key, view: memoryview | None, sig: bytes,
+                 site: bytes = b"") -> None:
         self.peer = peer
         self.key = key
         self.view = view
         self.sig = sig
+        self.site = site
         self.event = threading.Event()
         self.header: Header | None = None
         self.error: BaseException | None = None
@@ -101,12 +104,12 @@ class Slot:
         return self.header.nbytes if self.header is not None else 0
 
 
-def _mismatch(slot: Slot, header: Header, my_rank: int) -> CollectiveMismatchError:
+def _mismatch(slot: Slot, header: Header, my_rank: int, peer: int | None = None) -> CollectiveMismatchError:
     return CollectiveMismatchError(
         f"collective mismatch (group {header.group}, sequence {header.seq}): "
-        f"rank {my_rank} called {slot.sig.decode(errors='replace')} "
-        f"but rank {slot.peer} called {header.sig.decode(errors='replace')} "
-        f"at {header.site.decode(errors='replace')}"
+        f"rank {my_rank} called {slot.sig.decode(errors='replace')} at "
+        f"{slot.site.decode(errors='replace') or '?'} but rank {slot.peer if peer is None else peer} called "
+        f"{header.sig.decode(errors='replace')} at {header.site.decode(errors='replace')}"
     )
 
 
@@ -140,7 +143,10 @@ class Mailbox:
                 parked = Slot(peer, key, None, b"")
                 parked.header = header
                 self._parked[key] = parked
+                clash = self._clashing_posts(peer, header)
         if slot is None:
+            for victim in clash:  # our own call for this sequence number is a different one
+                victim.finish(None, _mismatch(victim, header, self.rank, peer))
             buf = bytearray(header.nbytes)
             read(memoryview(buf))
             parked.parked = buf
@@ -154,6 +160,31 @@ class Mailbox:
         assert slot.view is not None
         read(slot.view)
         slot.finish(header)
+
+    def _clashing_posts(self, peer: int, header: Header) -> list[Slot]:
+        """Posted receives of the same collective call whose signature differs from ``header``.
+
+        Mismatched calls often use different step numbers, so their messages never meet a
+        posted receive; comparing against every receive of the same (group, sequence)
+        catches them at once instead of at the deadline. Caller holds the lock.
+        """
+        if header.kind != Kind.COLL:
+            return []
+        clash = [s for k, s in self._posted.items() if k[1] == Kind.COLL and k[2] == header.group
+                 and k[3] == header.seq and s.sig != header.sig]
+        for s in clash:
+            del self._posted[s.key]
+        return clash
+
+    def _clashing_arrival(self, kind: int, group: int, seq: int, sig: bytes) -> Slot | None:
+        """A parked message of the same collective call with another signature (lock held)."""
+        if kind != Kind.COLL:
+            return None
+        for k, parked in self._parked.items():
+            if (k[1] == Kind.COLL and k[2] == group and k[3] == seq and parked.header is not None
+                    and parked.header.sig != sig):
+                return parked
+        return None
 
     def _take_wild(self, peer: int, header: Header) -> Slot | None:
         for i, (match, slot) in enumerate(self._wild):
@@ -177,16 +208,20 @@ class Mailbox:
 
     # -- posting side ----------------------------------------------------------------
     def post(self, peer: int, kind: int, group: int, seq: int, step: int,
-             view: memoryview, sig: bytes = b"") -> Slot:
+             view: memoryview, sig: bytes = b"", site: bytes = b"") -> Slot:
         key = (peer, kind, group, seq, step)
-        slot = Slot(peer, key, view, sig)
+        slot = Slot(peer, key, view, sig, site)
         with self._lock:
             early = self._parked.pop(key, None)
             if early is None:
                 failure = self._failure(peer, group)
-                if failure is None:
+                clash = self._clashing_arrival(kind, group, seq, sig) if failure is None else None
+                if failure is None and clash is None:
                     self._posted[key] = slot
         if early is None:
+            if clash is not None:
+                assert clash.header is not None
+                failure = _mismatch(slot, clash.header, self.rank, clash.peer)
             if failure is not None:
                 slot.finish(None, failure)
             return slot
@@ -268,8 +303,8 @@ class Transport(abc.ABC):
     mailbox: Mailbox
 
     def irecv(self, peer: int, kind: int, group: int, seq: int, step: int,
-              view: memoryview, sig: bytes = b"") -> Slot:
-        return self.mailbox.post(peer, kind, group, seq, step, view, sig)
+              view: memoryview, sig: bytes = b"", site: bytes = b"") -> Slot:
+        return self.mailbox.post(peer, kind, group, seq, step, view, sig, site)
 
     @abc.abstractmethod
     def isend(self, peer: int, header: Header, payload: memoryview) -> Slot:

@@ -1,0 +1,180 @@
+"""A single-producer/single-consumer byte ring in a shared-memory segment.
+
+Layout (one segment per direction of a pair of ranks; the consumer creates it)::
+
+    byte 0     head   u64  bytes ever written  (producer stores; consumer futex-waits on it)
+    byte 64    tail   u64  bytes ever read     (consumer stores; producer futex-waits on it)
+    byte 128   the consumer is asleep (u64 flag)
+    byte 192   the producer is asleep (u64 flag)
+    byte 256   capacity   (u64, a power of two, written by the creator)
+    byte 4096  data[capacity]
+
+Messages are a byte stream (frames are the transport's business), so a payload
+of any size streams through a ring of a few MiB: the producer copies in as much
+as fits and publishes ``head``; the consumer copies out and publishes ``tail``.
+Copies are ``memoryview`` slice assignments (one ``memmove`` each).
+
+Correctness rests on x86-64 total store order: data is stored before the counter
+that publishes it, and loads are not reordered with loads. The one reordering x86
+allows, a load passing an earlier store, matters only for "publish, then is the
+peer asleep?": a :func:`fence` sits between the two. A sleeper stores its flag
+and lets the kernel compare the counter (``futex_wait`` orders both), so wake-ups
+are never lost; the sleep has a timeout as a second line of defence anyway.
+
+Waiting: check the counter for ``spin`` seconds (yielding the CPU between checks
+after the first few microseconds, so 4 ranks on 2 cores still progress), then
+sleep on the futex. A sleeper is woken by the peer's publish, or by its own
+process (peer lost, close), after which ``check()`` decides whether to go on.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from typing import Callable, Sequence
+
+from tandem.errors import ProtocolError
+from tandem.transport._shmem import address_of, fence, futex_wait, futex_wake
+
+__all__ = ["Ring", "DATA_OFFSET", "segment_size", "init_segment"]
+
+DATA_OFFSET = 4096
+_HEAD, _TAIL, _CSLEEP, _PSLEEP, _CAP = 0, 8, 16, 24, 32  # u64 indexes into the control page
+_SLEEP_S = 0.1  # futex timeout: how often a sleeper re-runs check() on its own
+_PUBLISH_MIN = 64 << 10  # a large payload publishes every piece, so the consumer overlaps
+_EAGER_CHECKS = 64  # spins before yielding the CPU
+
+
+def segment_size(capacity: int) -> int:
+    return DATA_OFFSET + capacity
+
+
+def init_segment(mm: mmap.mmap, capacity: int) -> None:
+    """Write the capacity into a fresh (zeroed) segment."""
+    memoryview(mm)[:DATA_OFFSET].cast("Q")[_CAP] = capacity
+
+
+class Ring:
+    """One direction of one pair: ``write`` on the producer side, ``read_into`` on the other.
+
+    ``spin`` is how long a waiter polls before sleeping on the futex.
+    """
+
+    def __init__(self, mm: mmap.mmap, spin: float = 50e-6) -> None:
+        self._mm = mm
+        self._mv = memoryview(mm)
+        self._ctl = self._mv[:DATA_OFFSET].cast("Q")
+        cap = self._ctl[_CAP]
+        if cap <= 0 or cap & (cap - 1) or len(mm) < DATA_OFFSET + cap:
+            self._release()
+            raise ProtocolError(f"shared-memory ring of {len(mm)} bytes announces capacity {cap}")
+        self.capacity = cap
+        self._mask = cap - 1
+        self._data = self._mv[DATA_OFFSET:DATA_OFFSET + cap]
+        base = address_of(mm)
+        self._head_addr = base + 8 * _HEAD
+        self._tail_addr = base + 8 * _TAIL
+        self._spin = spin
+
+    # -- producer --------------------------------------------------------------------
+    def free(self) -> int:
+        """Bytes that can be written now without waiting."""
+        return self.capacity - (self._ctl[_HEAD] - self._ctl[_TAIL])
+
+    def write(self, parts: Sequence[memoryview], check: Callable[[], None]) -> None:
+        """Append ``parts`` (1-D byte views) in order; wait for space as needed."""
+        ctl, data, cap, mask = self._ctl, self._data, self.capacity, self._mask
+        head = ctl[_HEAD]
+        published = head
+        for part in parts:
+            off, n = 0, len(part)
+            while off < n:
+                free = cap - (head - ctl[_TAIL])
+                if free == 0:
+                    if head != published:
+                        self._publish(head)
+                        published = head
+                    self._wait(_TAIL, _PSLEEP, head - cap, self._tail_addr, check)
+                    continue
+                pos = head & mask
+                k = min(n - off, free, cap - pos)
+                data[pos:pos + k] = part[off:off + k]
+                off += k
+                head += k
+                if k >= _PUBLISH_MIN:
+                    self._publish(head)
+                    published = head
+        if head != published:
+            self._publish(head)
+
+    def _publish(self, head: int) -> None:
+        ctl = self._ctl
+        ctl[_HEAD] = head
+        fence()
+        if ctl[_CSLEEP]:
+            futex_wake(self._head_addr)
+
+    # -- consumer --------------------------------------------------------------------
+    def read_into(self, view: memoryview, check: Callable[[], None]) -> None:
+        """Fill ``view`` (a 1-D byte view) with the next ``len(view)`` bytes; wait as needed."""
+        ctl, data, cap, mask = self._ctl, self._data, self.capacity, self._mask
+        tail = ctl[_TAIL]
+        off, n = 0, len(view)
+        while off < n:
+            avail = ctl[_HEAD] - tail
+            if avail == 0:
+                self._wait(_HEAD, _CSLEEP, tail, self._head_addr, check)
+                continue
+            pos = tail & mask
+            k = min(n - off, avail, cap - pos)
+            view[off:off + k] = data[pos:pos + k]
+            off += k
+            tail += k
+            ctl[_TAIL] = tail
+            fence()
+            if ctl[_PSLEEP]:
+                futex_wake(self._tail_addr)
+
+    def empty(self) -> bool:
+        return self._ctl[_HEAD] == self._ctl[_TAIL]
+
+    # -- waiting ---------------------------------------------------------------------
+    def _wait(self, word: int, flag: int, stale: int, addr: int, check: Callable[[], None]) -> None:
+        """Return once ``ctl[word] != stale``; ``check()`` raises to give up."""
+        ctl = self._ctl
+        for _ in range(_EAGER_CHECKS):
+            if ctl[word] != stale:
+                return
+        end = time.perf_counter() + self._spin
+        while time.perf_counter() < end:
+            os.sched_yield()  # releases the GIL and the CPU: a peer on this core may run
+            if ctl[word] != stale:
+                return
+        check()
+        ctl[flag] = 1
+        try:
+            while ctl[word] == stale:
+                futex_wait(addr, stale, _SLEEP_S)
+                check()
+        finally:
+            ctl[flag] = 0
+
+    def wake_local(self) -> None:
+        """Wake this process's sleepers on either counter (they then run ``check()``)."""
+        futex_wake(self._head_addr)
+        futex_wake(self._tail_addr)
+
+    # -- lifetime --------------------------------------------------------------------
+    def _release(self) -> None:
+        for v in (getattr(self, "_data", None), self._ctl, self._mv):
+            if v is not None:
+                v.release()
+        try:
+            self._mm.close()
+        except BufferError:  # a view is still in use somewhere; the GC unmaps it later
+            pass
+
+    def close(self) -> None:
+        """Unmap; call only when no thread uses the ring any more."""
+        self._release()

@@ -1,0 +1,191 @@
+"""Connecting same-host ranks for the shm transport: authenticated UNIX sockets, fd exchange.
+
+Every rank listens on an *abstract* UNIX socket (Linux; no file exists, so none
+can be left behind) whose name carries 128 random bits and is published only in
+the job's store. A rank connects to every lower local rank and accepts every
+higher one. On each connection both sides prove the job secret with the
+``tandem._wire`` HMAC handshake and must run as the same user (``SO_PEERCRED``);
+then each sends, with ``SCM_RIGHTS``, the descriptor of the ring it will *read*
+from the other. Strangers, junk and wrong secrets are dropped without disturbing
+the job. The listener closes as soon as the local mesh is complete; the
+connections stay open for one reason: a peer's death closes them at once.
+
+    links = connect_local(store, rank, world, local_ranks, secret, timeout, make_fd)
+    for peer, link in links.items(): link.sock, link.fd (the peer's ring for us), link.pid
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from typing import Callable
+
+from tandem import _wire
+from tandem.errors import AuthenticationError, NetworkError, ProtocolError, TandemError
+from tandem.store.base import Store
+
+__all__ = ["Link", "connect_local"]
+
+_PURPOSE = b"tandem-shm-transport"
+_HELLO = struct.Struct("!III")  # rank, world size, pid
+_CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
+
+
+@dataclasses.dataclass
+class Link:
+    """An authenticated connection to one local peer, and the ring it gave us to write."""
+
+    peer: int
+    sock: socket.socket
+    fd: int
+    pid: int
+
+
+def _exchange(sock: socket.socket, rank: int, world: int, my_fd: int) -> tuple[int, int, int, int]:
+    """Send our HELLO with ``my_fd``; return the peer's (rank, world, pid, fd)."""
+    pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    if uid != os.getuid():
+        raise AuthenticationError(f"peer process {pid} runs as uid {uid}, not {os.getuid()}")
+    socket.send_fds(sock, [_HELLO.pack(rank, world, os.getpid())], [my_fd])
+    msg, fds, _, _ = socket.recv_fds(sock, _HELLO.size, 1)
+    if len(msg) < _HELLO.size:
+        msg += _wire.recv_exact(sock, _HELLO.size - len(msg))
+    if len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise ProtocolError(f"peer process {pid} sent {len(fds)} descriptors, expected 1")
+    peer, peer_world, peer_pid = _HELLO.unpack(msg)
+    return peer, peer_world, peer_pid, fds[0]
+
+
+def connect_local(store: Store, rank: int, world: int, local: list[int], secret: bytes,
+                  timeout: float, make_fd: Callable[[int], int]) -> dict[int, Link]:
+    """Connect ``rank`` to every other rank of ``local``; ``make_fd(peer)`` makes its ring."""
+    deadline = time.monotonic() + timeout
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    name = f"\0tandem-shm-{secrets.token_hex(16)}"
+    listener.bind(name)
+    listener.listen(128)
+    links: dict[int, Link] = {}
+    higher = {p for p in local if p > rank}
+    cond = threading.Condition()
+    try:
+        store.set(f"shm/addr/{rank}", name[1:])
+        if higher:
+            threading.Thread(target=_accept_loop, daemon=True, name=f"tandem-shm-accept-{rank}",
+                             args=(listener, rank, world, secret, higher, links, cond, deadline,
+                                   make_fd)).start()
+        for peer in sorted(p for p in local if p < rank):
+            addr = "\0" + store.get(f"shm/addr/{peer}").decode()
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(max(0.1, deadline - time.monotonic()))
+                try:
+                    sock.connect(addr)
+                except OSError as exc:
+                    raise NetworkError(
+                        f"rank {rank} cannot reach rank {peer} through its shared-memory socket "
+                        f"({exc}); both claim the same host: are they in different network "
+                        f"namespaces? Set TANDEM_HOST_ID per host or use backend='tcp'") from exc
+                _wire.client_handshake(sock, secret, _PURPOSE)
+                fd = make_fd(peer)
+                try:
+                    got, got_world, pid, peer_fd = _exchange(sock, rank, world, fd)
+                finally:
+                    os.close(fd)
+                if (got, got_world) != (peer, world):
+                    os.close(peer_fd)
+                    raise ProtocolError(f"rank {rank} reached rank {got}/{got_world} at the "
+                                        f"address of rank {peer}/{world}")
+                sock.settimeout(None)
+            except BaseException:
+                sock.close()
+                raise
+            with cond:
+                links[peer] = Link(peer, sock, peer_fd, pid)
+        with cond:
+            while not higher <= links.keys():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise NetworkError(f"rank {rank}: local rank(s) {sorted(higher - links.keys())}"
+                                       f" did not connect through shared memory within "
+                                       f"{timeout:.0f}s")
+                cond.wait(left)
+            return dict(links)
+    except BaseException:
+        with cond:
+            for link in links.values():
+                link.sock.close()
+                os.close(link.fd)
+            links.clear()
+            higher.clear()  # an admission still in flight is refused and closed
+        raise
+    finally:
+        listener.close()
+
+
+def _accept_loop(listener: socket.socket, rank: int, world: int, secret: bytes,
+                 higher: set[int], links: dict[int, Link], cond: threading.Condition,
+                 deadline: float, make_fd: Callable[[int], int]) -> None:
+    listener.settimeout(0.2)
+    while time.monotonic() < deadline:
+        with cond:
+            if higher <= links.keys():
+                return
+        try:
+            sock, _ = listener.accept()
+        except socket.timeout:
+            continue
+        except OSError:
+            return  # listener closed: set-up finished or failed
+        threading.Thread(target=_admit, daemon=True,
+                         args=(sock, rank, world, secret, higher, links, cond, make_fd)).start()
+
+
+def _admit(sock: socket.socket, rank: int, world: int, secret: bytes, higher: set[int],
+           links: dict[int, Link], cond: threading.Condition, make_fd: Callable[[int], int]) -> None:
+    """Authenticate one incoming connection; anything wrong just closes it."""
+    peer_fd = -1
+    try:
+        sock.settimeout(_wire.HANDSHAKE_TIMEOUT)
+        _wire.server_handshake(sock, secret, _PURPOSE)
+        # the connector speaks first, so we learn its rank before making its ring
+        msg, fds, _, _ = socket.recv_fds(sock, _HELLO.size, 1)
+        if len(msg) < _HELLO.size:
+            msg += _wire.recv_exact(sock, _HELLO.size - len(msg))
+        for extra in fds[1:]:
+            os.close(extra)
+        if len(fds) != 1:
+            raise ProtocolError(f"expected 1 descriptor, got {len(fds)}")
+        peer_fd = fds[0]
+        peer, peer_world, pid = _HELLO.unpack(msg)
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)
+        if _CRED.unpack(creds)[1] != os.getuid():
+            raise AuthenticationError("peer runs as another user")
+        with cond:
+            wanted = peer in higher and peer not in links and peer_world == world
+        if not wanted:
+            raise ProtocolError(f"unexpected rank {peer}/{peer_world}")
+        fd = make_fd(peer)
+        try:
+            socket.send_fds(sock, [_HELLO.pack(rank, world, os.getpid())], [fd])
+        finally:
+            os.close(fd)
+        sock.settimeout(None)
+    except (OSError, TandemError):
+        if peer_fd >= 0:
+            os.close(peer_fd)
+        sock.close()
+        return
+    with cond:
+        if peer in higher and peer not in links:
+            links[peer] = Link(peer, sock, peer_fd, pid)
+            cond.notify_all()
+            return
+    os.close(peer_fd)
+    sock.close()
