@@ -10,7 +10,8 @@ from the other. Strangers, junk and wrong secrets are dropped without disturbing
 the job. The listener closes as soon as the local mesh is complete; the
 connections stay open for one reason: a peer's death closes them at once.
 
-    links = connect_local(store, rank, world, local_ranks, secret, timeout, make_fd)
+    mine = {peer: fd_of_the_ring_i_read_from_peer for peer in local_peers}
+    links = connect_local(store, rank, world, mine, secret, timeout)
     for peer, link in links.items(): link.sock, link.fd (the peer's ring for us), link.pid
 """
 
@@ -23,8 +24,6 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable
-
 from tandem import _wire
 from tandem.errors import AuthenticationError, NetworkError, ProtocolError, TandemError
 from tandem.store.base import Store
@@ -63,24 +62,24 @@ def _exchange(sock: socket.socket, rank: int, world: int, my_fd: int) -> tuple[i
     return peer, peer_world, peer_pid, fds[0]
 
 
-def connect_local(store: Store, rank: int, world: int, local: list[int], secret: bytes,
-                  timeout: float, make_fd: Callable[[int], int]) -> dict[int, Link]:
-    """Connect ``rank`` to every other rank of ``local``; ``make_fd(peer)`` makes its ring."""
+def connect_local(store: Store, rank: int, world: int, mine: dict[int, int], secret: bytes,
+                  timeout: float) -> dict[int, Link]:
+    """Connect ``rank`` to every peer in ``mine``, handing each ``mine[peer]`` (a ring fd)."""
     deadline = time.monotonic() + timeout
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     name = f"\0tandem-shm-{secrets.token_hex(16)}"
     listener.bind(name)
     listener.listen(128)
     links: dict[int, Link] = {}
-    higher = {p for p in local if p > rank}
+    higher = {p for p in mine if p > rank}
     cond = threading.Condition()
     try:
         store.set(f"shm/addr/{rank}", name[1:])
         if higher:
             threading.Thread(target=_accept_loop, daemon=True, name=f"tandem-shm-accept-{rank}",
                              args=(listener, rank, world, secret, higher, links, cond, deadline,
-                                   make_fd)).start()
-        for peer in sorted(p for p in local if p < rank):
+                                   mine)).start()
+        for peer in sorted(p for p in mine if p < rank):
             addr = "\0" + store.get(f"shm/addr/{peer}").decode()
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
@@ -93,11 +92,7 @@ def connect_local(store: Store, rank: int, world: int, local: list[int], secret:
                         f"({exc}); both claim the same host: are they in different network "
                         f"namespaces? Set TANDEM_HOST_ID per host or use backend='tcp'") from exc
                 _wire.client_handshake(sock, secret, _PURPOSE)
-                fd = make_fd(peer)
-                try:
-                    got, got_world, pid, peer_fd = _exchange(sock, rank, world, fd)
-                finally:
-                    os.close(fd)
+                got, got_world, pid, peer_fd = _exchange(sock, rank, world, mine[peer])
                 if (got, got_world) != (peer, world):
                     os.close(peer_fd)
                     raise ProtocolError(f"rank {rank} reached rank {got}/{got_world} at the "
@@ -131,7 +126,7 @@ def connect_local(store: Store, rank: int, world: int, local: list[int], secret:
 
 def _accept_loop(listener: socket.socket, rank: int, world: int, secret: bytes,
                  higher: set[int], links: dict[int, Link], cond: threading.Condition,
-                 deadline: float, make_fd: Callable[[int], int]) -> None:
+                 deadline: float, mine: dict[int, int]) -> None:
     listener.settimeout(0.2)
     while time.monotonic() < deadline:
         with cond:
@@ -144,17 +139,17 @@ def _accept_loop(listener: socket.socket, rank: int, world: int, secret: bytes,
         except OSError:
             return  # listener closed: set-up finished or failed
         threading.Thread(target=_admit, daemon=True,
-                         args=(sock, rank, world, secret, higher, links, cond, make_fd)).start()
+                         args=(sock, rank, world, secret, higher, links, cond, mine)).start()
 
 
 def _admit(sock: socket.socket, rank: int, world: int, secret: bytes, higher: set[int],
-           links: dict[int, Link], cond: threading.Condition, make_fd: Callable[[int], int]) -> None:
+           links: dict[int, Link], cond: threading.Condition, mine: dict[int, int]) -> None:
     """Authenticate one incoming connection; anything wrong just closes it."""
     peer_fd = -1
     try:
         sock.settimeout(_wire.HANDSHAKE_TIMEOUT)
         _wire.server_handshake(sock, secret, _PURPOSE)
-        # the connector speaks first, so we learn its rank before making its ring
+        # the connector speaks first, so we learn its rank before handing over its ring
         msg, fds, _, _ = socket.recv_fds(sock, _HELLO.size, 1)
         if len(msg) < _HELLO.size:
             msg += _wire.recv_exact(sock, _HELLO.size - len(msg))
@@ -171,11 +166,7 @@ def _admit(sock: socket.socket, rank: int, world: int, secret: bytes, higher: se
             wanted = peer in higher and peer not in links and peer_world == world
         if not wanted:
             raise ProtocolError(f"unexpected rank {peer}/{peer_world}")
-        fd = make_fd(peer)
-        try:
-            socket.send_fds(sock, [_HELLO.pack(rank, world, os.getpid())], [fd])
-        finally:
-            os.close(fd)
+        socket.send_fds(sock, [_HELLO.pack(rank, world, os.getpid())], [mine[peer]])
         sock.settimeout(None)
     except (OSError, TandemError):
         if peer_fd >= 0:
