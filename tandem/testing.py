@@ -83,6 +83,7 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, args: Sequence[An
 
 
 _context: Any = None
+_TEST_SECRET = "tandem-test-secret"
 
 
 def _mp() -> Any:
@@ -112,12 +113,14 @@ def launch(world_size: int, fn: Callable[..., Any], args: Sequence[Any] = (), *,
             if rendezvous == "tcp":
                 import tandem
 
+                secret = (env or {}).get("TANDEM_SECRET", _TEST_SECRET).encode()
                 server = tandem.TCPStore("127.0.0.1", 0, world_size, is_master=True,
-                                         wait_for_workers=False, timeout=op_timeout)
+                                         wait_for_workers=False, timeout=op_timeout,
+                                         secret=secret)
                 spec["store_port"] = server.port
             else:
                 spec["init_method"] = f"file://{tmp}/store"
-        child_env = {"TANDEM_SECRET": "tandem-test-secret", **(env or {})}
+        child_env = {"TANDEM_SECRET": _TEST_SECRET, **(env or {})}
         procs = [ctx.Process(target=_child, args=(fn, r, world_size, tuple(args), spec,
                                                   child_env, results), daemon=True)
                  for r in range(world_size)]

@@ -1,9 +1,13 @@
 """Backends: how a process group's transport is built, by name.
 
-Built in: ``"tcp"`` (every pair of ranks over an authenticated TCP connection) and
-``"auto"`` (the default: picks the best transport for the topology; today that is
-tcp). torch's names are understood: ``"gloo"`` runs on tcp, the closest match;
-``"nccl"``, ``"mpi"`` and ``"ucc"`` are refused with a message saying what to use.
+Built in: ``"tcp"`` (every pair of ranks over an authenticated TCP connection),
+``"shm"`` (shared-memory rings; every rank must be on one host, else an error
+naming the hosts) and ``"auto"`` (the default: decided from the host identities
+the ranks publish at rendezvous: shm when all ranks share a host, tcp when no two
+do, and in between a mixed transport: shm between same-host ranks, tcp across
+hosts; tcp wherever shm is unsupported, e.g. not Linux x86-64). torch's names are
+understood: ``"gloo"`` runs on tcp, the closest match; ``"nccl"``, ``"mpi"`` and
+``"ucc"`` are refused with a message saying what to use.
 
 A custom backend is a factory returning a :class:`~tandem.transport.base.Transport`;
 the collective algorithms then run over it unchanged::
@@ -25,7 +29,10 @@ from typing import Callable
 from tandem.config import Settings
 from tandem.errors import ArgumentError
 from tandem.store.base import Store
+from tandem.transport._shmem import unsupported_reason
 from tandem.transport.base import Transport
+from tandem.transport.mixed import MixedTransport, exchange_hosts, require_one_host, same_host
+from tandem.transport.shm import ShmTransport
 from tandem.transport.tcp import TcpTransport
 
 __all__ = ["Backend", "BackendOptions", "resolve_backend"]
@@ -53,18 +60,53 @@ def _tcp(options: BackendOptions) -> Transport:
                         options.settings.max_frame, options.hostname)
 
 
+def _shm_over(options: BackendOptions, peers: list[int], tcp: Transport | None) -> ShmTransport:
+    return ShmTransport(options.rank, options.world_size, options.store, options.secret,
+                        peers=peers, hostname=options.hostname,
+                        connect_timeout=options.settings.connect_timeout,
+                        max_frame=options.settings.max_frame,
+                        mailbox=None if tcp is None else tcp.mailbox)
+
+
+def _shm(options: BackendOptions) -> Transport:
+    why = unsupported_reason()
+    if why:
+        raise ArgumentError(f"backend 'shm' is not available here: {why}; use 'auto' or 'tcp'")
+    hosts = exchange_hosts(options.store, options.rank, options.world_size, options.hostname)
+    require_one_host(hosts)
+    return _shm_over(options, list(range(options.world_size)), None)
+
+
+def _auto(options: BackendOptions) -> Transport:
+    """shm within a host, tcp across hosts (every rank of a host decides alike)."""
+    if unsupported_reason():
+        return _tcp(options)
+    hosts = exchange_hosts(options.store, options.rank, options.world_size, options.hostname)
+    local = same_host(hosts, options.rank)
+    if len(local) == options.world_size:
+        return _shm_over(options, local, None)
+    tcp = _tcp(options)
+    if len(local) == 1:
+        return tcp
+    try:
+        return MixedTransport(tcp, _shm_over(options, local, tcp))
+    except BaseException:
+        tcp.close()
+        raise
+
+
 class Backend:
     """Backend names, and the registry of backend factories."""
 
     TCP = "tcp"
+    SHM = "shm"
     AUTO = "auto"
     GLOO = "gloo"
-    _factories: dict[str, Factory] = {"tcp": _tcp, "auto": _tcp}
+    _factories: dict[str, Factory] = {"tcp": _tcp, "shm": _shm, "auto": _auto}
     _refused = {
         "nccl": "NCCL drives GPUs; tandem moves CPU tensors",
         "mpi": "tandem does not use MPI; it runs under mpirun through its environment variables",
         "ucc": "UCC is not a tandem backend",
-        "shm": "the shared-memory backend is not available yet",
     }
 
     @classmethod
@@ -99,6 +141,6 @@ def resolve_backend(backend: str | None) -> str:
         return name
     why = Backend._refused.get(name, "it is not registered")
     raise ArgumentError(
-        f"backend {backend!r} is not available ({why}); use 'auto' (default) or 'tcp', "
+        f"backend {backend!r} is not available ({why}); use 'auto' (default), 'shm' or 'tcp', "
         f"or register one with tandem.Backend.register_backend"
     )

@@ -23,7 +23,8 @@ import torch
 from tandem.config import Settings
 from tandem.errors import ArgumentError, CollectiveError, StateError, TandemError
 from tandem.collectives.work import Work
-from tandem.transport.base import Header, Kind, Slot, Transport, wait_all
+from tandem.transport.base import Header, Kind, Slot, Transport
+from tandem.transport.wait import wait_all
 
 __all__ = ["ProcessGroup", "NonMemberGroup", "Op", "as_bytes", "timeout_seconds"]
 
@@ -179,6 +180,7 @@ class ProcessGroup:
         op.deadline = time.monotonic() + self.timeout
         try:
             fn(op)
+            self.transport.mailbox.finished(self.group_id, op.seq, op.sig, op.site)
         except CollectiveError as exc:
             self.abort(exc)
             raise

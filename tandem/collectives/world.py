@@ -51,6 +51,7 @@ class World:
     settings: Settings
     backend: str
     generation: int
+    owns_store: bool
     groups: list[AnyGroup] = dataclasses.field(default_factory=list)
     groups_made: int = 0
 
@@ -158,6 +159,7 @@ def init_process_group(
     backend_name = resolve_backend(backend)
     seconds = timeout_seconds(timeout, settings.timeout)
     master: str | None = None
+    owns_store = store is None
     if store is None:
         store, rank, world_size, master = _rendezvous(init_method or "env://", rank,
                                                       world_size, seconds, os.environ)
@@ -177,7 +179,7 @@ def init_process_group(
     transport = Backend.factory(backend_name)(options)
     default = ProcessGroup(transport, list(range(world_size)), 0, group_name or "default",
                            seconds, settings, backend_name)
-    _world = World(default, store, transport, settings, backend_name, generation)
+    _world = World(default, store, transport, settings, backend_name, generation, owns_store)
 
 
 def destroy_process_group(group: ProcessGroup | NonMemberGroup | None = None) -> None:
@@ -196,7 +198,8 @@ def destroy_process_group(group: ProcessGroup | NonMemberGroup | None = None) ->
             g.close()
     w.default.close()
     w.transport.close()
-    w.store.close()
+    if w.owns_store:  # a store the caller passed in stays theirs to reuse
+        w.store.close()
 
 
 def _require() -> World:

@@ -1,6 +1,7 @@
 """Transports move tagged byte messages between ranks (tcp, in-process loopback)."""
 
-from tandem.transport.base import Header, Kind, Mailbox, Slot, Transport, wait_all
+from tandem.transport.base import Header, Kind, Mailbox, Slot, Transport
+from tandem.transport.wait import wait_all
 from tandem.transport.loopback import LoopbackHub, LoopbackTransport
 from tandem.transport.tcp import TcpTransport
 

@@ -34,6 +34,8 @@ import os
 import time
 from typing import Callable, Sequence
 
+import torch
+
 from tandem.errors import ProtocolError
 from tandem.transport._shmem import address_of, fence, futex_wait, futex_wake
 
@@ -42,8 +44,19 @@ __all__ = ["Ring", "DATA_OFFSET", "segment_size", "init_segment"]
 DATA_OFFSET = 4096
 _HEAD, _TAIL, _CSLEEP, _PSLEEP, _CAP = 0, 8, 16, 24, 32  # u64 indexes into the control page
 _SLEEP_S = 0.1  # futex timeout: how often a sleeper re-runs check() on its own
-_PUBLISH_MIN = 64 << 10  # a large payload publishes every piece, so the consumer overlaps
-_EAGER_CHECKS = 64  # spins before yielding the CPU
+_BIG = int(os.environ.get("XBIG", str(64 << 10)))  # copies this large release the GIL (torch)
+_PIECE = int(os.environ.get("XPIECE", str(1 << 20)))  # most bytes copied before publishing
+
+
+def _copy(dst: memoryview, dst_t: torch.Tensor | None, a: int, src: memoryview,
+          src_t: torch.Tensor | None, b: int, k: int) -> None:
+    """dst[a:a+k] = src[b:b+k]; large copies run in torch, without holding the GIL."""
+    if k >= _BIG:
+        d = dst_t if dst_t is not None else torch.frombuffer(dst, dtype=torch.uint8)
+        s = src_t if src_t is not None else torch.frombuffer(src, dtype=torch.uint8)
+        d[a:a + k].copy_(s[b:b + k])
+    else:
+        dst[a:a + k] = src[b:b + k]
 
 
 def segment_size(capacity: int) -> int:
@@ -58,10 +71,11 @@ def init_segment(mm: mmap.mmap, capacity: int) -> None:
 class Ring:
     """One direction of one pair: ``write`` on the producer side, ``read_into`` on the other.
 
-    ``spin`` is how long a waiter polls before sleeping on the futex.
+    ``spin`` is how long a waiter polls before sleeping on the futex. Each side keeps
+    its own counter in a local variable (only it stores that counter).
     """
 
-    def __init__(self, mm: mmap.mmap, spin: float = 50e-6) -> None:
+    def __init__(self, mm: mmap.mmap, spin: float = 20e-6) -> None:
         self._mm = mm
         self._mv = memoryview(mm)
         self._ctl = self._mv[:DATA_OFFSET].cast("Q")
@@ -72,85 +86,102 @@ class Ring:
         self.capacity = cap
         self._mask = cap - 1
         self._data = self._mv[DATA_OFFSET:DATA_OFFSET + cap]
+        self._tensor: torch.Tensor | None = torch.frombuffer(self._data, dtype=torch.uint8)
         base = address_of(mm)
         self._head_addr = base + 8 * _HEAD
         self._tail_addr = base + 8 * _TAIL
+        self._head = self._ctl[_HEAD]  # producer's copy
+        self._tail = self._ctl[_TAIL]  # consumer's copy
         self._spin = spin
 
     # -- producer --------------------------------------------------------------------
     def free(self) -> int:
         """Bytes that can be written now without waiting."""
-        return self.capacity - (self._ctl[_HEAD] - self._ctl[_TAIL])
+        return self.capacity - (self._head - self._ctl[_TAIL])
 
     def write(self, parts: Sequence[memoryview], check: Callable[[], None]) -> None:
-        """Append ``parts`` (1-D byte views) in order; wait for space as needed."""
+        """Append ``parts`` (1-D byte views) in order and publish; wait for space as needed."""
         ctl, data, cap, mask = self._ctl, self._data, self.capacity, self._mask
-        head = ctl[_HEAD]
-        published = head
-        for part in parts:
-            off, n = 0, len(part)
-            while off < n:
-                free = cap - (head - ctl[_TAIL])
-                if free == 0:
-                    if head != published:
-                        self._publish(head)
+        head = self._head
+        published = ctl[_HEAD]
+        try:
+            for part in parts:
+                off, n = 0, len(part)
+                while off < n:
+                    free = cap - (head - ctl[_TAIL])
+                    if free == 0:
+                        if head != published:
+                            self._publish(_HEAD, head, _CSLEEP, self._head_addr)
+                            published = head
+                        self._wait(_TAIL, _PSLEEP, head - cap, self._tail_addr, check)
+                        continue
+                    pos = head & mask
+                    k = min(n - off, free, cap - pos, _PIECE)
+                    _copy(data, self._tensor, pos, part, None, off, k)
+                    off += k
+                    head += k
+                    if k >= _BIG:  # let the consumer start on it while we copy the next
+                        self._publish(_HEAD, head, _CSLEEP, self._head_addr)
                         published = head
-                    self._wait(_TAIL, _PSLEEP, head - cap, self._tail_addr, check)
-                    continue
-                pos = head & mask
-                k = min(n - off, free, cap - pos)
-                data[pos:pos + k] = part[off:off + k]
-                off += k
-                head += k
-                if k >= _PUBLISH_MIN:
-                    self._publish(head)
-                    published = head
+        finally:
+            self._head = head  # bytes copied in stay in the stream, published or not
         if head != published:
-            self._publish(head)
+            self._publish(_HEAD, head, _CSLEEP, self._head_addr)
 
-    def _publish(self, head: int) -> None:
+    def _publish(self, word: int, value: int, flag: int, addr: int) -> None:
         ctl = self._ctl
-        ctl[_HEAD] = head
+        ctl[word] = value
         fence()
-        if ctl[_CSLEEP]:
-            futex_wake(self._head_addr)
+        if ctl[flag]:
+            futex_wake(addr)
 
     # -- consumer --------------------------------------------------------------------
-    def read_into(self, view: memoryview, check: Callable[[], None]) -> None:
-        """Fill ``view`` (a 1-D byte view) with the next ``len(view)`` bytes; wait as needed."""
+    def read_into(self, view: memoryview, check: Callable[[], None], release: bool = True) -> None:
+        """Fill ``view`` (a 1-D byte view) with the next ``len(view)`` bytes; wait as needed.
+
+        ``release=False`` leaves the space to the producer only at the next release
+        (saves a fence on small reads that are followed by more).
+        """
         ctl, data, cap, mask = self._ctl, self._data, self.capacity, self._mask
-        tail = ctl[_TAIL]
+        tail = self._tail
         off, n = 0, len(view)
         while off < n:
             avail = ctl[_HEAD] - tail
             if avail == 0:
+                if tail != ctl[_TAIL]:
+                    self._publish(_TAIL, tail, _PSLEEP, self._tail_addr)
                 self._wait(_HEAD, _CSLEEP, tail, self._head_addr, check)
                 continue
             pos = tail & mask
-            k = min(n - off, avail, cap - pos)
-            view[off:off + k] = data[pos:pos + k]
+            k = min(n - off, avail, cap - pos, _PIECE)
+            _copy(view, None, off, data, self._tensor, pos, k)
             off += k
             tail += k
-            ctl[_TAIL] = tail
-            fence()
-            if ctl[_PSLEEP]:
-                futex_wake(self._tail_addr)
+            self._tail = tail
+            if k >= _BIG:
+                self._publish(_TAIL, tail, _PSLEEP, self._tail_addr)
+        if release and tail != ctl[_TAIL]:
+            self._publish(_TAIL, tail, _PSLEEP, self._tail_addr)
+
+    def release(self) -> None:
+        """Hand everything read so far back to the producer."""
+        if self._tail != self._ctl[_TAIL]:
+            self._publish(_TAIL, self._tail, _PSLEEP, self._tail_addr)
 
     def empty(self) -> bool:
-        return self._ctl[_HEAD] == self._ctl[_TAIL]
+        return self._ctl[_HEAD] == self._tail
 
     # -- waiting ---------------------------------------------------------------------
     def _wait(self, word: int, flag: int, stale: int, addr: int, check: Callable[[], None]) -> None:
         """Return once ``ctl[word] != stale``; ``check()`` raises to give up."""
         ctl = self._ctl
-        for _ in range(_EAGER_CHECKS):
-            if ctl[word] != stale:
-                return
         end = time.perf_counter() + self._spin
-        while time.perf_counter() < end:
-            os.sched_yield()  # releases the GIL and the CPU: a peer on this core may run
-            if ctl[word] != stale:
-                return
+        while True:  # spin: holds the GIL, so keep it short
+            for _ in range(16):
+                if ctl[word] != stale:
+                    return
+            if time.perf_counter() >= end:
+                break
         check()
         ctl[flag] = 1
         try:
@@ -167,6 +198,7 @@ class Ring:
 
     # -- lifetime --------------------------------------------------------------------
     def _release(self) -> None:
+        self._tensor = None
         for v in (getattr(self, "_data", None), self._ctl, self._mv):
             if v is not None:
                 v.release()

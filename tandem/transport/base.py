@@ -34,7 +34,8 @@ from tandem.errors import (
     TandemError,
 )
 
-__all__ = ["Kind", "Header", "Slot", "Mailbox", "Transport", "wait_all"]
+__all__ = ["Kind", "Header", "Slot", "Mailbox", "Transport", "check_size", "encode_error",
+           "decode_error"]
 
 
 class Kind:
@@ -65,6 +66,25 @@ ABORT_CODES: dict[int, type[TandemError]] = {
 }
 
 Key = tuple[int, int, int, int, int]  # (peer, kind, group, seq, step)
+
+
+def encode_error(error: TandemError, reporter: int) -> bytes:
+    """An ABORT payload: the details other ranks need to rebuild ``error``."""
+    missing = ",".join(map(str, getattr(error, "missing", ())))
+    lost = getattr(error, "rank", -1)
+    return f"{missing};{lost}\n[reported by rank {reporter}] {error}".encode()
+
+
+def decode_error(code: int, data: bytes) -> TandemError:
+    head, _, text = data.decode(errors="replace").partition("\n")
+    missing_text, _, lost_text = head.partition(";")
+    error_type = ABORT_CODES.get(code, StateError)
+    if error_type is CollectiveTimeoutError:
+        missing = tuple(int(m) for m in missing_text.split(",") if m.strip().lstrip("-").isdigit())
+        return CollectiveTimeoutError(text, missing)
+    if error_type is PeerLostError:
+        return PeerLostError(text, int(lost_text) if lost_text.lstrip("-").isdigit() else -1)
+    return error_type(text)
 Reader = Callable[[memoryview], None]
 
 
@@ -124,6 +144,12 @@ class Mailbox:
         self._wild: list[tuple[Callable[[int, Header], bool], Slot]] = []
         self.dead: dict[int, PeerLostError] = {}
         self.aborted: dict[int, TandemError] = {}
+        # the last calls completed per group: (seq, sig, site), to recognise stray messages
+        self._finished: dict[int, collections.deque[tuple[int, bytes, bytes]]] = {}
+        # every failure peers reported per group, including after the first one
+        self.reports: dict[int, list[TandemError]] = collections.defaultdict(list)
+        # set by the transport: tell ``peer`` that ``group`` failed with ``error``
+        self.reply: Callable[[int, int, TandemError], None] | None = None
 
     # -- receiving side (called by the transport's reader for ``peer``) ----------------
     def arrive(self, peer: int, header: Header, read: Reader) -> None:
@@ -131,19 +157,27 @@ class Mailbox:
         if header.kind == Kind.ABORT:
             buf = bytearray(header.nbytes)
             read(memoryview(buf))
-            error_type = ABORT_CODES.get(header.step, StateError)
-            self.abort_group(header.group, error_type(buf.decode(errors="replace")))
+            error = decode_error(header.step, bytes(buf))
+            self.reports[header.group].append(error)
+            self.abort_group(header.group, error)
             return
         key = (peer, header.kind, header.group, header.seq, header.step)
         with self._lock:
             slot = self._posted.pop(key, None)
             if slot is None:
                 slot = self._take_wild(peer, header)
+            stray = None
             if slot is None:
+                stray = self._stray(peer, header)
+            if slot is None and stray is None:
                 parked = Slot(peer, key, None, b"")
                 parked.header = header
                 self._parked[key] = parked
                 clash = self._clashing_posts(peer, header)
+        if stray is not None:
+            read(memoryview(bytearray(header.nbytes)))  # drain, never combine
+            self._reject(peer, header.group, stray)
+            return
         if slot is None:
             for victim in clash:  # our own call for this sequence number is a different one
                 victim.finish(None, _mismatch(victim, header, self.rank, peer))
@@ -175,6 +209,41 @@ class Mailbox:
         for s in clash:
             del self._posted[s.key]
         return clash
+
+    def _stray(self, peer: int, header: Header) -> CollectiveMismatchError | None:
+        """A message for a call this rank already completed: the peer's call differed.
+
+        E.g. two ranks that both believe they are the root of a broadcast only send.
+        Caller holds the lock.
+        """
+        done = self._finished.get(header.group)
+        if header.kind != Kind.COLL or not done or header.seq > done[-1][0]:
+            return None
+        mine = next(((sig, site) for seq, sig, site in done if seq == header.seq), None)
+        sig, site = mine if mine is not None else (b"an earlier collective", b"?")
+        return CollectiveMismatchError(
+            f"collective mismatch (group {header.group}, sequence {header.seq}): "
+            f"rank {self.rank} completed {sig.decode(errors='replace')} at "
+            f"{site.decode(errors='replace')} but rank {peer} called "
+            f"{header.sig.decode(errors='replace')} at {header.site.decode(errors='replace')}")
+
+    def _reject(self, peer: int, group: int, error: TandemError) -> None:
+        self.abort_group(group, error)
+        if self.reply is not None:
+            self.reply(peer, group, error)
+
+    def finished(self, group: int, seq: int, sig: bytes, site: bytes) -> None:
+        """Record that this rank completed call ``seq``; leftovers for it are strays."""
+        with self._lock:
+            done = self._finished.setdefault(group, collections.deque(maxlen=64))
+            done.append((seq, sig, site))
+            keys = [k for k in self._parked
+                    if k[1] == Kind.COLL and k[2] == group and k[3] == seq]
+            strays = [(k[0], self._parked.pop(k).header) for k in keys]
+            errors = [(peer, self._stray(peer, h)) for peer, h in strays if h is not None]
+        for peer, error in errors:
+            if error is not None:
+                self._reject(peer, group, error)
 
     def _clashing_arrival(self, kind: int, group: int, seq: int, sig: bytes) -> Slot | None:
         """A parked message of the same collective call with another signature (lock held)."""
@@ -314,7 +383,7 @@ class Transport(abc.ABC):
         """Fail ``group`` here and tell ``peers`` so they raise the same error."""
         self.mailbox.abort_group(group, error)
         code = next((c for c, t in ABORT_CODES.items() if type(error) is t), 0)
-        data = str(error).encode()
+        data = encode_error(error, self.rank)
         header = Header(Kind.ABORT, group, 0, code, len(data))
         targets = [p for p in peers if p != self.rank and p not in self.mailbox.dead]
 
@@ -334,42 +403,6 @@ class Transport(abc.ABC):
     def host_of(self, rank: int) -> str:
         """The host identity of ``rank`` (used for topology decisions)."""
         return ""
-
-
-def wait_all(slots: Iterable[Slot], deadline: float, describe: Callable[[], str],
-             mailbox: Mailbox, group_peers: Iterable[int] = ()) -> None:
-    """Wait for every slot; raise its error, a lost peer, or a timeout naming who is missing.
-
-    ``group_peers`` are checked for death while waiting, so a rank dying anywhere in
-    the group is reported within a fraction of a second even when this rank waits
-    on someone else.
-    """
-    pending = collections.deque(slots)
-    peers = tuple(group_peers)
-    while pending:
-        slot = pending[0]
-        if slot.event.is_set():
-            pending.popleft()
-            if slot.error is not None:
-                raise slot.error
-            continue
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            missing = tuple(sorted({s.peer for s in pending if not s.event.is_set()}))
-            for s in pending:
-                mailbox.cancel(s)
-            raise CollectiveTimeoutError(
-                f"{describe()} timed out: no message from rank(s) "
-                f"{', '.join(map(str, missing))}", missing
-            )
-        if slot.event.wait(min(remaining, 0.05)):
-            continue
-        for p in peers:
-            lost = mailbox.dead.get(p)
-            if lost is not None:
-                for s in pending:
-                    mailbox.cancel(s)
-                raise PeerLostError(f"{describe()} failed: {lost}", p) from lost
 
 
 def check_size(nbytes: int, cap: int, peer: int) -> None:

@@ -25,7 +25,7 @@ import threading
 import time
 
 from tandem import _wire
-from tandem.errors import AuthenticationError, NetworkError, PeerLostError, TandemError
+from tandem.errors import NetworkError, PeerLostError, ProtocolError, TandemError
 from tandem.store.base import Store
 from tandem.transport.base import Header, Mailbox, Slot, Transport, check_size
 
@@ -37,10 +37,14 @@ _INLINE_MAX = 256 << 10
 _PURPOSE = b"tandem-transport"
 
 
-def _sendall_vec(sock: socket.socket, parts: list[memoryview]) -> None:
-    """Write every buffer with as few system calls as the kernel allows."""
+def _sendall_vec(sock: socket.socket, parts: list[memoryview], flags: int = 0) -> None:
+    """Write every buffer with as few system calls as the kernel allows.
+
+    ``parts`` is consumed in place, so after a ``BlockingIOError`` (with
+    ``MSG_DONTWAIT``) it holds exactly what is left to send.
+    """
     while parts:
-        sent = sock.sendmsg(parts)
+        sent = sock.sendmsg(parts, [], flags)
         while sent:
             if sent >= len(parts[0]):
                 sent -= len(parts[0])
@@ -56,9 +60,9 @@ class _Peer:
     def __init__(self, rank: int, sock: socket.socket) -> None:
         self.rank = rank
         self.sock = sock
-        self.wlock = threading.Lock()
         self.cv = threading.Condition()
-        self.queue: collections.deque[tuple[Header, memoryview, Slot]] = collections.deque()
+        self.busy = False  # someone is writing to the socket; protected by cv
+        self.queue: collections.deque[tuple[list[memoryview], Header, Slot]] = collections.deque()
         self.writer: threading.Thread | None = None
 
 
@@ -70,6 +74,7 @@ class TcpTransport(Transport):
         self.rank = rank
         self.world_size = world_size
         self.mailbox = Mailbox(rank)
+        self.mailbox.reply = lambda peer, group, error: self.abort(group, [peer], error)
         self._secret = secret
         self._max_frame = max_frame
         self._closing = False
@@ -187,12 +192,26 @@ class TcpTransport(Transport):
                 extra = _wire.recv_exact(sock, siglen + sitelen) if siglen + sitelen else b""
                 header = Header(kind, group, seq, step, nbytes, extra[:siglen], extra[siglen:])
                 self.mailbox.arrive(peer.rank, header, read)
+        except ProtocolError as exc:
+            # refuse the rest of this peer's stream; closing tells the sender at once
+            self._shutdown(peer.sock)
+            if not self._closing:
+                self.mailbox.peer_lost(peer.rank, PeerLostError(
+                    f"rank {self.rank} dropped its connection to rank {peer.rank}: {exc}",
+                    peer.rank))
         except (OSError, TandemError) as exc:
             if not self._closing:
                 self.mailbox.peer_lost(peer.rank, PeerLostError(
                     f"rank {peer.rank} (host {self._hosts.get(peer.rank) or '?'}) closed its "
                     f"connection to rank {self.rank} ({exc}); did it exit or crash?",
                     peer.rank))
+
+    @staticmethod
+    def _shutdown(sock: socket.socket) -> None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def isend(self, peer: int, header: Header, payload: memoryview) -> Slot:
         slot = Slot(peer, (peer, header.kind, header.group, header.seq, header.step), None, b"")
@@ -211,51 +230,73 @@ class TcpTransport(Transport):
         lost = self.mailbox.dead.get(peer)
         if lost is not None:
             raise lost
-        with p.cv:
-            inline = not p.queue and header.nbytes <= _INLINE_MAX
-            if inline:
-                p.wlock.acquire()
-            else:
-                p.queue.append((header, payload, slot))
-                if p.writer is None:
-                    p.writer = threading.Thread(target=self._write_loop, args=(p,), daemon=True,
-                                                name=f"tandem-write-{self.rank}>{peer}")
-                    p.writer.start()
-                p.cv.notify()
-        if inline:
-            try:
-                self._write(p, header, payload, slot)
-            finally:
-                p.wlock.release()
-        return slot
-
-    def _write(self, p: _Peer, header: Header, payload: memoryview, slot: Slot) -> None:
         head = _HDR.pack(header.kind, header.group, header.seq, header.step, header.nbytes,
                          len(header.sig), len(header.site)) + header.sig + header.site
-        try:
-            _sendall_vec(p.sock, [memoryview(head), payload.cast("B") if payload.ndim != 1
-                                  or payload.format != "B" else payload])
-        except OSError as exc:
-            error = PeerLostError(f"rank {self.rank} could not send to rank {p.rank}: {exc}; "
-                                  f"did it exit or crash?", p.rank)
-            if not self._closing:
-                self.mailbox.peer_lost(p.rank, error)
-            slot.finish(None, error)
-            return
-        slot.finish(header)
+        body = payload if payload.ndim == 1 and payload.format == "B" else payload.cast("B")
+        parts = [memoryview(head), body]
+        with p.cv:
+            inline = not p.queue and not p.busy and header.nbytes <= _INLINE_MAX
+            if inline:
+                p.busy = True
+            else:
+                self._enqueue(p, parts, header, slot, front=False)
+        if inline:
+            # never block the caller: a stopped peer with full buffers must not stall us past
+            # the op's deadline, so what the kernel does not take now goes to the writer
+            try:
+                _sendall_vec(p.sock, parts, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                parts = []
+                self._send_failed(p, slot, exc)
+            with p.cv:
+                p.busy = False
+                if parts:
+                    self._enqueue(p, parts, header, slot, front=True)
+                else:
+                    p.cv.notify()
+            if not parts and not slot.done():
+                slot.finish(header)
+        return slot
+
+    def _enqueue(self, p: _Peer, parts: list[memoryview], header: Header, slot: Slot,
+                 front: bool) -> None:
+        """Queue for the writer thread (caller holds ``p.cv``)."""
+        if front:
+            p.queue.appendleft((parts, header, slot))
+        else:
+            p.queue.append((parts, header, slot))
+        if p.writer is None:
+            p.writer = threading.Thread(target=self._write_loop, args=(p,), daemon=True,
+                                        name=f"tandem-write-{self.rank}>{p.rank}")
+            p.writer.start()
+        p.cv.notify()
+
+    def _send_failed(self, p: _Peer, slot: Slot, exc: OSError) -> None:
+        error = PeerLostError(f"rank {self.rank} could not send to rank {p.rank}: {exc}; "
+                              f"did it exit or crash?", p.rank)
+        if not self._closing:
+            self.mailbox.peer_lost(p.rank, error)
+        slot.finish(None, error)
 
     def _write_loop(self, p: _Peer) -> None:
         while True:
             with p.cv:
-                while not p.queue:
+                while not p.queue or p.busy:
                     if self._closing:
                         return
                     p.cv.wait()
-                header, payload, slot = p.queue[0]
-            with p.wlock:
-                self._write(p, header, payload, slot)
+                parts, header, slot = p.queue.popleft()
+                p.busy = True
+            try:
+                _sendall_vec(p.sock, parts)
+                slot.finish(header)
+            except OSError as exc:
+                self._send_failed(p, slot, exc)
             with p.cv:
-                p.queue.popleft()
+                p.busy = False
+                p.cv.notify_all()
 
     def host_of(self, rank: int) -> str:
         return self._hosts.get(rank, "")
@@ -265,8 +306,5 @@ class TcpTransport(Transport):
         for p in self._peers.values():
             with p.cv:
                 p.cv.notify_all()
-            try:
-                p.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            self._shutdown(p.sock)
             p.sock.close()

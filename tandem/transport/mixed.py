@@ -1,0 +1,96 @@
+"""Topology: which ranks share a host, and a transport that routes each peer to shm or tcp.
+
+Host identity is the host name (``TANDEM_HOST_ID`` overrides it, e.g. to simulate
+hosts in tests) plus the kernel's boot id, so two machines that happen to share a
+host name are never mistaken for one. Every rank publishes it in the store::
+
+    hosts = exchange_hosts(store, rank, world_size, hostname)   # one entry per rank
+    require_one_host(hosts)                                      # backend="shm"
+    t = MixedTransport(tcp, shm)       # same-host peers via shm, the rest via tcp
+
+The mixed transport's two halves share one :class:`~tandem.transport.base.Mailbox`
+(the shm transport is built with ``mailbox=tcp.mailbox``), so receives, parked
+early arrivals, lost peers and aborts are matched in one place whichever way a
+message came.
+"""
+
+from __future__ import annotations
+
+from tandem.errors import ArgumentError
+from tandem.store.base import Store
+from tandem.transport.base import Header, Slot, Transport
+from tandem.transport.shm import ShmTransport
+
+__all__ = ["MixedTransport", "exchange_hosts", "require_one_host", "host_key", "same_host"]
+
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def host_key(hostname: str) -> str:
+    """``hostname`` plus this machine's boot id: equal only for processes of one kernel."""
+    try:
+        with open(_BOOT_ID) as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{hostname}|{boot}"
+
+
+def exchange_hosts(store: Store, rank: int, world_size: int, hostname: str) -> list[str]:
+    """Publish this rank's host key and return every rank's (index = rank)."""
+    store.set(f"topology/host/{rank}", host_key(hostname))
+    return [store.get(f"topology/host/{r}").decode() for r in range(world_size)]
+
+
+def same_host(hosts: list[str], rank: int) -> list[int]:
+    """The ranks on ``rank``'s host, itself included, in order."""
+    return [r for r, h in enumerate(hosts) if h == hosts[rank]]
+
+
+def _name(key: str) -> str:
+    return key.rpartition("|")[0] or key
+
+
+def require_one_host(hosts: list[str]) -> None:
+    """Raise ``ArgumentError`` naming the hosts when the ranks do not share one host."""
+    groups: dict[str, list[int]] = {}
+    for r, h in enumerate(hosts):
+        groups.setdefault(h, []).append(r)
+    if len(groups) <= 1:
+        return
+    names = [_name(h) for h in groups]
+    parts = "; ".join(f"host '{_name(h)}' has rank(s) {rs}" for h, rs in groups.items())
+    why = (" (same name, different machines: their boot ids differ)"
+           if len(set(names)) < len(names) else "")
+    raise ArgumentError(f"backend 'shm' needs every rank on one host, but the ranks span "
+                        f"{len(groups)} hosts{why}: {parts}; use backend 'auto' (shared memory "
+                        f"within a host, tcp across) or 'tcp'")
+
+
+class MixedTransport(Transport):
+    """Routes same-host peers through ``shm`` and every other peer through ``tcp``."""
+
+    def __init__(self, tcp: Transport, shm: ShmTransport) -> None:
+        if shm.mailbox is not tcp.mailbox:
+            raise ArgumentError("MixedTransport needs shm built with mailbox=tcp.mailbox")
+        self.rank = tcp.rank
+        self.world_size = tcp.world_size
+        self.mailbox = tcp.mailbox
+        self.tcp = tcp
+        self.shm = shm
+
+    def route(self, peer: int) -> Transport:
+        """The transport that carries messages to ``peer``."""
+        return self.shm if self.shm.reaches(peer) else self.tcp
+
+    def isend(self, peer: int, header: Header, payload: memoryview) -> Slot:
+        return self.route(peer).isend(peer, header, payload)
+
+    def host_of(self, rank: int) -> str:
+        return self.tcp.host_of(rank)
+
+    def close(self) -> None:
+        try:
+            self.shm.close()
+        finally:
+            self.tcp.close()

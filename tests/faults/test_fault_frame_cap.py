@@ -1,0 +1,56 @@
+"""A message above ``TANDEM_MAX_FRAME`` is refused by its size, before it is allocated."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import tandem as dist
+from _fault_helpers import attempt, values
+from tandem.testing import launch
+
+pytestmark = pytest.mark.timeout(90)
+
+CAP = 4096
+BIG = 4 * CAP  # bytes of the oversized message
+OP_TIMEOUT = 3.0
+
+
+def _oversized_message(rank: int, world_size: int) -> Any:
+    small = torch.zeros(CAP // 4 // 2)  # half the cap: must pass
+    if rank == 0:
+        dist.send(small, dst=1)
+        big = attempt(dist.send, torch.zeros(BIG // 4), dst=1)
+        after = attempt(dist.all_reduce, torch.ones(4))  # does rank 0 learn it was cut off?
+        return {"small": True, "big": big, "after": after}
+    got_small = attempt(dist.recv, small, src=0)
+    big = attempt(dist.recv, torch.zeros(BIG // 4), src=0)
+    time.sleep(OP_TIMEOUT + 1.0)  # stay alive: rank 0 must not learn of it by our exit
+    return {"small": got_small["ok"], "big": big}
+
+
+@pytest.fixture(scope="module")
+def oversized() -> dict[int, Any]:
+    outcomes = launch(2, _oversized_message, timeout=40, op_timeout=OP_TIMEOUT,
+                      env={"TANDEM_MAX_FRAME": str(CAP)})
+    return values(outcomes, [0, 1])
+
+
+def test_messages_under_the_cap_pass(oversized: Any) -> None:
+    assert oversized[0]["small"] and oversized[1]["small"], oversized
+
+
+def test_receiver_refuses_an_oversized_message_naming_size_and_cap(oversized: Any) -> None:
+    r = oversized[1]["big"]
+    assert not r["ok"] and r["type"] in ("ProtocolError", "PeerLostError"), r
+    assert str(BIG) in r["msg"] and str(CAP) in r["msg"], r
+    assert r["elapsed"] < 1.0, r
+
+
+def test_sender_learns_at_once_that_its_connection_was_refused(oversized: Any) -> None:
+    r = oversized[0]["after"]
+    assert not r["ok"] and r["type"] in ("ProtocolError", "PeerLostError"), r
+    assert r["elapsed"] < 1.0, r

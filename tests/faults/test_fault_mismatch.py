@@ -1,0 +1,155 @@
+"""Ranks that call different collectives at the same point are stopped before data moves.
+
+One job runs every case, each on a fresh two-rank group (``new_group`` is local, so
+this costs nothing), so one case's abort does not leak into the next. Rank 0 and rank 1
+make their calls on different lines of this file, so the expected call sites differ.
+Each rank's tensor holds rank-specific values: combining anything would change it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import tandem as dist
+from _fault_helpers import attempt, line_of, values
+from tandem.testing import launch
+
+pytestmark = pytest.mark.timeout(90)
+
+GROUP_TIMEOUT = 3.0  # a case that is not detected ends with this timeout instead
+
+
+def _tensor(rank: int, dtype: torch.dtype = torch.float32, n: int = 4) -> torch.Tensor:
+    return (torch.arange(n) + 10 * (rank + 1)).to(dtype)
+
+
+def _op(rank: int, g: Any, t: torch.Tensor) -> None:
+    if rank == 0:
+        dist.all_reduce(t, group=g)  # site: op/0
+    else:
+        dist.broadcast(t, src=0, group=g)  # site: op/1
+
+
+def _dtype(rank: int, g: Any, t: torch.Tensor) -> None:
+    if rank == 0:
+        dist.all_reduce(t, group=g)  # site: dtype/0
+    else:
+        dist.all_reduce(t, group=g)  # site: dtype/1
+
+
+def _shape(rank: int, g: Any, t: torch.Tensor) -> None:
+    if rank == 0:
+        dist.all_reduce(t, group=g)  # site: shape/0
+    else:
+        dist.all_reduce(t, group=g)  # site: shape/1
+
+
+def _size_changes_algorithm(rank: int, g: Any, t: torch.Tensor) -> None:
+    if rank == 0:
+        dist.all_reduce(t, group=g)  # site: algorithm/0
+    else:
+        dist.all_reduce(t, group=g)  # site: algorithm/1
+
+
+def _reduce_op(rank: int, g: Any, t: torch.Tensor) -> None:
+    if rank == 0:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=g)  # site: reduce_op/0
+    else:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)  # site: reduce_op/1
+
+
+def _root(rank: int, g: Any, t: torch.Tensor) -> None:
+    if rank == 0:
+        dist.broadcast(t, src=0, group=g)  # site: root/0
+    else:
+        dist.broadcast(t, src=1, group=g)  # site: root/1
+
+
+# name: (call, tensor of each rank, the text of each rank's signature)
+CASES: dict[str, tuple[Callable[..., None], Callable[[int], torch.Tensor], tuple[str, str]]] = {
+    "op": (_op, _tensor, ("all_reduce float32[4]", "broadcast float32[4]")),
+    "dtype": (_dtype, lambda r: _tensor(r, torch.float64 if r else torch.float32),
+              ("all_reduce float32[4]", "all_reduce float64[4]")),
+    "shape": (_shape, lambda r: _tensor(r, n=6 if r else 4),
+              ("all_reduce float32[4]", "all_reduce float32[6]")),
+    # 16384 float32 = 64 KiB takes the ring, one element less recursive doubling
+    "algorithm": (_size_changes_algorithm, lambda r: _tensor(r, n=16384 - r),
+                  ("float32[16384]", "float32[16383]")),
+    "reduce_op": (_reduce_op, _tensor, ("op=SUM", "op=MAX")),
+    "root": (_root, _tensor, ("root=0", "root=1")),
+}
+
+
+def _every_mismatch(rank: int, world_size: int) -> dict[str, Any]:
+    out = {}
+    for name, (call, make, _) in CASES.items():
+        g = dist.new_group([0, 1], timeout=GROUP_TIMEOUT, group_desc=f"mismatch-{name}")
+        t = make(rank)
+        before = t.clone()
+        first = attempt(call, rank, g, t)
+        then = attempt(dist.all_reduce, torch.ones(1), group=g)
+        out[name] = {"first": first, "then": then, "unchanged": torch.equal(t, before)}
+    dist.barrier()  # neither rank leaves while the other may still be told something
+    return out
+
+
+@pytest.fixture(scope="module")
+def mismatches() -> dict[int, Any]:
+    return values(launch(2, _every_mismatch, timeout=60, op_timeout=20.0), [0, 1])
+
+
+def _error(case: dict[str, Any]) -> dict[str, Any]:
+    """The error that reported the mismatch: the call itself, or the next call on the group."""
+    return case["then"] if case["first"]["ok"] else case["first"]
+
+
+DETECTED = ["op", "dtype", "shape", "algorithm", "reduce_op"]
+
+
+@pytest.mark.parametrize("name", [*DETECTED, "root"])
+def test_every_rank_raises_collective_mismatch(mismatches: Any, name: str) -> None:
+    for rank in (0, 1):
+        case = mismatches[rank][name]
+        err = _error(case)
+        assert not err["ok"], f"rank {rank}: the mismatch went unnoticed: {case}"
+        if case["first"]["ok"]:  # a rank that only sent: told at its next call
+            assert err["type"] in ("CollectiveMismatchError", "StateError"), (rank, err)
+            assert "mismatch" in err["msg"], (rank, err)
+        else:
+            assert err["type"] == "CollectiveMismatchError", (rank, err)
+            assert err["elapsed"] < 2.0, (rank, err)  # not by GROUP_TIMEOUT
+
+
+@pytest.mark.parametrize("name", DETECTED)
+def test_mismatch_message_names_both_ranks_signatures_and_call_sites(
+        mismatches: Any, name: str) -> None:
+    sigs = CASES[name][2]
+    sites = [f"test_fault_mismatch.py:{line_of(__file__, f'site: {name}/{r}')}" for r in (0, 1)]
+    for rank in (0, 1):
+        msg = _error(mismatches[rank][name])["msg"]
+        assert "rank 0" in msg and "rank 1" in msg, (rank, msg)
+        assert all(s in msg for s in sigs), (rank, sigs, msg)
+        assert all(s in msg for s in sites), (rank, sites, msg)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_no_data_is_combined(mismatches: Any, name: str) -> None:
+    for rank in (0, 1):
+        assert mismatches[rank][name]["unchanged"], f"rank {rank}'s tensor changed in {name}"
+
+
+@pytest.mark.parametrize("name", [*DETECTED, "root"])
+def test_next_collective_on_the_group_fails_fast(mismatches: Any, name: str) -> None:
+    for rank in (0, 1):
+        then = mismatches[rank][name]["then"]
+        assert not then["ok"] and then["elapsed"] < 1.0, (rank, then)
+        if name == "root":
+            # both ranks only sent, so each learns of the other's call from its stray
+            # message, which may arrive while the next call is already running
+            assert then["type"] in ("StateError", "CollectiveMismatchError"), (rank, then)
+            assert "root=0" in then["msg"] and "root=1" in then["msg"], (rank, then)
+        else:
+            assert then["type"] == "StateError" and "aborted" in then["msg"], (rank, then)

@@ -1,0 +1,269 @@
+"""Strangers, wrong secrets and garbage cannot join a job or disturb it.
+
+Covers the three listeners a job has: the transport's rendezvous listener (a rank with
+the wrong secret; a stranger sending garbage to a published port), the TCPStore server
+(wrong secret, junk, a huge length prefix, idle and half-finished handshakes next to a
+working client) and where listeners bind (the address published in the store).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import tandem as dist
+from _fault_helpers import attempt, values
+from tandem import _wire
+from tandem.collectives.world import world
+from tandem.errors import AuthenticationError
+from tandem.store.tcp import PURPOSE as STORE_PURPOSE
+from tandem.testing import launch
+
+pytestmark = pytest.mark.timeout(90)
+
+CONNECT_TIMEOUT = 3.0
+TRANSPORT_PURPOSE = b"tandem-transport"
+
+
+# -- a rank with the wrong secret --------------------------------------------------------
+
+def _wrong_secret_rank(rank: int, world_size: int, store_path: str) -> Any:
+    if rank == 1:
+        os.environ["TANDEM_SECRET"] = "not-the-job-secret"
+    result = attempt(dist.init_process_group, "tcp", init_method=f"file://{store_path}",
+                     rank=rank, world_size=world_size, timeout=30)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return result
+
+
+@pytest.fixture(scope="module")
+def wrong_secret(tmp_path_factory: Any) -> dict[int, Any]:
+    path = str(tmp_path_factory.mktemp("secret") / "store")
+    outcomes = launch(2, _wrong_secret_rank, (path,), init=False, timeout=40,
+                      env={"TANDEM_CONNECT_TIMEOUT": str(CONNECT_TIMEOUT)})
+    return values(outcomes, [0, 1])
+
+
+def test_rank_with_the_wrong_secret_cannot_join(wrong_secret: Any) -> None:
+    r = wrong_secret[1]
+    assert not r["ok"] and r["type"] == "AuthenticationError", r
+    assert "secret" in r["msg"], r
+    assert r["elapsed"] < CONNECT_TIMEOUT + 2.0, r
+
+
+def test_good_rank_fails_its_connect_deadline_naming_the_missing_rank(wrong_secret: Any) -> None:
+    r = wrong_secret[0]
+    assert not r["ok"] and "NetworkError" in r["types"], r
+    assert "rank(s) [1]" in r["msg"] and "did not connect" in r["msg"], r
+    assert CONNECT_TIMEOUT - 0.5 < r["elapsed"] < CONNECT_TIMEOUT + 3.0, r
+
+
+# -- a stranger at the transport listener during rendezvous ------------------------------
+
+_KEEP: list[socket.socket] = []
+
+
+def _attack(host: str, port: int) -> dict[str, str]:
+    """Hit ``host:port`` the ways a stranger could; describe what each attacker saw."""
+    seen: dict[str, str] = {}
+    junk = socket.create_connection((host, port), timeout=5)
+    junk.sendall(os.urandom(4096))
+    wrong = socket.create_connection((host, port), timeout=5)
+    try:
+        _wire.client_handshake(wrong, b"not-the-job-secret", TRANSPORT_PURPOSE)
+        seen["wrong_secret"] = "accepted"
+    except AuthenticationError as exc:
+        seen["wrong_secret"] = f"AuthenticationError: {exc}"
+    huge = socket.create_connection((host, port), timeout=5)
+    huge.sendall(struct.pack("!I", 0xFFFFFFFF) * 32)  # no length is read before the handshake
+    half = socket.create_connection((host, port), timeout=5)
+    half.recv(40)
+    half.sendall(_wire.MAGIC + b"\x00" * 10)
+    half.close()  # leaves mid-handshake
+    idle = socket.create_connection((host, port), timeout=5)  # says nothing at all
+    for name, sock in (("junk", junk), ("huge", huge)):
+        try:
+            sock.settimeout(3.0)
+            while sock.recv(4096):
+                pass
+            seen[name] = "closed"
+        except OSError as exc:
+            seen[name] = f"closed ({type(exc).__name__})"
+        sock.close()
+    _KEEP.append(idle)  # stays open, saying nothing, while the job forms
+    return seen
+
+
+def _stranger_during_rendezvous(rank: int, world_size: int, store_path: str) -> Any:
+    store = dist.FileStore(store_path, world_size)
+    seen: dict[str, str] = {}
+    if rank == 1:
+        probe = dist.FileStore(store_path)  # world_size -1: its close is not counted
+        addr = probe.get("tandem/0/addr/0").decode()  # "host:port|hostname", by rank 0
+        probe.close()
+        host, port = addr.partition("|")[0].rsplit(":", 1)
+        seen = _attack(host, int(port))
+        time.sleep(1.0)
+    start = time.monotonic()
+    dist.init_process_group("tcp", store=store, rank=rank, world_size=world_size, timeout=30)
+    joined = time.monotonic() - start
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t)
+    addrs = [world().store.get(f"tandem/0/addr/{r}").decode() for r in range(world_size)]
+    after = "not tried"
+    if rank == 1:
+        host, port = addrs[0].partition("|")[0].rsplit(":", 1)
+        time.sleep(1.0)  # the accept thread notices the end of set-up within 0.2 s
+        try:
+            socket.create_connection((host, int(port)), timeout=2).close()
+            after = "connected"
+        except OSError as exc:
+            after = type(exc).__name__
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"sum": t.tolist(), "addrs": addrs, "seen": seen, "joined": joined, "after": after}
+
+
+@pytest.fixture(scope="module")
+def stranger(tmp_path_factory: Any) -> dict[int, Any]:
+    path = str(tmp_path_factory.mktemp("stranger") / "store")
+    outcomes = launch(2, _stranger_during_rendezvous, (path,), init=False, timeout=40,
+                      env={"MASTER_ADDR": "127.0.0.1", "TANDEM_CONNECT_TIMEOUT": "20"})
+    return values(outcomes, [0, 1])
+
+
+def test_job_forms_and_computes_despite_a_stranger_at_the_listener(stranger: Any) -> None:
+    for rank in (0, 1):
+        assert stranger[rank]["sum"] == [3.0] * 4, (rank, stranger[rank])
+    assert stranger[0]["joined"] < 10.0, stranger[0]  # not held up by the idle stranger
+
+
+def test_stranger_is_refused_before_anything_it_sends_is_parsed(stranger: Any) -> None:
+    seen = stranger[1]["seen"]
+    assert seen["wrong_secret"].startswith("AuthenticationError"), seen
+    assert seen["junk"].startswith("closed") and seen["huge"].startswith("closed"), seen
+
+
+def test_listener_is_closed_once_the_mesh_is_complete(stranger: Any) -> None:
+    assert stranger[1]["after"] == "ConnectionRefusedError", stranger[1]
+
+
+def test_loopback_master_addr_makes_listeners_bind_loopback(stranger: Any) -> None:
+    for addr in stranger[0]["addrs"]:
+        assert addr.startswith("127.0.0.1:"), stranger[0]["addrs"]
+
+
+def _non_loopback_ipv4() -> str | None:
+    """An IPv4 address of a local interface other than loopback (Linux ioctl), if any."""
+    import fcntl
+
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        for _, name in socket.if_nameindex():
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                ip = socket.inet_ntoa(fcntl.ioctl(probe.fileno(), 0x8915, req)[20:24])
+            except OSError:
+                continue  # no IPv4 address on this interface
+            if not ip.startswith("127."):
+                return ip
+    finally:
+        probe.close()
+    return None
+
+
+def _published_addresses(rank: int, world_size: int) -> list[str]:
+    return [world().store.get(f"tandem/0/addr/{r}").decode() for r in range(world_size)]
+
+
+HARNESS_SECRET = "tandem-test-secret"  # what tandem.testing.launch gives its children
+
+
+def test_non_loopback_master_addr_binds_that_interface_not_all(monkeypatch: Any) -> None:
+    ip = _non_loopback_ipv4()
+    if ip is None:
+        pytest.skip("this host has no non-loopback IPv4 address")
+    # the parent hosts the TCPStore with its own secret (see test_fault_harness.py)
+    monkeypatch.setenv("TANDEM_SECRET", HARNESS_SECRET)
+    outcomes = launch(2, _published_addresses, rendezvous="tcp", timeout=40,
+                      env={"MASTER_ADDR": ip})
+    for addr in values(outcomes, [0, 1])[0]:
+        assert addr.startswith(f"{ip}:"), (ip, addr)
+
+
+
+# -- the TCPStore server ------------------------------------------------------------------
+
+SECRET = b"store-fault-test-secret"
+
+
+def _closed_by_server(sock: socket.socket, within: float = 3.0) -> bool:
+    sock.settimeout(within)
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except socket.timeout:
+        return False
+    except OSError:
+        return True
+
+
+def test_store_rejects_strangers_while_a_good_client_keeps_working() -> None:
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=10, secret=SECRET,
+                           wait_for_workers=False)
+    socks: list[socket.socket] = []
+    try:
+        good = dist.TCPStore("127.0.0.1", master.port, timeout=10, secret=SECRET)
+        got: list[bytes] = []
+        blocked = threading.Thread(target=lambda: got.append(good.get("released")))
+        blocked.start()  # a client parked in get() while the attacks happen
+
+        with pytest.raises(AuthenticationError, match="secret"):
+            dist.TCPStore("127.0.0.1", master.port, timeout=5, secret=b"wrong")
+
+        def conn() -> socket.socket:
+            s = socket.create_connection(("127.0.0.1", master.port), timeout=5)
+            socks.append(s)
+            return s
+
+        junk = conn()
+        junk.sendall(os.urandom(4096))
+        huge_before_auth = conn()
+        huge_before_auth.sendall(b"\xff" * 80)
+        huge_after_auth = conn()
+        _wire.client_handshake(huge_after_auth, SECRET, STORE_PURPOSE)
+        huge_after_auth.sendall(struct.pack("!I", 0xFFFFFFFF))
+        half = conn()
+        half.recv(40)
+        half.sendall(_wire.MAGIC + b"\x01" * 7)
+        half.close()
+        for _ in range(50):
+            conn()  # idle: each parks a server handshake for HANDSHAKE_TIMEOUT
+
+        start = time.monotonic()
+        for i in range(20):
+            good.set(f"k{i}", str(i))
+        other = dist.TCPStore("127.0.0.1", master.port, timeout=10, secret=SECRET)
+        assert [other.get(f"k{i}") for i in range(20)] == [str(i).encode() for i in range(20)]
+        other.set("released", b"yes")
+        blocked.join(5)
+        assert got == [b"yes"], "the parked get() was not answered"
+        assert time.monotonic() - start < 3.0, "strangers slowed down the good clients"
+        for name, s in (("junk", junk), ("huge_before_auth", huge_before_auth),
+                        ("huge_after_auth", huge_after_auth)):
+            assert _closed_by_server(s), f"the store kept the {name} connection open"
+        other.close()
+        good.close()
+    finally:
+        for s in socks:
+            s.close()
+        master.close()
