@@ -21,7 +21,8 @@ TANDEM_MAX_FRAME               largest accepted message payload in bytes (16 GiB
 TANDEM_ALGORITHM               force one all-reduce algorithm: auto, naive, ring,
                                doubling, or a registered custom one (auto)
 TANDEM_RING_THRESHOLD          all-reduce payloads of at least this many bytes use the
-                               ring algorithm; smaller ones recursive doubling (65536)
+                               ring algorithm, smaller ones recursive doubling; two
+                               ranks use four times this (524288)
 TANDEM_CHUNK_BYTES             pipeline chunk of the ring algorithm (1 MiB)
 TANDEM_DEBUG                   1: log connection set-up and aborts to stderr (0)
 =============================  =========================================================
@@ -49,7 +50,7 @@ class Settings:
     bind_addr: str | None = None
     max_frame: int = 16 << 30
     algorithm: str = "auto"
-    ring_threshold: int = 65536
+    ring_threshold: int = 512 << 10
     chunk_bytes: int = 1 << 20
     debug: bool = False
 

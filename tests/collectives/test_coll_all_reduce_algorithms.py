@@ -175,7 +175,7 @@ def test_all_reduce_of_non_contiguous_tensor_writes_back_in_place() -> None:
 def test_default_algorithm_choice_agrees_with_oracle_above_and_below_ring_threshold() -> None:
     def body(group):
         out = []
-        for numel in (10, 40000):  # 40 B (doubling) and 160 kB (ring) in float32
+        for numel in (10, 400000):  # 40 B (doubling) and 1.6 MB (ring) in float32
             x = torch.full((numel,), float(group.rank() + 1))
             tandem.all_reduce(x, group=group)
             out.append(x)
