@@ -16,6 +16,7 @@ from typing import Sequence
 # (and failures) never slow down or break another
 COMMANDS: dict[str, str] = {
     "collectives": "tandem.bench.collectives",
+    "ddp": "tandem.bench.ddp",
 }
 
 

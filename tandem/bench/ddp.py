@@ -2,9 +2,9 @@
 
 Run from the repository root with the project's interpreter::
 
-    python -m tandem.bench ddp                 # both models, 2 ranks: ~1 min on 2 cores
-    python -m tandem.bench ddp --quick         # a few steps, seconds; what a smoke test runs
-    python -m tandem.bench ddp --models mlp --rounds 9 --markdown
+    python -m tandem.bench ddp                 # both models, 2 ranks: ~2 min on 2 cores
+    python -m tandem.bench ddp --quick         # smoke run: 2 short rounds per model
+    python -m tandem.bench ddp --models mlp --rounds 10 --markdown
     python -m tandem.bench.ddp ...             # the same, without the dispatcher
 
 Models (batch 32 per rank, SGD, one torch thread per rank):
@@ -13,16 +13,16 @@ Models (batch 32 per rank, SGD, one torch thread per rank):
   (32 MiB of gradients per step);
 * ``cnn``  compute-bound: four 3x3 convolutions on 32x32 images, 0.1 M parameters.
 
-How it measures. Each library trains in its own set of rank processes (tandem
-"tcp" with a FileStore rendezvous, or gloo with file://), so each process's
-``ru_maxrss`` belongs to one library. After the process group, model, optimizer and
-one local forward/backward exist, the rank notes its ``ru_maxrss``; then it wraps the
-model in DDP, warms up, and runs rounds of ``--steps`` steps, each round after a
-barrier. A round's time per step is the slowest rank's; the table shows the best
-round. "peak" is the growth of ``ru_maxrss`` from that mark to the end (buckets,
-communication buffers, allocator slack), the largest over the ranks. The libraries
-take turns (tandem, torch, then torch, tandem when ``--passes 2``) and the best
-pass counts, so both see the same machine noise.
+How it measures. Time: one set of rank processes joins both tandem ("tcp",
+FileStore rendezvous) and gloo (file://), wraps one copy of the model in each
+library's DDP, warms both up, then runs rounds of ``--steps`` steps, alternating
+which library goes first, each round after a barrier, so both see the same
+machine noise. A round's time per step is its slowest rank's; the table shows the
+best round. Memory: ``ru_maxrss`` is a per-process high-water mark, so each library
+also trains ``warmup + steps`` steps in processes of its own; "peak" is the growth
+of ``ru_maxrss`` from a mark taken after a local forward/backward/step (so grads,
+autograd workspace and optimizer imports are already counted) to the end: DDP's
+buckets, communication buffers and allocator slack. The largest rank counts.
 
 ratio = torch step time / tandem step time: above 1 means tandem is faster.
 mem ratio = torch peak / tandem peak: above 1 means tandem uses less memory.
@@ -78,51 +78,83 @@ def _maxrss_bytes() -> int:
 # ---- inside each rank process ---------------------------------------------------------
 
 
-def _rank_main(rank: int, world: int, lib: str, url: str, model_name: str, warmup: int,
-               steps: int, rounds: int) -> dict[str, Any]:
-    torch.set_num_threads(1)
+def _init(lib: str, url: str, rank: int, world: int) -> tuple[Any, Any]:
+    """Join ``lib``'s process group; return (its distributed module, its DDP class)."""
     if lib == "tandem":
-        import tandem as dist
-        from tandem.parallel.ddp import DistributedDataParallel as DDP
+        import tandem
+        from tandem.parallel.ddp import DistributedDataParallel
 
-        dist.init_process_group("tcp", init_method=url, rank=rank, world_size=world,
-                                timeout=_TIMEOUT_S)
-    else:
-        import torch.distributed as dist  # type: ignore[no-redef]
-        from torch.nn.parallel import DistributedDataParallel as DDP  # type: ignore[assignment]
+        tandem.init_process_group("tcp", init_method=url, rank=rank, world_size=world,
+                                  timeout=_TIMEOUT_S)
+        return tandem, DistributedDataParallel
+    import torch.distributed as tdist
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-        dist.init_process_group("gloo", init_method=url, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=_TIMEOUT_S))
+    tdist.init_process_group("gloo", init_method=url, rank=rank, world_size=world,
+                             timeout=datetime.timedelta(seconds=_TIMEOUT_S))
+    return tdist, TorchDDP
+
+
+class _Trainer:
+    """One DDP replica of ``model_name`` and its optimizer; ``step()`` is one SGD step."""
+
+    def __init__(self, ddp_class: Any, model_name: str) -> None:
+        model, self.x, self.y = build(model_name)
+        self.ddp = ddp_class(model)
+        self.opt = torch.optim.SGD(self.ddp.parameters(), lr=1e-4)
+        self.params = sum(p.numel() for p in model.parameters())
+
+    def step(self) -> None:
+        self.opt.zero_grad()
+        F.mse_loss(self.ddp(self.x), self.y).backward()
+        self.opt.step()
+
+
+def _time_main(rank: int, world: int, urls: dict[str, str], model_name: str, warmup: int,
+               steps: int, rounds: int) -> dict[str, Any]:
+    """Both libraries in one process, rounds alternating, so both see the same noise."""
+    torch.set_num_threads(1)
+    libs, trainers = {}, {}
+    for lib in LIBS:
+        libs[lib], ddp_class = _init(lib, urls[lib], rank, world)
+        trainers[lib] = _Trainer(ddp_class, model_name)
+    try:
+        for lib in LIBS:
+            for _ in range(warmup):
+                trainers[lib].step()
+        times: dict[str, list[float]] = {lib: [] for lib in LIBS}
+        for r in range(rounds):
+            for lib in (LIBS if r % 2 == 0 else LIBS[::-1]):
+                libs[lib].barrier()
+                start = time.perf_counter()
+                for _ in range(steps):
+                    trainers[lib].step()
+                times[lib].append((time.perf_counter() - start) / steps)
+        mean = trainers["tandem"].ddp.stats.mean
+        return {"times": times, "params": trainers["tandem"].params, "comm": mean.comm_s,
+                "overlap": mean.overlap_s, "buckets": mean.buckets}
+    finally:
+        for lib in LIBS:
+            libs[lib].destroy_process_group()
+
+
+def _memory_main(rank: int, world: int, lib: str, url: str, model_name: str,
+                 steps: int) -> int:
+    """Growth of ru_maxrss from a trained-locally model to ``steps`` DDP steps later."""
+    torch.set_num_threads(1)
+    dist, ddp_class = _init(lib, url, rank, world)
     try:
         model, x, y = build(model_name)
         opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-        F.mse_loss(model(x), y).backward()  # grads and autograd workspace exist now
+        F.mse_loss(model(x), y).backward()  # grads, autograd workspace, optimizer imports
+        opt.step()
         opt.zero_grad()
+        del model, opt
         base = _maxrss_bytes()
-        ddp = DDP(model)
-        opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
-
-        def step() -> None:
-            opt.zero_grad()
-            F.mse_loss(ddp(x), y).backward()
-            opt.step()
-
-        for _ in range(warmup):
-            step()
-        times = []
-        for _ in range(rounds):
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(steps):
-                step()
-            times.append((time.perf_counter() - start) / steps)
-        out: dict[str, Any] = {"times": times, "peak": _maxrss_bytes() - base,
-                               "params": sum(p.numel() for p in model.parameters())}
-        stats = getattr(ddp, "stats", None)
-        if stats is not None:
-            mean = stats.mean
-            out.update(comm=mean.comm_s, overlap=mean.overlap_s, buckets=mean.buckets)
-        return out
+        trainer = _Trainer(ddp_class, model_name)
+        for _ in range(steps):
+            trainer.step()
+        return _maxrss_bytes() - base
     finally:
         dist.destroy_process_group()
 
@@ -130,37 +162,32 @@ def _rank_main(rank: int, world: int, lib: str, url: str, model_name: str, warmu
 # ---- in the parent --------------------------------------------------------------------
 
 
-def _one(lib: str, model: str, world: int, warmup: int, steps: int, rounds: int,
-         timeout: float) -> dict[str, Any]:
+def _spawn(world: int, fn: Any, args: tuple[Any, ...], timeout: float) -> list[Any]:
     from tandem.testing import spawn
 
     env = {}
     if any(name == "lo" for _, name in socket.if_nameindex()):
         env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo would otherwise pick the hostname's interface
-    with tempfile.TemporaryDirectory(prefix="tandem-bench-ddp-") as tmp:
-        per_rank = spawn(world, _rank_main, (lib, f"file://{tmp}/store", model, warmup, steps,
-                                             rounds), init=False, timeout=timeout, env=env)
-    best = min(max(r["times"][i] for r in per_rank) for i in range(rounds))
-    out = dict(per_rank[0])
-    out.update(step=best, peak=max(r["peak"] for r in per_rank))
-    return out
+    return spawn(world, fn, args, init=False, timeout=timeout, env=env)
 
 
 def run(models: Sequence[str], world: int = 2, *, warmup: int = 3, steps: int = 10,
-        rounds: int = 5, passes: int = 2, timeout: float = 600.0) -> list[dict[str, Any]]:
-    """One row per model: best step time and peak memory of each library."""
+        rounds: int = 6, timeout: float = 600.0) -> list[dict[str, Any]]:
+    """One row per model: best step time and peak memory growth of each library."""
     rows = []
     for model in models:
-        found: dict[str, dict[str, Any]] = {}
-        for p in range(passes):
-            for lib in (LIBS if p % 2 == 0 else LIBS[::-1]):
-                got = _one(lib, model, world, warmup, steps, rounds, timeout)
-                if lib not in found or got["step"] < found[lib]["step"]:
-                    peak = min(got["peak"], found[lib]["peak"]) if lib in found else got["peak"]
-                    found[lib] = {**got, "peak": peak}
-                elif got["peak"] < found[lib]["peak"]:
-                    found[lib]["peak"] = got["peak"]
-        rows.append({"model": model, "world": world, **{lib: found[lib] for lib in LIBS}})
+        with tempfile.TemporaryDirectory(prefix="tandem-bench-ddp-") as tmp:
+            urls = {lib: f"file://{tmp}/{lib}-time" for lib in LIBS}
+            per_rank = _spawn(world, _time_main, (urls, model, warmup, steps, rounds), timeout)
+            row: dict[str, Any] = {"model": model, "world": world}
+            for lib in LIBS:
+                # a round lasts as long as its slowest rank; keep the best round
+                best = min(max(r["times"][lib][i] for r in per_rank) for i in range(rounds))
+                peaks = _spawn(world, _memory_main, (lib, f"file://{tmp}/{lib}-memory", model,
+                                                     warmup + steps), timeout)
+                row[lib] = {"step": best, "peak": max(peaks), "params": per_rank[0]["params"]}
+            row["tandem"].update(comm=per_rank[0]["comm"], overlap=per_rank[0]["overlap"])
+        rows.append(row)
     return rows
 
 
@@ -217,32 +244,31 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"comma list of {', '.join(MODELS)} (default: both)")
     parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
     parser.add_argument("--steps", type=int, default=10, help="steps per round (default 10)")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds per pass (default 5)")
+    parser.add_argument("--rounds", type=int, default=6,
+                        help="rounds per library, alternating (default 6)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps (default 3)")
-    parser.add_argument("--passes", type=int, default=2,
-                        help="times each library runs, alternating (default 2)")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="deadline per library and model, seconds (default 600)")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 1 pass, 2 rounds of 3 steps after 1 warm-up step")
+                        help="smoke run: 2 rounds of 3 steps after 1 warm-up step")
     args = parser.parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = sorted(set(models) - set(MODELS))
     if unknown or not models:
         parser.error(f"unknown model(s) {unknown}; choose from {list(MODELS)}")
-    if args.world_size < 2 or min(args.steps, args.rounds, args.passes) < 1 or args.warmup < 0:
-        parser.error("need --world-size >= 2, --steps/--rounds/--passes >= 1, --warmup >= 0")
-    warmup, steps, rounds, passes = args.warmup, args.steps, args.rounds, args.passes
+    if args.world_size < 2 or min(args.steps, args.rounds) < 1 or args.warmup < 0:
+        parser.error("need --world-size >= 2, --steps/--rounds >= 1, --warmup >= 0")
+    warmup, steps, rounds = args.warmup, args.steps, args.rounds
     if args.quick:
-        warmup, steps, rounds, passes = 1, 3, 2, 1
+        warmup, steps, rounds = 1, 3, 2
     start = time.monotonic()
     rows = run(models, args.world_size, warmup=warmup, steps=steps, rounds=rounds,
-               passes=passes, timeout=args.timeout)
+               timeout=args.timeout)
     print(f"machine: {machine()}")
     print(f"DDP: tandem 'tcp' vs torch 'gloo', {args.world_size} ranks on loopback, batch "
-          f"{BATCH}/rank, 1 thread/rank; best of {rounds} rounds x {steps} steps, {passes} "
-          f"pass(es); ratio = torch/tandem step time (>1: tandem faster); mem ratio = "
+          f"{BATCH}/rank, 1 thread/rank; best of {rounds} rounds x {steps} steps; ratio = "
+          f"torch/tandem step time (>1: tandem faster); mem ratio = "
           f"torch/tandem ru_maxrss growth; {time.monotonic() - start:.0f} s")
     print(format_table(rows, markdown=args.markdown))
     return 0

@@ -34,7 +34,7 @@ import os
 import time
 from typing import Callable, Sequence
 
-import torch
+import numpy as np
 
 from tandem.errors import ProtocolError
 from tandem.transport._shmem import address_of, fence, futex_wait, futex_wake
@@ -48,13 +48,15 @@ _BIG = int(os.environ.get("XBIG", str(64 << 10)))  # copies this large release t
 _PIECE = int(os.environ.get("XPIECE", str(1 << 20)))  # most bytes copied before publishing
 
 
-def _copy(dst: memoryview, dst_t: torch.Tensor | None, a: int, src: memoryview,
-          src_t: torch.Tensor | None, b: int, k: int) -> None:
-    """dst[a:a+k] = src[b:b+k]; large copies run in torch, without holding the GIL."""
+def _copy(dst: memoryview, dst_a: np.ndarray | None, a: int, src: memoryview,
+          src_a: np.ndarray | None, b: int, k: int) -> None:
+    """dst[a:a+k] = src[b:b+k]; large copies release the GIL (numpy), small ones are cheaper
+    as one memmove under it. Measured on 2 cores: streaming both ways at once, GIL-free
+    copies let the reader and writer threads of a rank overlap (~1.5x)."""
     if k >= _BIG:
-        d = dst_t if dst_t is not None else torch.frombuffer(dst, dtype=torch.uint8)
-        s = src_t if src_t is not None else torch.frombuffer(src, dtype=torch.uint8)
-        d[a:a + k].copy_(s[b:b + k])
+        d = dst_a if dst_a is not None else np.frombuffer(dst, dtype=np.uint8)
+        s = src_a if src_a is not None else np.frombuffer(src, dtype=np.uint8)
+        np.copyto(d[a:a + k], s[b:b + k])
     else:
         dst[a:a + k] = src[b:b + k]
 
@@ -86,7 +88,7 @@ class Ring:
         self.capacity = cap
         self._mask = cap - 1
         self._data = self._mv[DATA_OFFSET:DATA_OFFSET + cap]
-        self._tensor: torch.Tensor | None = torch.frombuffer(self._data, dtype=torch.uint8)
+        self._array: np.ndarray | None = np.frombuffer(self._data, dtype=np.uint8)
         base = address_of(mm)
         self._head_addr = base + 8 * _HEAD
         self._tail_addr = base + 8 * _TAIL
@@ -117,7 +119,7 @@ class Ring:
                         continue
                     pos = head & mask
                     k = min(n - off, free, cap - pos, _PIECE)
-                    _copy(data, self._tensor, pos, part, None, off, k)
+                    _copy(data, self._array, pos, part, None, off, k)
                     off += k
                     head += k
                     if k >= _BIG:  # let the consumer start on it while we copy the next
@@ -154,7 +156,7 @@ class Ring:
                 continue
             pos = tail & mask
             k = min(n - off, avail, cap - pos, _PIECE)
-            _copy(view, None, off, data, self._tensor, pos, k)
+            _copy(view, None, off, data, self._array, pos, k)
             off += k
             tail += k
             self._tail = tail
@@ -198,7 +200,7 @@ class Ring:
 
     # -- lifetime --------------------------------------------------------------------
     def _release(self) -> None:
-        self._tensor = None
+        self._array = None
         for v in (getattr(self, "_data", None), self._ctl, self._mv):
             if v is not None:
                 v.release()

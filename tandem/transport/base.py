@@ -88,6 +88,41 @@ def decode_error(code: int, data: bytes) -> TandemError:
 Reader = Callable[[memoryview], None]
 
 
+class Flag:
+    """A one-shot event: ``set`` once, ``wait`` with a timeout, ``is_set``.
+
+    ``threading.Event`` builds a Condition and two locks per instance; a transport makes
+    one of these per message, so this is a single pre-acquired lock released by ``set``
+    (measured: Event construction was 12% of the main thread's time in a chunked ring).
+    """
+
+    __slots__ = ("_lock", "_set")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._set = False
+
+    def set(self) -> None:
+        if not self._set:
+            self._set = True
+            try:
+                self._lock.release()
+            except RuntimeError:  # a concurrent set() released it first
+                pass
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._set:
+            return True
+        if self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            self._lock.release()  # wake the next waiter too
+            return True
+        return self._set
+
+
 class Slot:
     """One posted receive (or a parked early arrival)."""
 
@@ -101,7 +136,7 @@ class Slot:
         self.view = view
         self.sig = sig
         self.site = site
-        self.event = threading.Event()
+        self.event = Flag()
         self.header: Header | None = None
         self.error: BaseException | None = None
         self.parked: bytearray | None = None

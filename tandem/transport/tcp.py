@@ -179,17 +179,14 @@ class TcpTransport(Transport):
 
     # -- data path -------------------------------------------------------------------
     def _read_loop(self, peer: _Peer) -> None:
-        sock = peer.sock
-
-        def read(view: memoryview) -> None:
-            _wire.recv_into_exact(sock, view)
-
+        reader = _wire.BufferedReader(peer.sock)
+        read = reader.read_into
         try:
             while True:
                 kind, group, seq, step, nbytes, siglen, sitelen = _HDR.unpack(
-                    _wire.recv_exact(sock, _HDR.size))
+                    reader.read(_HDR.size))
                 check_size(nbytes, self._max_frame, peer.rank)
-                extra = _wire.recv_exact(sock, siglen + sitelen) if siglen + sitelen else b""
+                extra = reader.read(siglen + sitelen) if siglen + sitelen else b""
                 header = Header(kind, group, seq, step, nbytes, extra[:siglen], extra[siglen:])
                 self.mailbox.arrive(peer.rank, header, read)
         except ProtocolError as exc:

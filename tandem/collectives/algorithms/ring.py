@@ -65,17 +65,23 @@ def ring(op: Op, buf: torch.Tensor, bounds: Bounds, redop: ReduceOp | None,
     if reduce_scatter:
         longest = max(b - a for a, b in bounds)
         scratch = [torch.empty(longest, dtype=buf.dtype) for _ in range(min(2, len(steps)))]
+    # byte views are made once and sliced: a tensor-to-memoryview conversion per chunk
+    # showed up in profiles
+    size = buf.element_size()
+    whole = as_bytes(buf)
+    scratch_bytes = [as_bytes(t) for t in scratch]
 
     def post(t: int) -> list:
         reducing, _, seg = steps[t]
-        base = bounds[seg][0]
         if reducing:
-            views = [as_bytes(scratch[t % 2][a - base:b - base]) for a, b in pieces[seg]]
+            base, mem = bounds[seg][0], scratch_bytes[t % 2]
+            views = [mem[(a - base) * size:(b - base) * size] for a, b in pieces[seg]]
         else:
-            views = [as_bytes(buf[a:b]) for a, b in pieces[seg]]
+            views = [whole[a * size:b * size] for a, b in pieces[seg]]
         return [op.recv(prv, t * stride + c, v) for c, v in enumerate(views)]
 
-    sends = [op.send(nxt, c, as_bytes(buf[a:b])) for c, (a, b) in enumerate(pieces[steps[0][1]])]
+    sends = [op.send(nxt, c, whole[a * size:b * size])
+             for c, (a, b) in enumerate(pieces[steps[0][1]])]
     recvs = post(0)
     last_reduce = p - 2 if reduce_scatter else -1
     for t, (reducing, _, seg) in enumerate(steps):
@@ -90,7 +96,7 @@ def ring(op: Op, buf: torch.Tensor, bounds: Bounds, redop: ReduceOp | None,
                 if t == last_reduce:
                     finish(redop, mine, p)  # type: ignore[arg-type]
             if t + 1 < len(steps):
-                sends.append(op.send(nxt, (t + 1) * stride + c, as_bytes(buf[a:b])))
+                sends.append(op.send(nxt, (t + 1) * stride + c, whole[a * size:b * size]))
         recvs = upcoming
     op.wait(*sends)
 

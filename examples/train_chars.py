@@ -1,0 +1,156 @@
+"""Train a character-level transformer on Python's standard library with tandem DDP.
+
+The text is the ``.py`` source of the running Python's stdlib (no download). Each
+rank trains a replica wrapped in ``tandem.parallel.DistributedDataParallel`` on its
+``DistributedSampler`` share; rank 0 shows progress, evaluates, prints a generated
+sample and writes ``checkpoint.pt``, ``loss.png`` and ``metrics.json`` to ``--out``.
+
+Standalone — spawns ``--nproc`` local ranks (default 2) that meet through a FileStore
+in a temporary directory::
+
+    python examples/train_chars.py                      # ~2 min on 2 CPU cores
+    python examples/train_chars.py --quick              # ~20 s smoke run
+    python examples/train_chars.py --steps 600 --resume # continue runs/train_chars
+
+Under a launcher, which sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
+LOCAL_RANK (env:// rendezvous); every rank runs this file::
+
+    python -m tandem.run --nproc-per-node 2 examples/train_chars.py --quick
+    RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python examples/train_chars.py &
+    RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python examples/train_chars.py
+
+Measured on the 2-core development box (torch 2.13 CPU, 1 thread per rank, while other
+jobs kept the load near 5.6): the default run (300 steps, global batch 32 x 128 chars,
+0.6M parameters) took 206 s of training at ~47 samples/s (6k chars/s); train loss
+4.58 -> 1.93, validation 4.55 -> 1.73. It used 134 s of CPU in all, so an idle
+2-core box runs it in a bit over a minute. ``--quick`` takes 17-27 s, mostly
+process start-up (importing torch, and torch.optim importing torch._dynamo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import secrets
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Sequence
+
+import torch
+
+import tandem as dist
+
+from train_chars.trainer import RunConfig, train
+
+FULL = {"steps": 300, "batch_size": 16, "seq_len": 128, "dim": 128, "layers": 3, "heads": 4,
+        "corpus_mb": 3.0, "eval_windows": 512, "sample_chars": 300}
+QUICK = {"steps": 30, "batch_size": 8, "seq_len": 64, "dim": 64, "layers": 2, "heads": 4,
+         "corpus_mb": 0.5, "eval_windows": 64, "sample_chars": 120}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[RunConfig, argparse.Namespace]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, help="total optimizer steps (default 300; quick 30)")
+    p.add_argument("--batch-size", type=int, help="sequences per rank per step (16; quick 8)")
+    p.add_argument("--seq-len", type=int, help="characters per sequence (128; quick 64)")
+    p.add_argument("--dim", type=int, help="model width (128; quick 64)")
+    p.add_argument("--layers", type=int, help="transformer blocks (3; quick 2)")
+    p.add_argument("--corpus-mb", type=float, help="MB of stdlib source to read (3; quick 0.5)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (3e-3)")
+    p.add_argument("--nproc", type=int, default=2, help="local ranks when run standalone (2)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (1)")
+    p.add_argument("--out", default="runs/train_chars", help="output directory")
+    p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
+    p.add_argument("--save-every", type=int, default=100, help="checkpoint period in steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="a ~20 s smoke run")
+    ns = p.parse_args(argv)
+    preset = QUICK if ns.quick else FULL
+    values: dict[str, Any] = {k: (getattr(ns, k) if getattr(ns, k, None) is not None else v)
+              for k, v in preset.items()}
+    cfg = RunConfig(**values, lr=ns.lr, out=ns.out, resume=ns.resume, seed=ns.seed,
+                    save_every=ns.save_every)
+    for name in ("steps", "batch_size", "seq_len", "dim", "layers", "eval_windows"):
+        if getattr(cfg, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    if cfg.dim % cfg.heads:
+        p.error(f"--dim must be a multiple of {cfg.heads} (attention heads)")
+    if ns.nproc <= 0 or ns.threads <= 0:
+        p.error("--nproc and --threads must be positive")
+    return cfg, ns
+
+
+def run_rank(cfg: RunConfig, threads: int, init_method: str = "env://", rank: int = -1,
+             world_size: int = -1) -> None:
+    """Join the job, train, leave. ``env://`` reads RANK/WORLD_SIZE/MASTER_* (launchers)."""
+    torch.set_num_threads(threads)
+    dist.init_process_group(init_method=init_method, rank=rank, world_size=world_size)
+    try:
+        train(cfg)
+    finally:
+        dist.destroy_process_group()
+
+
+def _local_rank(rank: int, world_size: int, cfg: RunConfig, threads: int, init: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    try:
+        run_rank(cfg, threads, init, rank, world_size)
+    except BaseException:
+        sys.stderr.write(f"[rank {rank}] " + traceback.format_exc())
+        sys.stderr.flush()
+        raise SystemExit(1)
+
+
+def launch_local(cfg: RunConfig, nproc: int, threads: int) -> int:
+    """Run ``nproc`` ranks as spawned processes; return the job's exit code.
+
+    A rank that fails makes the others fail fast (tandem notices the closed
+    connections); any still running 15 s later are killed.
+    """
+    os.environ.setdefault("TANDEM_SECRET", secrets.token_hex(16))  # inherited by the ranks
+    with tempfile.TemporaryDirectory(prefix="train-chars-") as tmp:
+        init = f"file://{tmp}/store"
+        if nproc == 1:
+            run_rank(cfg, threads, init, 0, 1)
+            return 0
+        ctx = multiprocessing.get_context("spawn")
+        procs = [ctx.Process(target=_local_rank, args=(r, nproc, cfg, threads, init))
+                 for r in range(nproc)]
+        for proc in procs:
+            proc.start()
+        code, kill_at = 0, float("inf")
+        try:
+            while any(proc.is_alive() for proc in procs):
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if failed and not code:
+                    code, kill_at = failed[0], time.monotonic() + 15
+                if time.monotonic() > kill_at:
+                    break
+                time.sleep(0.2)
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+                proc.join()
+        codes: list[Any] = [p.exitcode for p in procs]
+        for rank, c in enumerate(codes):
+            if c:
+                why = f"signal {-c}" if c < 0 else f"exit code {c}"
+                sys.stderr.write(f"train_chars: rank {rank} ended with {why}\n")
+        code = code or next((c for c in codes if c), 0)
+        return 1 if code < 0 else code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg, ns = parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by a launcher
+        run_rank(cfg, ns.threads)
+        return 0
+    return launch_local(cfg, ns.nproc, ns.threads)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""One rank's training job; tandem must already be initialised (see ``train_chars.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import os
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Subset
+
+import tandem as dist
+from tandem.parallel import DistributedDataParallel, DistributedSampler
+
+from train_chars.checkpoint import load_checkpoint, save_atomic
+from train_chars.data import VOCAB, CharWindows, decode, encode, load_corpus
+from train_chars.model import CharTransformer, ModelConfig
+from train_chars.plot import write_loss_png
+from train_chars.progress import Progress
+
+__all__ = ["RunConfig", "train"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    steps: int
+    batch_size: int  # per rank
+    seq_len: int
+    dim: int
+    layers: int
+    heads: int
+    lr: float
+    corpus_mb: float
+    eval_windows: int
+    out: str
+    resume: bool
+    seed: int
+    save_every: int
+    sample_chars: int
+
+
+def _lr(cfg: RunConfig, step: int) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak at ``cfg.steps``."""
+    warmup = max(1, min(20, cfg.steps // 10))
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, cfg.steps - warmup))
+    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+def _mean_over_ranks(value: torch.Tensor) -> float:
+    buf = value.detach().double().reshape(1).clone()
+    dist.all_reduce(buf)
+    return float(buf.item()) / dist.get_world_size()
+
+
+@torch.no_grad()
+def evaluate(model: CharTransformer, ids: torch.Tensor, cfg: RunConfig) -> float:
+    """Mean validation loss (nats/char) over the first ``eval_windows`` windows, split by rank."""
+    windows = CharWindows(ids, cfg.seq_len)
+    subset = Subset(windows, range(min(len(windows), cfg.eval_windows)))
+    sampler = DistributedSampler(subset, shuffle=False, drop_last=True)
+    totals = torch.zeros(2, dtype=torch.float64)
+    model.eval()
+    for x, y in DataLoader(subset, batch_size=cfg.batch_size, sampler=sampler):
+        logits = model(x)
+        totals[0] += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").double()
+        totals[1] += y.numel()
+    model.train()
+    dist.all_reduce(totals)
+    return float(totals[0] / totals[1])
+
+
+def _verify(path: str, model: CharTransformer, step: int) -> int:
+    """Reload the checkpoint into a fresh model; return how many tensors matched exactly."""
+    state = load_checkpoint(path)
+    fresh = CharTransformer(ModelConfig(**state["model_config"]))
+    fresh.load_state_dict(state["model"])
+    live = model.state_dict()
+    for name, tensor in fresh.state_dict().items():
+        if not torch.equal(tensor, live[name]):
+            raise RuntimeError(f"checkpoint {path}: {name} differs from the trained model")
+    if state["step"] != step or not state["optimizer"]["state"]:
+        raise RuntimeError(f"checkpoint {path}: step {state['step']} (expected {step}) or "
+                           f"empty optimizer state")
+    return len(live)
+
+
+def train(cfg: RunConfig) -> dict[str, Any]:
+    """Train, evaluate, checkpoint; rank 0 also plots, samples and writes metrics.json."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lead = rank == 0
+    torch.manual_seed(cfg.seed)
+    train_ids, val_ids, n_files = load_corpus(int(cfg.corpus_mb * 1e6))
+    mcfg = ModelConfig(len(VOCAB), cfg.seq_len, cfg.dim, cfg.layers, cfg.heads)
+    model = CharTransformer(mcfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
+                                  weight_decay=0.01)
+    ckpt = os.path.join(cfg.out, "checkpoint.pt")
+    step, history, val_history = 0, [], []
+    if cfg.resume:
+        state = load_checkpoint(ckpt)
+        if state["model_config"] != dataclasses.asdict(mcfg):
+            raise ValueError(f"--resume: {ckpt} holds a model {state['model_config']}, "
+                             f"these flags build {dataclasses.asdict(mcfg)}")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, history, val_history = state["step"], state["history"], state["val_history"]
+    ddp = DistributedDataParallel(model)
+    n_params = sum(p.numel() for p in model.parameters())
+    if lead:
+        print(f"train_chars: {world} ranks, {n_files} stdlib files ({len(train_ids) / 1e6:.2f}M "
+              f"train / {len(val_ids) / 1e6:.2f}M val chars), {n_params / 1e6:.2f}M params, "
+              f"global batch {cfg.batch_size * world} x {cfg.seq_len}, "
+              f"{'resuming at step ' + str(step) if cfg.resume else 'from scratch'}", flush=True)
+
+    windows = CharWindows(train_ids, cfg.seq_len)
+    sampler = DistributedSampler(windows, shuffle=True, seed=cfg.seed, drop_last=True)
+    loader = DataLoader(windows, batch_size=cfg.batch_size, sampler=sampler, drop_last=True)
+    if not val_history or val_history[-1][0] != step:
+        val_history.append((step, evaluate(model, val_ids, cfg)))
+    val_start = val_history[-1][1]
+
+    def save() -> None:
+        if lead:
+            save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                         "step": step, "history": history, "val_history": val_history,
+                         "model_config": dataclasses.asdict(mcfg)}, ckpt)
+        dist.barrier()
+
+    progress = Progress(cfg.steps, step, enabled=lead)
+    first_step, started = step, time.monotonic()
+    while step < cfg.steps:
+        epoch, skip = divmod(step, len(loader))
+        sampler.set_epoch(epoch)
+        for x, y in itertools.islice(loader, skip, None):
+            for group in optimizer.param_groups:
+                group["lr"] = _lr(cfg, step)
+            loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            step += 1
+            history.append((step, _mean_over_ranks(loss)))
+            rate = (step - first_step) * cfg.batch_size * world / (time.monotonic() - started)
+            progress.update(step, history[-1][1], rate)
+            if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
+                save()
+            if step >= cfg.steps:
+                break
+    progress.close()
+    elapsed = time.monotonic() - started
+    val_end = evaluate(model, val_ids, cfg)
+    if val_history[-1][0] != step:
+        val_history.append((step, val_end))
+    save()
+
+    metrics: dict[str, Any] = {}
+    if lead:
+        tensors = _verify(ckpt, model, step)
+        png = os.path.join(cfg.out, "loss.png")
+        renderer = write_loss_png(png, history, val_history)
+        gen = torch.Generator().manual_seed(cfg.seed)
+        model.eval()
+        sample = decode(model.generate(encode(b"def "), cfg.sample_chars, generator=gen))
+        ran = step - first_step
+        tail = [loss for _, loss in history[-10:]]
+        metrics = {
+            "world_size": world, "steps": step, "steps_this_run": ran,
+            "train_loss_first": history[0][1] if history else None,
+            "train_loss_last10": sum(tail) / len(tail) if tail else None,
+            "val_loss_start": val_start, "val_loss_end": val_end, "val_history": val_history,
+            "elapsed_s": elapsed,
+            "samples_per_s": ran * cfg.batch_size * world / elapsed if ran else 0.0,
+            "chars_per_s": ran * cfg.batch_size * world * cfg.seq_len / elapsed if ran else 0.0,
+            "checkpoint": ckpt, "checkpoint_verified": True, "png": png, "renderer": renderer,
+        }
+        with open(os.path.join(cfg.out, "metrics.json"), "w") as f:
+            json.dump(metrics, f, indent=1)
+        print(f"done: {ran} steps in {elapsed:.0f} s, {metrics['samples_per_s']:.1f} samples/s "
+              f"({metrics['chars_per_s']:.0f} chars/s) on {world} ranks")
+        if history:
+            print(f"loss: train {history[0][1]:.3f} -> {metrics['train_loss_last10']:.3f} "
+                  f"(mean of last 10 steps), validation {val_start:.3f} -> {val_end:.3f}")
+        print(f"checkpoint: {ckpt} (step {step}) reloaded, {tensors} tensors verified")
+        print(f"loss curve: {png} ({renderer})")
+        print(f"sample:\n{'-' * 60}\n{sample}\n{'-' * 60}", flush=True)
+    dist.barrier()
+    return metrics

@@ -1,0 +1,176 @@
+"""``DistributedDataParallel``: data-parallel training on tandem's collectives.
+
+Same constructor and behaviour as ``torch.nn.parallel.DistributedDataParallel``::
+
+    import tandem as dist
+    from tandem.parallel.ddp import DistributedDataParallel as DDP
+
+    dist.init_process_group()                  # under tandemrun / torchrun
+    model = DDP(Net())                         # checks every rank built the same Net,
+                                               # then copies rank 0's weights everywhere
+    for x, y in loader:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()        # gradients arrive averaged over ranks
+        opt.step()
+    print(model.stats)                         # forward/backward/communication times
+
+Gradients are reduced in buckets while backward is still running (see
+``tandem.parallel._reducer``). Where torch would hang or silently diverge, this
+class raises: different models on different ranks (:class:`~tandem.errors.ArgumentError`
+naming the parameter and the ranks), and a parameter that got no gradient without
+``find_unused_parameters=True`` (:class:`~tandem.errors.StateError` naming it, raised
+by ``backward()`` on every rank instead of a hang).
+
+Differences from torch, on purpose: buffers are broadcast before a forward only in
+training mode (an eval-mode forward run by one rank alone cannot hang), and the
+module must live on the CPU (``device_ids`` must be None), as tandem's collectives do.
+Buckets are not rebuilt after the first iteration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from tandem.collectives.group import NonMemberGroup, ProcessGroup
+from tandem.collectives.world import resolve_group
+from tandem.errors import ArgumentError, StateError
+from tandem.parallel._buckets import FIRST_BUCKET_BYTES, GradBucket
+from tandem.parallel._ddp_stats import DDPStats, StepTimes
+from tandem.parallel._module_sync import (
+    BufferBroadcaster,
+    broadcast_tensors,
+    describe_module,
+    verify_same_model,
+)
+from tandem.parallel._reducer import Reducer
+
+__all__ = ["DistributedDataParallel", "DDPStats", "StepTimes", "GradBucket"]
+
+
+def _ignored(module: nn.Module) -> set[str]:
+    # torch's convention for excluding parameters/buffers from DDP
+    return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()) or ())
+
+
+class DistributedDataParallel(nn.Module):
+    """Wrap ``module`` so that ``backward()`` averages its gradients over the group."""
+
+    def __init__(self, module: nn.Module, device_ids: Any = None, output_device: Any = None,
+                 dim: int = 0, broadcast_buffers: bool = True,
+                 process_group: ProcessGroup | NonMemberGroup | None = None,
+                 bucket_cap_mb: float | None = 25, find_unused_parameters: bool = False,
+                 check_reduction: bool = False, gradient_as_bucket_view: bool = False,
+                 static_graph: bool = False, *, init_sync: bool = True) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise ArgumentError(f"DistributedDataParallel wraps an nn.Module, got "
+                                f"{type(module).__name__}")
+        if device_ids not in (None, [], ()) or output_device is not None:
+            raise ArgumentError(
+                f"DistributedDataParallel: device_ids={device_ids!r} and output_device="
+                f"{output_device!r} must be None; tandem trains CPU modules")
+        bucket_cap_mb = 25 if bucket_cap_mb is None else bucket_cap_mb
+        if not bucket_cap_mb > 0:
+            raise ArgumentError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        group = resolve_group(process_group, "DistributedDataParallel")
+        ignored = _ignored(module)
+        named_params = [(n, p) for n, p in module.named_parameters() if n not in ignored]
+        named_buffers = [(n, b) for n, b in module.named_buffers() if n not in ignored]
+        for name, t in named_params + named_buffers:
+            if t.device.type != "cpu":
+                raise ArgumentError(f"DistributedDataParallel: '{name}' is on {t.device}; "
+                                    f"tandem trains CPU modules")
+        trained = [(n, p) for n, p in named_params if p.requires_grad]
+        if not trained:
+            raise ArgumentError("DistributedDataParallel: the module has no parameter that "
+                                "requires a gradient, so there is nothing to synchronise")
+
+        self.module = module
+        self.process_group = group
+        self.device_ids = None
+        self.output_device = None
+        self.dim = dim
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.bucket_bytes_cap = int(bucket_cap_mb * 1024 * 1024)
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self.stats = DDPStats()
+        self._comm_hook_set = False
+
+        if init_sync:
+            verify_same_model(group, describe_module(named_params, named_buffers))
+            states = [p.detach() for _, p in named_params]
+            if broadcast_buffers:  # as torch: buffers stay per rank otherwise
+                states += [b for _, b in named_buffers]
+            with torch.no_grad():
+                broadcast_tensors(group, states)
+        self._buffers_sync = BufferBroadcaster(group, [b for _, b in named_buffers])
+        self.reducer = Reducer(
+            [n for n, _ in trained], [p for _, p in trained], group,
+            bucket_cap_bytes=self.bucket_bytes_cap,
+            first_bucket_bytes=min(FIRST_BUCKET_BYTES, self.bucket_bytes_cap),
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            find_unused_parameters=find_unused_parameters, static_graph=static_graph,
+            stats=self.stats)
+
+    # -- forward -----------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        self.reducer.check_idle()
+        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        self.require_forward_param_sync = sync
+        if sync and self.training and self.broadcast_buffers and self._buffers_sync.buffers:
+            self._buffers_sync()
+        output = self.module(*inputs, **kwargs)
+        self.reducer.prepare(output, sync)
+        self.stats.pending_forward_s = time.perf_counter() - t0
+        return output
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside this block, backward accumulates gradients locally without communicating.
+
+        The first synchronised backward after it averages the accumulated sums.
+        """
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+    # -- communication hooks -------------------------------------------------------------
+    def register_comm_hook(self, state: object,
+                           hook: Callable[[Any, GradBucket], torch.futures.Future[Any]]) -> None:
+        """Reduce each bucket with ``hook(state, bucket) -> Future[Tensor]`` instead of AVG.
+
+        Call once, before the first backward. See ``tandem.parallel.comm_hooks``.
+        """
+        if not callable(hook):
+            raise ArgumentError("register_comm_hook: hook must be callable")
+        if self._comm_hook_set:
+            raise StateError("register_comm_hook can only be called once")
+        if self.stats.steps > 0 or self.reducer._started:
+            raise StateError("register_comm_hook must be called before the first backward")
+        self._comm_hook_set = True
+        self.reducer.hook = hook
+        self.reducer.hook_state = state
+
+    def _set_static_graph(self) -> None:
+        self.static_graph = True
+        self.reducer.static_graph = True
+
+    def extra_repr(self) -> str:
+        g = self.process_group
+        return (f"group='{g.group_name}' rank={g.group_rank}/{g.group_size}, "
+                f"buckets={len(self.reducer.buckets)}, "
+                f"find_unused_parameters={self.find_unused_parameters}, "
+                f"gradient_as_bucket_view={self.gradient_as_bucket_view}")
