@@ -22,7 +22,7 @@ import torch
 
 from tandem.config import Settings
 from tandem.errors import ArgumentError, CollectiveError, StateError, TandemError
-from tandem.collectives.work import Work
+from tandem.collectives.work import Completions, Work
 from tandem.transport.base import Header, Kind, Slot, Transport
 from tandem.transport.wait import wait_all
 
@@ -106,6 +106,7 @@ class ProcessGroup:
         self._busy = False
         self._engine: threading.Thread | None = None
         self._closed = False
+        self.completions = Completions()
 
     # -- torch-compatible accessors -----------------------------------------------
     def rank(self) -> int:
@@ -148,7 +149,7 @@ class ProcessGroup:
                         self._busy = False
                         self._cv.notify_all()
                 return None
-        work = Work(op.describe(), result)
+        work = Work(op.describe(), result, self.completions)
         with self._cv:
             self._queue.append((op, fn, work))
             if self._engine is None:

@@ -39,7 +39,7 @@ def _contiguous(t: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def _work(g: ProcessGroup, slot: Slot, what: str, result: Any) -> Work:
-    work = Work(f"{what} on group '{g.group_name}'", result)
+    work = Work(f"{what} on group '{g.group_name}'", result, g.completions)
 
     def done(s: Slot) -> None:
         work._source = g.ranks.index(s.peer) if s.peer in g.ranks else -1

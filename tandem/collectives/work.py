@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import queue
 import threading
 from typing import Any, Callable
 
@@ -10,14 +11,44 @@ import torch
 
 from tandem.errors import CollectiveTimeoutError
 
-__all__ = ["Work"]
+__all__ = ["Work", "Completions"]
+
+
+class Completions:
+    """A daemon thread per process group that resolves futures, so callbacks may block.
+
+    A callback runs in the thread that resolves its future. Resolving on the group's
+    progress engine or a transport reader would deadlock a callback that issues a
+    blocking collective (it would wait for the very thread running it); here it only
+    delays later callbacks.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, daemon=True,
+                                                name="tandem-futures")
+                self._thread.start()
+        self._queue.put(fn)
+
+    def _loop(self) -> None:
+        while True:
+            self._queue.get()()
+
 
 
 class Work:
     """Completion handle. ``wait()`` blocks and re-raises the operation's error."""
 
-    def __init__(self, describe: str, result: Any = None) -> None:
+    def __init__(self, describe: str, result: Any = None,
+                 completions: Completions | None = None) -> None:
         self._describe = describe
+        self._completions = completions
         self._event = threading.Event()
         self._error: BaseException | None = None
         self._result = result
@@ -37,15 +68,26 @@ class Work:
             self._error = error
             self._done = True
             future = self._future
-        if future is not None:
+        if future is None or self._completions is None:
+            if future is not None:
+                self._resolve(future)
+            self._event.set()
+            return
+
+        def resolve() -> None:
             self._resolve(future)  # before waking waiters: wait() implies the future is done
-        self._event.set()
+            self._event.set()
+
+        self._completions.submit(resolve)
 
     def _resolve(self, future: torch.futures.Future) -> None:
-        if self._error is not None:
-            future.set_exception(self._error)
-        else:
-            future.set_result(self._result)
+        try:
+            if self._error is not None:
+                future.set_exception(self._error)
+            else:
+                future.set_result(self._result)
+        except Exception:  # noqa: BLE001 - a raising callback is the future's to report
+            pass
 
     # -- torch-compatible API --------------------------------------------------------
     def wait(self, timeout: float | datetime.timedelta | None = None) -> bool:

@@ -187,3 +187,19 @@ def test_every_collective_accepts_async_op(name: str) -> None:
 
     for rank, (is_work, waited) in enumerate(run_threads(2, body)):
         assert is_work and waited is True, f"rank {rank}: {name}(async_op=True) gave no Work"
+
+
+def test_future_callback_may_issue_a_blocking_collective() -> None:
+    # callbacks run off the progress engine, so a blocking call inside one can complete
+    def body(group):
+        first = tandem.all_reduce(torch.ones(4), group=group, async_op=True)
+
+        def then(_fut):
+            x = torch.full((2,), float(group.rank() + 1))
+            tandem.all_reduce(x, group=group)
+            return x
+
+        return first.get_future().then(then).wait()
+
+    for rank, got in enumerate(run_threads(2, body, op_timeout=5.0)):
+        assert_equal(got, torch.full((2,), 3.0), f"rank {rank}: all_reduce inside a callback")
