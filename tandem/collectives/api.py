@@ -33,14 +33,21 @@ __all__ = [
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+_INSIDE: dict[str, bool] = {}  # file name -> part of the tandem package
+
+
 def call_site() -> str:
     """``file:line`` of the first caller outside the tandem package."""
     f = sys._getframe(1)
-    while f is not None and f.f_code.co_filename.startswith(_PKG):
+    while f is not None:
+        name = f.f_code.co_filename
+        inside = _INSIDE.get(name)
+        if inside is None:
+            inside = _INSIDE[name] = name.startswith(_PKG)
+        if not inside:
+            return f"{os.path.basename(name)}:{f.f_lineno}"
         f = f.f_back  # type: ignore[assignment]
-    if f is None:
-        return "?"
-    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
+    return "?"
 
 
 def _tensor(t: Any, what: str, name: str) -> torch.Tensor:
@@ -84,12 +91,20 @@ def _root(g: ProcessGroup, what: str, rank: int | None, group_rank: int | None, 
     return g.ranks.index(rank)
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def _sig(name: str, t: torch.Tensor | None, **extra: Any) -> str:
-    parts = [name]
+    """The call's signature, compared by every peer (kept cheap: it runs on every call)."""
+    text = name
     if t is not None:
-        parts.append(f"{str(t.dtype)[6:]}{list(t.shape)}")
-    parts += [f"{k}={v}" for k, v in extra.items()]
-    return " ".join(parts)
+        dtype = _DTYPE_NAMES.get(t.dtype)
+        if dtype is None:
+            dtype = _DTYPE_NAMES[t.dtype] = str(t.dtype).removeprefix("torch.")
+        text = f"{name} {dtype}{list(t.shape)}"
+    for key, value in extra.items():
+        text = f"{text} {key}={value}"
+    return text
 
 
 class _Flat:
