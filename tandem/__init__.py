@@ -11,65 +11,129 @@ here with the same names, arguments and semantics; errors are the classes of
 ``tandem.errors``; settings are documented in ``tandem.config``.
 """
 
-from tandem.collectives.api import (
-    all_gather,
-    all_gather_into_tensor,
-    all_reduce,
-    all_to_all,
-    all_to_all_single,
-    barrier,
-    broadcast,
-    gather,
-    monitored_barrier,
-    reduce,
-    reduce_scatter,
-    reduce_scatter_tensor,
-    scatter,
-)
-from tandem.collectives.algorithms import register_algorithm
-from tandem.collectives.backend import Backend, BackendOptions
-from tandem.collectives.group import NonMemberGroup, ProcessGroup
-from tandem.collectives.groups import (
-    get_global_rank,
-    get_group_rank,
-    get_process_group_ranks,
-    new_group,
-    new_subgroups,
-    new_subgroups_by_enumeration,
-)
-from tandem.collectives.objects import (
-    all_gather_object,
-    broadcast_object_list,
-    gather_object,
-    recv_object_list,
-    scatter_object_list,
-    send_object_list,
-)
-from tandem.collectives.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
-from tandem.collectives.reduce_op import ReduceOp
-from tandem.collectives.work import Work
-from tandem.collectives.world import (
-    destroy_process_group,
-    get_backend,
-    get_rank,
-    get_world_size,
-    init_process_group,
-    is_available,
-    is_initialized,
-)
-from tandem.store import FileStore, HashStore, PrefixStore, Store, TCPStore
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Backend", "BackendOptions", "FileStore", "HashStore", "NonMemberGroup", "P2POp",
-    "PrefixStore", "ProcessGroup", "ReduceOp", "Store", "TCPStore", "Work",
-    "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
-    "all_to_all_single", "barrier", "batch_isend_irecv", "broadcast", "broadcast_object_list",
-    "destroy_process_group", "gather", "gather_object", "get_backend", "get_global_rank",
-    "get_group_rank", "get_process_group_ranks", "get_rank", "get_world_size",
-    "init_process_group", "irecv", "is_available", "is_initialized", "isend",
-    "monitored_barrier", "new_group", "new_subgroups", "new_subgroups_by_enumeration", "recv",
-    "recv_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor",
-    "register_algorithm", "scatter", "scatter_object_list", "send", "send_object_list",
-]
+# Public names resolve on first use (PEP 562): ``import tandem`` stays cheap, so the
+# launcher (``tandemrun``) starts its workers without first importing torch.
+_EXPORTS: dict[str, str] = {
+    "register_algorithm": "tandem.collectives.algorithms",
+    "all_gather": "tandem.collectives.api",
+    "all_gather_into_tensor": "tandem.collectives.api",
+    "all_reduce": "tandem.collectives.api",
+    "all_to_all": "tandem.collectives.api",
+    "all_to_all_single": "tandem.collectives.api",
+    "barrier": "tandem.collectives.api",
+    "broadcast": "tandem.collectives.api",
+    "gather": "tandem.collectives.api",
+    "monitored_barrier": "tandem.collectives.api",
+    "reduce": "tandem.collectives.api",
+    "reduce_scatter": "tandem.collectives.api",
+    "reduce_scatter_tensor": "tandem.collectives.api",
+    "scatter": "tandem.collectives.api",
+    "Backend": "tandem.collectives.backend",
+    "BackendOptions": "tandem.collectives.backend",
+    "NonMemberGroup": "tandem.collectives.group",
+    "ProcessGroup": "tandem.collectives.group",
+    "get_global_rank": "tandem.collectives.groups",
+    "get_group_rank": "tandem.collectives.groups",
+    "get_process_group_ranks": "tandem.collectives.groups",
+    "new_group": "tandem.collectives.groups",
+    "new_subgroups": "tandem.collectives.groups",
+    "new_subgroups_by_enumeration": "tandem.collectives.groups",
+    "all_gather_object": "tandem.collectives.objects",
+    "broadcast_object_list": "tandem.collectives.objects",
+    "gather_object": "tandem.collectives.objects",
+    "recv_object_list": "tandem.collectives.objects",
+    "scatter_object_list": "tandem.collectives.objects",
+    "send_object_list": "tandem.collectives.objects",
+    "P2POp": "tandem.collectives.p2p",
+    "batch_isend_irecv": "tandem.collectives.p2p",
+    "irecv": "tandem.collectives.p2p",
+    "isend": "tandem.collectives.p2p",
+    "recv": "tandem.collectives.p2p",
+    "send": "tandem.collectives.p2p",
+    "ReduceOp": "tandem.collectives.reduce_op",
+    "Work": "tandem.collectives.work",
+    "destroy_process_group": "tandem.collectives.world",
+    "get_backend": "tandem.collectives.world",
+    "get_rank": "tandem.collectives.world",
+    "get_world_size": "tandem.collectives.world",
+    "init_process_group": "tandem.collectives.world",
+    "is_available": "tandem.collectives.world",
+    "is_initialized": "tandem.collectives.world",
+    "FileStore": "tandem.store",
+    "HashStore": "tandem.store",
+    "PrefixStore": "tandem.store",
+    "Store": "tandem.store",
+    "TCPStore": "tandem.store",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tandem' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from tandem.collectives.api import (
+        all_gather,
+        all_gather_into_tensor,
+        all_reduce,
+        all_to_all,
+        all_to_all_single,
+        barrier,
+        broadcast,
+        gather,
+        monitored_barrier,
+        reduce,
+        reduce_scatter,
+        reduce_scatter_tensor,
+        scatter,
+    )
+    from tandem.collectives.algorithms import register_algorithm
+    from tandem.collectives.backend import Backend, BackendOptions
+    from tandem.collectives.group import NonMemberGroup, ProcessGroup
+    from tandem.collectives.groups import (
+        get_global_rank,
+        get_group_rank,
+        get_process_group_ranks,
+        new_group,
+        new_subgroups,
+        new_subgroups_by_enumeration,
+    )
+    from tandem.collectives.objects import (
+        all_gather_object,
+        broadcast_object_list,
+        gather_object,
+        recv_object_list,
+        scatter_object_list,
+        send_object_list,
+    )
+    from tandem.collectives.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+    from tandem.collectives.reduce_op import ReduceOp
+    from tandem.collectives.work import Work
+    from tandem.collectives.world import (
+        destroy_process_group,
+        get_backend,
+        get_rank,
+        get_world_size,
+        init_process_group,
+        is_available,
+        is_initialized,
+    )
+    from tandem.store import FileStore, HashStore, PrefixStore, Store, TCPStore

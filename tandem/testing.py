@@ -90,7 +90,8 @@ def _mp() -> Any:
     global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(["torch", "tandem"])
+        _context.set_forkserver_preload(["torch", "tandem.collectives.api", "tandem.collectives.p2p",
+                                          "tandem.collectives.objects", "tandem.collectives.groups"])
     return _context
 
 

@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "collectives": "tandem.bench.collectives",
     "ddp": "tandem.bench.ddp",
     "signature": "tandem.bench.signature",
+    "startup": "tandem.bench.startup",
 }
 
 

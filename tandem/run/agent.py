@@ -1,0 +1,251 @@
+"""The agent: rendezvous, start the local workers, watch them, restart or report.
+
+One attempt: rendezvous -> start every local worker -> every ``--monitor-interval``
+(or at once when a worker exits) check them. A failed worker (or a failure reported
+by another node) stops the whole local group: SIGTERM to each worker's process group,
+SIGKILL after ``--shutdown-timeout``. Up to ``--max-restarts`` further attempts follow
+(``TANDEM_RESTART_COUNT`` = attempt number); then the agent prints the root-cause
+summary (:mod:`tandem.run.rootcause`) and exits 1. The signals of
+``--signals-to-handle`` are forwarded to every worker; SIGINT/SIGTERM/SIGHUP/SIGQUIT
+also end the job (exit 128+signal, no restart), a second one skips the grace period.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import secrets
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from types import FrameType
+from typing import Callable, ParamSpec, TypeVar
+
+from tandem.config import load_secret
+from tandem.errors import ArgumentError
+from tandem.run.config import LaunchConfig
+from tandem.run.rendezvous import Assignment, LocalRendezvous, Rendezvous
+from tandem.run.rootcause import Failure, format_summary, load_record, pick_root_cause
+from tandem.run.streams import Console
+from tandem.run.workerenv import worker_specs
+from tandem.run.workers import WorkerGroup
+
+__all__ = ["Agent", "Outcome"]
+
+ENDING = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT})
+SHARED_SECRET_HELP = (
+    "a multi-node job needs one secret shared by every node: export the same "
+    "TANDEM_SECRET on each node (e.g. generated once with "
+    "python -c 'import secrets; print(secrets.token_hex(32))'), or point "
+    "TANDEM_SECRET_FILE at a file every node can read")
+
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class Outcome(enum.Enum):
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"  # a local worker failed
+    REMOTE_FAILED = "remote failed"  # another node's worker failed
+    MEMBERSHIP = "membership"  # a node waits to join (c10d with room to grow)
+    SIGNALED = "signaled"
+
+
+class _Interrupted(Exception):
+    """Raised by the signal handler to leave a blocking rendezvous wait."""
+
+
+class Agent:
+    """Runs one node's share of a job; ``Agent(cfg).run()`` returns the exit code."""
+
+    def __init__(self, cfg: LaunchConfig) -> None:
+        self.cfg = cfg
+        self.out, self.err = Console.stdout(), Console.stderr()
+        self.group: WorkerGroup | None = None
+        self.ending: int | None = None  # the terminating signal received, if any
+        self._interruptible = False
+        self.failures: list[Failure] = []
+        self.stopped: list[int] = []
+
+    def _say(self, text: str) -> None:
+        self.err.message(f"tandemrun: {text}")
+
+    def _env_extra(self) -> tuple[dict[str, str], bytes]:
+        env, extra = os.environ, {}
+        if "OMP_NUM_THREADS" not in env and self.cfg.nproc_per_node > 1:
+            extra["OMP_NUM_THREADS"] = "1"  # as torchrun: N workers must not each use every core
+            self._say("setting OMP_NUM_THREADS=1 for each worker (export it to tune)")
+        if env.get("TANDEM_SECRET") or env.get("TANDEM_SECRET_FILE"):
+            return extra, load_secret()
+        if self.cfg.multi_node:
+            raise ArgumentError(SHARED_SECRET_HELP)
+        secret = secrets.token_hex(32)  # one per job: other jobs on the host cannot join
+        extra["TANDEM_SECRET"] = secret
+        return extra, secret.encode()
+
+    def _rendezvous(self, secret: bytes) -> Rendezvous:
+        if not self.cfg.multi_node:
+            return LocalRendezvous(self.cfg, self.cfg.rdzv_id or uuid.uuid4().hex[:12])
+        if self.cfg.rdzv_backend == "c10d":
+            from tandem.run.dynamic import DynamicRendezvous
+
+            return DynamicRendezvous(self.cfg, secret)
+        from tandem.run.multinode import StoreRendezvous
+
+        return StoreRendezvous(self.cfg, secret)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        group = self.group
+        if group is not None:
+            group.signal_all(signal.SIGKILL if self.ending and signum in ENDING else signum)
+        if signum in ENDING:
+            self.ending = self.ending or signum
+            if self._interruptible:
+                raise _Interrupted()
+
+    def _install_signals(self) -> dict[int, object]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {s: signal.signal(s, self._on_signal) for s in self.cfg.signals}
+
+    def _blocking(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Call a rendezvous method that may block; an ending signal interrupts it."""
+        self._interruptible = True
+        try:
+            if self.ending:
+                raise _Interrupted()
+            return fn(*args, **kwargs)
+        finally:
+            self._interruptible = False
+
+    def run(self) -> int:
+        extra, secret = self._env_extra()
+        files_root = self.cfg.log_dir
+        scratch = None
+        if files_root is None:
+            scratch = tempfile.mkdtemp(prefix="tandemrun_")
+            files_root = scratch
+            if self.cfg.keeps_files:
+                self._say(f"-r/-t without --log-dir: logs go to {files_root}")
+                scratch = None  # keep them
+        previous = self._install_signals()
+        rdzv = None
+        try:
+            rdzv = self._blocking(self._rendezvous, secret)
+            return self._loop(rdzv, extra, files_root)
+        except _Interrupted:
+            return self._signaled()
+        finally:
+            if self.group is not None:
+                self.group.close()
+            if rdzv is not None:
+                rdzv.close()
+            for s, handler in previous.items():
+                signal.signal(s, handler)  # type: ignore[arg-type]
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
+
+    def _signaled(self) -> int:
+        sig = self.ending or signal.SIGTERM
+        self._say(f"received {signal.Signals(sig).name}; workers stopped")
+        return 128 + int(sig)
+
+    def _loop(self, rdzv: Rendezvous, extra: dict[str, str], files_root: str) -> int:
+        cfg = self.cfg
+        attempt, restarts = 0, 0
+        while True:
+            a: Assignment = self._blocking(rdzv.next_round, attempt, restarts)
+            attempt, restarts = a.attempt, a.restart_count
+            outcome = self._attempt(rdzv, a, extra, files_root)
+            if outcome is Outcome.SUCCEEDED:
+                return 0
+            if outcome is Outcome.SIGNALED:
+                return self._signaled()
+            attempt += 1
+            if outcome is Outcome.MEMBERSHIP:
+                self._say(f"a node is waiting to join; restarting the workers with it "
+                          f"(round {attempt}; not counted as a restart)")
+                continue
+            # every node's records: a failure elsewhere may have come first
+            self.failures += self._blocking(rdzv.remote_failures, a.attempt)
+            if restarts < cfg.max_restarts:
+                restarts += 1
+                first = pick_root_cause(self.failures).brief() if self.failures else None
+                self._say(f"attempt {a.attempt} failed ({first or 'on another node'}); "
+                          f"restarting the workers (restart {restarts} of {cfg.max_restarts})")
+                self.failures, self.stopped = [], []
+                continue
+            if not self.failures:
+                self._say("the job failed on another node, which reported no details")
+                return 1
+            self.err.message(format_summary(self.failures, run_id=a.run_id,
+                                            attempts=restarts + 1, stopped=self.stopped))
+            return 1
+
+    def _attempt(self, rdzv: Rendezvous, a: Assignment, extra: dict[str, str],
+                 files_root: str) -> Outcome:
+        cfg = self.cfg
+        specs = worker_specs(cfg, a, base=os.environ, extra=extra, files_root=files_root,
+                             keep_logs=cfg.keeps_files, parent=os.getpid())
+        group = self.group = WorkerGroup(specs, self.out, self.err)
+        group.start()
+        try:
+            while True:
+                if self.ending:
+                    self.stopped = group.stop(None, cfg.shutdown_timeout)
+                    return Outcome.SIGNALED
+                if rdzv.membership_changed(a.attempt):  # before failures: ours may follow
+                    group.stop(signal.SIGTERM, cfg.shutdown_timeout)
+                    return Outcome.MEMBERSHIP
+                if group.failed():
+                    rdzv.publish_failure(a.attempt, self._collect(group, a, None))
+                    since = time.time()
+                    self.stopped = group.stop(signal.SIGTERM, cfg.shutdown_timeout)
+                    self.failures = self._collect(group, a, since)
+                    rdzv.publish_failure(a.attempt, self.failures)
+                    return Outcome.FAILED
+                if group.all_succeeded():
+                    ok = self._blocking(rdzv.finish, a.attempt, cfg.monitor_interval,
+                                        lambda: self.ending is not None)
+                    return Outcome.SUCCEEDED if ok else (
+                        Outcome.SIGNALED if self.ending else Outcome.REMOTE_FAILED)
+                if rdzv.remote_failed(a.attempt):
+                    since = time.time()
+                    self.stopped = group.stop(signal.SIGTERM, cfg.shutdown_timeout)
+                    self.failures = self._collect(group, a, since)
+                    if self.failures:
+                        rdzv.publish_failure(a.attempt, self.failures)
+                    return Outcome.REMOTE_FAILED
+                group.changed.wait(cfg.monitor_interval)
+                group.changed.clear()
+        finally:
+            if group.alive():  # leaving on an error (e.g. the store's host is gone)
+                group.stop(signal.SIGTERM, cfg.shutdown_timeout)
+            group.close()
+            self.group = None
+
+    def _collect(self, group: WorkerGroup, a: Assignment, since: float | None) -> list[Failure]:
+        """Failed workers, leaving out those that only died of our stop signal."""
+        out = []
+        host = socket.gethostname()
+        for w in group.workers:
+            if w.returncode in (None, 0):
+                continue
+            record = load_record(w.spec.error_file)
+            if since is not None and record is None and (w.exit_time or 0) >= since:
+                continue  # stopped by us, not a failure of its own
+            f = Failure(rank=w.spec.rank, local_rank=w.spec.local_rank, node_rank=a.node_rank,
+                        host=host, pid=w.pid, time=w.exit_time or time.time(),
+                        returncode=w.returncode, role=self.cfg.role,
+                        error_file=w.spec.error_file if record and self.cfg.keeps_files else "",
+                        log_dir=w.spec.log_dir or "")
+            f.merge_record(record)
+            out.append(f)
+        if since is not None:
+            self.stopped = [r for r in self.stopped if r not in {f.rank for f in out}]
+        return out

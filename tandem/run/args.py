@@ -1,0 +1,153 @@
+"""torchrun's command line, in both spellings, with ``PET_<FLAG>`` environment defaults.
+
+::
+
+    python -m tandem.run --nproc-per-node 2 train.py --lr 0.1
+    PET_NPROC_PER_NODE=2 tandemrun train.py          # same; the command line wins
+
+:func:`parse` turns argv into a :class:`tandem.run.config.LaunchConfig`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, Sequence
+
+from tandem.errors import ArgumentError
+from tandem.run.config import (
+    LaunchConfig,
+    StdMap,
+    parse_nnodes,
+    parse_nproc,
+    parse_rdzv_conf,
+    parse_ranks,
+    parse_signals,
+)
+
+__all__ = ["build_parser", "parse"]
+
+DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
+
+
+class _Env(argparse.Action):
+    """A valued flag whose default comes from ``PET_<DEST>`` when that variable is set."""
+
+    def __init__(self, dest: str, default: Any = None, **kwargs: Any) -> None:
+        default = os.environ.get(f"PET_{dest.upper()}", default)
+        super().__init__(dest=dest, default=default, **kwargs)
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        setattr(namespace, self.dest, values)
+
+
+class _EnvFlag(argparse.Action):
+    """A store-true flag that ``PET_<DEST>=1`` (or true/yes) also switches on."""
+
+    def __init__(self, dest: str, **kwargs: Any) -> None:
+        raw = os.environ.get(f"PET_{dest.upper()}", "0").strip().lower()
+        super().__init__(dest=dest, nargs=0, const=True,
+                         default=raw in ("1", "true", "yes", "on"), **kwargs)
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        setattr(namespace, self.dest, True)
+
+
+def _both(name: str) -> list[str]:
+    """``--nproc-per-node`` and ``--nproc_per_node``."""
+    spellings = [f"--{name}"]
+    if "-" in name:
+        spellings.append("--" + name.replace("-", "_"))
+    return spellings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tandemrun",
+        description="Launch a tandem (or torch.distributed) script on one or many nodes; "
+                    "accepts torchrun's flags. Every flag may also be given as PET_<FLAG>.",
+        allow_abbrev=False)
+    add = p.add_argument
+    add(*_both("nnodes"), action=_Env, default="1", help="N or MIN:MAX nodes (default 1)")
+    add(*_both("nproc-per-node"), action=_Env, default="1",
+        help="workers per node: an int, auto, cpu or gpu (default 1)")
+    add(*_both("node-rank"), action=_Env, type=int, default=0,
+        help="this node's rank for static multi-node jobs (default 0)")
+    add(*_both("master-addr"), action=_Env, default="127.0.0.1",
+        help="node 0's address (static rendezvous; default 127.0.0.1)")
+    add(*_both("master-port"), action=_Env, type=int, default=None,
+        help="node 0's port: the agents' store for multi-node, the workers' MASTER_PORT "
+             "for one node (default: a free port; 29500 for static multi-node)")
+    add(*_both("local-addr"), action=_Env, default=None,
+        help="this node's address as other nodes reach it (c10d rendezvous)")
+    add("--standalone", action=_EnvFlag,
+        help="single-node job on 127.0.0.1 with a free port (several may share a host)")
+    add(*_both("rdzv-backend"), action=_Env, default="static", help="static (default) or c10d")
+    add(*_both("rdzv-endpoint"), action=_Env, default="", help="HOST:PORT of the c10d store")
+    add(*_both("rdzv-id"), action=_Env, default="", help="job id shared by all nodes")
+    add(*_both("rdzv-conf"), action=_Env, default="",
+        help="key=value,...: join_timeout (600 s)")
+    add(*_both("max-restarts"), action=_Env, type=int, default=0,
+        help="restart the worker group this many times on failure (default 0)")
+    add(*_both("monitor-interval"), action=_Env, type=float, default=0.1,
+        help="seconds between worker health checks (default 0.1)")
+    add(*_both("shutdown-timeout"), action=_Env, type=float, default=5.0,
+        help="seconds between SIGTERM and SIGKILL when stopping workers (default 5)")
+    add(*_both("signals-to-handle"), action=_Env, default=DEFAULT_SIGNALS,
+        help=f"signals forwarded to every worker (default {DEFAULT_SIGNALS})")
+    add(*_both("start-method"), action=_Env, default="spawn",
+        help="accepted for torchrun compatibility; workers are always new processes")
+    add("--role", action=_Env, default="default", help="ROLE_NAME of the workers")
+    add("-m", "--module", action=_EnvFlag, help="run the target as a module (python -m)")
+    add(*_both("no-python"), action=_EnvFlag,
+        help="run the target as an executable, not a Python script")
+    add(*_both("run-path"), action=_EnvFlag,
+        help="accepted for torchrun compatibility (scripts always run through runpy)")
+    add(*_both("log-dir"), action=_Env, default=None,
+        help="keep <log-dir>/<run_id>/attempt_<n>/rank_<r>/{stdout,stderr}.log")
+    add("-r", "--redirects", action=_Env, default="0",
+        help="send streams to the log files only: 0 none, 1 out, 2 err, 3 both, or 0:3,1:1")
+    add("-t", "--tee", action=_Env, default="0",
+        help="show streams on the console and in the log files (same values as -r)")
+    add(*_both("local-ranks-filter"), action=_Env, default="",
+        help="comma-separated local ranks whose output reaches the console")
+    add("training_script", help="the script (or module with -m, program with --no-python)")
+    add("training_script_args", nargs=argparse.REMAINDER)
+    return p
+
+
+def parse(argv: Sequence[str] | None = None) -> LaunchConfig:
+    """Parse ``argv`` (default ``sys.argv[1:]``); raise ``ArgumentError`` on bad values."""
+    ns = build_parser().parse_args(argv)
+    min_nodes, max_nodes = parse_nnodes(ns.nnodes)
+    standalone = bool(ns.standalone)
+    if standalone and (min_nodes, max_nodes) != (1, 1):
+        raise ArgumentError("--standalone runs one node; drop --nnodes or set it to 1")
+    nproc = parse_nproc(ns.nproc_per_node)
+    return LaunchConfig(
+        entrypoint=ns.training_script,
+        args=tuple(ns.training_script_args),
+        nproc_per_node=nproc,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        node_rank=int(ns.node_rank),
+        master_addr="127.0.0.1" if standalone else str(ns.master_addr),
+        master_port=None if standalone or ns.master_port is None else int(ns.master_port),
+        local_addr=ns.local_addr or None,
+        standalone=standalone,
+        rdzv_backend="static" if standalone else str(ns.rdzv_backend),
+        rdzv_endpoint=str(ns.rdzv_endpoint or ""),
+        rdzv_id=str(ns.rdzv_id or ""),
+        rdzv_conf=parse_rdzv_conf(ns.rdzv_conf),
+        max_restarts=int(ns.max_restarts),
+        monitor_interval=float(ns.monitor_interval),
+        shutdown_timeout=float(ns.shutdown_timeout),
+        role=str(ns.role),
+        module=bool(ns.module),
+        no_python=bool(ns.no_python),
+        log_dir=ns.log_dir or None,
+        redirects=StdMap.parse(ns.redirects, "--redirects"),
+        tee=StdMap.parse(ns.tee, "--tee"),
+        local_ranks_filter=parse_ranks(ns.local_ranks_filter),
+        signals=parse_signals(ns.signals_to_handle),
+    )

@@ -1,0 +1,216 @@
+"""The launcher's validated settings, built from the command line by :mod:`tandem.run.args`.
+
+Everything the agent needs is in one frozen :class:`LaunchConfig`; tests build one
+directly (``LaunchConfig(entrypoint="train.py", nproc_per_node=2)``) without argparse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import re
+import signal
+
+from tandem.errors import ArgumentError
+
+__all__ = ["Std", "StdMap", "LaunchConfig", "parse_nnodes", "parse_nproc", "parse_signals",
+           "parse_rdzv_conf", "parse_ranks"]
+
+
+class Std(enum.IntFlag):
+    """Which of a worker's streams a ``-r``/``-t`` value names (torchrun's numbering)."""
+
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class StdMap:
+    """``-r 3`` (every local rank) or ``-r 0:3,1:1`` (per local rank; others NONE)."""
+
+    default: Std = Std.NONE
+    per_rank: tuple[tuple[int, Std], ...] = ()
+
+    @classmethod
+    def parse(cls, text: str, flag: str) -> StdMap:
+        text = (text or "0").strip()
+        if re.fullmatch(r"[0-3]", text):
+            return cls(Std(int(text)))
+        if re.fullmatch(r"(\d+:[0-3])(,\d+:[0-3])*", text):
+            pairs = tuple((int(k), Std(int(v))) for k, v in (p.split(":") for p in text.split(",")))
+            return cls(Std.NONE, pairs)
+        raise ArgumentError(
+            f"{flag} {text!r}: expected 0-3 (0 none, 1 stdout, 2 stderr, 3 both) "
+            f"or a per-local-rank map like 0:3,1:1")
+
+    def for_rank(self, local_rank: int) -> Std:
+        return dict(self.per_rank).get(local_rank, self.default)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """What to launch and how; see ``python -m tandem.run --help`` for each field's flag."""
+
+    entrypoint: str
+    args: tuple[str, ...] = ()
+    nproc_per_node: int = 1
+    min_nodes: int = 1
+    max_nodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port (single node) or 29500 (static)
+    local_addr: str | None = None
+    standalone: bool = False
+    rdzv_backend: str = "static"
+    rdzv_endpoint: str = ""
+    rdzv_id: str = ""
+    rdzv_conf: tuple[tuple[str, str], ...] = ()
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    shutdown_timeout: float = 5.0
+    role: str = "default"
+    module: bool = False
+    no_python: bool = False
+    log_dir: str | None = None
+    redirects: StdMap = StdMap()
+    tee: StdMap = StdMap()
+    local_ranks_filter: frozenset[int] | None = None
+    signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
+                                signal.SIGUSR1, signal.SIGUSR2)
+
+    def __post_init__(self) -> None:
+        if not self.entrypoint:
+            raise ArgumentError("give the training script (or -m module) to launch")
+        if self.nproc_per_node < 1:
+            raise ArgumentError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise ArgumentError(
+                f"--nnodes {self.min_nodes}:{self.max_nodes}: need 1 <= MIN <= MAX")
+        if self.max_nodes == 1 and self.node_rank != 0:
+            raise ArgumentError(f"--node-rank {self.node_rank} with --nnodes 1; it must be 0")
+        if self.rdzv_backend == "static" and not 0 <= self.node_rank < self.max_nodes:
+            raise ArgumentError(
+                f"--node-rank must be in [0, {self.max_nodes}), got {self.node_rank}")
+        if self.rdzv_backend not in ("static", "c10d"):
+            raise ArgumentError(
+                f"--rdzv-backend {self.rdzv_backend!r}: tandemrun supports static and c10d")
+        if self.min_nodes != self.max_nodes and self.rdzv_backend != "c10d":
+            raise ArgumentError(f"--nnodes {self.min_nodes}:{self.max_nodes} needs "
+                                f"--rdzv-backend c10d (a static rendezvous has a fixed size)")
+        if self.master_port is not None and not 0 <= self.master_port <= 65535:
+            raise ArgumentError(f"--master-port must be 0..65535, got {self.master_port}")
+        if self.max_restarts < 0:
+            raise ArgumentError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.monitor_interval <= 0 or self.shutdown_timeout < 0:
+            raise ArgumentError("--monitor-interval must be > 0 and --shutdown-timeout >= 0")
+        if self.module and self.no_python:
+            raise ArgumentError("-m/--module and --no-python cannot be used together")
+        if self.standalone and self.max_nodes != 1:
+            raise ArgumentError("--standalone is a single-node job; drop --nnodes or use 1")
+
+    @property
+    def nnodes(self) -> int:
+        return self.max_nodes
+
+    @property
+    def multi_node(self) -> bool:
+        return self.max_nodes > 1
+
+    def conf(self, key: str, default: float) -> float:
+        """A numeric ``--rdzv-conf`` entry (e.g. ``join_timeout``), seconds."""
+        raw = dict(self.rdzv_conf).get(key)
+        try:
+            return default if raw is None else float(raw)
+        except ValueError as exc:
+            raise ArgumentError(f"--rdzv-conf {key}={raw!r} is not a number") from exc
+
+    def console_for(self, local_rank: int, stream: Std) -> bool:
+        """Whether a stream of this local rank is shown on the launcher's console."""
+        if self.local_ranks_filter is not None and local_rank not in self.local_ranks_filter:
+            return False
+        if self.tee.for_rank(local_rank) & stream:
+            return True
+        return not self.redirects.for_rank(local_rank) & stream
+
+    @property
+    def keeps_files(self) -> bool:
+        """-r/-t need per-rank log files even without --log-dir (a temporary one is made)."""
+        return self.log_dir is not None or self.redirects != StdMap() or self.tee != StdMap()
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """``"2"`` -> (2, 2); ``"1:4"`` -> (1, 4)."""
+    parts = str(text).split(":")
+    try:
+        if len(parts) == 1:
+            return int(parts[0]), int(parts[0])
+        if len(parts) == 2:
+            return int(parts[0]), int(parts[1])
+    except ValueError:
+        pass
+    raise ArgumentError(f"--nnodes {text!r}: expected N or MIN:MAX")
+
+
+def _visible_gpus() -> int:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    try:
+        return len([n for n in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", n)])
+    except OSError:
+        return 0
+
+
+def parse_nproc(text: str) -> int:
+    """An int, ``cpu`` (os.cpu_count()), ``gpu`` (visible GPUs) or ``auto`` (GPUs, else CPUs)."""
+    text = str(text).strip()
+    if text.isdigit():
+        return int(text)
+    if text == "cpu":
+        return os.cpu_count() or 1
+    if text in ("gpu", "cuda"):
+        count = _visible_gpus()
+        if not count:
+            raise ArgumentError(f"--nproc-per-node {text}: no GPU is visible")
+        return count
+    if text == "auto":
+        return _visible_gpus() or os.cpu_count() or 1
+    raise ArgumentError(f"--nproc-per-node {text!r}: expected an int, auto, cpu or gpu")
+
+
+def parse_signals(text: str) -> tuple[int, ...]:
+    """``"SIGTERM,SIGINT"`` -> the signal numbers."""
+    out = []
+    for name in filter(None, (p.strip().upper() for p in text.split(","))):
+        name = name if name.startswith("SIG") else "SIG" + name
+        try:
+            out.append(int(signal.Signals[name]))
+        except KeyError as exc:
+            raise ArgumentError(f"--signals-to-handle: unknown signal {name}") from exc
+    return tuple(out)
+
+
+def parse_rdzv_conf(text: str) -> tuple[tuple[str, str], ...]:
+    """``"join_timeout=60,last_call_timeout=5"`` -> pairs."""
+    pairs = []
+    for item in filter(None, (p.strip() for p in (text or "").split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ArgumentError(f"--rdzv-conf {item!r}: expected key=value")
+        pairs.append((key.strip(), value.strip()))
+    return tuple(pairs)
+
+
+def parse_ranks(text: str) -> frozenset[int] | None:
+    """``--local-ranks-filter 0,1`` -> {0, 1}; empty -> None (every rank)."""
+    if not text:
+        return None
+    try:
+        ranks = frozenset(int(p) for p in text.split(",") if p.strip())
+    except ValueError as exc:
+        raise ArgumentError(
+            f"--local-ranks-filter {text!r}: expected comma-separated ints like 0,1") from exc
+    return ranks or None

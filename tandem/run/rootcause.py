@@ -1,0 +1,144 @@
+"""Which worker failed first, and the summary the launcher prints about it.
+
+A :class:`Failure` is built from what the agent saw (exit code or signal, exit time)
+and, when the worker's bootstrap wrote one, its JSON error record (exception type,
+message, traceback, the time it was raised). The root cause is the earliest failure,
+preferring failures that are not mere consequences of another rank's death
+(``PeerLostError``): a rank killed by SIGKILL is reported before the peers that then
+lost their connection to it, even if the agent noticed the death a little late.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import signal
+from typing import Any, Sequence
+
+__all__ = ["Failure", "load_record", "pick_root_cause", "format_summary", "describe_exit"]
+
+# exceptions that a rank raises because another rank failed first
+CONSEQUENCES = ("PeerLostError",)
+RULE = "=" * 72
+
+
+def describe_exit(returncode: int | None) -> str:
+    """``1`` -> "exit code 1"; ``-9`` -> "signal 9 (SIGKILL)"."""
+    if returncode is None:
+        return "exit status unknown"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "unknown signal"
+        return f"signal {-returncode} ({name})"
+    return f"exit code {returncode}"
+
+
+def load_record(path: str) -> dict[str, Any] | None:
+    """The error record a worker's bootstrap wrote, or None if there is none (or it is bad)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+@dataclasses.dataclass
+class Failure:
+    rank: int
+    local_rank: int
+    node_rank: int
+    host: str
+    pid: int
+    time: float  # when the exception was raised, else when the agent saw the exit
+    returncode: int | None
+    role: str = "default"
+    exc_type: str = ""
+    message: str = ""
+    traceback: str = ""
+    error_file: str = ""
+    log_dir: str = ""
+
+    def merge_record(self, record: dict[str, Any] | None) -> None:
+        if not record:
+            return
+        self.exc_type = str(record.get("exc_type", ""))
+        self.message = str(record.get("message", ""))
+        self.traceback = str(record.get("traceback", ""))
+        self.host = str(record.get("host") or self.host)
+        if isinstance(record.get("time"), (int, float)):
+            self.time = min(self.time, float(record["time"]))
+
+    @property
+    def is_consequence(self) -> bool:
+        return self.exc_type.rsplit(".", 1)[-1] in CONSEQUENCES
+
+    def brief(self) -> str:
+        """One line: "rank 1 (local_rank 1, host h): exit code 1, ValueError: boom"."""
+        if self.local_rank < 0:  # a whole node was lost with its agent
+            return f"node {self.node_rank} (host {self.host}, ranks from {self.rank}): {self.message}"
+        what = describe_exit(self.returncode)
+        if self.exc_type:
+            first = (self.message.splitlines() or [""])[0]
+            what += f", {self.exc_type}: {first}"
+        return f"rank {self.rank} (local_rank {self.local_rank}, host {self.host}): {what}"
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Failure:
+        data = json.loads(text)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in fields})
+
+
+def pick_root_cause(failures: Sequence[Failure]) -> Failure:
+    """The earliest failure, ignoring consequences of another rank's death when possible."""
+    if not failures:
+        raise ValueError("no failures to choose from")
+    primary = [f for f in failures if not f.is_consequence] or list(failures)
+    return min(primary, key=lambda f: (f.time, f.rank))
+
+
+def _when(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t).isoformat(sep=" ", timespec="milliseconds")
+
+
+def format_summary(failures: Sequence[Failure], *, run_id: str, attempts: int,
+                   stopped: Sequence[int] = (), headline: str = "") -> str:
+    """The multi-line report printed when the job gives up."""
+    root = pick_root_cause(failures)
+    plural = "s" if attempts != 1 else ""
+    lines = [RULE, headline or f"tandemrun: job {run_id} failed after {attempts} attempt{plural}",
+             "Root cause (first failure):",
+             f"  rank       : {root.rank} (local_rank {root.local_rank}, node {root.node_rank}, "
+             f"role {root.role})" if root.local_rank >= 0 else
+             f"  ranks      : all of node {root.node_rank}, from rank {root.rank} "
+             f"(role {root.role})",
+             f"  host       : {root.host}",
+             f"  pid        : {root.pid}",
+             f"  time       : {_when(root.time)}",
+             f"  exit       : {describe_exit(root.returncode)}"]
+    if root.exc_type:
+        lines.append(f"  exception  : {root.exc_type}: {root.message}")
+        lines.append("  traceback  :")
+        lines += ["    " + line for line in root.traceback.rstrip("\n").splitlines()]
+    else:
+        lines.append("  exception  : none recorded (the worker was killed, exited on its own, "
+                     "or ran with --no-python); see its stderr above")
+    if root.error_file:
+        lines.append(f"  error file : {root.error_file}")
+    if root.log_dir:
+        lines.append(f"  logs       : {root.log_dir}")
+    others = sorted((f for f in failures if f is not root), key=lambda f: (f.time, f.rank))
+    if others:
+        lines.append("Other failures:")
+        lines += [f"  {f.brief()}" for f in others]
+    if stopped:
+        lines.append(f"Stopped by the launcher: ranks {', '.join(map(str, sorted(stopped)))}")
+    lines.append(RULE)
+    return "\n".join(lines)

@@ -1,0 +1,76 @@
+"""What each worker is started with: its environment, command line and file paths.
+
+The environment is the launcher's own plus, for every worker::
+
+    RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK GROUP_WORLD_SIZE
+    ROLE_RANK ROLE_WORLD_SIZE ROLE_NAME MASTER_ADDR MASTER_PORT
+    TANDEM_RESTART_COUNT TANDEM_MAX_RESTARTS TANDEM_RUN_ID TANDEM_ERROR_FILE
+    TANDEM_SECRET      (a fresh per-job secret, unless TANDEM_SECRET/_FILE is set)
+    OMP_NUM_THREADS=1  (only if unset and more than one worker per node, as torchrun)
+
+No ``TORCHELASTIC_*`` variable is ever set.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+from tandem.run.config import LaunchConfig, Std
+from tandem.run.rendezvous import Assignment
+from tandem.run.workers import WorkerSpec, python_argv
+
+__all__ = ["worker_env", "worker_specs", "attempt_dir"]
+
+
+def worker_env(cfg: LaunchConfig, a: Assignment, local_rank: int, base: Mapping[str, str],
+               extra: Mapping[str, str], error_file: str) -> dict[str, str]:
+    """The full environment of local rank ``local_rank`` in assignment ``a``."""
+    env = dict(base)
+    env.update(extra)
+    env.update({
+        "RANK": str(a.rank_offset + local_rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(a.world_size),
+        "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node),
+        "GROUP_RANK": str(a.node_rank),
+        "GROUP_WORLD_SIZE": str(a.nnodes),
+        "ROLE_RANK": str(a.role_rank_offset + local_rank),
+        "ROLE_WORLD_SIZE": str(a.role_world_size),
+        "ROLE_NAME": cfg.role,
+        "MASTER_ADDR": a.master_addr,
+        "MASTER_PORT": str(a.master_port),
+        "TANDEM_RESTART_COUNT": str(a.restart_count),
+        "TANDEM_MAX_RESTARTS": str(cfg.max_restarts),
+        "TANDEM_RUN_ID": a.run_id,
+        "TANDEM_ERROR_FILE": error_file,
+    })
+    return env
+
+
+def attempt_dir(root: str, a: Assignment) -> str:
+    """``<root>/<run_id>/attempt_<n>``: one attempt's logs and error files."""
+    return os.path.join(root, a.run_id, f"attempt_{a.attempt}")
+
+
+def worker_specs(cfg: LaunchConfig, a: Assignment, *, base: Mapping[str, str],
+                 extra: Mapping[str, str], files_root: str, keep_logs: bool,
+                 parent: int) -> list[WorkerSpec]:
+    """One :class:`WorkerSpec` per local rank; creates their directories under ``files_root``."""
+    specs = []
+    argv = python_argv(cfg.entrypoint, cfg.args, module=cfg.module, no_python=cfg.no_python,
+                       parent=parent)
+    for local_rank in range(cfg.nproc_per_node):
+        rank = a.rank_offset + local_rank
+        rank_dir = os.path.join(attempt_dir(files_root, a), f"rank_{rank}")
+        os.makedirs(rank_dir, exist_ok=True)
+        error_file = os.path.join(rank_dir, "error.json")
+        if os.path.exists(error_file):
+            os.unlink(error_file)  # a record left by an earlier launch with the same run id
+        specs.append(WorkerSpec(
+            rank=rank, local_rank=local_rank, argv=argv,
+            env=worker_env(cfg, a, local_rank, base, extra, error_file),
+            error_file=error_file, log_dir=rank_dir if keep_logs else None,
+            stdout_console=cfg.console_for(local_rank, Std.OUT),
+            stderr_console=cfg.console_for(local_rank, Std.ERR)))
+    return specs

@@ -1,0 +1,172 @@
+"""The local worker processes of one attempt: start, watch, signal, stop.
+
+Each worker is a new process (``start_new_session``, so its pid is also its process
+group id) running :mod:`tandem.run._worker`. A reaper thread per worker waits for its
+exit and notes the time, so the agent knows the order in which ranks died without
+polling races. Signals go to the worker's whole process group, so helpers the worker
+started (data loaders, compilers) receive them too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from tandem.run.streams import Console, start_pump
+
+__all__ = ["WorkerSpec", "Worker", "WorkerGroup", "BOOTSTRAP"]
+
+BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSpec:
+    rank: int
+    local_rank: int
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    error_file: str
+    log_dir: str | None = None  # holds stdout.log and stderr.log when set
+    stdout_console: bool = True
+    stderr_console: bool = True
+
+
+class Worker:
+    """One running worker; ``returncode``/``exit_time`` are set by its reaper thread."""
+
+    def __init__(self, spec: WorkerSpec, out: Console, err: Console,
+                 on_exit: threading.Event) -> None:
+        self.spec = spec
+        self.returncode: int | None = None
+        self.exit_time: float | None = None
+        self.start_time = time.time()
+        files = {name: os.path.join(spec.log_dir, f"{name}.log") if spec.log_dir else None
+                 for name in ("stdout", "stderr")}
+        wanted = {"stdout": spec.stdout_console or files["stdout"] is not None,
+                  "stderr": spec.stderr_console or files["stderr"] is not None}
+        self.proc = subprocess.Popen(
+            list(spec.argv), env=spec.env, start_new_session=True,
+            stdout=subprocess.PIPE if wanted["stdout"] else subprocess.DEVNULL,
+            stderr=subprocess.PIPE if wanted["stderr"] else subprocess.DEVNULL)
+        self.pid = self.proc.pid
+        prefix = f"[rank{spec.rank}]: "
+        self._pumps = []
+        if self.proc.stdout is not None:
+            self._pumps.append(start_pump(self.proc.stdout, prefix,
+                                          out if spec.stdout_console else None,
+                                          files["stdout"], f"tandem-out-{spec.rank}"))
+        if self.proc.stderr is not None:
+            self._pumps.append(start_pump(self.proc.stderr, prefix,
+                                          err if spec.stderr_console else None,
+                                          files["stderr"], f"tandem-err-{spec.rank}"))
+        self._reaper = threading.Thread(target=self._reap, args=(on_exit,),
+                                        name=f"tandem-reap-{spec.rank}", daemon=True)
+        self._reaper.start()
+
+    def _reap(self, on_exit: threading.Event) -> None:
+        if hasattr(os, "waitid"):
+            try:  # wait without reaping: the zombie keeps the pid (and group id) ours
+                os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
+            except ChildProcessError:
+                pass
+        self.exit_time = time.time()
+        self._kill_group()  # helpers the worker left behind die with it
+        self.returncode = self.proc.wait()
+        on_exit.set()
+
+    def _kill_group(self) -> None:
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    @property
+    def alive(self) -> bool:
+        return self.returncode is None
+
+    def send(self, sig: int) -> None:
+        """Send ``sig`` to the worker's process group (the worker and its children)."""
+        if not self.alive:
+            return  # reaped: its pid may belong to someone else by now
+        try:
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            pass  # the group is gone: nothing left to signal
+        except PermissionError:
+            if self.alive:
+                os.kill(self.pid, sig)
+
+    def join_output(self, timeout: float) -> None:
+        """Wait until the worker's pipes are drained (its last lines printed)."""
+        deadline = time.monotonic() + timeout
+        for pump in self._pumps:
+            pump.join(max(0.0, deadline - time.monotonic()))
+
+
+class WorkerGroup:
+    """The workers of one node for one attempt."""
+
+    def __init__(self, specs: list[WorkerSpec], out: Console, err: Console) -> None:
+        self.specs = specs
+        self.changed = threading.Event()  # set whenever a worker exits
+        self.workers: list[Worker] = []
+        self._out, self._err = out, err
+
+    def start(self) -> None:
+        """Start every worker; call from the main thread (PR_SET_PDEATHSIG follows it)."""
+        for spec in self.specs:
+            self.workers.append(Worker(spec, self._out, self._err, self.changed))
+
+    def failed(self) -> list[Worker]:
+        return [w for w in self.workers if w.returncode not in (None, 0)]
+
+    def all_succeeded(self) -> bool:
+        return bool(self.workers) and all(w.returncode == 0 for w in self.workers)
+
+    def alive(self) -> list[Worker]:
+        return [w for w in self.workers if w.alive]
+
+    def signal_all(self, sig: int) -> None:
+        for w in self.alive():
+            w.send(sig)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait until every worker has exited; False if some still run after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while self.alive():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.changed.wait(min(left, 0.05))
+            self.changed.clear()
+        return True
+
+    def stop(self, sig: int | None, timeout: float) -> list[int]:
+        """Send ``sig`` (None: it was already sent), SIGKILL after ``timeout``; the ranks hit."""
+        hit = [w.spec.rank for w in self.alive()]
+        if sig is not None:
+            self.signal_all(sig)
+        if not self.wait(timeout):
+            self.signal_all(signal.SIGKILL)
+            self.wait(30.0)
+        return hit
+
+    def close(self, output_timeout: float = 2.0) -> None:
+        """Kill any worker still running; wait (briefly) until their output is printed."""
+        self.signal_all(signal.SIGKILL)
+        self.wait(10.0)
+        deadline = time.monotonic() + output_timeout
+        for w in self.workers:
+            w.join_output(max(0.0, deadline - time.monotonic()))
+
+
+def python_argv(target: str, args: tuple[str, ...], *, module: bool, no_python: bool,
+                parent: int) -> tuple[str, ...]:
+    """The worker command line: the bootstrap followed by the user's target."""
+    mode = ("--exec",) if no_python else ("-m",) if module else ("--",)
+    return (sys.executable, BOOTSTRAP, "--parent", str(parent), *mode, target, *args)

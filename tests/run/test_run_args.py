@@ -1,0 +1,103 @@
+"""The command line: torchrun's flags in both spellings, PET_<FLAG> defaults, bad values."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from tandem.errors import ArgumentError
+from tandem.run import main
+from tandem.run.args import parse
+from tandem.run.config import LaunchConfig, Std, StdMap
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_dash_and_underscore_spellings_mean_the_same() -> None:
+    dashes = parse(["--nproc-per-node", "3", "--max-restarts", "2", "--node-rank", "1",
+                    "--nnodes", "2", "--master-addr", "h", "--master-port", "1234",
+                    "--monitor-interval", "0.2", "--log-dir", "L", "--rdzv-id", "x",
+                    "--local-ranks-filter", "0,2", "train.py", "--lr", "3"])
+    unders = parse(["--nproc_per_node=3", "--max_restarts=2", "--node_rank=1", "--nnodes=2",
+                    "--master_addr=h", "--master_port=1234", "--monitor_interval=0.2",
+                    "--log_dir=L", "--rdzv_id=x", "--local_ranks_filter=0,2", "train.py",
+                    "--lr", "3"])
+    assert dashes == unders
+    assert dashes.nproc_per_node == 3 and dashes.node_rank == 1 and dashes.master_port == 1234
+    assert dashes.args == ("--lr", "3") and dashes.local_ranks_filter == {0, 2}
+
+
+def test_pet_environment_supplies_flags_and_command_line_wins(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "4")
+    monkeypatch.setenv("PET_MAX_RESTARTS", "5")
+    monkeypatch.setenv("PET_STANDALONE", "1")
+    cfg = parse(["train.py"])
+    assert (cfg.nproc_per_node, cfg.max_restarts, cfg.standalone) == (4, 5, True)
+    assert parse(["--nproc_per_node", "2", "train.py"]).nproc_per_node == 2
+
+
+def test_script_arguments_are_left_alone() -> None:
+    cfg = parse(["--nproc-per-node", "2", "train.py", "--nproc-per-node", "7", "-m", "x"])
+    assert cfg.entrypoint == "train.py"
+    assert cfg.args == ("--nproc-per-node", "7", "-m", "x") and not cfg.module
+
+
+def test_nproc_cpu_and_auto_count_cpus_without_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert parse(["--nproc-per-node", "cpu", "t.py"]).nproc_per_node == os.cpu_count()
+    assert parse(["--nproc-per-node", "auto", "t.py"]).nproc_per_node == os.cpu_count()
+    with pytest.raises(ArgumentError, match="no GPU"):
+        parse(["--nproc-per-node", "gpu", "t.py"])
+
+
+def test_nnodes_takes_n_or_min_max() -> None:
+    assert (parse(["--nnodes", "3", "t.py"]).min_nodes, parse(["--nnodes", "3", "t.py"]).max_nodes) == (3, 3)
+    cfg = parse(["--nnodes", "1:4", "--rdzv-backend", "c10d", "t.py"])
+    assert (cfg.min_nodes, cfg.max_nodes, cfg.rdzv_backend) == (1, 4, "c10d")
+    with pytest.raises(ArgumentError, match="MIN:MAX"):
+        parse(["--nnodes", "a:b:c", "t.py"])
+
+
+def test_redirect_and_tee_maps_decide_what_reaches_the_console() -> None:
+    cfg = parse(["-r", "0:3,1:1", "-t", "1:2", "--local-ranks-filter", "0,1", "t.py"])
+    assert cfg.redirects == StdMap(Std.NONE, ((0, Std.ALL), (1, Std.OUT)))
+    assert not cfg.console_for(0, Std.OUT) and not cfg.console_for(0, Std.ERR)
+    assert not cfg.console_for(1, Std.OUT) and cfg.console_for(1, Std.ERR)
+    assert not cfg.console_for(2, Std.OUT)  # filtered out
+    assert cfg.keeps_files
+    assert not parse(["t.py"]).keeps_files
+
+
+def test_signals_rdzv_conf_and_standalone() -> None:
+    cfg = parse(["--standalone", "--signals-to-handle", "SIGTERM,USR1",
+                 "--rdzv-conf", "join_timeout=5,x=y", "t.py"])
+    assert cfg.signals == (signal.SIGTERM, signal.SIGUSR1)
+    assert cfg.conf("join_timeout", 600) == 5.0 and cfg.master_addr == "127.0.0.1"
+    assert signal.SIGUSR2 in parse(["t.py"]).signals
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--standalone", "--nnodes", "2", "t.py"], "--standalone"),
+    (["-m", "--no-python", "t.py"], "cannot be used together"),
+    (["--nproc-per-node", "0", "t.py"], "nproc-per-node"),
+    (["--nnodes", "2", "--node-rank", "2", "t.py"], "node-rank"),
+    (["-r", "7", "t.py"], "--redirects"),
+    (["--rdzv-backend", "etcd", "--nnodes", "2", "t.py"], "static and c10d"),
+])
+def test_bad_values_are_refused_with_the_flag_named(
+        argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_config_is_usable_without_argparse() -> None:
+    cfg = LaunchConfig(entrypoint="t.py", nproc_per_node=2)
+    assert cfg.nnodes == 1 and not cfg.multi_node and cfg.console_for(1, Std.ERR)
+
+
+def test_min_max_nodes_need_the_c10d_backend() -> None:
+    with pytest.raises(ArgumentError, match="c10d"):
+        parse(["--nnodes", "1:2", "t.py"])

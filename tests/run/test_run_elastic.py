@@ -1,0 +1,103 @@
+"""c10d rendezvous with --nnodes MIN:MAX: a job that grows when a node joins and shrinks
+when one leaves (two agents on loopback)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from runkit import SCRIPTS, Launch, finish, pid_alive, worker_pids
+
+SECRET = {"TANDEM_SECRET": "shared-by-both-nodes"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def elastic(launch: Launch, port: int, *args: object, conf: str = "last_call_timeout=1",
+            restarts: int = 0) -> subprocess.Popen[str]:
+    return launch("--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", conf,
+                  "--max-restarts", restarts, SCRIPTS / "elastic.py", *args, env=SECRET)
+
+
+def wait_for(predicate: object, procs: list[subprocess.Popen[str]], what: str) -> None:
+    deadline = time.monotonic() + 90
+    while not predicate():  # type: ignore[operator]
+        for p in procs:
+            assert p.poll() is None, (what, p.communicate())
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def store_up(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def seen(directory: Path) -> set[str]:
+    return {p.name for p in directory.glob("seen_*")}
+
+
+@pytest.mark.timeout(120)
+def test_one_node_of_one_to_two_runs_alone_after_the_last_call(launch: Launch,
+                                                                tmp_path: Path) -> None:
+    res = finish(elastic(launch, free_port(), tmp_path, 2, "sleep"), 100)
+    assert res.code == 0, res.err
+    assert seen(tmp_path) == {"seen_ws2_rank0_restart0", "seen_ws2_rank1_restart0"}
+
+
+@pytest.mark.timeout(180)
+def test_a_joining_node_grows_the_job_without_using_a_restart(launch: Launch,
+                                                              tmp_path: Path) -> None:
+    port = free_port()
+    first = elastic(launch, port, tmp_path, 4, "sleep")
+    wait_for(lambda: len(seen(tmp_path)) == 2, [first], "the one-node round")
+    second = elastic(launch, port, tmp_path, 4, "sleep")
+    results = [finish(p, 150) for p in (first, second)]
+    assert [r.code for r in results] == [0, 0], [r.err for r in results]
+    assert seen(tmp_path) == {"seen_ws2_rank0_restart0", "seen_ws2_rank1_restart0"} | {
+        f"seen_ws4_rank{r}_restart0" for r in range(4)}
+    assert "a node is waiting to join" in results[0].err
+
+
+@pytest.mark.timeout(240)
+def test_a_leaving_node_shrinks_the_job(launch: Launch, tmp_path: Path) -> None:
+    port = free_port()
+    host = elastic(launch, port, tmp_path, 2, "tandem", 1, restarts=1)
+    wait_for(lambda: store_up(port), [host], "the rendezvous store")
+    leaver = elastic(launch, port, tmp_path, 2, "tandem", 1, restarts=1)
+    wait_for(lambda: len([n for n in seen(tmp_path) if n.startswith("seen_ws4")]) == 4,
+             [host, leaver], "the two-node round")
+    leaving_workers = []
+    deadline = time.monotonic() + 60
+    while len(leaving_workers) < 2 and time.monotonic() < deadline:
+        leaving_workers = [pid for pid in worker_pids(tmp_path)
+                           if _parent(pid) == leaver.pid]
+        time.sleep(0.05)
+    os.kill(leaver.pid, signal.SIGKILL)
+    res = finish(host, 200)
+    assert res.code == 0, res.err
+    assert {"seen_ws2_rank0_restart1", "seen_ws2_rank1_restart1"} <= seen(tmp_path)
+    assert "restart 1 of 1" in res.err
+    assert [p for p in leaving_workers if pid_alive(p)] == []
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return -1

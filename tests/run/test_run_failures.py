@@ -1,0 +1,102 @@
+"""Worker failures: the root-cause summary, restarts, and choosing the first failure."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from runkit import SCRIPTS, Result
+from tandem.run.rootcause import Failure, describe_exit, format_summary, pick_root_cause
+
+Run = Callable[..., Result]
+
+
+@pytest.mark.timeout(60)
+def test_an_exception_is_reported_with_rank_type_message_and_traceback(run: Run) -> None:
+    res = run("--nproc-per-node", "2", SCRIPTS / "raise_on_rank.py", "1")
+    assert res.code == 1
+    summary = res.err[res.err.index("Root cause"):]
+    assert "rank       : 1 (local_rank 1, node 0, role default)" in summary
+    assert "exit       : exit code 1" in summary
+    assert "exception  : ValueError: bad batch on rank 1" in summary
+    assert 'raise_on_rank.py", line 8, in load_batch' in summary
+    assert "_worker.py" not in summary and "runpy" not in summary
+    assert "Stopped by the launcher: ranks 0" in summary
+    assert "[rank1]: ValueError: bad batch on rank 1" in res.err  # the worker's own stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_worker_is_reported_with_its_signal(run: Run, tmp_path: Path) -> None:
+    res = run("--nproc-per-node", "2", "--log-dir", tmp_path / "logs",
+              SCRIPTS / "sigkill_on_rank.py", "0")
+    assert res.code == 1
+    assert "rank       : 0 (local_rank 0" in res.err
+    assert "exit       : signal 9 (SIGKILL)" in res.err
+    assert "exception  : none recorded" in res.err
+    assert f"logs       : {tmp_path / 'logs'}" in res.err
+
+
+@pytest.mark.timeout(90)
+def test_a_transient_failure_is_survived_with_one_restart(run: Run, tmp_path: Path) -> None:
+    res = run("--nproc-per-node", "2", "--max-restarts", "1", SCRIPTS / "fail_first_attempt.py",
+              "1", tmp_path)
+    assert res.code == 0, res.err
+    assert "attempt 0 failed (rank 1" in res.err and "restart 1 of 1" in res.err
+    assert "[rank0]: rank 0 done on attempt 1" in res.out
+    assert "[rank1]: rank 1 done on attempt 1" in res.out
+    ports = {(tmp_path / f"attempt{a}_rank1").read_text() for a in (0, 1)}
+    assert len(ports) == 2  # each attempt has its own MASTER_PORT
+
+
+@pytest.mark.timeout(90)
+def test_giving_up_after_max_restarts(run: Run, tmp_path: Path) -> None:
+    res = run("--nproc-per-node", "2", "--max-restarts", "1", SCRIPTS / "raise_on_rank.py", "0")
+    assert res.code == 1
+    assert "restart 1 of 1" in res.err and "failed after 2 attempts" in res.err
+    assert res.err.count("Root cause") == 1
+
+
+def failure(rank: int, t: float, exc: str = "", code: int = 1) -> Failure:
+    return Failure(rank=rank, local_rank=rank, node_rank=0, host="h", pid=100 + rank, time=t,
+                   returncode=code, exc_type=exc, message="m", traceback="tb\n")
+
+
+def test_root_cause_is_the_earliest_failure() -> None:
+    assert pick_root_cause([failure(0, 2.0, "ValueError"), failure(1, 1.0, "KeyError")]).rank == 1
+
+
+def test_a_lost_peer_is_a_consequence_not_the_root_cause() -> None:
+    lost = failure(0, 1.0, "tandem.errors.PeerLostError")
+    killed = failure(1, 1.01, code=-9)
+    assert pick_root_cause([lost, killed]).rank == 1
+    assert pick_root_cause([lost]).rank == 0
+
+
+def test_summary_lists_every_failure() -> None:
+    text = format_summary([failure(0, time.time(), "ValueError"), failure(1, time.time() + 1)],
+                          run_id="abc", attempts=3, stopped=[2, 3])
+    assert "job abc failed after 3 attempts" in text
+    assert "Other failures:\n  rank 1 (local_rank 1, host h): exit code 1" in text
+    assert "Stopped by the launcher: ranks 2, 3" in text
+    assert describe_exit(-15) == "signal 15 (SIGTERM)" and describe_exit(None).startswith("exit")
+
+
+def test_failures_travel_between_nodes_as_json() -> None:
+    f = failure(3, 5.0, "ValueError")
+    assert Failure.from_json(f.to_json()) == f
+
+
+@pytest.mark.timeout(180)
+def test_a_restarted_job_resumes_from_its_checkpoint(run: Run, tmp_path: Path) -> None:
+    steps = 6
+    res = run("--nproc-per-node", "2", "--max-restarts", "1", SCRIPTS / "checkpointed.py",
+              tmp_path / "ckpt.pt", steps, timeout=170)
+    assert res.code == 0, res.err
+    assert "[rank0]: rank 0 resumed at step 3" in res.out
+    # w -= 0.1 * mean over ranks of (rank + 1 + step), for every step, exactly once
+    expected = -sum(0.1 * ((1 + step) + (2 + step)) / 2 for step in range(steps))
+    assert f"[rank0]: rank 0 final {expected:.4f}" in res.out
+    assert f"[rank1]: rank 1 final {expected:.4f}" in res.out
