@@ -34,13 +34,14 @@ import dataclasses
 import os
 import secrets
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping, TypeVar
 
 from tandem.errors import ArgumentError
 
 __all__ = ["Settings", "load_settings", "load_secret", "ALGORITHMS"]
 
 ALGORITHMS = ("auto", "naive", "ring", "doubling")
+N = TypeVar("N", int, float)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,14 +72,15 @@ class Settings:
             raise ArgumentError(f"TANDEM_MAX_FRAME must be >= 1024, got {self.max_frame}")
 
 
-def _number(env: Mapping[str, str], name: str, kind: type, default: object) -> object:
+def _number(env: Mapping[str, str], name: str, kind: Callable[[str], N], default: N) -> N:
     raw = env.get(name)
     if raw is None or raw == "":
         return default
     try:
         return kind(raw)
     except ValueError as exc:
-        raise ArgumentError(f"{name}={raw!r} is not a valid {kind.__name__}") from exc
+        label = getattr(kind, "__name__", "number")
+        raise ArgumentError(f"{name}={raw!r} is not a valid {label}") from exc
 
 
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
@@ -86,17 +88,13 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     env = os.environ if env is None else env
     base = Settings()
     return Settings(
-        timeout=float(_number(env, "TANDEM_TIMEOUT", float, base.timeout)),  # type: ignore[arg-type]
-        connect_timeout=float(
-            _number(env, "TANDEM_CONNECT_TIMEOUT", float, base.connect_timeout)  # type: ignore[arg-type]
-        ),
+        timeout=_number(env, "TANDEM_TIMEOUT", float, base.timeout),
+        connect_timeout=_number(env, "TANDEM_CONNECT_TIMEOUT", float, base.connect_timeout),
         bind_addr=env.get("TANDEM_BIND_ADDR") or None,
-        max_frame=int(_number(env, "TANDEM_MAX_FRAME", int, base.max_frame)),  # type: ignore[arg-type]
+        max_frame=_number(env, "TANDEM_MAX_FRAME", int, base.max_frame),
         algorithm=env.get("TANDEM_ALGORITHM", base.algorithm) or base.algorithm,
-        ring_threshold=int(
-            _number(env, "TANDEM_RING_THRESHOLD", int, base.ring_threshold)  # type: ignore[arg-type]
-        ),
-        chunk_bytes=int(_number(env, "TANDEM_CHUNK_BYTES", int, base.chunk_bytes)),  # type: ignore[arg-type]
+        ring_threshold=_number(env, "TANDEM_RING_THRESHOLD", int, base.ring_threshold),
+        chunk_bytes=_number(env, "TANDEM_CHUNK_BYTES", int, base.chunk_bytes),
         debug=env.get("TANDEM_DEBUG", "0") not in ("", "0", "false", "False"),
     )
 

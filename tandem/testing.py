@@ -218,8 +218,8 @@ def run_threads(world_size: int, fn: Callable[..., Any], args: Sequence[Any] = (
         t.join(max(0.0, deadline - time.monotonic()))
     stuck = [r for r, t in enumerate(threads) if t.is_alive()]
     if stuck:
-        for t in hub.transports:
-            t.close()
+        for transport in hub.transports:
+            transport.close()
         raise RankFailed(f"ranks {stuck} did not finish within {timeout}s")
     if errors:
         raise RankFailed("\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items())))

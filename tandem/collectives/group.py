@@ -34,7 +34,7 @@ def as_bytes(t: torch.Tensor) -> memoryview:
     flat = t.detach().reshape(-1)
     if flat.numel() == 0:
         return memoryview(bytearray(0))
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 class Op:

@@ -158,7 +158,7 @@ class SyncBatchNorm(_BatchNorm):
         if not (batch_stats and self.training) or self._sync_world() == 1:
             return F.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                 batch_stats, factor, self.eps)
-        out = _SyncBatchNormFunction.apply(  # type: ignore[no-untyped-call]
+        out = _SyncBatchNormFunction.apply(
             input, self.weight, self.bias, running_mean, running_var, self.eps, factor,
             self.process_group)
         return cast(torch.Tensor, out)

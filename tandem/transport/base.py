@@ -192,9 +192,9 @@ class Mailbox:
         if header.kind == Kind.ABORT:
             buf = bytearray(header.nbytes)
             read(memoryview(buf))
-            error = decode_error(header.step, bytes(buf))
-            self.reports[header.group].append(error)
-            self.abort_group(header.group, error)
+            reported = decode_error(header.step, bytes(buf))
+            self.reports[header.group].append(reported)
+            self.abort_group(header.group, reported)
             return
         key = (peer, header.kind, header.group, header.seq, header.step)
         with self._lock:
