@@ -32,7 +32,7 @@ def doubling_all_reduce(op: Op, buf: torch.Tensor, redop: ReduceOp) -> None:
         op.wait(op.send(r - pow2, 0, view))
         op.wait(op.recv(r - pow2, _RESULT, view))
         return
-    tmp = torch.empty_like(buf)
+    tmp = g.scratch(buf.numel(), buf.dtype)
     tmp_view = as_bytes(tmp)
     if r < extra:
         op.wait(op.recv(r + pow2, 0, tmp_view))

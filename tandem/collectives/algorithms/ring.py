@@ -64,7 +64,9 @@ def ring(op: Op, buf: torch.Tensor, bounds: Bounds, redop: ReduceOp | None,
     scratch: list[torch.Tensor] = []
     if reduce_scatter:
         longest = max(b - a for a, b in bounds)
-        scratch = [torch.empty(longest, dtype=buf.dtype) for _ in range(min(2, len(steps)))]
+        halves = min(2, len(steps))
+        space = g.scratch(longest * halves, buf.dtype)
+        scratch = [space[i * longest:(i + 1) * longest] for i in range(halves)]
     # byte views are made once and sliced: a tensor-to-memoryview conversion per chunk
     # showed up in profiles
     size = buf.element_size()
