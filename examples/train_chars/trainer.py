@@ -1,4 +1,13 @@
-"""One rank's training job; tandem must already be initialised (see ``train_chars.py``)."""
+"""One rank's training job; tandem must already be initialised (see ``train_chars.py``).
+
+Training is deterministic, so that a run resumed from a checkpoint ends with exactly the
+parameters of an uninterrupted run: the model is initialised from ``--seed``, the data
+order comes from ``DistributedSampler(seed)`` and the epoch (a resumed epoch skips the
+batches already done), the learning rate is a function of the step, the optimizer state
+is checkpointed, and the global RNG is re-seeded from (seed, rank, step) before every
+step, so no RNG state needs saving. On CPU with one thread per rank torch's kernels are
+deterministic.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +26,7 @@ from torch.utils.data import DataLoader, Subset
 import tandem as dist
 from tandem.parallel import DistributedDataParallel, DistributedSampler
 
-from train_chars.checkpoint import load_checkpoint, save_atomic
+from train_chars import checkpoint
 from train_chars.data import VOCAB, CharWindows, decode, encode, load_corpus
 from train_chars.model import CharTransformer, ModelConfig
 from train_chars.plot import write_loss_png
@@ -78,7 +87,7 @@ def evaluate(model: CharTransformer, ids: torch.Tensor, cfg: RunConfig) -> float
 
 def _verify(path: str, model: CharTransformer, step: int) -> int:
     """Reload the checkpoint into a fresh model; return how many tensors matched exactly."""
-    state = load_checkpoint(path)
+    state = checkpoint.load(path)
     fresh = CharTransformer(ModelConfig(**state["model_config"]))
     fresh.load_state_dict(state["model"])
     live = model.state_dict()
@@ -89,6 +98,10 @@ def _verify(path: str, model: CharTransformer, step: int) -> int:
         raise RuntimeError(f"checkpoint {path}: step {state['step']} (expected {step}) or "
                            f"empty optimizer state")
     return len(live)
+
+
+def _step_seed(seed: int, rank: int, step: int) -> int:
+    return (seed * 1_000_003 + step) * 1_009 + rank
 
 
 def train(cfg: RunConfig) -> dict[str, Any]:
@@ -103,10 +116,11 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                                   weight_decay=0.01)
     ckpt = os.path.join(cfg.out, "checkpoint.pt")
     step, history, val_history = 0, [], []
-    if cfg.resume:
-        state = load_checkpoint(ckpt)
+    resume, why = checkpoint.resume_from(ckpt, cfg.resume)
+    if resume:
+        state = checkpoint.load(ckpt)
         if state["model_config"] != dataclasses.asdict(mcfg):
-            raise ValueError(f"--resume: {ckpt} holds a model {state['model_config']}, "
+            raise ValueError(f"{why}: {ckpt} holds a model {state['model_config']}, "
                              f"these flags build {dataclasses.asdict(mcfg)}")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -117,7 +131,9 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         print(f"train_chars: {world} ranks, {n_files} stdlib files ({len(train_ids) / 1e6:.2f}M "
               f"train / {len(val_ids) / 1e6:.2f}M val chars), {n_params / 1e6:.2f}M params, "
               f"global batch {cfg.batch_size * world} x {cfg.seq_len}, "
-              f"{'resuming at step ' + str(step) if cfg.resume else 'from scratch'}", flush=True)
+              f"{f'resuming at step {step} ({why})' if resume else 'from scratch'}", flush=True)
+        if why and not resume:
+            print(f"train_chars: {why}", flush=True)
 
     windows = CharWindows(train_ids, cfg.seq_len)
     sampler = DistributedSampler(windows, shuffle=True, seed=cfg.seed, drop_last=True)
@@ -126,12 +142,10 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         val_history.append((step, evaluate(model, val_ids, cfg)))
     val_start = val_history[-1][1]
 
-    def save() -> None:
-        if lead:
-            save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+    def save() -> None:  # every rank calls it; rank 0 writes
+        checkpoint.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                          "step": step, "history": history, "val_history": val_history,
                          "model_config": dataclasses.asdict(mcfg)}, ckpt)
-        dist.barrier()
 
     progress = Progress(cfg.steps, step, enabled=lead)
     first_step, started = step, time.monotonic()
@@ -139,6 +153,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         epoch, skip = divmod(step, len(loader))
         sampler.set_epoch(epoch)
         for x, y in itertools.islice(loader, skip, None):
+            torch.manual_seed(_step_seed(cfg.seed, rank, step))  # dropout, if enabled
             for group in optimizer.param_groups:
                 group["lr"] = _lr(cfg, step)
             loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
