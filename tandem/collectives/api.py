@@ -94,8 +94,24 @@ def _root(g: ProcessGroup, what: str, rank: int | None, group_rank: int | None, 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
+_SIGS: dict[tuple[Any, ...], str] = {}
+
+
 def _sig(name: str, t: torch.Tensor | None, **extra: Any) -> str:
-    """The call's signature, compared by every peer (kept cheap: it runs on every call)."""
+    """The call's signature, compared by every peer (cached: it runs on every call)."""
+    key = (name, None if t is None else (t.dtype, t.shape), *extra.values())
+    try:
+        return _SIGS[key]
+    except KeyError:
+        text = _make_sig(name, t, extra)
+        if len(_SIGS) < 4096:  # bounded: shapes may vary without end
+            _SIGS[key] = text
+        return text
+    except TypeError:  # an unhashable extra (a list of sizes)
+        return _make_sig(name, t, extra)
+
+
+def _make_sig(name: str, t: torch.Tensor | None, extra: dict[str, Any]) -> str:
     text = name
     if t is not None:
         dtype = _DTYPE_NAMES.get(t.dtype)
