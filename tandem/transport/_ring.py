@@ -21,10 +21,12 @@ peer asleep?": a :func:`fence` sits between the two. A sleeper stores its flag
 and lets the kernel compare the counter (``futex_wait`` orders both), so wake-ups
 are never lost; the sleep has a timeout as a second line of defence anyway.
 
-Waiting: check the counter for ``spin`` seconds (yielding the CPU between checks
-after the first few microseconds, so 4 ranks on 2 cores still progress), then
-sleep on the futex. A sleeper is woken by the peer's publish, or by its own
-process (peer lost, close), after which ``check()`` decides whether to go on.
+Waiting: poll the counter for ``spin`` seconds (the first 5 us holding the GIL,
+then with ``sched_yield`` between checks, which hands the GIL to this process's
+other threads and the CPU to other processes), then sleep on the futex. A sleeper
+is woken by the peer's publish, or by its own process (peer lost, close), after
+which ``check()`` decides whether to go on. The transport polls long only when
+every local rank has a CPU of its own; see ``ShmTransport``.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ __all__ = ["Ring", "DATA_OFFSET", "segment_size", "init_segment"]
 DATA_OFFSET = 4096
 _HEAD, _TAIL, _CSLEEP, _PSLEEP, _CAP = 0, 8, 16, 24, 32  # u64 indexes into the control page
 _SLEEP_S = 0.1  # futex timeout: how often a sleeper re-runs check() on its own
-_BIG = int(os.environ.get("XBIG", str(64 << 10)))  # copies this large release the GIL (torch)
-_PIECE = int(os.environ.get("XPIECE", str(1 << 20)))  # most bytes copied before publishing
+_HOT_S = 5e-6  # first part of a wait: poll holding the GIL (cheap, but blocks our other threads)
+_BIG = 64 << 10  # copies this large release the GIL
+_PIECE = 1 << 20  # most bytes copied before publishing (the consumer starts on them meanwhile)
 
 
 def _copy(dst: memoryview, dst_a: np.ndarray | None, a: int, src: memoryview,
@@ -77,14 +80,15 @@ class Ring:
     its own counter in a local variable (only it stores that counter).
     """
 
-    def __init__(self, mm: mmap.mmap, spin: float = 20e-6) -> None:
+    def __init__(self, mm: mmap.mmap, spin: float = 5e-6) -> None:
         self._mm = mm
         self._mv = memoryview(mm)
         self._ctl = self._mv[:DATA_OFFSET].cast("Q")
         cap = self._ctl[_CAP]
         if cap <= 0 or cap & (cap - 1) or len(mm) < DATA_OFFSET + cap:
+            problem = f"shared-memory ring of {len(mm)} bytes announces capacity {cap}"
             self._release()
-            raise ProtocolError(f"shared-memory ring of {len(mm)} bytes announces capacity {cap}")
+            raise ProtocolError(problem)
         self.capacity = cap
         self._mask = cap - 1
         self._data = self._mv[DATA_OFFSET:DATA_OFFSET + cap]
@@ -106,27 +110,25 @@ class Ring:
         ctl, data, cap, mask = self._ctl, self._data, self.capacity, self._mask
         head = self._head
         published = ctl[_HEAD]
-        try:
-            for part in parts:
-                off, n = 0, len(part)
-                while off < n:
-                    free = cap - (head - ctl[_TAIL])
-                    if free == 0:
-                        if head != published:
-                            self._publish(_HEAD, head, _CSLEEP, self._head_addr)
-                            published = head
-                        self._wait(_TAIL, _PSLEEP, head - cap, self._tail_addr, check)
-                        continue
-                    pos = head & mask
-                    k = min(n - off, free, cap - pos, _PIECE)
-                    _copy(data, self._array, pos, part, None, off, k)
-                    off += k
-                    head += k
-                    if k >= _BIG:  # let the consumer start on it while we copy the next
+        for part in parts:
+            off, n = 0, len(part)
+            while off < n:
+                free = cap - (head - ctl[_TAIL])
+                if free == 0:
+                    if head != published:
                         self._publish(_HEAD, head, _CSLEEP, self._head_addr)
                         published = head
-        finally:
-            self._head = head  # bytes copied in stay in the stream, published or not
+                    self._wait(_TAIL, _PSLEEP, head - cap, self._tail_addr, check)
+                    continue
+                pos = head & mask
+                k = min(n - off, free, cap - pos, _PIECE)
+                _copy(data, self._array, pos, part, None, off, k)
+                off += k
+                head += k
+                self._head = head  # copied in: part of the stream, published or not
+                if k >= _BIG:  # let the consumer start on it while we copy the next
+                    self._publish(_HEAD, head, _CSLEEP, self._head_addr)
+                    published = head
         if head != published:
             self._publish(_HEAD, head, _CSLEEP, self._head_addr)
 
@@ -177,13 +179,18 @@ class Ring:
     def _wait(self, word: int, flag: int, stale: int, addr: int, check: Callable[[], None]) -> None:
         """Return once ``ctl[word] != stale``; ``check()`` raises to give up."""
         ctl = self._ctl
-        end = time.perf_counter() + self._spin
-        while True:  # spin: holds the GIL, so keep it short
-            for _ in range(16):
+        now = time.perf_counter()
+        hot, end = now + min(_HOT_S, self._spin), now + self._spin
+        while True:  # poll under the GIL: only a few microseconds
+            for _ in range(8):
                 if ctl[word] != stale:
                     return
-            if time.perf_counter() >= end:
+            if time.perf_counter() >= hot:
                 break
+        while time.perf_counter() < end:
+            os.sched_yield()  # lets our other threads have the GIL and other processes the CPU
+            if ctl[word] != stale:
+                return
         check()
         ctl[flag] = 1
         try:

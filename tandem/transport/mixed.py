@@ -78,6 +78,8 @@ class MixedTransport(Transport):
         self.mailbox = tcp.mailbox
         self.tcp = tcp
         self.shm = shm
+        # a rank rejecting a stray message tells its sender, by whichever way reaches it
+        self.mailbox.reply = lambda peer, group, error: self.abort(group, [peer], error)
 
     def route(self, peer: int) -> Transport:
         """The transport that carries messages to ``peer``."""
