@@ -1,4 +1,4 @@
-"""Collective latency and bus bandwidth: tandem ("tcp") against torch.distributed (gloo).
+"""Collective latency and bus bandwidth: tandem (``--backend``, default "tcp") against gloo.
 
 Run::
 
@@ -125,14 +125,15 @@ def _round(lib: Any, step: Callable[[], None], iters: int) -> float:
 
 
 def _rank_main(rank: int, p: int, tandem_url: str, gloo_url: str, ops: Sequence[str],
-               sizes: Sequence[int], rounds: int, round_s: float) -> list[dict[str, Any]]:
+               sizes: Sequence[int], rounds: int, round_s: float,
+               backend: str = "tcp") -> list[dict[str, Any]]:
     """Body of one rank: returns, per (op, size), this rank's per-op seconds per round."""
     torch.set_num_threads(1)
     import torch.distributed as tdist
 
     import tandem
 
-    tandem.init_process_group("tcp", init_method=tandem_url, rank=rank, world_size=p,
+    tandem.init_process_group(backend, init_method=tandem_url, rank=rank, world_size=p,
                               timeout=_OP_TIMEOUT_S)
     tdist.init_process_group("gloo", init_method=gloo_url, rank=rank, world_size=p,
                              timeout=datetime.timedelta(seconds=_OP_TIMEOUT_S))
@@ -168,7 +169,7 @@ def _rank_main(rank: int, p: int, tandem_url: str, gloo_url: str, ops: Sequence[
 
 
 def _measure(p: int, ops: Sequence[str], sizes: Sequence[int], rounds: int,
-             round_s: float, timeout: float) -> list[Row]:
+             round_s: float, timeout: float, backend: str) -> list[Row]:
     from tandem.testing import spawn
 
     env = {}
@@ -176,7 +177,7 @@ def _measure(p: int, ops: Sequence[str], sizes: Sequence[int], rounds: int,
         env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo would otherwise pick the hostname's interface
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
         per_rank = spawn(p, _rank_main, (f"file://{tmp}/tandem", f"file://{tmp}/gloo", ops,
-                                         sizes, rounds, round_s),
+                                         sizes, rounds, round_s, backend),
                          init=False, timeout=timeout, env=env)
     rows = []
     for i, first in enumerate(per_rank[0]):
@@ -191,11 +192,12 @@ def _measure(p: int, ops: Sequence[str], sizes: Sequence[int], rounds: int,
 
 
 def run(world_sizes: Sequence[int], ops: Sequence[str], sizes: Sequence[int], *,
-        rounds: int = 7, round_s: float = 0.07, timeout: float = 600.0) -> list[Row]:
+        rounds: int = 7, round_s: float = 0.07, timeout: float = 600.0,
+        backend: str = "tcp") -> list[Row]:
     """Measure every (world size, op, size); one set of rank processes per world size."""
     rows: list[Row] = []
     for p in world_sizes:
-        rows.extend(_measure(p, ops, sizes, rounds, round_s, timeout))
+        rows.extend(_measure(p, ops, sizes, rounds, round_s, timeout, backend))
     return rows
 
 
@@ -278,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="deadline per world size, seconds (default 600)")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    parser.add_argument("--backend", default="tcp",
+                        help="tandem backend: tcp (default), shm, auto")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 2 ranks, 4 KB and 1 MB, 2 short rounds")
     args = parser.parse_args(argv)
@@ -295,9 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         world_sizes, sizes, rounds, round_s = [2], [4 << 10, 1 << 20], 2, 0.02
     start = time.monotonic()
-    rows = run(world_sizes, ops, sizes, rounds=rounds, round_s=round_s, timeout=args.timeout)
+    rows = run(world_sizes, ops, sizes, rounds=rounds, round_s=round_s, timeout=args.timeout,
+               backend=args.backend)
     print(f"machine: {machine()}")
-    print(f"tandem 'tcp' vs torch.distributed 'gloo', loopback, float32, 1 thread/rank; "
+    print(f"tandem '{args.backend}' vs torch.distributed 'gloo', loopback, float32, 1 thread/rank; "
           f"best of {rounds} rounds of ~{round_s * 1e3:.0f} ms; busbw per nccl-tests; "
           f"ratio = tandem/gloo busbw (>1: tandem faster); {time.monotonic() - start:.0f} s")
     print(format_table(rows, markdown=args.markdown))

@@ -13,7 +13,8 @@ Models (batch 32 per rank, SGD, one torch thread per rank):
   (32 MiB of gradients per step);
 * ``cnn``  compute-bound: four 3x3 convolutions on 32x32 images, 0.1 M parameters.
 
-How it measures. Time: one set of rank processes joins both tandem ("tcp",
+How it measures. Time: one set of rank processes joins both tandem (``--backend``,
+default "auto": shared memory between ranks of one host;
 FileStore rendezvous) and gloo (file://), wraps one copy of the model in each
 library's DDP, warms both up, then runs rounds of ``--steps`` steps, alternating
 which library goes first, each round after a barrier, so both see the same
@@ -84,7 +85,8 @@ def _init(lib: str, url: str, rank: int, world: int) -> tuple[Any, Any]:
         import tandem
         from tandem.parallel.ddp import DistributedDataParallel
 
-        tandem.init_process_group("tcp", init_method=url, rank=rank, world_size=world,
+        tandem.init_process_group(os.environ.get("TANDEM_BENCH_BACKEND", "auto"),
+                                  init_method=url, rank=rank, world_size=world,
                                   timeout=_TIMEOUT_S)
         return tandem, DistributedDataParallel
     import torch.distributed as tdist
@@ -165,7 +167,7 @@ def _memory_main(rank: int, world: int, lib: str, url: str, model_name: str,
 def _spawn(world: int, fn: Any, args: tuple[Any, ...], timeout: float) -> list[Any]:
     from tandem.testing import spawn
 
-    env = {}
+    env = {"TANDEM_BENCH_BACKEND": os.environ.get("TANDEM_BENCH_BACKEND", "auto")}
     if any(name == "lo" for _, name in socket.if_nameindex()):
         env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo would otherwise pick the hostname's interface
     return spawn(world, fn, args, init=False, timeout=timeout, env=env)
@@ -250,6 +252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="deadline per library and model, seconds (default 600)")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    parser.add_argument("--backend", default="auto",
+                        help="tandem backend: auto (default: shared memory on one host), tcp, shm")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 2 rounds of 3 steps after 1 warm-up step")
     args = parser.parse_args(argv)
@@ -263,10 +267,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         warmup, steps, rounds = 1, 3, 2
     start = time.monotonic()
+    os.environ["TANDEM_BENCH_BACKEND"] = args.backend
     rows = run(models, args.world_size, warmup=warmup, steps=steps, rounds=rounds,
                timeout=args.timeout)
     print(f"machine: {machine()}")
-    print(f"DDP: tandem 'tcp' vs torch 'gloo', {args.world_size} ranks on loopback, batch "
+    print(f"DDP: tandem '{args.backend}' vs torch 'gloo', {args.world_size} ranks on loopback, batch "
           f"{BATCH}/rank, 1 thread/rank; best of {rounds} rounds x {steps} steps; ratio = "
           f"torch/tandem step time (>1: tandem faster); mem ratio = "
           f"torch/tandem ru_maxrss growth; {time.monotonic() - start:.0f} s")
