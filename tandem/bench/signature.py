@@ -12,7 +12,11 @@ strings (all else equal); the two kinds of run alternate, and each reports its b
 round in wall time and in CPU time per op (CPU time counts every thread of the rank
 and is the steadier figure on a shared machine). The table gives the median over
 runs. Toggling the two modes inside one process was tried first and gave biased,
-unstable figures (from -8% to +49%), hence separate processes.
+unstable figures (from -8% to +49%), hence separate processes. Even so, run-to-run
+noise on a shared 2-core machine is about +-20%, larger than the effect; so the
+command also times the signature work itself in one process (``timeit``: building
+the signature and call site and encoding both, as every call does) and states it as
+a share of the measured 4 KB latency. That share is the figure to trust.
 """
 
 from __future__ import annotations
@@ -49,6 +53,21 @@ def _rank(rank: int, world_size: int, numel: int, iters: int, rounds: int,
     return wall, cpu
 
 
+def signature_work_seconds() -> float:
+    """Per-call cost of what signatures add on the calling side, timed in this process."""
+    import timeit
+
+    from tandem.collectives import api
+
+    tensor = torch.ones(1024)
+
+    def work() -> None:
+        api._sig("all_reduce", tensor, op="SUM", algorithm="doubling").encode()
+        api.call_site().encode()
+
+    return min(timeit.repeat(work, number=20000, repeat=5)) / 20000
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tandem.bench signature",
                                      description=(__doc__ or "").split("\n")[0])
@@ -72,4 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         without_s = statistics.median(f[index] for f in figures[True])
         print(f"  {unit:9}: with signatures {with_s * 1e6:7.1f} us, without {without_s * 1e6:7.1f} "
               f"us, overhead {(with_s / without_s - 1) * 100:+.1f}%")
+    work = signature_work_seconds()
+    latency = statistics.median(f[0] for f in figures[False])
+    print(f"  signature work per call (timeit, one process): {work * 1e6:.2f} us = "
+          f"{work / latency * 100:.1f}% of the 4 KB latency above")
     return 0
