@@ -101,3 +101,23 @@ def _parent(pid: int) -> int:
             return int(f.read().rsplit(")", 1)[1].split()[1])
     except OSError:
         return -1
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_node_is_replaced_by_a_new_one(launch: Launch, tmp_path: Path) -> None:
+    port = free_port()
+    host = elastic(launch, port, tmp_path, 4, "tandem", 1, restarts=1)
+    wait_for(lambda: store_up(port), [host], "the rendezvous store")
+    doomed = elastic(launch, port, tmp_path, 4, "tandem", 1, restarts=1)
+    wait_for(lambda: len([n for n in seen(tmp_path) if n.startswith("seen_ws4")]) == 4,
+             [host, doomed], "the two-node round")
+    os.kill(doomed.pid, signal.SIGKILL)
+    doomed.wait(10)
+    wait_for(lambda: {"seen_ws2_rank0_restart1", "seen_ws2_rank1_restart1"} <= seen(tmp_path),
+             [host], "the surviving node alone")
+    replacement = elastic(launch, port, tmp_path, 4, "tandem", 1, restarts=1)
+    results = [finish(p, 200) for p in (host, replacement)]
+    assert [r.code for r in results] == [0, 0], [r.err for r in results]
+    regrown = {n for n in seen(tmp_path) if n.startswith("seen_ws4") and
+               not n.endswith("restart0")}
+    assert len(regrown) == 4, sorted(seen(tmp_path))
