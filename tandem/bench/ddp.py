@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import resource
 import socket
 import sys
@@ -225,20 +224,6 @@ def format_table(rows: Sequence[dict[str, Any]], markdown: bool = False) -> str:
                      for cells in [list(_HEADER), *body])
 
 
-def machine() -> str:
-    model = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f
-                          if ln.startswith("model name")), model)
-    except OSError:
-        pass
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (f"{model or platform.machine()}, {os.cpu_count()} CPUs ({usable} usable), "
-            f"{platform.system()} {platform.release()}, Python {platform.python_version()}, "
-            f"torch {torch.__version__}")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tandem.bench ddp",
                                      description=__doc__.split("\n\n")[0] if __doc__ else None)
@@ -270,6 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ["TANDEM_BENCH_BACKEND"] = args.backend
     rows = run(models, args.world_size, warmup=warmup, steps=steps, rounds=rounds,
                timeout=args.timeout)
+    from tandem.bench.collectives import machine
+
     print(f"machine: {machine()}")
     print(f"DDP: tandem '{args.backend}' vs torch 'gloo', {args.world_size} ranks on loopback, batch "
           f"{BATCH}/rank, 1 thread/rank; best of {rounds} rounds x {steps} steps; ratio = "
