@@ -23,6 +23,7 @@ import struct
 import sys
 import threading
 import time
+import weakref
 
 from tandem import _wire
 from tandem.errors import NetworkError, PeerLostError, ProtocolError, TandemError
@@ -66,6 +67,19 @@ class _Peer:
         self.writer: threading.Thread | None = None
 
 
+def _forget_in_child(ref: "weakref.ref[TcpTransport]") -> None:
+    """In a forked child (a DataLoader worker, say), drop the inherited connections.
+
+    Otherwise the child's copies keep them open after the parent dies, and peers
+    would not see the parent's death until their deadline.
+    """
+    t = ref()
+    if t is not None and not t._closing:
+        t._closing = True
+        for p in t._peers.values():
+            p.sock.close()  # the child's descriptor only: the parent's connection stays up
+
+
 class TcpTransport(Transport):
     """Connects ``rank`` to all ``world_size - 1`` peers through ``store``."""
 
@@ -84,6 +98,8 @@ class TcpTransport(Transport):
         for peer in self._peers.values():
             threading.Thread(target=self._read_loop, args=(peer,), daemon=True,
                              name=f"tandem-read-{rank}<{peer.rank}").start()
+        me = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _forget_in_child(me))
 
     # -- set-up ----------------------------------------------------------------------
     def _connect(self, store: Store, host: str, timeout: float, hostname: str) -> None:
