@@ -20,7 +20,9 @@ import hmac
 import os
 import socket
 import struct
+import threading
 import time
+from typing import Callable
 
 from tandem.errors import AuthenticationError, NetworkError, ProtocolError
 
@@ -37,6 +39,7 @@ __all__ = [
     "recv_frame",
     "is_loopback",
     "tune",
+    "accept_while",
 ]
 
 MAGIC = b"TANDEM01"
@@ -160,6 +163,24 @@ def listen(host: str, port: int = 0, backlog: int = 128) -> socket.socket:
         raise NetworkError(f"cannot listen on {host}:{port}: {exc}") from exc
     sock.listen(backlog)
     return sock
+
+
+def accept_while(listener: socket.socket, deadline: float, waiting: Callable[[], bool],
+                 admit: Callable[[socket.socket], None]) -> None:
+    """Accept connections while ``waiting()`` holds, until ``deadline`` or the listener closes.
+
+    Each connection is admitted on a thread of its own, so a stranger that connects and
+    says nothing cannot hold up the peers that are still to come.
+    """
+    listener.settimeout(0.2)
+    while time.monotonic() < deadline and waiting():
+        try:
+            sock, _ = listener.accept()
+        except socket.timeout:
+            continue
+        except OSError:
+            return  # listener closed: set-up finished or failed
+        threading.Thread(target=admit, args=(sock,), daemon=True).start()
 
 
 def send_frame(sock: socket.socket, payload: bytes) -> None:

@@ -128,19 +128,12 @@ def connect_local(store: Store, rank: int, world: int, mine: dict[int, int], sec
 def _accept_loop(listener: socket.socket, rank: int, world: int, secret: bytes,
                  higher: set[int], links: dict[int, Link], cond: threading.Condition,
                  deadline: float, mine: dict[int, int]) -> None:
-    listener.settimeout(0.2)
-    while time.monotonic() < deadline:
+    def waiting() -> bool:
         with cond:
-            if higher <= links.keys():
-                return
-        try:
-            sock, _ = listener.accept()
-        except socket.timeout:
-            continue
-        except OSError:
-            return  # listener closed: set-up finished or failed
-        threading.Thread(target=_admit, daemon=True,
-                         args=(sock, rank, world, secret, higher, links, cond, mine)).start()
+            return not higher <= links.keys()
+
+    _wire.accept_while(listener, deadline, waiting,
+                       lambda sock: _admit(sock, rank, world, secret, higher, links, cond, mine))
 
 
 def _admit(sock: socket.socket, rank: int, world: int, secret: bytes, higher: set[int],

@@ -154,19 +154,12 @@ class TcpTransport(Transport):
     def _accept_loop(self, listener: socket.socket, expected: set[int],
                      accepted: dict[int, socket.socket], cond: threading.Condition,
                      deadline: float) -> None:
-        listener.settimeout(0.2)
-        while time.monotonic() < deadline:
+        def waiting() -> bool:
             with cond:
-                if expected <= accepted.keys():
-                    return
-            try:
-                sock, _ = listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return  # listener closed: set-up finished or failed
-            threading.Thread(target=self._admit, args=(sock, expected, accepted, cond),
-                             daemon=True).start()
+                return not expected <= accepted.keys()
+
+        _wire.accept_while(listener, deadline, waiting,
+                           lambda sock: self._admit(sock, expected, accepted, cond))
 
     def _admit(self, sock: socket.socket, expected: set[int],
                accepted: dict[int, socket.socket], cond: threading.Condition) -> None:
