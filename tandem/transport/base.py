@@ -414,6 +414,29 @@ class Transport(abc.ABC):
     def isend(self, peer: int, header: Header, payload: memoryview) -> Slot:
         """Queue ``payload`` for ``peer``; the handle completes when it was written."""
 
+    def _send_slot(self, peer: int, header: Header) -> Slot:
+        return Slot(peer, (peer, header.kind, header.group, header.seq, header.step), None, b"")
+
+    def _send_to_self(self, header: Header, payload: memoryview) -> Slot:
+        """A message to this very rank: copied now, delivered through the mailbox."""
+        data = bytes(payload)
+
+        def read(view: memoryview) -> None:
+            view[:] = data
+
+        self.mailbox.arrive(self.rank, header, read)
+        slot = self._send_slot(self.rank, header)
+        slot.finish(header)
+        return slot
+
+    def _check_peer(self, peer: int, known: bool, what: str) -> None:
+        """Raise if ``peer`` has no link (``what`` names the link) or was lost."""
+        if not known:
+            raise PeerLostError(f"rank {self.rank} has no {what} to rank {peer}", peer)
+        lost = self.mailbox.dead.get(peer)
+        if lost is not None:
+            raise lost
+
     def abort(self, group: int, peers: Iterable[int], error: TandemError) -> None:
         """Fail ``group`` here and tell ``peers`` so they raise the same error."""
         self.mailbox.abort_group(group, error)

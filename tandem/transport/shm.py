@@ -168,23 +168,13 @@ class ShmTransport(Transport):
             sel.close()
 
     def isend(self, peer: int, header: Header, payload: memoryview) -> Slot:
-        slot = Slot(peer, (peer, header.kind, header.group, header.seq, header.step), None, b"")
         data = payload if payload.format == "B" and payload.ndim == 1 else payload.cast("B")
         if peer == self.rank:
-            copy = bytes(data)
-
-            def read(view: memoryview) -> None:
-                view[:] = copy
-
-            self.mailbox.arrive(peer, header, read)
-            slot.finish(header)
-            return slot
+            return self._send_to_self(header, data)
         p = self._peers.get(peer)
-        if p is None:
-            raise PeerLostError(f"rank {self.rank} has no shared-memory ring to rank {peer}", peer)
-        lost = self.mailbox.dead.get(peer)
-        if lost is not None:
-            raise lost
+        self._check_peer(peer, p is not None, "shared-memory ring")
+        assert p is not None
+        slot = self._send_slot(peer, header)
         p.send(frame(header, data), header, slot)
         return slot
 

@@ -220,22 +220,12 @@ class TcpTransport(Transport):
             pass
 
     def isend(self, peer: int, header: Header, payload: memoryview) -> Slot:
-        slot = Slot(peer, (peer, header.kind, header.group, header.seq, header.step), None, b"")
         if peer == self.rank:
-            data = bytes(payload)
-
-            def read(view: memoryview) -> None:
-                view[:] = data
-
-            self.mailbox.arrive(peer, header, read)
-            slot.finish(header)
-            return slot
+            return self._send_to_self(header, payload)
         p = self._peers.get(peer)
-        if p is None:
-            raise PeerLostError(f"rank {self.rank} has no connection to rank {peer}", peer)
-        lost = self.mailbox.dead.get(peer)
-        if lost is not None:
-            raise lost
+        self._check_peer(peer, p is not None, "connection")
+        assert p is not None
+        slot = self._send_slot(peer, header)
         head = _HDR.pack(header.kind, header.group, header.seq, header.step, header.nbytes,
                          len(header.sig), len(header.site)) + header.sig + header.site
         body = payload if payload.ndim == 1 and payload.format == "B" else payload.cast("B")
