@@ -19,11 +19,17 @@ TANDEM_BIND_ADDR               address the transport listens on; default: loopba
                                interface that routes to MASTER_ADDR
 TANDEM_MAX_FRAME               largest accepted message payload in bytes (16 GiB)
 TANDEM_ALGORITHM               force one all-reduce algorithm: auto, naive, ring,
-                               doubling, or a registered custom one (auto)
+                               doubling, shm, hierarchical, or a registered custom
+                               one (auto)
 TANDEM_RING_THRESHOLD          all-reduce payloads of at least this many bytes use the
                                ring algorithm, smaller ones recursive doubling; two
                                ranks use four times this (524288)
 TANDEM_CHUNK_BYTES             pipeline chunk of the ring algorithm (1 MiB)
+TANDEM_SHM_ARENA               0: same-host groups do not share staging memory, so
+                               collectives go through the message rings only (1)
+TANDEM_SHM_CHUNK               staging bytes per rank and half of a shared-memory arena,
+                               a power of two >= 4096; 0 picks 1 MiB, or 4 MiB when
+                               the host has fewer CPUs than local ranks (0)
 TANDEM_DEBUG                   1: log connection set-up and aborts to stderr (0)
 =============================  =========================================================
 """
@@ -40,7 +46,7 @@ from tandem.errors import ArgumentError
 
 __all__ = ["Settings", "load_settings", "load_secret", "ALGORITHMS"]
 
-ALGORITHMS = ("auto", "naive", "ring", "doubling")
+ALGORITHMS = ("auto", "naive", "ring", "doubling", "shm", "hierarchical")
 N = TypeVar("N", int, float)
 
 
@@ -53,6 +59,8 @@ class Settings:
     algorithm: str = "auto"
     ring_threshold: int = 512 << 10
     chunk_bytes: int = 1 << 20
+    shm_arena: bool = True
+    shm_chunk: int = 0
     debug: bool = False
 
     def __post_init__(self) -> None:
@@ -68,6 +76,9 @@ class Settings:
             raise ArgumentError(f"TANDEM_ALGORITHM must name an algorithm, e.g. {ALGORITHMS}")
         if self.chunk_bytes < 4096:
             raise ArgumentError(f"TANDEM_CHUNK_BYTES must be >= 4096, got {self.chunk_bytes}")
+        if self.shm_chunk and (self.shm_chunk < 4096 or self.shm_chunk & (self.shm_chunk - 1)):
+            raise ArgumentError(
+                f"TANDEM_SHM_CHUNK must be 0 or a power of two >= 4096, got {self.shm_chunk}")
         if self.max_frame < 1024:
             raise ArgumentError(f"TANDEM_MAX_FRAME must be >= 1024, got {self.max_frame}")
 
@@ -83,6 +94,13 @@ def _number(env: Mapping[str, str], name: str, kind: Callable[[str], N], default
         raise ArgumentError(f"{name}={raw!r} is not a valid {label}") from exc
 
 
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    return raw not in ("0", "false", "False", "no")
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Read every ``TANDEM_*`` setting from ``env`` (default: ``os.environ``)."""
     env = os.environ if env is None else env
@@ -95,7 +113,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         algorithm=env.get("TANDEM_ALGORITHM", base.algorithm) or base.algorithm,
         ring_threshold=_number(env, "TANDEM_RING_THRESHOLD", int, base.ring_threshold),
         chunk_bytes=_number(env, "TANDEM_CHUNK_BYTES", int, base.chunk_bytes),
-        debug=env.get("TANDEM_DEBUG", "0") not in ("", "0", "false", "False"),
+        shm_arena=_flag(env, "TANDEM_SHM_ARENA", base.shm_arena),
+        shm_chunk=_number(env, "TANDEM_SHM_CHUNK", int, base.shm_chunk),
+        debug=_flag(env, "TANDEM_DEBUG", base.debug),
     )
 
 

@@ -191,13 +191,17 @@ def spawn(world_size: int, fn: Callable[..., Any], args: Sequence[Any] = (), **k
 
 
 def run_threads(world_size: int, fn: Callable[..., Any], args: Sequence[Any] = (), *,
-                timeout: float = 30.0, op_timeout: float = 10.0, settings: Any = None) -> list[Any]:
-    """Run ``fn(group, *args)`` on ``world_size`` threads over the loopback transport."""
+                timeout: float = 30.0, op_timeout: float = 10.0, settings: Any = None,
+                hosts: Sequence[str] | None = None) -> list[Any]:
+    """Run ``fn(group, *args)`` on ``world_size`` threads over the loopback transport.
+
+    ``hosts`` (one name per rank) makes the ranks look as if they ran on those hosts.
+    """
     from tandem.collectives.group import ProcessGroup
     from tandem.config import Settings
     from tandem.transport.loopback import LoopbackHub
 
-    hub = LoopbackHub(world_size)
+    hub = LoopbackHub(world_size, hosts)
     cfg = settings or Settings()
     groups = [ProcessGroup(t, list(range(world_size)), 0, "threads", op_timeout, cfg, "loopback")
               for t in hub.transports]

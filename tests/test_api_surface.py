@@ -15,7 +15,7 @@ FUNCTIONS = [
     "init_process_group", "destroy_process_group", "is_initialized", "is_available",
     "get_rank", "get_world_size", "get_backend", "new_group", "new_subgroups",
     "get_group_rank", "get_global_rank", "get_process_group_ranks",
-    "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "gather",
+    "broadcast", "all_reduce", "all_reduce_coalesced", "reduce", "all_gather", "all_gather_into_tensor", "gather",
     "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
     "barrier", "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
     "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",

@@ -10,21 +10,62 @@ import re
 import subprocess
 import sys
 
-ROW = re.compile(r"^\s*2\s+all_reduce\s+(4 KB|1 MB)\s+.*\s(\S+)$")
+NUMBER = re.compile(r"^(\d+(?:\.\d+)?)(?: MB/s|%)?")
 
 
-def test_quick_collectives_bench_prints_a_row_per_size_with_positive_ratios() -> None:
-    proc = subprocess.run([sys.executable, "-m", "tandem.bench", "collectives", "--quick"],
+def _bench(*args: str) -> list[str]:
+    proc = subprocess.run([sys.executable, "-m", "tandem.bench", "collectives", "--quick", *args],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"bench failed:\n{proc.stdout}\n{proc.stderr}"
     lines = proc.stdout.splitlines()
     assert any(ln.startswith("machine: ") for ln in lines), proc.stdout
-    assert any(re.match(r"^ranks\s+op\s+size\s+tandem lat\s+gloo lat", ln) for ln in lines), \
-        proc.stdout
-    rows = {m.group(1): m.group(2) for m in map(ROW.match, lines) if m}
-    assert set(rows) == {"4 KB", "1 MB"}, proc.stdout
-    for size, ratio in rows.items():
-        assert float(ratio) > 0, f"{size}: ratio {ratio!r} is not a positive number"
+    return lines
+
+
+def _table(lines: list[str], markdown: bool) -> list[dict[str, str]]:
+    """The table's rows as {column: cell}; columns are split on two or more spaces or |."""
+    if markdown:
+        rows = [[c.strip() for c in ln.strip().strip("|").split("|")]
+                for ln in lines if ln.startswith("|") and "---" not in ln]
+    else:
+        start = next(i for i, ln in enumerate(lines) if ln.startswith("ranks "))
+        rows = [re.split(r"\s{2,}", ln.strip()) for ln in lines[start:]]
+    header, *body = rows
+    assert all(len(r) == len(header) for r in body), "\n".join(lines)
+    return [dict(zip(header, r)) for r in body]
+
+
+def _positive(row: dict[str, str], column: str) -> None:
+    m = NUMBER.match(row[column])
+    assert m and float(m.group(1)) > 0, f"{row['size']} {column}: {row[column]!r} is not positive"
+
+
+def _check_rows(rows: list[dict[str, str]], backends: list[str]) -> None:
+    assert [(r["ranks"], r["op"], r["size"]) for r in rows] == \
+        [("2", "all_reduce", "4 KB"), ("2", "all_reduce", "1 MB")], rows
+    for row in rows:
+        for column in ["gloo busbw", "bound busbw", "best/bound",
+                       *(f"{b} {c}" for b in backends for c in ("busbw", "ratio"))]:
+            _positive(row, column)
+        assert row["best/bound"].endswith(tuple(f"({b})" for b in backends)), row
+
+
+def test_quick_bench_prints_each_backend_against_gloo_and_the_copy_bound() -> None:
+    lines = _bench()
+    rows = _table(lines, markdown=False)
+    skipped = [ln for ln in lines if ln.startswith("skipped ")]
+    if skipped:  # shared memory unsupported here: only tcp ran, and the reason is printed
+        assert "shm" in skipped[0] and "auto" in skipped[0], skipped
+        _check_rows(rows, ["tcp"])
+        assert "shm busbw" not in rows[0], rows[0]
+    else:
+        _check_rows(rows, ["tcp", "shm", "auto"])
+
+
+def test_backend_alias_runs_one_backend_and_markdown_keeps_the_columns() -> None:
+    rows = _table(_bench("--backend", "tcp", "--markdown"), markdown=True)
+    _check_rows(rows, ["tcp"])
+    assert not any(c.startswith(("shm", "auto")) for c in rows[0]), rows[0]
 
 
 def test_bench_without_a_command_exits_with_usage() -> None:

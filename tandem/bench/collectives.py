@@ -1,21 +1,27 @@
-"""Collective latency and bus bandwidth: tandem (``--backend``, default "tcp") against gloo.
+"""Collective bus bandwidth: tandem's backends against gloo and the machine's copy bound.
 
 Run::
 
-    python -m tandem.bench collectives                  # all_reduce, 2 and 3 ranks: ~20 s on 2 cores
-    python -m tandem.bench collectives --ops all_reduce,broadcast,all_gather --markdown  # ~1.5 min
+    python -m tandem.bench collectives                  # all_reduce, 2 and 3 ranks, 4 KB..64 MB
+    python -m tandem.bench collectives --ops all_reduce,broadcast,all_gather --markdown
+    python -m tandem.bench collectives --backend shm    # one tandem backend (= --backends shm)
     python -m tandem.bench collectives --quick          # 2 ranks, 4 KB and 1 MB, seconds
 
-How it measures. For each world size one set of rank processes joins BOTH tandem
-(backend "tcp", FileStore rendezvous) and gloo (file:// rendezvous), all over
-loopback, one torch thread per rank. For each (op, size) both libraries first run
-the op once on known values and the result is checked, so the table can never
-time garbage. Then rounds alternate between the libraries (tandem, gloo, gloo,
-tandem, ...) so both see the same machine noise; each round is a barrier followed
-by ``iters`` back-to-back float32 ops, with ``iters`` chosen so a round takes about
-``--round-ms``. A round's time is the slowest rank's; the table shows the best
-round's mean time per op. Small messages on a shared machine are noisy: the best
-round is the stable statistic.
+How it measures. For each world size one set of rank processes joins gloo
+(file:// rendezvous) once, then each tandem backend of ``--backends`` (default
+tcp, shm, auto) in turn: ``init_process_group`` on a fresh FileStore, every
+(op, size), ``destroy_process_group``, the next backend. All over loopback, one
+torch thread per rank. shm and auto are skipped, with the reason printed, where
+the shared-memory transport is unsupported (auto would only repeat tcp there).
+
+For each (backend, op, size) the tandem backend and gloo first run the op once on
+known values and the result is checked, so the table can never time garbage.
+Then rounds rotate between three contenders (the tandem backend, gloo, the copy
+below) so all see the same machine noise; each round is a barrier followed by
+back-to-back float32 ops, with each contender's count chosen so a round takes
+about ``--round-ms``. A round's time is the slowest rank's; a contender's figure
+is its best round's mean time per op. Small messages on a shared machine are
+noisy: the best round is the stable statistic.
 
 Bus bandwidth follows nccl-tests (``doc/PERFORMANCE.md``): algbw = bytes / time and
 busbw = algbw * factor, with bytes and factor per op, p = world size:
@@ -25,9 +31,24 @@ busbw = algbw * factor, with bytes and factor per op, p = world size:
     all_gather   bytes = size * p    factor = (p-1)/p
 
 ``size`` is always the per-rank input buffer (for all_gather nccl-tests labels rows
-by the total output, ``size * p``). ratio = tandem busbw / gloo busbw: above 1 means
-tandem is faster. Sizes are binary (1 KB = 1024 bytes); bandwidths are decimal
-(1 MB/s = 10^6 bytes/s), as in nccl-tests.
+by the total output, ``size * p``). "<backend> ratio" = that backend's busbw / gloo's
+busbw in the rounds interleaved with it: above 1 means tandem is faster. The
+"gloo busbw" column is gloo's best over all backends' rounds.
+
+The memory-bandwidth bound. The least memory traffic an op can need is that every
+rank touches its buffers once, all ranks at the same time: for all_reduce every
+rank reads its input and writes its output once, for broadcast every rank writes
+the output once, for all_gather every rank writes its ``size * p`` output once.
+That is one copy per rank, so t_copy = the time for every rank to concurrently do
+``dst.copy_(src)`` of ``size`` bytes (all_gather: ``size * p``) on float32 tensors
+allocated and pre-faulted once per (backend, op, size), timed like the ops
+(barrier, slowest rank per round, best round over every backend's rounds).
+"bound busbw" = busbw with t_copy in place of the op's time (same bytes and
+factor), and "best/bound" = the fastest tandem backend's busbw as a percentage of
+it. Below a few KB t_copy is mostly the cost of one ``copy_`` call, and while
+every rank's buffers fit in the CPU's caches the copy runs from cache, so only the
+large sizes measure main memory. Sizes are binary (1 KB = 1024
+bytes); bandwidths are decimal (1 MB/s = 10^6 bytes/s), as in nccl-tests.
 """
 
 from __future__ import annotations
@@ -41,14 +62,16 @@ import socket
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-__all__ = ["main", "Row", "run", "parse_sizes"]
+__all__ = ["main", "Row", "run", "parse_sizes", "parse_backends", "usable_backends"]
 
 OPS = ("all_reduce", "broadcast", "all_gather")
-LIBS = ("tandem", "gloo")
+BACKENDS = ("tcp", "shm", "auto")
+_SHARED_MEMORY = ("shm", "auto")
+CONTENDERS = ("tandem", "gloo", "copy")  # rotated through in every (backend, op, size)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "G": 1 << 30, "GB": 1 << 30}
 _MAX_ITERS = 2000
@@ -57,15 +80,15 @@ _OP_TIMEOUT_S = 300.0
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One line of the table: best per-op seconds for each library."""
+    """One line of the table: best per-op seconds of each tandem backend, gloo and the copy."""
 
     world_size: int
     op: str
     size: int  # bytes of the per-rank input buffer
-    iters: int
     rounds: int
-    tandem_s: float
-    gloo_s: float
+    tandem_s: Mapping[str, float]  # backend -> its best round
+    gloo_s: Mapping[str, float]  # backend -> gloo's best round among those interleaved with it
+    bound_s: float  # the concurrent copy's best round over all backends (module docstring)
 
     def busbw(self, seconds: float) -> float:
         """Bus bandwidth in bytes/s, nccl-tests convention (see the module docstring)."""
@@ -76,9 +99,18 @@ class Row:
             return self.size * p / seconds * (p - 1) / p
         return self.size / seconds
 
+    def ratio(self, backend: str) -> float:
+        """``backend``'s busbw over gloo's, measured in the same interleaved rounds."""
+        return self.busbw(self.tandem_s[backend]) / self.busbw(self.gloo_s[backend])
+
     @property
-    def ratio(self) -> float:
-        return self.busbw(self.tandem_s) / self.busbw(self.gloo_s)
+    def best_backend(self) -> str:
+        return min(self.tandem_s, key=lambda b: self.tandem_s[b])
+
+    @property
+    def percent_of_bound(self) -> float:
+        """The fastest tandem backend's busbw as a percentage of the bound's."""
+        return 100.0 * self.busbw(self.tandem_s[self.best_backend]) / self.busbw(self.bound_s)
 
 
 # ---- inside each rank process ---------------------------------------------------------
@@ -105,7 +137,7 @@ def _check(lib: Any, name: str, op: str, numel: int, rank: int, p: int) -> None:
                              f"{bad} is {got[bad].item()}, expected {want[bad].item()}")
 
 
-def _step(lib: Any, op: str, numel: int, p: int) -> Callable[[], None]:
+def _step(lib: Any, op: str, numel: int, p: int) -> Callable[[], object]:
     """One timed operation on preallocated buffers (zeros, so sums never overflow)."""
     t = torch.zeros(numel)
     if op == "all_reduce":
@@ -116,89 +148,129 @@ def _step(lib: Any, op: str, numel: int, p: int) -> Callable[[], None]:
     return lambda: lib.all_gather(outs, t)
 
 
-def _round(lib: Any, step: Callable[[], None], iters: int) -> float:
-    lib.barrier()
+def _copy_step(numel: int, rank: int) -> Callable[[], object]:
+    """``dst.copy_(src)`` on buffers written once here, so no page faults are timed."""
+    src = torch.full((numel,), float(rank + 1))
+    dst = torch.zeros(numel)
+    dst.copy_(src)
+    if not torch.equal(dst, src):
+        raise AssertionError(f"copy of {numel * 4} bytes on rank {rank} is wrong")
+    return lambda: dst.copy_(src)
+
+
+def _round(barrier: Callable[[], object], step: Callable[[], object], iters: int) -> float:
+    barrier()
     start = time.perf_counter()
     for _ in range(iters):
         step()
     return (time.perf_counter() - start) / iters
 
 
-def _rank_main(rank: int, p: int, tandem_url: str, gloo_url: str, ops: Sequence[str],
-               sizes: Sequence[int], rounds: int, round_s: float,
-               backend: str = "tcp") -> list[dict[str, Any]]:
-    """Body of one rank: returns, per (op, size), this rank's per-op seconds per round."""
+def _measure_one(tandem: Any, gloo: Any, backend: str, op: str, size: int, rank: int, p: int,
+                 rounds: int, round_s: float) -> dict[str, Any]:
+    """Per-op seconds of each contender, per round, for one (backend, op, size)."""
+    numel = max(1, size // 4)
+    _check(tandem, backend, op, numel, rank, p)  # also the warm-up
+    _check(gloo, "gloo", op, numel, rank, p)
+    timed = {"tandem": (tandem.barrier, _step(tandem, op, numel, p)),
+             "gloo": (gloo.barrier, _step(gloo, op, numel, p)),
+             "copy": (gloo.barrier, _copy_step(numel * p if op == "all_gather" else numel,
+                                               rank))}
+    # every rank must run the same number of iterations: agree on the slowest
+    # estimate through gloo
+    probe = max(1, min(20, (1 << 20) // size))
+    est = torch.tensor([_round(*timed[n], probe) for n in CONTENDERS], dtype=torch.float64)
+    gloo.all_reduce(est, op=gloo.ReduceOp.MAX)
+    iters = {n: max(1, min(_MAX_ITERS, int(round_s / max(e, 1e-9))))
+             for n, e in zip(CONTENDERS, est.tolist())}
+    times: dict[str, list[float]] = {n: [] for n in CONTENDERS}
+    for r in range(rounds):
+        k = r % len(CONTENDERS)
+        for name in CONTENDERS[k:] + CONTENDERS[:k]:
+            times[name].append(_round(*timed[name], iters[name]))
+    return {"backend": backend, "op": op, "size": size, "times": times}
+
+
+def _rank_main(rank: int, p: int, tmp: str, backends: Sequence[str], ops: Sequence[str],
+               sizes: Sequence[int], rounds: int, round_s: float) -> list[dict[str, Any]]:
+    """Body of one rank: per (backend, op, size), this rank's per-op seconds per round."""
     torch.set_num_threads(1)
-    import torch.distributed as tdist
+    import torch.distributed as gloo
 
     import tandem
 
-    tandem.init_process_group(backend, init_method=tandem_url, rank=rank, world_size=p,
-                              timeout=_OP_TIMEOUT_S)
-    tdist.init_process_group("gloo", init_method=gloo_url, rank=rank, world_size=p,
-                             timeout=datetime.timedelta(seconds=_OP_TIMEOUT_S))
-    libs = {"tandem": tandem, "gloo": tdist}
+    gloo.init_process_group("gloo", init_method=f"file://{tmp}/gloo", rank=rank, world_size=p,
+                            timeout=datetime.timedelta(seconds=_OP_TIMEOUT_S))
     results: list[dict[str, Any]] = []
     try:
-        for op in ops:
-            for size in sizes:
-                numel = max(1, size // 4)
-                steps = {}
-                for name, lib in libs.items():
-                    _check(lib, name, op, numel, rank, p)  # also the warm-up
-                    steps[name] = _step(lib, op, numel, p)
-                # every rank must run the same number of iterations: agree on the
-                # slowest estimate through gloo
-                probe = max(1, min(20, (1 << 20) // size))
-                est = torch.tensor([max(_round(libs[n], steps[n], probe) for n in LIBS)],
-                                   dtype=torch.float64)
-                tdist.all_reduce(est, op=tdist.ReduceOp.MAX)
-                iters = max(1, min(_MAX_ITERS, int(round_s / max(est.item(), 1e-9))))
-                times: dict[str, list[float]] = {n: [] for n in LIBS}
-                for r in range(rounds):
-                    for name in (LIBS if r % 2 == 0 else LIBS[::-1]):
-                        times[name].append(_round(libs[name], steps[name], iters))
-                results.append({"op": op, "size": size, "iters": iters, "times": times})
+        for backend in backends:
+            tandem.init_process_group(backend, init_method=f"file://{tmp}/tandem-{backend}",
+                                      rank=rank, world_size=p, timeout=_OP_TIMEOUT_S)
+            try:
+                for op in ops:
+                    for size in sizes:
+                        results.append(_measure_one(tandem, gloo, backend, op, size, rank, p,
+                                                    rounds, round_s))
+            finally:
+                tandem.destroy_process_group()
     finally:
-        tdist.destroy_process_group()
-        tandem.destroy_process_group()
+        gloo.destroy_process_group()
     return results
 
 
 # ---- in the parent --------------------------------------------------------------------
 
 
-def _measure(p: int, ops: Sequence[str], sizes: Sequence[int], rounds: int,
-             round_s: float, timeout: float, backend: str) -> list[Row]:
+def _measure(p: int, backends: Sequence[str], ops: Sequence[str], sizes: Sequence[int],
+             rounds: int, round_s: float, timeout: float) -> list[Row]:
     from tandem.testing import spawn
 
     env = {}
     if any(name == "lo" for _, name in socket.if_nameindex()):
         env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo would otherwise pick the hostname's interface
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
-        per_rank = spawn(p, _rank_main, (f"file://{tmp}/tandem", f"file://{tmp}/gloo", ops,
-                                         sizes, rounds, round_s, backend),
+        per_rank = spawn(p, _rank_main, (tmp, backends, ops, sizes, rounds, round_s),
                          init=False, timeout=timeout, env=env)
+
+    def best(i: int, name: str) -> float:
+        # a round lasts as long as its slowest rank; keep the best round
+        return min(max(rank[i]["times"][name][r] for rank in per_rank) for r in range(rounds))
+
     rows = []
-    for i, first in enumerate(per_rank[0]):
-        best = {}
-        for name in LIBS:
-            # a round lasts as long as its slowest rank; keep the best round
-            best[name] = min(max(rank[i]["times"][name][r] for rank in per_rank)
-                             for r in range(rounds))
-        rows.append(Row(p, first["op"], first["size"], first["iters"], rounds,
-                        best["tandem"], best["gloo"]))
+    for op in ops:
+        for size in sizes:
+            where = {e["backend"]: i for i, e in enumerate(per_rank[0])
+                     if (e["op"], e["size"]) == (op, size)}
+            rows.append(Row(p, op, size, rounds,
+                            tandem_s={b: best(i, "tandem") for b, i in where.items()},
+                            gloo_s={b: best(i, "gloo") for b, i in where.items()},
+                            bound_s=min(best(i, "copy") for i in where.values())))
     return rows
 
 
 def run(world_sizes: Sequence[int], ops: Sequence[str], sizes: Sequence[int], *,
-        rounds: int = 7, round_s: float = 0.07, timeout: float = 600.0,
-        backend: str = "tcp") -> list[Row]:
-    """Measure every (world size, op, size); one set of rank processes per world size."""
+        backends: Sequence[str] = BACKENDS, rounds: int = 7, round_s: float = 0.07,
+        timeout: float = 600.0) -> list[Row]:
+    """Measure every (world size, op, size); one set of rank processes per world size.
+
+    ``backends`` must run here: filter them with :func:`usable_backends` first.
+    """
     rows: list[Row] = []
     for p in world_sizes:
-        rows.extend(_measure(p, ops, sizes, rounds, round_s, timeout, backend))
+        rows.extend(_measure(p, backends, ops, sizes, rounds, round_s, timeout))
     return rows
+
+
+def usable_backends(backends: Sequence[str]) -> tuple[list[str], str]:
+    """The backends this machine can run, and why any were dropped ("" if none was)."""
+    from tandem.transport._shmem import unsupported_reason
+
+    why = unsupported_reason()
+    dropped = [b for b in backends if why and b in _SHARED_MEMORY]
+    if not dropped:
+        return list(backends), ""
+    return ([b for b in backends if b not in dropped],
+            f"skipped {', '.join(dropped)}: shared memory is unsupported here ({why})")
 
 
 def machine() -> str:
@@ -231,6 +303,24 @@ def parse_sizes(text: str) -> list[int]:
     return sizes
 
 
+def parse_backends(text: str) -> list[str]:
+    """``"tcp,shm"`` -> ``["tcp", "shm"]``: known tandem backends, each once, in order."""
+    names = list(dict.fromkeys(b.strip().lower() for b in text.split(",") if b.strip()))
+    unknown = [b for b in names if b not in BACKENDS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"bad backend list {text!r}; choose from {', '.join(BACKENDS)}")
+    return names
+
+
+def _one_backend(text: str) -> list[str]:
+    names = parse_backends(text)
+    if len(names) != 1:
+        raise argparse.ArgumentTypeError(f"--backend takes one name, got {text!r}; "
+                                         f"use --backends for a list")
+    return names
+
+
 def _fmt_size(n: int) -> str:
     for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
         if n >= scale and n % scale == 0:
@@ -238,31 +328,38 @@ def _fmt_size(n: int) -> str:
     return f"{n} B"
 
 
-def _fmt_time(s: float) -> str:
-    return f"{s * 1e3:.2f} ms" if s >= 1e-3 else f"{s * 1e6:.1f} us"
+def _fmt_bw(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / 1e6:.1f} MB/s"
 
 
-_HEADER = ("ranks", "op", "size", "tandem lat", "gloo lat", "tandem busbw", "gloo busbw",
-           "ratio")
+def _header(backends: Sequence[str]) -> list[str]:
+    per_backend = [f"{b} {col}" for b in backends for col in ("busbw", "ratio")]
+    return ["ranks", "op", "size", "gloo busbw", *per_backend, "bound busbw", "best/bound"]
 
 
-def _cells(row: Row) -> list[str]:
-    return [str(row.world_size), row.op, _fmt_size(row.size), _fmt_time(row.tandem_s),
-            _fmt_time(row.gloo_s), f"{row.busbw(row.tandem_s) / 1e6:.1f} MB/s",
-            f"{row.busbw(row.gloo_s) / 1e6:.1f} MB/s", f"{row.ratio:.2f}"]
+def _cells(row: Row, backends: Sequence[str]) -> list[str]:
+    per_backend = [cell for b in backends
+                   for cell in (_fmt_bw(row.busbw(row.tandem_s[b])), f"{row.ratio(b):.2f}")]
+    return [str(row.world_size), row.op, _fmt_size(row.size),
+            _fmt_bw(row.busbw(min(row.gloo_s.values()))), *per_backend,
+            _fmt_bw(row.busbw(row.bound_s)),
+            f"{row.percent_of_bound:.3g}% ({row.best_backend})"]
 
 
 def format_table(rows: Sequence[Row], markdown: bool = False) -> str:
     """Fixed-width text table, or a markdown one for the README."""
-    body = [_cells(r) for r in rows]
+    backends = list(rows[0].tandem_s) if rows else []
+    header = _header(backends)
+    body = [_cells(r, backends) for r in rows]
+    numeric = [True, False] + [True] * (len(header) - 2)  # op is the only text column
     if markdown:
-        lines = ["| " + " | ".join(_HEADER) + " |",
-                 "|" + "|".join(["---:"] * 1 + [":---"] + ["---:"] * 6) + "|"]
+        lines = ["| " + " | ".join(header) + " |",
+                 "|" + "|".join("---:" if n else ":---" for n in numeric) + "|"]
         return "\n".join(lines + ["| " + " | ".join(c) + " |" for c in body])
-    widths = [max(len(x) for x in col) for col in zip(_HEADER, *body)]
-    just = [str.rjust, str.ljust] + [str.rjust] * 6
+    widths = [max(len(x) for x in col) for col in zip(header, *body)]
+    just = [str.rjust if n else str.ljust for n in numeric]
     return "\n".join("  ".join(j(c, w) for j, c, w in zip(just, cells, widths))
-                     for cells in [list(_HEADER), *body])
+                     for cells in [header, *body])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -274,14 +371,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "(default 4K,64K,1M,16M,64M)")
     parser.add_argument("--ops", default="all_reduce",
                         help=f"comma list of {', '.join(OPS)} (default all_reduce)")
-    parser.add_argument("--rounds", type=int, default=7, help="rounds per library (default 7)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--backends", type=parse_backends, default=list(BACKENDS),
+                       metavar="LIST",
+                       help=f"tandem backends, comma list (default {','.join(BACKENDS)})")
+    which.add_argument("--backend", type=_one_backend, dest="backends", metavar="NAME",
+                       help="one tandem backend: the same as --backends NAME")
+    parser.add_argument("--rounds", type=int, default=7,
+                        help="rounds per contender and backend (default 7)")
     parser.add_argument("--round-ms", type=float, default=70.0,
-                        help="length of one round; 2 x rounds of them per size (default 70)")
+                        help="length of one round; 3 x rounds of them per backend and size "
+                             "(default 70)")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="deadline per world size, seconds (default 600)")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
-    parser.add_argument("--backend", default="tcp",
-                        help="tandem backend: tcp (default), shm, auto")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 2 ranks, 4 KB and 1 MB, 2 short rounds")
     args = parser.parse_args(argv)
@@ -298,13 +401,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes, rounds, round_s = args.sizes, args.rounds, args.round_ms / 1e3
     if args.quick:
         world_sizes, sizes, rounds, round_s = [2], [4 << 10, 1 << 20], 2, 0.02
-    start = time.monotonic()
-    rows = run(world_sizes, ops, sizes, rounds=rounds, round_s=round_s, timeout=args.timeout,
-               backend=args.backend)
+    backends, skipped = usable_backends(args.backends)
     print(f"machine: {machine()}")
-    print(f"tandem '{args.backend}' vs torch.distributed 'gloo', loopback, float32, 1 thread/rank; "
-          f"best of {rounds} rounds of ~{round_s * 1e3:.0f} ms; busbw per nccl-tests; "
-          f"ratio = tandem/gloo busbw (>1: tandem faster); {time.monotonic() - start:.0f} s")
+    if skipped:
+        print(skipped)
+    if not backends:
+        return 1
+    start = time.monotonic()
+    rows = run(world_sizes, ops, sizes, backends=backends, rounds=rounds, round_s=round_s,
+               timeout=args.timeout)
+    print(f"tandem {', '.join(backends)} vs torch.distributed 'gloo', loopback, float32, "
+          f"1 thread/rank; best of {rounds} rounds of ~{round_s * 1e3:.0f} ms; busbw per "
+          f"nccl-tests; ratio = backend/gloo busbw (>1: tandem faster); bound = every rank "
+          f"copying its buffer at once; {time.monotonic() - start:.0f} s")
     print(format_table(rows, markdown=args.markdown))
     return 0
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import struct
 import sys
 import time
+import zlib
 from typing import Any, Callable, Sequence
 
 import torch
@@ -25,7 +27,7 @@ from tandem.collectives.world import AnyGroup, resolve_group
 from tandem.errors import ArgumentError, CollectiveTimeoutError
 
 __all__ = [
-    "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "gather",
+    "broadcast", "all_reduce", "all_reduce_coalesced", "reduce", "all_gather", "all_gather_into_tensor", "gather",
     "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
     "barrier", "monitored_barrier", "call_site",
 ]
@@ -111,13 +113,17 @@ def _sig(name: str, t: torch.Tensor | None, **extra: Any) -> str:
         return _make_sig(name, t, extra)
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
 def _make_sig(name: str, t: torch.Tensor | None, extra: dict[str, Any]) -> str:
     text = name
     if t is not None:
-        dtype = _DTYPE_NAMES.get(t.dtype)
-        if dtype is None:
-            dtype = _DTYPE_NAMES[t.dtype] = str(t.dtype).removeprefix("torch.")
-        text = f"{name} {dtype}{list(t.shape)}"
+        text = f"{name} {_dtype_name(t.dtype)}{list(t.shape)}"
     for key, value in extra.items():
         text = f"{text} {key}={value}"
     return text
@@ -156,7 +162,7 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: AnyGroup | No
     buf = _Flat(tensor, load=(g.group_rank == root))
 
     def body(op: Op) -> None:
-        algo.tree_broadcast(op, buf.flat, root)
+        algo.hierarchical_broadcast(op, buf.flat, root)  # a tree when on one host
         buf.done()
 
     return _launch(g, "broadcast", _sig("broadcast", tensor, root=root), body, async_op, [tensor])
@@ -176,6 +182,50 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: AnyGrou
 
     sig = _sig("all_reduce", tensor, op=op.name, algorithm=name)
     return _launch(g, "all_reduce", sig, body, async_op, [tensor])
+
+
+def all_reduce_coalesced(tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM,
+                         group: AnyGroup | None = None, async_op: bool = False) -> Work | None:
+    """All-reduce several tensors of one dtype in one call, each in place.
+
+    Same-host groups stream them through shared memory as they are (no flat copy);
+    elsewhere they are packed into one buffer, all-reduced, and unpacked.
+    """
+    g = resolve_group(group, "all_reduce_coalesced")
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise ArgumentError("all_reduce_coalesced: tensors must be a non-empty list of tensors")
+    ts = [_tensor(t, "all_reduce_coalesced", f"tensors[{i}]") for i, t in enumerate(tensors)]
+    dtype = ts[0].dtype
+    for i, t in enumerate(ts):
+        if t.dtype != dtype:
+            raise ArgumentError(f"all_reduce_coalesced: tensors[{i}] is {t.dtype}, tensors[0] "
+                                f"is {dtype}; one call takes one dtype")
+    check_dtype(op, dtype)
+    bufs = [_Flat(t) for t in ts]
+    sizes = [b.flat.numel() for b in bufs]
+    if g.shares_memory and algo.select_all_reduce(g, bufs[0].flat)[0] == "shm":
+        name = "shm"
+
+        def body(o: Op) -> None:
+            algo.shm_all_reduce_many(o, [b.flat for b in bufs], op)
+            for b in bufs:
+                b.done()
+    else:
+        packed = torch.cat([b.flat for b in bufs])
+        name, fn = algo.select_all_reduce(g, packed)
+
+        def body(o: Op) -> None:
+            packed.copy_(torch.cat([b.flat for b in bufs]))  # the values as of the call
+            fn(o, packed, op)
+            with torch.no_grad():
+                for b, part in zip(bufs, packed.split(sizes)):
+                    b.flat.copy_(part)
+                    b.done()
+
+    layout = zlib.crc32(struct.pack(f"<{len(sizes)}q", *sizes))
+    sig = _sig("all_reduce_coalesced", None, dtype=_dtype_name(dtype), tensors=len(sizes),
+               numel=sum(sizes), layout=f"{layout:08x}", op=op.name, algorithm=name)
+    return _launch(g, "all_reduce_coalesced", sig, body, async_op, list(tensors))
 
 
 def reduce(tensor: torch.Tensor, dst: int | None = None, op: ReduceOp = ReduceOp.SUM,

@@ -21,8 +21,10 @@ from typing import Any, Callable, Iterable
 import torch
 
 from tandem.config import Settings
-from tandem.errors import ArgumentError, CollectiveError, StateError, TandemError
+from tandem.errors import (ArgumentError, CollectiveError, CollectiveTimeoutError, StateError,
+                           TandemError)
 from tandem.collectives.work import Completions, Work
+from tandem.transport._arena import Arena
 from tandem.transport.base import Header, Kind, Slot, Transport
 from tandem.transport.wait import wait_all
 
@@ -110,6 +112,10 @@ class ProcessGroup:
         self._closed = False
         self.completions = Completions()
         self._scratch = torch.empty(0, dtype=torch.uint8)
+        # same-host groups share staging memory (made at the first call, by every member)
+        self.shares_memory = (self.group_size > 1 and settings.shm_arena
+                              and transport.shares_memory_with(self.ranks))
+        self.arena: Arena | None = None
 
     # -- torch-compatible accessors -----------------------------------------------
     def rank(self) -> int:
@@ -185,6 +191,12 @@ class ProcessGroup:
     def _execute(self, op: Op, fn: Callable[[Op], Any]) -> None:
         op.deadline = time.monotonic() + self.timeout
         try:
+            if self.shares_memory:
+                if self.arena is None:
+                    self.arena = self._make_arena(op)
+                # every call says what it is, so a peer waiting in shared memory for a
+                # different call can tell (see algorithms.shm)
+                self.arena.announce(op.seq, op.sig, op.site)
             fn(op)
             self.transport.mailbox.finished(self.group_id, op.seq, op.sig, op.site)
         except CollectiveError as exc:
@@ -195,6 +207,15 @@ class ProcessGroup:
             self.abort(StateError(f"{op.describe()} failed on rank {self.ranks[self.group_rank]}: "
                                   f"{type(exc).__name__}: {exc}"))
             raise
+
+    def _make_arena(self, op: Op) -> Arena:
+        try:
+            return self.transport.arena(self.group_id, self.ranks,
+                                        self.settings.shm_chunk or None, timeout=self.timeout)
+        except CollectiveTimeoutError as exc:
+            names = ", ".join(map(str, exc.missing))
+            raise CollectiveTimeoutError(f"{op.describe()} timed out waiting in shared memory "
+                                         f"on rank(s) {names}: {exc}", exc.missing) from exc
 
     def abort(self, error: TandemError) -> None:
         """Fail this group here and on every member, with ``error``."""

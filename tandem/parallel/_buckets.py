@@ -54,23 +54,23 @@ def assign_buckets(params: Sequence[torch.Tensor], cap_bytes: int,
 
 
 class Bucket:
-    """One flat gradient buffer and the parameters whose gradients live in it."""
+    """One flat gradient buffer and the parameters whose gradients live in it.
 
-    __slots__ = ("index", "members", "buffer", "views", "pending", "future", "result",
-                 "t_launch", "t_done")
+    The buffer is made on first use: when the group shares memory, gradients are
+    reduced where they are and the buffer is never needed.
+    """
+
+    __slots__ = ("index", "members", "_shapes", "dtype", "numel", "_buffer", "_views",
+                 "pending", "future", "result", "t_launch", "t_done")
 
     def __init__(self, index: int, members: list[int], params: Sequence[torch.Tensor]) -> None:
         self.index = index
         self.members = members  # parameter indices, in bucket order
-        dtype = params[members[0]].dtype
-        total = sum(params[i].numel() for i in members)
-        self.buffer = torch.zeros(total, dtype=dtype)
-        self.views: list[torch.Tensor] = []
-        offset = 0
-        for i in members:
-            n = params[i].numel()
-            self.views.append(self.buffer[offset:offset + n].view(params[i].shape))
-            offset += n
+        self.dtype = params[members[0]].dtype
+        self._shapes = [params[i].shape for i in members]
+        self.numel = sum(params[i].numel() for i in members)
+        self._buffer: torch.Tensor | None = None
+        self._views: list[torch.Tensor] = []
         self.pending = len(members)
         self.future: torch.futures.Future[Any] | None = None
         self.result: torch.Tensor | None = None
@@ -78,8 +78,24 @@ class Bucket:
         self.t_done = 0.0
 
     @property
+    def buffer(self) -> torch.Tensor:
+        if self._buffer is None:
+            self._buffer = torch.zeros(self.numel, dtype=self.dtype)
+            offset = 0
+            for shape in self._shapes:
+                n = shape.numel()
+                self._views.append(self._buffer[offset:offset + n].view(shape))
+                offset += n
+        return self._buffer
+
+    @property
+    def views(self) -> list[torch.Tensor]:
+        self.buffer  # noqa: B018 - made on first use
+        return self._views
+
+    @property
     def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
+        return self.numel * torch.empty(0, dtype=self.dtype).element_size()
 
     def reset(self) -> None:
         self.pending = len(self.members)

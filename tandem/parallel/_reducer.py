@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from tandem.collectives.api import all_reduce
+from tandem.collectives.api import all_reduce, all_reduce_coalesced
 from tandem.collectives.group import ProcessGroup
 from tandem.collectives.reduce_op import ReduceOp
 from tandem.errors import ArgumentError, StateError
@@ -128,6 +128,7 @@ class Reducer:
         self._tail: torch.futures.Future[Any] | None = None
         self._t_backward = 0.0
         self._inline = (0.0, 0.0)  # when backward was blocked reducing the last bucket
+        self._direct = False       # this backward reduces gradients where they are
 
         if self.view_mode:
             with torch.no_grad():
@@ -204,6 +205,11 @@ class Reducer:
 
     def _begin(self) -> None:
         self._started = True
+        # same-host groups reduce .grad tensors in place through shared memory: no bucket
+        # buffer, no copies in and out of it (hooks, views and unused parameters need
+        # the buckets, so they keep them)
+        self._direct = (self.hook is None and not self.view_mode and not self.find_unused
+                        and not self.static_graph and self.group.shares_memory)
         if self._t_backward == 0.0:
             self._t_backward = _clock()
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize_callback)
@@ -219,9 +225,20 @@ class Reducer:
                 f"outside the module?); this is not supported")
         self._ready[i] = True
         b, pos = self.where[i]
-        view = b.views[pos]
         p = self.params[i]
         g = p.grad
+        if self._direct and g is not None:
+            b.pending -= 1
+            if b.pending == 0:
+                self._issue_ready_buckets()
+            return
+        if self._direct:  # a gradient-less parameter (e.g. a hook fired without one)
+            p.grad = torch.zeros_like(p)
+            b.pending -= 1
+            if b.pending == 0:
+                self._issue_ready_buckets()
+            return
+        view = b.views[pos]
         with torch.no_grad():
             if g is None:
                 view.zero_()
@@ -249,6 +266,17 @@ class Reducer:
             grad_bucket = GradBucket(b, self.params, last)
             hook, state = self.hook, self.hook_state
             fut = self._chain(lambda: hook(state, grad_bucket))
+        elif self._direct:
+            grads = [self.params[i].grad for i in b.members]
+            work = all_reduce_coalesced(grads, op=ReduceOp.AVG, group=self.group,  # type: ignore[arg-type]
+                                        async_op=not last)
+            if last:  # in this thread, as below
+                self._inline = (b.t_launch, _clock())
+                fut = torch.futures.Future()
+                fut.set_result(None)
+            else:
+                assert work is not None
+                fut = work.get_future()
         elif last and not self._needs_used_map():
             # backward is (all but) over and _finalize is about to wait for it: run the
             # last bucket in this thread, which saves a hand-off to the progress thread
@@ -357,7 +385,7 @@ class Reducer:
         for b in self.buckets:
             assert b.future is not None
             value = b.future.wait()
-            b.result = value[0] if isinstance(value, (list, tuple)) else value
+            b.result = value[0] if isinstance(value, (list, tuple)) and value else value
         global_unused: set[int] = set()
         if self._used_future is not None:
             self._used_future.wait()
@@ -368,7 +396,8 @@ class Reducer:
         elif self.static_graph and self._static_global_unused is not None:
             global_unused = self._static_global_unused
         t_waited = _clock()
-        self._write_back(global_unused)
+        if not self._direct:
+            self._write_back(global_unused)
         t_end = _clock()
         self._record(t_compute_end, t_waited, t_end)
 
@@ -442,6 +471,7 @@ class Reducer:
         self._used_map = None
         self._used_future = None
         self._inline = (0.0, 0.0)
+        self._direct = False
         for b in self.buckets:
             b.reset()
         self._local_used = [False] * len(self.params)

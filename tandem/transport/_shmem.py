@@ -30,7 +30,7 @@ import threading
 from tandem.errors import NetworkError
 
 __all__ = ["unsupported_reason", "create_segment", "futex_wait", "futex_wake", "fence",
-           "address_of", "sweep_stale"]
+           "address_of", "sweep_stale", "process_alive"]
 
 _SYS_FUTEX = {"x86_64": 202}.get(platform.machine())
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
@@ -111,11 +111,12 @@ def _reserve(fd: int, size: int, where: str) -> None:
             f"{exc.strerror or exc}{hint}") from exc
 
 
-def create_segment(size: int, directory: str | None = None) -> int:
-    """A file descriptor of ``size`` zeroed bytes of shared memory, owned by nobody's name."""
+def create_segment(size: int, directory: str | None = None, label: str = "tandem-ring") -> int:
+    """A file descriptor of ``size`` zeroed bytes of shared memory, owned by nobody's name
+    (``label`` only shows in ``/proc/PID/maps``)."""
     if directory is None and hasattr(os, "memfd_create"):
         try:
-            fd = os.memfd_create("tandem-ring", os.MFD_CLOEXEC)
+            fd = os.memfd_create(label, os.MFD_CLOEXEC)
         except OSError as exc:
             if exc.errno not in (errno.ENOSYS, errno.EPERM, errno.EACCES):
                 raise NetworkError(f"memfd_create failed: {exc}") from exc
@@ -152,7 +153,7 @@ def sweep_stale(directory: str = "/dev/shm") -> int:
         path = os.path.join(directory, name)
         try:
             pid = int(name[len(_PREFIX):].split("-", 1)[0])
-            if os.stat(path).st_uid != os.getuid() or _alive(pid):
+            if os.stat(path).st_uid != os.getuid() or process_alive(pid):
                 continue
             os.unlink(path)
             removed += 1
@@ -161,7 +162,8 @@ def sweep_stale(directory: str = "/dev/shm") -> int:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

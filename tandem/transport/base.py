@@ -23,7 +23,7 @@ import collections
 import dataclasses
 import threading
 import time
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from tandem.errors import (
     CollectiveMismatchError,
@@ -33,6 +33,9 @@ from tandem.errors import (
     StateError,
     TandemError,
 )
+
+if TYPE_CHECKING:
+    from tandem.transport._arena import Arena
 
 __all__ = ["Kind", "Header", "Slot", "Mailbox", "Transport", "check_size", "encode_error",
            "decode_error"]
@@ -280,6 +283,17 @@ class Mailbox:
             if error is not None:
                 self._reject(peer, group, error)
 
+    def parked_call(self, group: int, seq: int) -> tuple[int, Header] | None:
+        """A collective message of call ``seq`` on ``group`` that nobody has received yet
+        (sender, header). A call that moves no messages uses it to spot a peer whose call
+        of the same number does."""
+        with self._lock:
+            for k, parked in self._parked.items():
+                if (k[1] == Kind.COLL and k[2] == group and k[3] == seq
+                        and parked.header is not None):
+                    return k[0], parked.header
+        return None
+
     def _clashing_arrival(self, kind: int, group: int, seq: int, sig: bytes) -> Slot | None:
         """A parked message of the same collective call with another signature (lock held)."""
         if kind != Kind.COLL:
@@ -461,6 +475,15 @@ class Transport(abc.ABC):
     def host_of(self, rank: int) -> str:
         """The host identity of ``rank`` (used for topology decisions)."""
         return ""
+
+    def shares_memory_with(self, ranks: Sequence[int]) -> bool:
+        """Whether this rank can map the memory of every rank in ``ranks`` (see ``arena``)."""
+        return False
+
+    def arena(self, key: int, members: Sequence[int], chunk: int | None = None,
+              timeout: float | None = None) -> "Arena":
+        """Shared staging memory with ``members`` (collective over them); shm only."""
+        raise StateError(f"the {type(self).__name__} cannot share memory between ranks")
 
 
 def check_size(nbytes: int, cap: int, peer: int) -> None:

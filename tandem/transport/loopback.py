@@ -3,11 +3,16 @@
 Fast and deterministic, for testing collective algorithms without sockets. A
 message is copied once, from the sender's buffer into the receiver's posted
 memory (or parked until the receive is posted), exactly like the TCP path.
+
+``LoopbackHub(4, hosts=["a", "a", "b", "b"])`` makes the ranks report those host
+identities (``host_of``), so topology-aware algorithms can be tested on threads.
 """
 
 from __future__ import annotations
 
-from tandem.errors import PeerLostError
+from typing import Sequence
+
+from tandem.errors import ArgumentError, PeerLostError
 from tandem.transport.base import Header, Mailbox, Slot, Transport
 
 __all__ = ["LoopbackHub", "LoopbackTransport"]
@@ -36,6 +41,9 @@ class LoopbackTransport(Transport):
         slot.finish(header)
         return slot
 
+    def host_of(self, rank: int) -> str:
+        return self.hub.hosts[rank] if self.hub.hosts else ""
+
     def close(self) -> None:
         self.closed = True
         for t in self.hub.transports:
@@ -45,8 +53,11 @@ class LoopbackTransport(Transport):
 
 
 class LoopbackHub:
-    """Creates ``world_size`` connected loopback transports."""
+    """Creates ``world_size`` connected loopback transports, on hosts ``hosts`` if given."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, hosts: Sequence[str] | None = None) -> None:
+        if hosts is not None and len(hosts) != world_size:
+            raise ArgumentError(f"{len(hosts)} host names for {world_size} ranks")
         self.world_size = world_size
+        self.hosts = list(hosts or [])
         self.transports = [LoopbackTransport(self, r) for r in range(world_size)]

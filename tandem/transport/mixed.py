@@ -16,7 +16,10 @@ message came.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from tandem.errors import ArgumentError
+from tandem.transport._arena import Arena
 from tandem.store.base import Store
 from tandem.transport.base import Header, Slot, Transport
 from tandem.transport.shm import ShmTransport
@@ -90,6 +93,13 @@ class MixedTransport(Transport):
 
     def host_of(self, rank: int) -> str:
         return self.tcp.host_of(rank)
+
+    def shares_memory_with(self, ranks: Sequence[int]) -> bool:
+        return self.shm.shares_memory_with(ranks)
+
+    def arena(self, key: int, members: Sequence[int], chunk: int | None = None,
+              timeout: float | None = None) -> Arena:
+        return self.shm.arena(key, members, chunk, timeout)
 
     def close(self) -> None:
         try:

@@ -28,13 +28,16 @@ import mmap
 import os
 import selectors
 import socket
+import struct
 import threading
 import time
 import weakref
 from typing import Sequence
 
-from tandem.errors import ArgumentError, NetworkError, PeerLostError
+from tandem.errors import (ArgumentError, CollectiveTimeoutError, NetworkError, PeerLostError,
+                           StateError)
 from tandem.store.base import Store
+from tandem.transport._arena import Arena, default_chunk, segment_bytes, CONTROL_BYTES
 from tandem.transport._ring import Ring, init_segment, segment_size
 from tandem.transport._shm_peer import ShmPeer, frame
 from tandem.transport._shm_setup import Link, connect_local
@@ -44,6 +47,7 @@ from tandem.transport.base import Header, Mailbox, Slot, Transport
 __all__ = ["ShmTransport", "ring_capacity", "default_spin"]
 
 _MIN_RING = 4096
+_OFFER = struct.Struct("<QQ")  # an arena segment handed over the socket: key, bytes
 
 
 def default_spin(local_ranks: int) -> float:
@@ -101,6 +105,12 @@ class ShmTransport(Transport):
         self._closing = False
         self._threads: list[threading.Thread] = []
         spin = default_spin(len(local) + 1) if spin is None else spin
+        self._spin = spin
+        self._shm_dir = shm_dir
+        self._connect_timeout = connect_timeout
+        # arena segments peers handed us: (peer, key) -> (fd, bytes)
+        self._offers: dict[tuple[int, int], tuple[int, int]] = {}
+        self._offer_cv = threading.Condition()
         inbound: dict[int, mmap.mmap] = {}
         mine: dict[int, int] = {}
         links: dict[int, Link] = {}
@@ -146,26 +156,127 @@ class ShmTransport(Transport):
         t.start()
 
     def _watch(self) -> None:
-        """Notice peers dying: the kernel closes their end of the socket."""
+        """Notice peers dying (the kernel closes their end of the socket) and take the
+        arena segments they hand over (:meth:`arena`)."""
         sel = selectors.DefaultSelector()
+        pending: dict[int, tuple[bytearray, list[int]]] = {}
         for p in self._peers.values():
             sel.register(p.sock, selectors.EVENT_READ, p)
+            pending[p.rank] = (bytearray(), [])
         try:
             while not self._closing and sel.get_map():
                 for key, _ in sel.select(0.5):
                     p = key.data
                     try:
-                        if p.sock.recv(64):
-                            continue  # peers send nothing after set-up; ignore it
+                        data, fds, _, _ = socket.recv_fds(p.sock, 4096, 16)
                     except BlockingIOError:
                         continue
                     except OSError:
-                        pass
+                        data, fds = b"", []
+                    if data or fds:
+                        self._take_offers(p.rank, data, fds, *pending[p.rank])
+                        continue
                     sel.unregister(p.sock)
                     p.eof = True
                     p.wake()  # its reader drains the ring, then reports the loss
+                    with self._offer_cv:
+                        self._offer_cv.notify_all()
         finally:
             sel.close()
+            for _, fds in pending.values():
+                for fd in fds:
+                    os.close(fd)
+
+    def _take_offers(self, peer: int, data: bytes, fds: list[int], buf: bytearray,
+                     queued: list[int]) -> None:
+        """Records arrive as bytes; each one's descriptor comes with its first byte."""
+        buf += data
+        queued += fds
+        while len(buf) >= _OFFER.size and queued:
+            key, size = _OFFER.unpack_from(buf)
+            del buf[:_OFFER.size]
+            fd = queued.pop(0)
+            with self._offer_cv:
+                old = self._offers.pop((peer, key), None)
+                self._offers[(peer, key)] = (fd, size)
+                self._offer_cv.notify_all()
+            if old is not None:
+                os.close(old[0])
+
+    def shares_memory_with(self, ranks: Sequence[int]) -> bool:
+        return all(self.reaches(r) for r in ranks)
+
+    def arena(self, key: int, members: Sequence[int], chunk: int | None = None,
+              timeout: float | None = None) -> Arena:
+        """Hand every member of ``members`` my staging segment and map theirs.
+
+        Collective over ``members`` (global ranks, all on this host, this rank among
+        them); ``key`` (e.g. the group id) tells concurrent calls apart. The staging
+        size is the smallest any member offered, so members that computed different
+        defaults still agree.
+        """
+        if not self.shares_memory_with(members) or self.rank not in members:
+            raise ArgumentError(f"an arena needs ranks that share memory with rank "
+                                f"{self.rank}, got {list(members)}")
+        chunk = chunk or default_chunk(len(self._peers) + 1)
+        size = segment_bytes(chunk)
+        fd = create_segment(size, self._shm_dir, "tandem-arena")
+        maps: dict[int, mmap.mmap] = {}
+        try:
+            maps[self.rank] = mmap.mmap(fd, size)
+            for r in members:
+                if r != self.rank:
+                    self._offer(self._peers[r], key, fd, size)
+            deadline = time.monotonic() + (timeout or self._connect_timeout)
+            for r in members:
+                if r != self.rank:
+                    maps[r] = self._accept_offer(r, key, deadline)
+        except BaseException:
+            for m in maps.values():
+                m.close()
+            raise
+        finally:
+            os.close(fd)
+        smallest = min(len(m) for m in maps.values())
+        return Arena(members, list(members).index(self.rank), [maps[r] for r in members],
+                     (smallest - CONTROL_BYTES) // 2, self._spin)
+
+    def _offer(self, peer: ShmPeer, key: int, fd: int, size: int) -> None:
+        deadline = time.monotonic() + self._connect_timeout
+        while True:
+            try:
+                socket.send_fds(peer.sock, [_OFFER.pack(key, size)], [fd])
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise NetworkError(f"rank {peer.rank} does not take its shared-memory "
+                                       f"arena segment from rank {self.rank}") from None
+                time.sleep(0.001)
+            except OSError as exc:
+                raise peer.lost("closed") from exc
+
+    def _accept_offer(self, peer: int, key: int, deadline: float) -> mmap.mmap:
+        p = self._peers[peer]
+        with self._offer_cv:
+            while (peer, key) not in self._offers:
+                if self._closing:
+                    raise StateError(f"rank {self.rank} closed its shared-memory transport")
+                if p.eof:
+                    raise p.lost("closed")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CollectiveTimeoutError(
+                        f"rank {peer} did not hand rank {self.rank} its shared-memory arena "
+                        f"segment (key {key}) in time: did it call the same collective?",
+                        (peer,))
+                self._offer_cv.wait(min(left, 0.5))
+            fd, size = self._offers.pop((peer, key))
+        try:
+            if os.fstat(fd).st_size != size or size < segment_bytes(4096):
+                raise NetworkError(f"rank {peer} handed over a bad arena segment ({size} bytes)")
+            return mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
 
     def isend(self, peer: int, header: Header, payload: memoryview) -> Slot:
         data = payload if payload.format == "B" and payload.ndim == 1 else payload.cast("B")

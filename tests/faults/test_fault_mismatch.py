@@ -1,6 +1,6 @@
 """Ranks that call different collectives at the same point are stopped before data moves.
 
-One job runs every case, each on a fresh two-rank group (``new_group`` is local, so
+One job per backend (tcp; shm, where all_reduce goes through shared memory) runs every case, each on a fresh two-rank group (``new_group`` is local, so
 this costs nothing), so one case's abort does not leak into the next. Rank 0 and rank 1
 make their calls on different lines of this file, so the expected call sites differ.
 Each rank's tensor holds rank-specific values: combining anything would change it.
@@ -96,9 +96,12 @@ def _every_mismatch(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-@pytest.fixture(scope="module")
-def mismatches() -> dict[int, Any]:
-    return values(launch(2, _every_mismatch, timeout=60, op_timeout=20.0), [0, 1])
+@pytest.fixture(scope="module", params=["tcp", "shm"])
+def mismatches(request: Any) -> dict[int, Any]:
+    # over shm, all_reduce moves no messages (shared staging memory): the calls are
+    # compared through each rank's announcements instead
+    return values(launch(2, _every_mismatch, timeout=60, op_timeout=20.0,
+                         backend=request.param), [0, 1])
 
 
 def _error(case: dict[str, Any]) -> dict[str, Any]:

@@ -85,12 +85,14 @@ def compare(rank: int, world: int, gloo_url: str) -> dict[str, Any]:
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"{w}ranks")
+@pytest.fixture(scope="module", params=[(2, "tcp"), (3, "tcp"), (2, "shm")],
+                ids=lambda p: f"{p[0]}ranks-{p[1]}")
 def results(request: pytest.FixtureRequest,
             tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    world, backend = request.param
     path: Path = tmp_path_factory.mktemp("gloo") / "rendezvous"
-    return spawn(request.param, compare, (f"file://{path}",), timeout=150,
-                 env=_gloo_env())
+    return spawn(world, compare, (f"file://{path}",), timeout=150, env=_gloo_env(),
+                 backend=backend)
 
 
 def _gloo_env() -> dict[str, str]:

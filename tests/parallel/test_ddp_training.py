@@ -278,6 +278,9 @@ def _run_case(case: str, rank: int, world: int) -> dict[str, Any]:
     if name == "unused":
         info["never_grad_is_none"] = all(p.grad is None for p in ddp.module.never.parameters())
     info["stats"] = ddp.stats
+    info["bucket_buffers"] = sum(b._buffer is not None for b in ddp.reducer.buckets)
+    info["shares_memory"] = ddp.reducer.group.shares_memory
+    info["backend"] = ddp.reducer.group.backend
     return info
 
 
@@ -296,9 +299,12 @@ def run_cases(rank: int, world: int, cases: list[str]) -> dict[str, Any]:
 TOLERANCE = {"autocast_bf16": 2e-2}
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"{w}ranks")
+# over shm, gradients without hooks are reduced in place through shared memory
+@pytest.fixture(scope="module", params=[(2, "tcp"), (3, "tcp"), (2, "shm")],
+                ids=lambda p: f"{p[0]}ranks-{p[1]}")
 def results(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
-    return spawn(request.param, run_cases, (list(CASES),), timeout=150)
+    world, backend = request.param
+    return spawn(world, run_cases, (list(CASES),), timeout=150, backend=backend)
 
 
 def _case(results: list[dict[str, Any]], case: str) -> list[dict[str, Any]]:
@@ -321,6 +327,18 @@ def _assert_matches_oracle(results: list[dict[str, Any]], case: str) -> None:
 @pytest.mark.parametrize("case", ["mlp", "cnn", "transformer"])
 def test_training_equals_single_process_on_concatenated_batch(results: Any, case: str) -> None:
     _assert_matches_oracle(results, case)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", ["mlp", "transformer_tiny_buckets", "no_sync", "grad_scaler"])
+def test_same_host_ranks_reduce_gradients_in_place_without_bucket_buffers(
+        results: Any, case: str) -> None:
+    for rank, info in enumerate(_case(results, case)):
+        assert info["shares_memory"] == (info["backend"] == "shm"), info["backend"]
+        if info["shares_memory"]:
+            assert info["bucket_buffers"] == 0, (case, rank, info["bucket_buffers"])
+        else:
+            assert info["bucket_buffers"] > 0, (case, rank)
 
 
 @pytest.mark.timeout(180)

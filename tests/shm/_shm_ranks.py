@@ -38,7 +38,8 @@ def digest(t: torch.Tensor | list[torch.Tensor]) -> str:
 def _ops(rank: int, p: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     group = default_group()
-    for algo in ALGORITHMS:
+    out["shares_memory"] = group.shares_memory
+    for algo in ALGORITHMS + (("shm",) if group.shares_memory else ()):
         group.algorithm_override["all_reduce"] = algo
         for n in (1, SMALL, BIG):
             t = inp(rank, n)
@@ -78,10 +79,10 @@ def _ops(rank: int, p: int) -> dict[str, Any]:
     return out
 
 
-def expected(p: int) -> dict[str, str]:
+def expected(p: int, shares_memory: bool = False) -> dict[str, str]:
     """What every rank of ``p`` must compute, from the inputs alone."""
     out: dict[str, str] = {}
-    for algo in ALGORITHMS:
+    for algo in ALGORITHMS + (("shm",) if shares_memory else ()):
         for n in (1, SMALL, BIG):
             out[f"all_reduce/{algo}/{n}"] = digest(torch.stack([inp(r, n) for r in range(p)]).sum(0))
         out[f"all_reduce_max/{algo}"] = digest(
@@ -92,8 +93,8 @@ def expected(p: int) -> dict[str, str]:
     return out
 
 
-def expected_for(rank: int, p: int) -> dict[str, str]:
-    out = expected(p)
+def expected_for(rank: int, p: int, shares_memory: bool = False) -> dict[str, str]:
+    out = expected(p, shares_memory)
     prv = (rank - 1) % p
     for n in (SMALL, BIG):
         out[f"reduce_scatter/{n}"] = digest(torch.stack([inp(s * p + rank, n) for s in range(p)]).sum(0))

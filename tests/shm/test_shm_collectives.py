@@ -42,7 +42,7 @@ def _differences(run: list[dict[str, Any]]) -> list[str]:
     p = len(run)
     wrong = []
     for rank, got in enumerate(run):
-        for key, want in expected_for(rank, p).items():
+        for key, want in expected_for(rank, p, got["shares_memory"]).items():
             if got.get(key) != want:
                 wrong.append(f"rank {rank} {key}")
     return wrong
@@ -56,13 +56,21 @@ def test_every_collective_over_shm_gives_the_exact_result(results: Any, name: st
 
 def test_shm_and_tcp_agree_bit_for_bit(results: Any) -> None:
     for rank, (shm, tcp) in enumerate(zip(results["shm-4"], results["tcp-4"])):
-        differ = [k for k in shm if k not in ("transport", "backend") and shm[k] != tcp[k]]
+        differ = [k for k in tcp if k not in ("transport", "backend", "shares_memory")
+                  and shm[k] != tcp[k]]
         assert not differ, f"rank {rank}: shm and tcp differ on {differ}"
 
 
 def test_shm_backend_runs_on_the_shm_transport(results: Any) -> None:
     for r in results["shm-2"]:
         assert (r["backend"], r["transport"]) == ("shm", "ShmTransport"), r
+
+
+def test_same_host_groups_share_staging_memory_and_others_do_not(results: Any) -> None:
+    # with it, all_reduce reads peers' staging directly (algorithm "shm"), checked above
+    for name, shares in [("shm-2", True), ("shm-4", True), ("auto-2", True),
+                         ("tcp-4", False), ("auto-2-hosts-4", False)]:
+        assert {r["shares_memory"] for r in results[name]} == {shares}, name
 
 
 def test_auto_on_one_host_uses_shared_memory(results: Any) -> None:

@@ -67,10 +67,16 @@ def test_rings_are_mapped_without_names_and_no_descriptor_is_leaked(job: Any) ->
         if not o.ok:
             continue
         maps = o.value["maps"]
-        assert len(maps) == 2 * 2, maps  # one ring each way with each of 2 peers
+        # one ring each way with each of 2 peers, and the default group's staging arena:
+        # one segment per member, all mapped by every member
+        assert len(maps) == 2 * 2 + 3, maps
         assert all(m.endswith("(deleted)") for m in maps), maps
-        want = "/memfd:tandem-ring" if job["backend"] == "shm" else "/dev/shm/tandem-shm-"
-        assert all(m.startswith(want) for m in maps), maps
+        if job["backend"] == "shm":
+            rings = [m for m in maps if m.startswith("/memfd:tandem-ring")]
+            arenas = [m for m in maps if m.startswith("/memfd:tandem-arena")]
+            assert (len(rings), len(arenas)) == (4, 3), maps
+        else:
+            assert all(m.startswith("/dev/shm/tandem-shm-") for m in maps), maps
         # CPython's mmap keeps a dup of its descriptor: one per mapping, and no other
         assert sorted(o.value["fds"]) == maps, (o.rank, o.value["fds"], maps)
 

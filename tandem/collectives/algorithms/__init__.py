@@ -2,8 +2,10 @@
 
 Built in, for all-reduce: ``naive`` (the oracle), ``doubling`` (recursive doubling,
 latency-optimal, for payloads below ``TANDEM_RING_THRESHOLD``, four times that for two
-ranks) and ``ring`` (bandwidth-optimal, pipelined, for larger ones). ``TANDEM_ALGORITHM`` or
-``group.algorithm_override["all_reduce"]`` forces one.
+ranks), ``ring`` (bandwidth-optimal, pipelined, for larger ones) and ``hierarchical``
+(within each host, then across one leader per host, then back within each host; chosen
+whenever a group spans hosts and some host has two or more of its ranks).
+``TANDEM_ALGORITHM`` or ``group.algorithm_override["all_reduce"]`` forces one.
 
 A custom algorithm is a function ``fn(op, flat_tensor, reduce_op)`` that uses
 ``op.send``/``op.recv``/``op.wait`` (see ``tandem.collectives.group.Op``)::
@@ -25,8 +27,14 @@ from tandem.collectives.algorithms.direct import (
     pairwise_all_to_all,
 )
 from tandem.collectives.algorithms.doubling import doubling_all_reduce
+from tandem.collectives.algorithms.hierarchical import (
+    hierarchical_all_reduce,
+    hierarchical_broadcast,
+    host_layout,
+)
 from tandem.collectives.algorithms.naive import naive_all_reduce
 from tandem.collectives.algorithms.ring import even_bounds, ring, ring_all_reduce
+from tandem.collectives.algorithms.shm import shm_all_reduce, shm_all_reduce_many
 from tandem.collectives.algorithms.tree import tree_broadcast, tree_reduce
 from tandem.collectives.group import ProcessGroup
 from tandem.errors import ArgumentError
@@ -39,7 +47,9 @@ __all__ = [
     "direct_scatter",
     "pairwise_all_to_all",
     "even_bounds",
+    "hierarchical_broadcast",
     "ring",
+    "shm_all_reduce_many",
     "tree_broadcast",
     "tree_reduce",
 ]
@@ -50,6 +60,8 @@ ALL_REDUCE: dict[str, AllReduce] = {
     "naive": naive_all_reduce,
     "doubling": doubling_all_reduce,
     "ring": ring_all_reduce,
+    "shm": shm_all_reduce,
+    "hierarchical": hierarchical_all_reduce,
 }
 
 _REGISTRIES: dict[str, dict[str, AllReduce]] = {"all_reduce": ALL_REDUCE}
@@ -68,6 +80,17 @@ def register_algorithm(collective: str, name: str, fn: AllReduce) -> None:
 
 def select_all_reduce(group: ProcessGroup, buf: torch.Tensor) -> tuple[str, AllReduce]:
     name = group.algorithm_override.get("all_reduce") or group.settings.algorithm
+    if name == "auto" and group.shares_memory:
+        name = "shm"  # every member maps every member's staging memory
+    elif name == "shm" and not group.shares_memory:
+        raise ArgumentError(
+            f"all_reduce algorithm 'shm' needs a group whose ranks share memory (one host, "
+            f"backend 'shm' or 'auto', TANDEM_SHM_ARENA not 0); group '{group.group_name}' "
+            f"does not")
+    if name == "auto" and host_layout(group) is not None:
+        # ranks on several hosts, some sharing one: only one rank per host sends
+        # across hosts (the check's cost per call is measured in host_layout)
+        name = "hierarchical"
     if name == "auto":
         nbytes = buf.numel() * buf.element_size()
         threshold = group.settings.ring_threshold

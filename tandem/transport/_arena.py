@@ -1,0 +1,233 @@
+"""A group's shared staging memory: every local member maps every member's segment.
+
+Ring messages copy a payload twice (into the ring, out of it) and hop through a
+reader thread. Collectives on same-host ranks do better when each rank *reads its
+peers' memory directly*: a rank copies its part of a chunk into its own segment,
+publishes a counter, and the others reduce or copy straight out of it. The
+algorithms are in ``tandem.collectives.algorithms.shm``; this module is the memory
+and the signalling::
+
+    arena = transport.arena(key, members)      # collective over ``members``
+    buf = arena.begin_round(check)             # 0 or 1: which half of each segment
+    arena.data(arena.index, buf)[:n].copy_(x)  # my staging half (a uint8 tensor)
+    arena.post()                               # "phase done" -> peers may read it
+    arena.wait_all(arena.posted, check)        # every member finished that phase
+
+Segment layout (one per member, created by that member)::
+
+    byte 0            posted   u64   phases this member has published
+    byte 64 + 8 q     asleep   u64   member q sleeps on ``posted`` (one word each)
+    byte 2112 + k e   call k   the member's announcement of its call number ``seq``
+                               in entry ``k = seq % 4`` (e = 1520 bytes): u64 1 + seq,
+                               u64 signature length, u64 call-site length, then the
+                               signature and the call site (truncated to fit)
+    byte 8192         staging  2 x chunk bytes
+
+Rounds alternate between the two staging halves. Before a member overwrites half
+``r % 2`` it waits until every member has *started* round ``r - 1``, which each
+does only after it finished reading round ``r - 2``: so one wait per round keeps
+the halves safe, and most of the time it is already satisfied.
+
+Ordering rests on x86-64 total store order, as for the rings (see ``_ring``): data
+is stored before the counter that publishes it; a :func:`fence` separates "publish"
+from "is anyone asleep?". Announcements are a seqlock: the sequence word is cleared,
+the text written, then the word set, so a reader that sees the same word before and
+after reading the text read a whole one.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from tandem.errors import ArgumentError
+from tandem.transport._shmem import address_of, fence, futex_wait, futex_wake
+
+__all__ = ["Arena", "MAX_MEMBERS", "CONTROL_BYTES", "segment_bytes", "default_chunk"]
+
+CONTROL_BYTES = 8192
+MAX_MEMBERS = 256
+_POSTED = 0
+_ASLEEP = 8  # u64 index of member 0's sleep flag
+_CALLS = (_ASLEEP + MAX_MEMBERS) * 8  # byte offset of the announcement entries: 2112
+_KEPT = 4  # announcements kept per member
+_ENTRY = (CONTROL_BYTES - _CALLS) // _KEPT  # bytes per entry: 1520
+_HOT_S = 5e-6
+_SLEEP_S = 0.1
+
+
+def segment_bytes(chunk: int) -> int:
+    return CONTROL_BYTES + 2 * chunk
+
+
+def default_chunk(local_ranks: int) -> int:
+    """Staging bytes per half: 1 MiB when every local rank has a CPU, else 4 MiB.
+
+    Each round costs two waits on every member; on an oversubscribed host a wait
+    means a context switch, so rounds are made fewer and larger there (measured on
+    2 cores: 4 ranks, 64 MB all-reduce, 1 MiB rounds ~1.4x slower than 4 MiB).
+    """
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (1 << 20) if local_ranks <= (cpus or 1) else (4 << 20)
+
+
+class Arena:
+    """Staging segments of ``members`` (global ranks, in group order); ``index`` is mine.
+
+    ``maps[i]`` is member i's segment (mine included). ``spin`` is how long a waiter
+    polls before it sleeps on the futex.
+    """
+
+    def __init__(self, members: Sequence[int], index: int, maps: Sequence[mmap.mmap],
+                 chunk: int, spin: float) -> None:
+        if len(members) > MAX_MEMBERS:
+            raise ArgumentError(f"a shared-memory arena holds at most {MAX_MEMBERS} ranks")
+        self.members = list(members)
+        self.index = index
+        self.size = len(members)
+        self.chunk = chunk
+        self._spin = spin
+        self._maps = list(maps)
+        self._ctl = [memoryview(m)[:CONTROL_BYTES].cast("Q") for m in self._maps]
+        self._text = [memoryview(m)[:CONTROL_BYTES] for m in self._maps]
+        self._addr = [address_of(m) for m in self._maps]
+        whole = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
+        self._data = [(w[CONTROL_BYTES:CONTROL_BYTES + chunk],
+                       w[CONTROL_BYTES + chunk:CONTROL_BYTES + 2 * chunk]) for w in whole]
+        self.posted = self._ctl[index][_POSTED]
+        self.target = 0
+        self._round = 0
+        self._first = [0, 0]  # the value posted first in each of the last two rounds
+        self.closed = False
+
+    # -- memory ----------------------------------------------------------------------
+    def data(self, member: int, half: int) -> torch.Tensor:
+        """Member ``member``'s staging half ``half`` as a uint8 tensor of ``chunk`` bytes."""
+        return self._data[member][half]
+
+    # -- rounds and phases -----------------------------------------------------------
+    def begin_round(self, check: Callable[[], None]) -> int:
+        """Start a round; returns the staging half it may write (see the module doc)."""
+        r = self._round
+        if r >= 1:
+            self.wait_all(self._first[(r - 1) % 2], check)
+        self._first[r % 2] = self.posted + 1
+        self._round = r + 1
+        return r % 2
+
+    def post(self) -> None:
+        """Publish one more finished phase; wake members asleep on it."""
+        ctl = self._ctl[self.index]
+        self.posted += 1
+        ctl[_POSTED] = self.posted
+        fence()
+        if any(ctl[_ASLEEP:_ASLEEP + self.size]):
+            futex_wake(self._addr[self.index])
+
+    def posted_by(self, member: int) -> int:
+        return self._ctl[member][_POSTED]
+
+    def lagging(self, target: int) -> list[int]:
+        """Members (indexes) that have not yet posted ``target`` phases."""
+        return [q for q in range(self.size) if self._ctl[q][_POSTED] < target]
+
+    def wait_all(self, target: int, check: Callable[[], None]) -> None:
+        """Return once every member has posted ``target`` phases; ``check()`` may raise.
+
+        ``self.target`` holds ``target`` meanwhile, for ``check`` to name the laggards.
+        """
+        self.target = target
+        for q in range(self.size):
+            if q != self.index and self._ctl[q][_POSTED] < target:
+                self._wait(q, target, check)
+
+    def _wait(self, q: int, target: int, check: Callable[[], None]) -> None:
+        ctl = self._ctl[q]
+        now = time.perf_counter()
+        hot, end = now + min(_HOT_S, self._spin), now + self._spin
+        while True:
+            for _ in range(8):
+                if ctl[_POSTED] >= target:
+                    return
+            if time.perf_counter() >= hot:
+                break
+        while time.perf_counter() < end:
+            os.sched_yield()
+            if ctl[_POSTED] >= target:
+                return
+        flag = _ASLEEP + self.index
+        check()
+        ctl[flag] = 1
+        try:
+            while True:
+                seen = ctl[_POSTED]
+                if seen >= target:
+                    return
+                futex_wait(self._addr[q], seen, _SLEEP_S)
+                if ctl[_POSTED] < target:
+                    check()
+        finally:
+            ctl[flag] = 0
+
+    def wake_local(self) -> None:
+        """Wake this process's sleepers (they re-run their check)."""
+        for a in self._addr:
+            futex_wake(a)
+
+    # -- announcements (which call each member is in) --------------------------------
+    def announce(self, seq: int, sig: bytes, site: bytes) -> None:
+        base = _CALLS + (seq % _KEPT) * _ENTRY
+        ctl, text, w = self._ctl[self.index], self._text[self.index], base // 8
+        room = _ENTRY - 24
+        sig = sig[:room]
+        site = site[:room - len(sig)]
+        ctl[w] = 0
+        text[base + 24:base + 24 + len(sig)] = sig
+        text[base + 24 + len(sig):base + 24 + len(sig) + len(site)] = site
+        ctl[w + 1] = len(sig)
+        ctl[w + 2] = len(site)
+        ctl[w] = seq + 1
+
+    def latest(self, member: int) -> tuple[int, bytes, bytes]:
+        """The newest call ``member`` announced (seq -1: none yet)."""
+        seen = [a for k in range(_KEPT) if (a := self.announcement(member, k)) is not None]
+        return max(seen, default=(-1, b"", b""))
+
+    def announcement(self, member: int, seq: int) -> tuple[int, bytes, bytes] | None:
+        """What ``member`` announced in ``seq``'s entry: (its seq, signature, call site).
+
+        The seq is -1 when nothing was announced there yet; None means the member is
+        rewriting the entry right now.
+        """
+        base = _CALLS + (seq % _KEPT) * _ENTRY
+        ctl, text, w = self._ctl[member], self._text[member], base // 8
+        before = ctl[w]
+        n_sig, n_site = ctl[w + 1], ctl[w + 2]
+        if before == 0:
+            return (-1, b"", b"") if n_sig == 0 and n_site == 0 else None
+        if 24 + n_sig + n_site > _ENTRY:
+            return None
+        sig = bytes(text[base + 24:base + 24 + n_sig])
+        site = bytes(text[base + 24 + n_sig:base + 24 + n_sig + n_site])
+        if ctl[w] != before:
+            return None
+        return before - 1, sig, site
+
+    # -- lifetime --------------------------------------------------------------------
+    def close(self) -> None:
+        """Unmap; call only when no thread uses the arena any more."""
+        if self.closed:
+            return
+        self.closed = True
+        self._data = []
+        for v in self._ctl + self._text:
+            v.release()
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:  # a tensor view is still alive; the GC unmaps it later
+                pass

@@ -1,0 +1,200 @@
+"""Ranks on simulated hosts: network namespaces on a private bridge (``_netns``).
+
+Each namespace is one host to tandem: its own ``TANDEM_HOST_ID`` and its own address,
+and, like a real host, its own abstract UNIX socket names, so shared memory between
+namespaces cannot even be set up. Runs (one spawn each, whose results serve several
+tests):
+
+* ``auto-2x2``: backend ``auto``, 2 hosts x 2 ranks, FileStore rendezvous in a shared
+  directory, ``TANDEM_BIND_ADDR`` per host: shm within a host, tcp across;
+* ``tcp-2x2``: backend ``tcp``, a TCPStore served by rank 0 on its host's address, each
+  rank finding its own address from ``MASTER_ADDR`` as on a real cluster;
+* ``auto-3-hosts``: 3 hosts holding 1, 2 and 1 ranks.
+
+Every rank runs every collective and p2p pattern (``_netns_rank.battery``) and reports
+digests, compared with digests computed from the inputs alone. Needs root and
+iproute2; elsewhere every test skips, saying why. About 40 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+import subprocess
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from _netns import PREFIX, RankRun, Unavailable, netns_lab, unavailable_reason
+from _netns_rank import expected_for
+
+pytestmark = pytest.mark.timeout(90)
+
+RANK_SCRIPT = Path(__file__).with_name("_netns_rank.py")
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    backend: str
+    placement: list[int]  # host of each rank
+    rendezvous: str  # "file" or "tcp"
+
+
+RUNS = {
+    "auto-2x2": Spec("auto", [0, 0, 1, 1], "file"),
+    "tcp-2x2": Spec("tcp", [0, 0, 1, 1], "tcp"),
+    "auto-3-hosts": Spec("auto", [0, 1, 1, 2], "file"),
+}
+
+
+def _launch(spec: Spec, workdir: Path, init_only: bool = False, host_ids: bool = True,
+            grace: float = 5.0) -> list[RankRun]:
+    """Run ``_netns_rank.py`` for each rank of ``spec`` in a fresh lab; skip if none can be made."""
+    hosts = max(spec.placement) + 1
+    secret = secrets.token_hex(16)
+    try:
+        with netns_lab(hosts, workdir) as lab:
+            if spec.rendezvous == "file":
+                rendezvous = f"file://{workdir}/store"
+            else:
+                rendezvous = f"tcp://{lab.addrs[0]}{workdir}/store-port"
+
+            def args(rank: int) -> list[str]:
+                return ["--rank", str(rank), "--world", str(len(spec.placement)),
+                        "--backend", spec.backend, "--rendezvous", rendezvous,
+                        "--out", str(workdir / f"result-{rank}.json"),
+                        *(["--init-only"] if init_only else [])]
+
+            def env(rank: int) -> dict[str, str]:
+                host = spec.placement[rank]
+                out = {"TANDEM_SECRET": secret, "TANDEM_CONNECT_TIMEOUT": "20"}
+                if host_ids:
+                    out["TANDEM_HOST_ID"] = f"nshost{host}"
+                if spec.rendezvous == "file":
+                    out["TANDEM_BIND_ADDR"] = lab.addrs[host]
+                else:
+                    out["MASTER_ADDR"] = lab.addrs[0]
+                return out
+
+            return lab.run(RANK_SCRIPT, spec.placement, args, env, timeout=50, grace=grace)
+    except Unavailable as exc:
+        pytest.skip(f"network namespaces are unavailable: {exc}")
+
+
+def _report(runs: list[RankRun]) -> str:
+    return "\n".join(f"--- rank {r.rank} on host {r.host}: exit {r.returncode} ---\n"
+                     f"{r.log[-3000:]}" for r in runs if not r.ok)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], list[dict[str, Any]]]:
+    """``results(name)``: every rank's report for run ``name``, run once per module."""
+    done: dict[str, list[dict[str, Any]]] = {}
+
+    def get(name: str) -> list[dict[str, Any]]:
+        if name not in done:
+            workdir = tmp_path_factory.mktemp(name)
+            runs = _launch(RUNS[name], workdir)
+            assert all(r.ok for r in runs), f"{name}: ranks failed\n{_report(runs)}"
+            done[name] = [json.loads((workdir / f"result-{r.rank}.json").read_text())
+                          for r in runs]
+        return done[name]
+
+    return get
+
+
+def _wrong(reports: list[dict[str, Any]]) -> list[str]:
+    p = len(reports)
+    return [f"rank {rank}: {key} is {got.get(key)}, expected {want}"
+            for rank, got in enumerate(reports)
+            for key, want in expected_for(rank, p).items() if got.get(key) != want]
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_every_collective_across_namespaces_gives_the_exact_result(results: Any,
+                                                                   name: str) -> None:
+    wrong = _wrong(results(name))
+    assert not wrong, f"{name}: " + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_each_namespace_is_a_host_and_all_reduce_goes_hierarchical(results: Any,
+                                                                   name: str) -> None:
+    spec = RUNS[name]
+    hosts = [f"nshost{h}" for h in spec.placement]
+    for rank, report in enumerate(results(name)):
+        assert report["host_of"] == hosts, f"rank {rank}: {report['host_of']}"
+        assert report["chosen"] == ["hierarchical", "hierarchical"], f"rank {rank}"
+        if rank in (1, 2, 3):  # global ranks [1, 2, 3] span 2 hosts, one holding 2
+            assert report["subgroup_chosen"] == "hierarchical", f"rank {rank}"
+
+
+@pytest.mark.parametrize("name", ["auto-2x2", "auto-3-hosts"])
+def test_auto_uses_shared_memory_only_within_a_namespace(results: Any, name: str) -> None:
+    placement = RUNS[name].placement
+    for rank, report in enumerate(results(name)):
+        mates = [r for r, h in enumerate(placement) if h == placement[rank] and r != rank]
+        kind = "MixedTransport" if mates else "TcpTransport"  # a rank alone needs no shm
+        assert report["transport"] == kind, f"rank {rank}: {report['transport']}"
+        assert report["shm_peers"] == mates, f"rank {rank}: shm peers {report['shm_peers']}"
+
+
+def test_tcp_backend_uses_tcp_between_every_pair(results: Any) -> None:
+    for rank, report in enumerate(results("tcp-2x2")):
+        assert (report["transport"], report["shm_peers"]) == ("TcpTransport", []), rank
+
+
+def test_without_host_ids_shared_memory_across_namespaces_fails_naming_the_fix(
+        tmp_path: Path) -> None:
+    # one host name and boot id for both namespaces: tandem takes them for one host and
+    # tries shared memory, whose abstract socket names do not cross namespaces
+    runs = _launch(Spec("auto", [0, 1], "file"), tmp_path, init_only=True, host_ids=False,
+                   grace=0.5)  # rank 0 would wait for rank 1 until its connect timeout
+    assert not runs[1].ok, "rank 1 joined rank 0's shared memory from another namespace"
+    assert "NetworkError" in runs[1].log and "TANDEM_HOST_ID" in runs[1].log, runs[1].log[-3000:]
+
+
+def test_lab_leaves_nothing_behind(tmp_path: Path) -> None:
+    why = unavailable_reason()
+    if why:
+        pytest.skip(f"network namespaces are unavailable: {why}")
+
+    def state() -> tuple[str, str]:
+        links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True)
+        spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+        return links.stdout, spaces.stdout
+
+    try:
+        before = state()
+        with netns_lab(3, tmp_path) as lab:
+            assert state()[0] == before[0], "the lab changed this namespace's interfaces"
+            names = lab.names + [lab.switch]
+            raise RuntimeError("a failing test")
+    except Unavailable as exc:
+        pytest.skip(f"network namespaces are unavailable: {exc}")
+    except RuntimeError:
+        pass
+    links, spaces = state()
+    assert links == before[0]
+    assert not [n for n in names if n in spaces.split()], spaces
+
+
+def test_namespaces_of_a_killed_run_are_removed_by_the_next_lab(tmp_path: Path) -> None:
+    why = unavailable_reason()
+    if why:
+        pytest.skip(f"network namespaces are unavailable: {why}")
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid now names a process that no longer runs
+    stale = f"{PREFIX}{gone.pid}-test-h0"
+    made = subprocess.run(["ip", "netns", "add", stale], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"network namespaces are unavailable: {made.stderr.strip()}")
+    try:
+        with netns_lab(2, tmp_path):
+            pass
+        spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+        assert stale not in spaces.stdout.split(), spaces.stdout
+    finally:
+        subprocess.run(["ip", "netns", "del", stale], capture_output=True)
