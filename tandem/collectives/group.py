@@ -171,6 +171,11 @@ class ProcessGroup:
         work.wait()
         return None
 
+    @property
+    def engine_thread(self) -> threading.Thread | None:
+        """The thread that runs this group's queued (``async_op=True``) calls."""
+        return self._engine
+
     def _engine_loop(self) -> None:
         while True:
             with self._cv:

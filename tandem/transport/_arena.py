@@ -79,7 +79,7 @@ class Arena:
     """Staging segments of ``members`` (global ranks, in group order); ``index`` is mine.
 
     ``maps[i]`` is member i's segment (mine included). ``spin`` is how long a waiter
-    polls before it sleeps on the futex.
+    polls before it sleeps on the futex (``self.spin`` may be changed per call).
     """
 
     def __init__(self, members: Sequence[int], index: int, maps: Sequence[mmap.mmap],
@@ -90,7 +90,8 @@ class Arena:
         self.index = index
         self.size = len(members)
         self.chunk = chunk
-        self._spin = spin
+        self.default_spin = spin
+        self.spin = spin  # for the call at hand: callers lower it when others need the CPU
         self._maps = list(maps)
         self._ctl = [memoryview(m)[:CONTROL_BYTES].cast("Q") for m in self._maps]
         self._text = [memoryview(m)[:CONTROL_BYTES] for m in self._maps]
@@ -148,7 +149,7 @@ class Arena:
     def _wait(self, q: int, target: int, check: Callable[[], None]) -> None:
         ctl = self._ctl[q]
         now = time.perf_counter()
-        hot, end = now + min(_HOT_S, self._spin), now + self._spin
+        hot, end = now + min(_HOT_S, self.spin), now + self.spin
         while True:
             for _ in range(8):
                 if ctl[_POSTED] >= target:

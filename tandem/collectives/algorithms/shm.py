@@ -27,6 +27,7 @@ Waits end early when the group is aborted or a member dies, and at the deadline.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Callable, Iterator
 
@@ -45,6 +46,7 @@ SMALL_BYTES = 64 << 10
 # copy then fit in a 1 MiB L2 together (measured, one rank alone: 64 MB in 7.4 ms at
 # 512 KB rounds, 8.5 ms at 1 MiB, 10.3 ms at 256 KB)
 WHOLE_ROUND_BYTES = 512 << 10
+BACKGROUND_SPIN_S = 5e-6
 
 
 def _arena(op: Op) -> Arena:
@@ -188,6 +190,10 @@ def shm_all_reduce_many(op: Op, tensors: list[torch.Tensor], redop: ReduceOp) ->
     flattening them into one buffer first."""
     arena = _arena(op)
     check = arena_check(op, arena)
+    # a call queued with async_op=True runs beside the caller's own work (DDP: backward),
+    # so its waits leave the CPU almost at once instead of polling
+    background = threading.current_thread() is op.group.engine_thread
+    arena.spin = BACKGROUND_SPIN_S if background else arena.default_spin
     dtype, size = tensors[0].dtype, tensors[0].element_size()
     n = sum(t.numel() for t in tensors)
     if arena.size == 2 or n * size <= SMALL_BYTES:
@@ -200,7 +206,8 @@ def shm_all_reduce_many(op: Op, tensors: list[torch.Tensor], redop: ReduceOp) ->
     first = True
     for m, pieces in _rounds(tensors, per):
         staged = views[arena.begin_round(check)]
-        one_round(op, arena, check, [v[:m] for v in staged], pieces, redop, first)
+        one_round(op, arena, check, staged if m == per else [v[:m] for v in staged], pieces,
+                  redop, first)
         first = False
 
 
@@ -208,14 +215,17 @@ def _whole_round(op: Op, arena: Arena, check: Callable[[], None], staged: list[t
                  pieces: list[Piece], redop: ReduceOp, first: bool) -> None:
     """Every member stages the whole round and reduces all of it itself."""
     p, me = arena.size, arena.index
-    for x, off in pieces:
-        staged[me][off:off + x.numel()].copy_(x)
+    if len(pieces) == 1:  # the common case: the round is one piece of one tensor
+        staged[me].copy_(pieces[0][0])
+    else:
+        for x, off in pieces:
+            staged[me][off:off + x.numel()].copy_(x)
     arena.post()
     arena.wait_all(arena.posted, check)
     if first:
         _verify(op, arena)
     for x, off in pieces:
-        part = [s[off:off + x.numel()] for s in staged]
+        part = staged if len(pieces) == 1 else [s[off:off + x.numel()] for s in staged]
         # combine in member order into x; x is still in cache from the copy, so it is
         # read in place of my staged copy while its value is unchanged (member 0 or 1)
         combine(redop, x if me == 0 else part[0], x if me == 1 else part[1], x)
