@@ -20,7 +20,7 @@ import torch
 
 from tandem.errors import ArgumentError
 
-__all__ = ["ReduceOp", "combine", "finish", "check_dtype"]
+__all__ = ["ReduceOp", "Combine", "combine", "combiner", "finish", "check_dtype"]
 
 _BITWISE_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
 # dtypes whose CPU kernels cover every combine below; torch's uint16/32/64, complex32 and
@@ -96,33 +96,40 @@ def check_dtype(op: ReduceOp, dtype: torch.dtype) -> None:
         raise ArgumentError(f"ReduceOp.{op.name} is undefined for complex tensors ({dtype})")
 
 
+Combine = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
+
+_KERNELS: dict[str, Combine] = {
+    "SUM": lambda a, b, out: torch.add(a, b, out=out),
+    "AVG": lambda a, b, out: torch.add(a, b, out=out),
+    "PRODUCT": lambda a, b, out: torch.mul(a, b, out=out),
+    "MIN": lambda a, b, out: torch.minimum(a, b, out=out),
+    "MAX": lambda a, b, out: torch.maximum(a, b, out=out),
+    "BAND": lambda a, b, out: torch.bitwise_and(a, b, out=out),
+    "BOR": lambda a, b, out: torch.bitwise_or(a, b, out=out),
+    "BXOR": lambda a, b, out: torch.bitwise_xor(a, b, out=out),
+}
+_BOOL_KERNELS: dict[str, Combine] = {
+    "SUM": lambda a, b, out: torch.logical_or(a, b, out=out),
+    "AVG": lambda a, b, out: torch.logical_or(a, b, out=out),
+    "PRODUCT": lambda a, b, out: torch.logical_and(a, b, out=out),
+}
+
+
+def combiner(op: ReduceOp, dtype: torch.dtype) -> Combine:
+    """The function ``f(low, high, out)`` that computes ``out = op(low, high)`` for
+    ``dtype`` (looked up once per call, not once per chunk)."""
+    fn = op.fn
+    if fn is not None:
+        return lambda low, high, out: out.copy_(fn(low, high))
+    kernel = (_BOOL_KERNELS.get(op.name) if dtype == torch.bool else None) or _KERNELS.get(op.name)
+    if kernel is None:  # pragma: no cover - ReduceOp instances are made only above
+        raise ArgumentError(f"unknown reduce op {op!r}")
+    return kernel
+
+
 def combine(op: ReduceOp, low: torch.Tensor, high: torch.Tensor, out: torch.Tensor) -> None:
     """``out = op(low, high)`` elementwise; ``out`` may alias ``low`` or ``high``."""
-    name = op.name
-    if op.fn is not None:
-        out.copy_(op.fn(low, high))
-    elif name in ("SUM", "AVG"):
-        if low.dtype == torch.bool:
-            torch.logical_or(low, high, out=out)
-        else:
-            torch.add(low, high, out=out)
-    elif name == "PRODUCT":
-        if low.dtype == torch.bool:
-            torch.logical_and(low, high, out=out)
-        else:
-            torch.mul(low, high, out=out)
-    elif name == "MIN":
-        torch.minimum(low, high, out=out)
-    elif name == "MAX":
-        torch.maximum(low, high, out=out)
-    elif name == "BAND":
-        torch.bitwise_and(low, high, out=out)
-    elif name == "BOR":
-        torch.bitwise_or(low, high, out=out)
-    elif name == "BXOR":
-        torch.bitwise_xor(low, high, out=out)
-    else:  # pragma: no cover - ReduceOp instances are made only above
-        raise ArgumentError(f"unknown reduce op {op!r}")
+    combiner(op, low.dtype)(low, high, out)
 
 
 def finish(op: ReduceOp, t: torch.Tensor, world: int) -> None:

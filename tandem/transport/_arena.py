@@ -100,6 +100,7 @@ class Arena:
         self._data = [(w[CONTROL_BYTES:CONTROL_BYTES + chunk],
                        w[CONTROL_BYTES + chunk:CONTROL_BYTES + 2 * chunk]) for w in whole]
         self.posted = self._ctl[index][_POSTED]
+        self._sleep_words = [_ASLEEP + q for q in range(self.size) if q != index]
         self.target = 0
         self._round = 0
         self._first = [0, 0]  # the value posted first in each of the last two rounds
@@ -126,8 +127,10 @@ class Arena:
         self.posted += 1
         ctl[_POSTED] = self.posted
         fence()
-        if any(ctl[_ASLEEP:_ASLEEP + self.size]):
-            futex_wake(self._addr[self.index])
+        for w in self._sleep_words:
+            if ctl[w]:
+                futex_wake(self._addr[self.index])
+                return
 
     def posted_by(self, member: int) -> int:
         return self._ctl[member][_POSTED]

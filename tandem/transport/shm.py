@@ -320,3 +320,7 @@ class ShmTransport(Transport):
             if not stuck:  # a thread still inside a ring must not see it unmapped
                 p.inbound.close()
                 p.outbound.close()
+        with self._offer_cv:  # segments offered for arenas this rank never made
+            for fd, _ in self._offers.values():
+                os.close(fd)
+            self._offers.clear()

@@ -10,7 +10,7 @@ import torch
 import tandem as dist
 from tandem.collectives.reduce_op import combine, finish
 from tandem.collectives.world import default_group
-from tandem.errors import CollectiveTimeoutError
+from tandem.errors import ArgumentError, CollectiveTimeoutError
 
 # (dtype, reduce ops) covering floats, halves, ints, bool and complex
 CASES: list[tuple[torch.dtype, tuple[str, ...]]] = [
@@ -145,3 +145,20 @@ def coalesced(rank: int, p: int, exact: bool) -> dict[str, Any]:
         if not torch.equal(wide[:, 0], value(rank, 900, torch.float32).view(300, 3)[:, 0]):
             wrong.append(f"{op_name}/strided-neighbours-touched")
     return {"wrong": wrong}
+
+
+def without_arena(rank: int, p: int) -> dict[str, Any]:
+    """TANDEM_SHM_ARENA=0: all_reduce goes through the rings; forcing "shm" is refused."""
+    group = default_group()
+    t = value(rank, 5000, torch.float32)
+    dist.all_reduce(t)
+    ok = torch.allclose(t, oracle(list(range(p)), 5000, torch.float32, "SUM"))
+    group.algorithm_override["all_reduce"] = "shm"
+    try:
+        dist.all_reduce(t)
+        refused = ""
+    except ArgumentError as exc:
+        refused = str(exc)
+    group.algorithm_override.pop("all_reduce")
+    return {"shares": group.shares_memory, "arena": group.arena is not None, "ok": ok,
+            "refused": refused}

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from _shm_arena_ranks import coalesced, every_dtype_and_op, late_peer, subgroups_concurrently
+from _shm_arena_ranks import (coalesced, every_dtype_and_op, late_peer, subgroups_concurrently,
+                              without_arena)
 from tandem.testing import launch
 
 pytestmark = pytest.mark.timeout(180)
@@ -56,3 +57,9 @@ def test_all_reduce_coalesced_reduces_each_tensor_in_place(backend: str, p: int)
                       env=SMALL_STAGING)  # tensors straddle rounds
     for rank, r in enumerate(_values(outcomes)):
         assert not r["wrong"], f"{backend}, rank {rank} of {p}: wrong results for {r['wrong']}"
+
+
+def test_the_arena_can_be_switched_off_and_shm_is_then_refused_by_name() -> None:
+    for r in _values(launch(2, without_arena, backend="shm", env={"TANDEM_SHM_ARENA": "0"})):
+        assert (r["shares"], r["arena"], r["ok"]) == (False, False, True), r
+        assert "'shm'" in r["refused"] and "TANDEM_SHM_ARENA" in r["refused"], r["refused"]

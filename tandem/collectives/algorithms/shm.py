@@ -35,7 +35,7 @@ import torch
 
 from tandem.collectives.algorithms.ring import even_bounds
 from tandem.collectives.group import Op
-from tandem.collectives.reduce_op import ReduceOp, combine, finish
+from tandem.collectives.reduce_op import Combine, ReduceOp, combiner, finish
 from tandem.errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError
 from tandem.transport._arena import Arena
 
@@ -139,14 +139,6 @@ def _staging(arena: Arena, dtype: torch.dtype, size: int, per: int) -> list[list
              for q in range(arena.size)] for h in (0, 1)]
 
 
-def _combine_all(redop: ReduceOp, parts: list[torch.Tensor], out: torch.Tensor) -> None:
-    """out = parts[0] op parts[1] op ... in member order; ``out`` may alias none of them
-    except parts[0] and parts[1]."""
-    combine(redop, parts[0], parts[1], out)
-    for part in parts[2:]:
-        combine(redop, out, part, out)
-
-
 # A round covers up to ``per`` consecutive elements of the tensors laid end to end; a
 # piece is one tensor's share of it: (view of the tensor, offset in the round).
 Piece = tuple[torch.Tensor, int]
@@ -154,6 +146,10 @@ Piece = tuple[torch.Tensor, int]
 
 def _rounds(tensors: list[torch.Tensor], per: int) -> Iterator[tuple[int, list[Piece]]]:
     """(elements, pieces) of each round; at least one round, even for no elements."""
+    if len(tensors) == 1:  # one tensor: its rounds in one call
+        for x in tensors[0].split(per) if tensors[0].numel() else [tensors[0]]:
+            yield x.numel(), [(x, 0)]
+        return
     pieces: list[Piece] = []
     filled = 0
     for t in tensors:
@@ -203,18 +199,20 @@ def shm_all_reduce_many(op: Op, tensors: list[torch.Tensor], redop: ReduceOp) ->
         per = arena.chunk // size
         one_round = _sliced_round
     views = _staging(arena, dtype, size, per)
+    kernel = combiner(redop, dtype)
     first = True
     for m, pieces in _rounds(tensors, per):
         staged = views[arena.begin_round(check)]
         one_round(op, arena, check, staged if m == per else [v[:m] for v in staged], pieces,
-                  redop, first)
+                  redop, kernel, first)
         first = False
 
 
 def _whole_round(op: Op, arena: Arena, check: Callable[[], None], staged: list[torch.Tensor],
-                 pieces: list[Piece], redop: ReduceOp, first: bool) -> None:
+                 pieces: list[Piece], redop: ReduceOp, kernel: Combine, first: bool) -> None:
     """Every member stages the whole round and reduces all of it itself."""
     p, me = arena.size, arena.index
+    averaging = redop.name == "AVG" and redop.fn is None
     if len(pieces) == 1:  # the common case: the round is one piece of one tensor
         staged[me].copy_(pieces[0][0])
     else:
@@ -228,14 +226,15 @@ def _whole_round(op: Op, arena: Arena, check: Callable[[], None], staged: list[t
         part = staged if len(pieces) == 1 else [s[off:off + x.numel()] for s in staged]
         # combine in member order into x; x is still in cache from the copy, so it is
         # read in place of my staged copy while its value is unchanged (member 0 or 1)
-        combine(redop, x if me == 0 else part[0], x if me == 1 else part[1], x)
+        kernel(x if me == 0 else part[0], x if me == 1 else part[1], x)
         for q in range(2, p):
-            combine(redop, x, part[q], x)
-        finish(redop, x, p)
+            kernel(x, part[q], x)
+        if averaging:
+            finish(redop, x, p)
 
 
 def _sliced_round(op: Op, arena: Arena, check: Callable[[], None], staged: list[torch.Tensor],
-                  pieces: list[Piece], redop: ReduceOp, first: bool) -> None:
+                  pieces: list[Piece], redop: ReduceOp, kernel: Combine, first: bool) -> None:
     """Each member reduces one slice of the round; then everyone copies all slices out."""
     p, me = arena.size, arena.index
     m = len(staged[me])
@@ -251,7 +250,10 @@ def _sliced_round(op: Op, arena: Arena, check: Callable[[], None], staged: list[
     for x, off in _clip(pieces, a, b):
         k = x.numel()
         out = mine[off:off + k]
-        _combine_all(redop, [x if q == me else staged[q][off:off + k] for q in range(p)], out)
+        parts = [x if q == me else staged[q][off:off + k] for q in range(p)]
+        kernel(parts[0], parts[1], out)
+        for part in parts[2:]:
+            kernel(out, part, out)
         finish(redop, out, p)
     arena.post()
     arena.wait_all(arena.posted, check)
