@@ -89,9 +89,7 @@ def connect_local(store: Store, rank: int, world: int, mine: dict[int, int], sec
                 except OSError as exc:
                     raise NetworkError(
                         f"rank {rank} cannot reach rank {peer} through its shared-memory socket "
-                        f"({exc}): did rank {peer} exit? (If both run on one host but in "
-                        f"different network namespaces, set TANDEM_HOST_ID per namespace or use "
-                        f"backend='tcp'.)") from exc
+                        f"({exc}): did rank {peer} exit?") from exc
                 _wire.client_handshake(sock, secret, _PURPOSE)
                 got, got_world, pid, peer_fd = _exchange(sock, rank, world, mine[peer])
                 if (got, got_world) != (peer, world):

@@ -1,8 +1,9 @@
 """Topology: which ranks share a host, and a transport that routes each peer to shm or tcp.
 
 Host identity is the host name (``TANDEM_HOST_ID`` overrides it, e.g. to simulate
-hosts in tests) plus the kernel's boot id, so two machines that happen to share a
-host name are never mistaken for one. Every rank publishes it in the store::
+hosts in tests) plus the kernel's boot id and the network namespace, so two machines
+that happen to share a host name, or two containers of one machine, are never
+mistaken for one host. Every rank publishes it in the store::
 
     hosts = exchange_hosts(store, rank, world_size, hostname)   # one entry per rank
     require_one_host(hosts)                                      # backend="shm"
@@ -16,6 +17,7 @@ message came.
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 from tandem.errors import ArgumentError
@@ -30,13 +32,19 @@ _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
 def host_key(hostname: str) -> str:
-    """``hostname`` plus this machine's boot id: equal only for processes of one kernel."""
+    """``hostname`` plus this machine's boot id and this process's network namespace:
+    equal only for processes that can share memory and reach each other's abstract
+    UNIX sockets (namespaces, e.g. containers, are told apart even under one name)."""
     try:
         with open(_BOOT_ID) as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return f"{hostname}|{boot}"
+    try:
+        netns = os.readlink("/proc/self/ns/net")
+    except OSError:
+        netns = ""
+    return f"{hostname}|{boot}|{netns}"
 
 
 def exchange_hosts(store: Store, rank: int, world_size: int, hostname: str) -> list[str]:
@@ -51,7 +59,7 @@ def same_host(hosts: list[str], rank: int) -> list[int]:
 
 
 def _name(key: str) -> str:
-    return key.rpartition("|")[0] or key
+    return key.partition("|")[0] or key
 
 
 def require_one_host(hosts: list[str]) -> None:
@@ -63,7 +71,8 @@ def require_one_host(hosts: list[str]) -> None:
         return
     names = [_name(h) for h in groups]
     parts = "; ".join(f"host '{_name(h)}' has rank(s) {rs}" for h, rs in groups.items())
-    why = (" (same name, different machines: their boot ids differ)"
+    why = (" (same name, different machines or network namespaces: their boot ids or "
+           "namespaces differ)"
            if len(set(names)) < len(names) else "")
     raise ArgumentError(f"backend 'shm' needs every rank on one host, but the ranks span "
                         f"{len(groups)} hosts{why}: {parts}; use backend 'auto' (shared memory "

@@ -2,7 +2,7 @@
 
 Each namespace is one host to tandem: its own ``TANDEM_HOST_ID`` and its own address,
 and, like a real host, its own abstract UNIX socket names, so shared memory between
-namespaces cannot even be set up. Runs (one spawn each, whose results serve several
+namespaces cannot even be set up (tandem also tells namespaces apart by themselves). Runs (one spawn each, whose results serve several
 tests):
 
 * ``auto-2x2``: backend ``auto``, 2 hosts x 2 ranks, FileStore rendezvous in a shared
@@ -146,14 +146,12 @@ def test_tcp_backend_uses_tcp_between_every_pair(results: Any) -> None:
         assert (report["transport"], report["shm_peers"]) == ("TcpTransport", []), rank
 
 
-def test_without_host_ids_shared_memory_across_namespaces_fails_naming_the_fix(
-        tmp_path: Path) -> None:
-    # one host name and boot id for both namespaces: tandem takes them for one host and
-    # tries shared memory, whose abstract socket names do not cross namespaces
-    runs = _launch(Spec("auto", [0, 1], "file"), tmp_path, init_only=True, host_ids=False,
-                   grace=0.5)  # rank 0 would wait for rank 1 until its connect timeout
-    assert not runs[1].ok, "rank 1 joined rank 0's shared memory from another namespace"
-    assert "NetworkError" in runs[1].log and "TANDEM_HOST_ID" in runs[1].log, runs[1].log[-3000:]
+def test_without_host_ids_namespaces_are_still_told_apart(tmp_path: Path) -> None:
+    # one host name and boot id for both namespaces: the namespace itself tells them
+    # apart, so auto goes over tcp between them (shared-memory sockets do not cross)
+    runs = _launch(Spec("auto", [0, 1], "file"), tmp_path, init_only=True, host_ids=False)
+    for r in runs:
+        assert r.ok, f"rank {r.rank}:\n{r.log[-3000:]}"
 
 
 def test_lab_leaves_nothing_behind(tmp_path: Path) -> None:

@@ -29,8 +29,8 @@ def test_shm_across_hosts_fails_on_every_rank_naming_the_hosts(tmp_path: Any) ->
 
 
 def test_machines_sharing_a_host_name_are_told_apart_by_boot_id() -> None:
-    with pytest.raises(ArgumentError, match="boot ids differ"):
-        require_one_host(["box|boot-1", "box|boot-2"])
+    with pytest.raises(ArgumentError, match="boot ids or namespaces differ"):
+        require_one_host(["box|boot-1|net:[1]", "box|boot-2|net:[1]"])
     require_one_host([host_key("box"), host_key("box")])
 
 
