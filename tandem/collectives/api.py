@@ -162,7 +162,10 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: AnyGroup | No
     buf = _Flat(tensor, load=(g.group_rank == root))
 
     def body(op: Op) -> None:
-        algo.hierarchical_broadcast(op, buf.flat, root)  # a tree when on one host
+        if g.shares_memory:
+            algo.shm_broadcast(op, buf.flat, root)
+        else:
+            algo.hierarchical_broadcast(op, buf.flat, root)  # a tree when on one host
         buf.done()
 
     return _launch(g, "broadcast", _sig("broadcast", tensor, root=root), body, async_op, [tensor])
@@ -271,10 +274,20 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
                             f"{outs[g.group_rank].numel()} elements, tensor has {tensor.numel()}")
 
     def body(o: Op) -> None:
-        _gather_ring(g, o, outs, tensor)
+        if g.shares_memory:
+            flats = [_Flat(t, load=False) for t in outs]
+            algo.shm_all_gather(o, [f.flat for f in flats], tensor.reshape(-1))
+            for f in flats:
+                f.done()
+        else:
+            _gather_ring(g, o, outs, tensor)
 
-    return _launch(g, "all_gather", _sig("all_gather", None, dtype=tensor.dtype), body,
-                   async_op, tensor_list)
+    if g.shares_memory:  # members read each other's sizes from here: all must agree
+        layout = zlib.crc32(struct.pack(f"<{len(outs)}q", *(t.numel() for t in outs)))
+        sig = _sig("all_gather", None, dtype=tensor.dtype, sizes=f"{layout:08x}")
+    else:
+        sig = _sig("all_gather", None, dtype=tensor.dtype)
+    return _launch(g, "all_gather", sig, body, async_op, tensor_list)
 
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
@@ -291,9 +304,13 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
 
     def body(o: Op) -> None:
         r = g.group_rank
-        out.flat[r * n:(r + 1) * n].copy_(input_tensor.reshape(-1))
-        algo.ring(o, out.flat, [(i * n, (i + 1) * n) for i in range(g.group_size)], None,
-                  reduce_scatter=False, all_gather=True)
+        if g.shares_memory:
+            algo.shm_all_gather(o, list(out.flat.split(n)) if n else [out.flat] * g.group_size,
+                                input_tensor.reshape(-1))
+        else:
+            out.flat[r * n:(r + 1) * n].copy_(input_tensor.reshape(-1))
+            algo.ring(o, out.flat, [(i * n, (i + 1) * n) for i in range(g.group_size)], None,
+                      reduce_scatter=False, all_gather=True)
         out.done()
 
     sig = _sig("all_gather_into_tensor", input_tensor)

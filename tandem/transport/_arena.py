@@ -149,6 +149,12 @@ class Arena:
             if q != self.index and self._ctl[q][_POSTED] < target:
                 self._wait(q, target, check)
 
+    def wait_member(self, q: int, target: int, check: Callable[[], None]) -> None:
+        """Return once member ``q`` has posted ``target`` phases (see :meth:`wait_all`)."""
+        self.target = target
+        if self._ctl[q][_POSTED] < target:
+            self._wait(q, target, check)
+
     def _wait(self, q: int, target: int, check: Callable[[], None]) -> None:
         ctl = self._ctl[q]
         now = time.perf_counter()

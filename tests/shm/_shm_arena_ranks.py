@@ -162,3 +162,33 @@ def without_arena(rank: int, p: int) -> dict[str, Any]:
     group.algorithm_override.pop("all_reduce")
     return {"shares": group.shares_memory, "arena": group.arena is not None, "ok": ok,
             "refused": refused}
+
+
+def broadcast_and_gather(rank: int, p: int) -> dict[str, Any]:
+    """broadcast from every root and all_gather (even and uneven) through the arena."""
+    wrong = []
+    for dtype in (torch.float32, torch.int64, torch.bool):
+        for n in SIZES:
+            for root in range(p):
+                t = value(rank, n, dtype).clone()
+                dist.broadcast(t, src=root)
+                if not torch.equal(t, value(root, n, dtype)):
+                    wrong.append(f"broadcast/{dtype}/{n}/root{root}")
+            outs = [torch.empty(n, dtype=dtype) for _ in range(p)]
+            dist.all_gather(outs, value(rank, n, dtype))
+            if not all(torch.equal(o, value(q, n, dtype)) for q, o in enumerate(outs)):
+                wrong.append(f"all_gather/{dtype}/{n}")
+            flat = torch.empty(n * p, dtype=dtype)
+            dist.all_gather_into_tensor(flat, value(rank, n, dtype))
+            if not torch.equal(flat, torch.cat([value(q, n, dtype) for q in range(p)])):
+                wrong.append(f"all_gather_into_tensor/{dtype}/{n}")
+    sizes = [1 + 3000 * q for q in range(p)]  # uneven, as all_gather_object uses it
+    outs = [torch.empty(k) for k in sizes]
+    dist.all_gather(outs, value(rank, sizes[rank], torch.float32))
+    if not all(torch.equal(o, value(q, sizes[q], torch.float32)) for q, o in enumerate(outs)):
+        wrong.append("all_gather/uneven")
+    objs: list[Any] = [None] * p
+    dist.all_gather_object(objs, {"rank": rank, "blob": "x" * (100 * rank)})
+    if objs != [{"rank": q, "blob": "x" * (100 * q)} for q in range(p)]:
+        wrong.append("all_gather_object")
+    return {"wrong": wrong}

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from _shm_arena_ranks import (coalesced, every_dtype_and_op, late_peer, subgroups_concurrently,
-                              without_arena)
+from _shm_arena_ranks import (broadcast_and_gather, coalesced, every_dtype_and_op, late_peer,
+                              subgroups_concurrently, without_arena)
 from tandem.testing import launch
 
 pytestmark = pytest.mark.timeout(180)
@@ -63,3 +63,10 @@ def test_the_arena_can_be_switched_off_and_shm_is_then_refused_by_name() -> None
     for r in _values(launch(2, without_arena, backend="shm", env={"TANDEM_SHM_ARENA": "0"})):
         assert (r["shares"], r["arena"], r["ok"]) == (False, False, True), r
         assert "'shm'" in r["refused"] and "TANDEM_SHM_ARENA" in r["refused"], r["refused"]
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_broadcast_and_all_gather_through_shared_memory(p: int) -> None:
+    outcomes = launch(p, broadcast_and_gather, backend="shm", timeout=150, env=SMALL_STAGING)
+    for rank, r in enumerate(_values(outcomes)):
+        assert not r["wrong"], f"rank {rank} of {p}: wrong results for {r['wrong']}"

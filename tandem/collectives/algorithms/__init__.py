@@ -34,7 +34,12 @@ from tandem.collectives.algorithms.hierarchical import (
 )
 from tandem.collectives.algorithms.naive import naive_all_reduce
 from tandem.collectives.algorithms.ring import even_bounds, ring, ring_all_reduce
-from tandem.collectives.algorithms.shm import shm_all_reduce, shm_all_reduce_many
+from tandem.collectives.algorithms.shm import (
+    shm_all_gather,
+    shm_all_reduce,
+    shm_all_reduce_many,
+    shm_broadcast,
+)
 from tandem.collectives.algorithms.tree import tree_broadcast, tree_reduce
 from tandem.collectives.group import ProcessGroup
 from tandem.errors import ArgumentError
@@ -49,7 +54,9 @@ __all__ = [
     "even_bounds",
     "hierarchical_broadcast",
     "ring",
+    "shm_all_gather",
     "shm_all_reduce_many",
+    "shm_broadcast",
     "tree_broadcast",
     "tree_reduce",
 ]

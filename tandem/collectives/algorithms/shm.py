@@ -12,8 +12,11 @@ All-reduce, one round (``m`` elements, cut into one slice per member)::
     3. copy every member's reduced slice out of its staging into my tensor
 
 Every byte of input is read once and every byte of output written once; the
-staging stays in cache. Small tensors (one round, ``SMALL_BYTES`` or less) skip the
-second wait: each member copies its whole input in and reduces every slice itself.
+staging stays in cache. Small tensors (``SMALL_BYTES`` or less) and pairs of ranks skip the
+second wait: each member copies its whole round in and reduces all of it itself.
+
+Broadcast: the root stages each round, the others copy it out. All-gather: each
+member stages its input, everyone copies every member's piece out.
 Combines run in member order on every rank, so results are bit-identical
 everywhere (and equal to the naive algorithm's).
 
@@ -39,7 +42,8 @@ from tandem.collectives.reduce_op import Combine, ReduceOp, combiner, finish
 from tandem.errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError
 from tandem.transport._arena import Arena
 
-__all__ = ["shm_all_reduce", "shm_all_reduce_many", "SMALL_BYTES", "arena_check"]
+__all__ = ["shm_all_reduce", "shm_all_reduce_many", "shm_broadcast", "shm_all_gather",
+           "SMALL_BYTES", "arena_check"]
 
 SMALL_BYTES = 64 << 10
 # rounds of the whole-round path: the round's slice of the tensor and a peer's staged
@@ -124,12 +128,24 @@ def arena_check(op: Op, arena: Arena) -> Callable[[], None]:
 
 
 def _verify(op: Op, arena: Arena) -> None:
-    """After the call's first wait: every member announced this very call."""
+    """After the call's first wait: every member announced this very call, and made the
+    same previous call (a call whose root waits on nobody is checked here, next time)."""
+    mine = arena.announcement(arena.index, op.seq - 1) if op.seq else None
     for q in range(arena.size):
-        if q != arena.index:
-            error = _differs(op, arena, q, strict=True)
-            if error is not None:
-                raise error
+        if q == arena.index:
+            continue
+        error = _differs(op, arena, q, strict=True)
+        if error is not None:
+            raise error
+        theirs = arena.announcement(q, op.seq - 1) if mine is not None else None
+        if (mine is not None and theirs is not None and mine[0] == theirs[0] == op.seq - 1
+                and mine[1] != theirs[1]):
+            g = op.group
+            raise CollectiveMismatchError(
+                f"collective mismatch (group {g.group_id}, sequence {op.seq - 1}): rank "
+                f"{g.ranks[arena.index]} called {mine[1].decode(errors='replace')} at "
+                f"{mine[2].decode(errors='replace')} but rank {g.ranks[q]} called "
+                f"{theirs[1].decode(errors='replace')} at {theirs[2].decode(errors='replace')}")
 
 
 def _staging(arena: Arena, dtype: torch.dtype, size: int, per: int) -> list[list[torch.Tensor]]:
@@ -260,3 +276,63 @@ def _sliced_round(op: Op, arena: Arena, check: Callable[[], None], staged: list[
     for q, (qa, qb) in enumerate(bounds):
         for x, off in _clip(pieces, qa, qb):
             x.copy_(staged[q][off:off + x.numel()])
+
+
+def _prepare(op: Op) -> tuple[Arena, Callable[[], None]]:
+    arena = _arena(op)
+    background = threading.current_thread() is op.group.engine_thread
+    arena.spin = BACKGROUND_SPIN_S if background else arena.default_spin
+    return arena, arena_check(op, arena)
+
+
+def shm_broadcast(op: Op, buf: torch.Tensor, root: int) -> None:
+    """The root stages each round once; every other member copies it straight out.
+
+    Every member posts once per round (the root when its round is staged, the others
+    when they have copied it out), so the root reuses a staging half only after all
+    have read it. A root waits on nobody in the first round; two ranks that both
+    think they are the root are caught at their next call on the group (``_verify``
+    compares the previous call too).
+    """
+    arena, check = _prepare(op)
+    me, size = arena.index, buf.element_size()
+    per = arena.chunk // size
+    views = _staging(arena, buf.dtype, size, per)
+    for i, (m, pieces) in enumerate(_rounds([buf], per)):
+        staged = views[arena.begin_round(check)][root][:m]
+        x = pieces[0][0] if pieces else buf
+        if me == root:
+            staged.copy_(x)
+        else:
+            arena.wait_member(root, arena.posted + 1, check)
+            if i == 0:
+                error = _differs(op, arena, root, strict=True)
+                if error is not None:
+                    raise error
+            x.copy_(staged)
+        arena.post()
+
+
+def shm_all_gather(op: Op, outs: list[torch.Tensor], mine: torch.Tensor) -> None:
+    """Every member stages its input round by round; everyone copies every piece out.
+
+    ``outs[q]`` (flat) receives member q's input, whose size it gives (sizes may differ
+    between members; the caller's signature carries them, so all agree).
+    """
+    arena, check = _prepare(op)
+    p, me, size = arena.size, arena.index, mine.element_size()
+    per = arena.chunk // size
+    views = _staging(arena, mine.dtype, size, per)
+    sizes = [t.numel() for t in outs]
+    for i, start in enumerate(range(0, max(max(sizes), 1), per)):
+        staged = views[arena.begin_round(check)]
+        m = max(0, min(per, sizes[me] - start))
+        staged[me][:m].copy_(mine[start:start + m])
+        arena.post()
+        arena.wait_all(arena.posted, check)
+        if i == 0:
+            _verify(op, arena)
+        for q in range(p):
+            k = max(0, min(per, sizes[q] - start))
+            if k:
+                outs[q][start:start + k].copy_(mine[start:start + k] if q == me else staged[q][:k])
