@@ -227,13 +227,9 @@ class Reducer:
         b, pos = self.where[i]
         p = self.params[i]
         g = p.grad
-        if self._direct and g is not None:
-            b.pending -= 1
-            if b.pending == 0:
-                self._issue_ready_buckets()
-            return
-        if self._direct:  # a gradient-less parameter (e.g. a hook fired without one)
-            p.grad = torch.zeros_like(p)
+        if self._direct:
+            if g is None:  # it contributes zeros, as its bucket slot would
+                p.grad = torch.zeros_like(p)
             b.pending -= 1
             if b.pending == 0:
                 self._issue_ready_buckets()

@@ -16,6 +16,10 @@ per-peer writer thread; one reader thread per peer copies frames out straight in
 posted memory (:mod:`~tandem.transport._shm_peer`). Waits poll briefly, then sleep
 on a futex (:func:`default_spin`).
 
+Collectives of a same-host group also get an *arena* (:meth:`ShmTransport.arena`,
+:mod:`~tandem.transport._arena`): each member creates a staging segment and hands it
+to every other member over the same authenticated sockets, so all map all.
+
 A dead peer: the kernel closes its sockets, a watcher thread sees EOF, and the
 reader reports ``PeerLostError`` once it has drained what the peer wrote before
 dying. Hygiene: segments and sockets have no names (memfd, abstract UNIX

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -127,11 +127,12 @@ def arena_check(op: Op, arena: Arena) -> Callable[[], None]:
     return check
 
 
-def _verify(op: Op, arena: Arena) -> None:
-    """After the call's first wait: every member announced this very call, and made the
-    same previous call (a call whose root waits on nobody is checked here, next time)."""
+def _verify(op: Op, arena: Arena, members: Sequence[int] | None = None) -> None:
+    """After the call's first wait on ``members`` (default: all): each announced this
+    very call, and made the same previous call (a call whose root waits on nobody is
+    checked here, next time)."""
     mine = arena.announcement(arena.index, op.seq - 1) if op.seq else None
-    for q in range(arena.size):
+    for q in range(arena.size) if members is None else members:
         if q == arena.index:
             continue
         error = _differs(op, arena, q, strict=True)
@@ -192,6 +193,16 @@ def _clip(pieces: list[Piece], lo: int, hi: int) -> list[Piece]:
     return out
 
 
+def _prepare(op: Op) -> tuple[Arena, Callable[[], None]]:
+    """The group's arena set up for this call, and the check its waits run."""
+    arena = _arena(op)
+    # a call queued with async_op=True runs beside the caller's own work (DDP: backward),
+    # so its waits leave the CPU almost at once instead of polling
+    background = threading.current_thread() is op.group.engine_thread
+    arena.spin = BACKGROUND_SPIN_S if background else arena.default_spin
+    return arena, arena_check(op, arena)
+
+
 def shm_all_reduce(op: Op, buf: torch.Tensor, redop: ReduceOp) -> None:
     """All-reduce flat ``buf`` in place through the group's arena."""
     shm_all_reduce_many(op, [buf], redop)
@@ -200,12 +211,7 @@ def shm_all_reduce(op: Op, buf: torch.Tensor, redop: ReduceOp) -> None:
 def shm_all_reduce_many(op: Op, tensors: list[torch.Tensor], redop: ReduceOp) -> None:
     """All-reduce flat ``tensors`` (one dtype) in place, as if laid end to end, without
     flattening them into one buffer first."""
-    arena = _arena(op)
-    check = arena_check(op, arena)
-    # a call queued with async_op=True runs beside the caller's own work (DDP: backward),
-    # so its waits leave the CPU almost at once instead of polling
-    background = threading.current_thread() is op.group.engine_thread
-    arena.spin = BACKGROUND_SPIN_S if background else arena.default_spin
+    arena, check = _prepare(op)
     dtype, size = tensors[0].dtype, tensors[0].element_size()
     n = sum(t.numel() for t in tensors)
     if arena.size == 2 or n * size <= SMALL_BYTES:
@@ -278,13 +284,6 @@ def _sliced_round(op: Op, arena: Arena, check: Callable[[], None], staged: list[
             x.copy_(staged[q][off:off + x.numel()])
 
 
-def _prepare(op: Op) -> tuple[Arena, Callable[[], None]]:
-    arena = _arena(op)
-    background = threading.current_thread() is op.group.engine_thread
-    arena.spin = BACKGROUND_SPIN_S if background else arena.default_spin
-    return arena, arena_check(op, arena)
-
-
 def shm_broadcast(op: Op, buf: torch.Tensor, root: int) -> None:
     """The root stages each round once; every other member copies it straight out.
 
@@ -306,9 +305,7 @@ def shm_broadcast(op: Op, buf: torch.Tensor, root: int) -> None:
         else:
             arena.wait_member(root, arena.posted + 1, check)
             if i == 0:
-                error = _differs(op, arena, root, strict=True)
-                if error is not None:
-                    raise error
+                _verify(op, arena, [root])
             x.copy_(staged)
         arena.post()
 
