@@ -47,6 +47,7 @@ class Kind:
     COLL = 1  # collective data: key is (group, seq, step)
     P2P = 2  # point-to-point: key is (group, per-pair counter, tag)
     ABORT = 3  # a rank aborted a group; payload is the UTF-8 reason
+    BYE = 4  # the sender is closing its transport on purpose (destroy_process_group)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +182,10 @@ class Mailbox:
         self._parked: dict[Key, Slot] = {}
         self._wild: list[tuple[Callable[[int, Header], bool], Slot]] = []
         self.dead: dict[int, PeerLostError] = {}
+        # peers that said goodbye before closing: a finished peer, not a crashed one, so
+        # only calls that still need it fail (see peer_lost)
+        self.departed: set[int] = set()
+        self.left: dict[int, PeerLostError] = {}
         self.aborted: dict[int, TandemError] = {}
         # the last calls completed per group: (seq, sig, site), to recognise stray messages
         self._finished: dict[int, collections.deque[tuple[int, bytes, bytes]]] = {}
@@ -192,6 +197,11 @@ class Mailbox:
     # -- receiving side (called by the transport's reader for ``peer``) ----------------
     def arrive(self, peer: int, header: Header, read: Reader) -> None:
         """Deliver one message; ``read(view)`` fills ``view`` with the payload."""
+        if header.kind == Kind.BYE:
+            read(memoryview(bytearray(header.nbytes)))
+            with self._lock:
+                self.departed.add(peer)
+            return
         if header.kind == Kind.ABORT:
             buf = bytearray(header.nbytes)
             read(memoryview(buf))
@@ -386,11 +396,20 @@ class Mailbox:
     def _failure(self, peer: int, group: int) -> TandemError | None:
         if group in self.aborted:
             return self.aborted[group]
-        return self.dead.get(peer)
+        return self.dead.get(peer) or self.left.get(peer)
 
     def peer_lost(self, peer: int, error: PeerLostError) -> None:
+        """``peer``'s connection is gone: it crashed (every wait on its group fails), or,
+        after a goodbye, it left (only what waits on it fails)."""
         with self._lock:
-            self.dead.setdefault(peer, error)
+            if peer in self.departed:
+                error = PeerLostError(
+                    f"rank {peer} left (it closed its process group) before sending what rank "
+                    f"{self.rank} is waiting for; did the ranks run different collectives?",
+                    peer)
+                self.left.setdefault(peer, error)
+            else:
+                self.dead.setdefault(peer, error)
             victims = [s for k, s in self._posted.items() if k[0] == peer]
             for s in victims:
                 del self._posted[s.key]
@@ -471,6 +490,17 @@ class Transport(abc.ABC):
 
     def close(self) -> None:
         """Close every connection; pending operations fail."""
+
+    def say_goodbye(self, peers: Iterable[int]) -> None:
+        """Tell ``peers`` this rank closes on purpose (best effort, never blocks), so they
+        do not take the closed connections for a crash while they finish their own calls."""
+        header = Header(Kind.BYE, 0, 0, 0, 0)
+        for p in peers:
+            if p != self.rank and p not in self.mailbox.dead:
+                try:
+                    self.isend(p, header, memoryview(b""))
+                except TandemError:
+                    pass
 
     def host_of(self, rank: int) -> str:
         """The host identity of ``rank`` (used for topology decisions)."""

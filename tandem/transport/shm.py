@@ -304,6 +304,7 @@ class ShmTransport(Transport):
         """Stop every thread, close the sockets (peers see EOF) and unmap the rings."""
         if self._closing:
             return
+        self.say_goodbye(list(self._peers))
         self._closing = True
         for p in self._peers.values():
             p.closing = True

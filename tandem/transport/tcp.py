@@ -298,6 +298,8 @@ class TcpTransport(Transport):
         return self._hosts.get(rank, "")
 
     def close(self) -> None:
+        if not self._closing:
+            self.say_goodbye(list(self._peers))
         self._closing = True
         for p in self._peers.values():
             with p.cv:

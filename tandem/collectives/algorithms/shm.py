@@ -110,6 +110,9 @@ def arena_check(op: Op, arena: Arena) -> Callable[[], None]:
                 raise PeerLostError(f"{op.describe()} failed: {lost}", r) from lost
         lagging = [q for q in arena.lagging(arena.target) if q != arena.index]
         for q in lagging:
+            gone = mailbox.left.get(g.ranks[q])
+            if gone is not None:
+                raise PeerLostError(f"{op.describe()} failed: {gone}", g.ranks[q]) from gone
             error = _differs(op, arena, q, strict=False)
             if error is not None:
                 raise error
