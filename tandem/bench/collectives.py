@@ -29,6 +29,7 @@ busbw = algbw * factor, with bytes and factor per op, p = world size:
     all_reduce   bytes = size        factor = 2(p-1)/p
     broadcast    bytes = size        factor = 1
     all_gather   bytes = size * p    factor = (p-1)/p
+    reduce_scatter bytes = size      factor = (p-1)/p   (reduce_scatter_tensor)
 
 ``size`` is always the per-rank input buffer (for all_gather nccl-tests labels rows
 by the total output, ``size * p``). "<backend> ratio" = that backend's busbw / gloo's
@@ -38,7 +39,8 @@ busbw in the rounds interleaved with it: above 1 means tandem is faster. The
 The memory-bandwidth bound. The least memory traffic an op can need is that every
 rank touches its buffers once, all ranks at the same time: for all_reduce every
 rank reads its input and writes its output once, for broadcast every rank writes
-the output once, for all_gather every rank writes its ``size * p`` output once.
+the output once, for all_gather every rank writes its ``size * p`` output once, for
+reduce_scatter every rank reads its ``size`` input once.
 That is one copy per rank, so t_copy = the time for every rank to concurrently do
 ``dst.copy_(src)`` of ``size`` bytes (all_gather: ``size * p``) on float32 tensors
 allocated and pre-faulted once per (backend, op, size), timed like the ops
@@ -68,7 +70,7 @@ import torch
 
 __all__ = ["main", "Row", "run", "parse_sizes", "parse_backends", "usable_backends"]
 
-OPS = ("all_reduce", "broadcast", "all_gather")
+OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
 BACKENDS = ("tcp", "shm", "auto")
 _SHARED_MEMORY = ("shm", "auto")
 CONTENDERS = ("tandem", "gloo", "copy")  # rotated through in every (backend, op, size)
@@ -97,6 +99,8 @@ class Row:
             return self.size / seconds * 2 * (p - 1) / p
         if self.op == "all_gather":
             return self.size * p / seconds * (p - 1) / p
+        if self.op == "reduce_scatter":
+            return self.size / seconds * (p - 1) / p
         return self.size / seconds
 
     def ratio(self, backend: str) -> float:
@@ -126,6 +130,10 @@ def _check(lib: Any, name: str, op: str, numel: int, rank: int, p: int) -> None:
         t = torch.full((numel,), 7.0) if rank == 0 else torch.zeros(numel)
         lib.broadcast(t, src=0)
         got, want = t, torch.full((numel,), 7.0)
+    elif op == "reduce_scatter":
+        got = torch.zeros(numel // p)
+        lib.reduce_scatter_tensor(got, torch.full((numel,), float(rank + 1)))
+        want = torch.full((numel // p,), float(p * (p + 1) // 2))
     else:
         outs = [torch.zeros(numel) for _ in range(p)]
         lib.all_gather(outs, torch.full((numel,), float(rank + 1)))
@@ -144,6 +152,9 @@ def _step(lib: Any, op: str, numel: int, p: int) -> Callable[[], object]:
         return lambda: lib.all_reduce(t)
     if op == "broadcast":
         return lambda: lib.broadcast(t, src=0)
+    if op == "reduce_scatter":
+        out = torch.zeros(numel // p)
+        return lambda: lib.reduce_scatter_tensor(out, t)
     outs = [torch.zeros(numel) for _ in range(p)]
     return lambda: lib.all_gather(outs, t)
 
@@ -170,6 +181,8 @@ def _measure_one(tandem: Any, gloo: Any, backend: str, op: str, size: int, rank:
                  rounds: int, round_s: float) -> dict[str, Any]:
     """Per-op seconds of each contender, per round, for one (backend, op, size)."""
     numel = max(1, size // 4)
+    if op == "reduce_scatter":  # every rank's output is numel / p elements
+        numel = max(p, numel - numel % p)
     _check(tandem, backend, op, numel, rank, p)  # also the warm-up
     _check(gloo, "gloo", op, numel, rank, p)
     timed = {"tandem": (tandem.barrier, _step(tandem, op, numel, p)),

@@ -384,6 +384,11 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor],
                             f"{ins[g.group_rank].numel()} elements, output has {output.numel()}")
 
     def body(o: Op) -> None:
+        if g.shares_memory:
+            out = _Flat(output, load=False)
+            algo.shm_reduce_scatter(o, out.flat, [t.reshape(-1) for t in ins], op)
+            out.done()
+            return
         flat = torch.cat([t.reshape(-1) for t in ins])
         a, b = _reduce_scatter_flat(g, o, flat, [t.numel() for t in ins], op)
         with torch.no_grad():
@@ -408,6 +413,12 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor,
             f"{output.dtype}, got {input.numel()} of {input.dtype}")
 
     def body(o: Op) -> None:
+        if g.shares_memory:
+            out = _Flat(output, load=False)
+            algo.shm_reduce_scatter(o, out.flat, list(input.reshape(-1).split(n)) if n else
+                                    [input.reshape(-1)] * g.group_size, op)
+            out.done()
+            return
         flat = input.reshape(-1).clone()  # the caller's input stays untouched
         a, b = _reduce_scatter_flat(g, o, flat, [n] * g.group_size, op)
         with torch.no_grad():

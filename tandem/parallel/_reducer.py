@@ -263,8 +263,9 @@ class Reducer:
             hook, state = self.hook, self.hook_state
             fut = self._chain(lambda: hook(state, grad_bucket))
         elif self._direct:
-            grads = [self.params[i].grad for i in b.members]
-            work = all_reduce_coalesced(grads, op=ReduceOp.AVG, group=self.group,  # type: ignore[arg-type]
+            # every member has a .grad by now (see _mark_ready)
+            grads = [g for i in b.members if (g := self.params[i].grad) is not None]
+            work = all_reduce_coalesced(grads, op=ReduceOp.AVG, group=self.group,
                                         async_op=not last)
             if last:  # in this thread, as below
                 self._inline = (b.t_launch, _clock())

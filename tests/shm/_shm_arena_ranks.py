@@ -192,3 +192,36 @@ def broadcast_and_gather(rank: int, p: int) -> dict[str, Any]:
     if objs != [{"rank": q, "blob": "x" * (100 * q)} for q in range(p)]:
         wrong.append("all_gather_object")
     return {"wrong": wrong}
+
+
+def reduce_scatters(rank: int, p: int) -> dict[str, Any]:
+    """reduce_scatter and reduce_scatter_tensor through the arena, against the oracle."""
+    wrong = []
+    for dtype, ops in CASES[:5]:
+        for op_name in ops[:2]:
+            op = getattr(dist.ReduceOp, op_name)
+            for n in (1, 1000, 5 * 1024 + 7):
+                # input for member q from rank r: value(r * p + q, n)
+                out = torch.empty(n, dtype=dtype)
+                dist.reduce_scatter(out, [value(rank * p + q, n, dtype) for q in range(p)], op=op)
+                parts = [value(r * p + rank, n, dtype) for r in range(p)]
+                want = parts[0].clone()
+                for x in parts[1:]:
+                    combine(op, want, x, want)
+                finish(op, want, p)
+                if not torch.equal(out, want):
+                    wrong.append(f"reduce_scatter/{dtype}/{op_name}/{n}")
+                whole = torch.cat([value(rank * p + q, n, dtype) for q in range(p)])
+                mine = whole.chunk(p)[rank]  # the output is part of the input, as FSDP does
+                dist.reduce_scatter_tensor(mine, whole, op=op)
+                if not torch.equal(mine, want):
+                    wrong.append(f"reduce_scatter_tensor/{dtype}/{op_name}/{n}")
+    sizes = [1 + 2000 * q for q in range(p)]  # member q's output has sizes[q] elements
+    out = torch.empty(sizes[rank])
+    dist.reduce_scatter(out, [value(rank * p + q, sizes[q], torch.float32) for q in range(p)])
+    want = value(rank, sizes[rank], torch.float32) * 0
+    for r in range(p):
+        want += value(r * p + rank, sizes[rank], torch.float32)
+    if not torch.allclose(out, want):
+        wrong.append("reduce_scatter/uneven")
+    return {"wrong": wrong}

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from _shm_arena_ranks import (broadcast_and_gather, coalesced, every_dtype_and_op, late_peer,
-                              subgroups_concurrently, without_arena)
+                              reduce_scatters, subgroups_concurrently, without_arena)
 from tandem.testing import launch
 
 pytestmark = pytest.mark.timeout(180)
@@ -68,5 +68,12 @@ def test_the_arena_can_be_switched_off_and_shm_is_then_refused_by_name() -> None
 @pytest.mark.parametrize("p", [2, 3])
 def test_broadcast_and_all_gather_through_shared_memory(p: int) -> None:
     outcomes = launch(p, broadcast_and_gather, backend="shm", timeout=150, env=SMALL_STAGING)
+    for rank, r in enumerate(_values(outcomes)):
+        assert not r["wrong"], f"rank {rank} of {p}: wrong results for {r['wrong']}"
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_reduce_scatter_through_shared_memory_matches_the_member_order_reduction(p: int) -> None:
+    outcomes = launch(p, reduce_scatters, backend="shm", timeout=150, env=SMALL_STAGING)
     for rank, r in enumerate(_values(outcomes)):
         assert not r["wrong"], f"rank {rank} of {p}: wrong results for {r['wrong']}"

@@ -39,6 +39,7 @@ from tandem.collectives.algorithms.shm import (
     shm_all_reduce,
     shm_all_reduce_many,
     shm_broadcast,
+    shm_reduce_scatter,
 )
 from tandem.collectives.algorithms.tree import tree_broadcast, tree_reduce
 from tandem.collectives.group import ProcessGroup
@@ -57,6 +58,7 @@ __all__ = [
     "shm_all_gather",
     "shm_all_reduce_many",
     "shm_broadcast",
+    "shm_reduce_scatter",
     "tree_broadcast",
     "tree_reduce",
 ]

@@ -16,7 +16,8 @@ staging stays in cache. Small tensors (``SMALL_BYTES`` or less) and pairs of ran
 second wait: each member copies its whole round in and reduces all of it itself.
 
 Broadcast: the root stages each round, the others copy it out. All-gather: each
-member stages its input, everyone copies every member's piece out.
+member stages its input, everyone copies every member's piece out. Reduce-scatter:
+each member stages its pieces for the others and reduces its own from theirs.
 Combines run in member order on every rank, so results are bit-identical
 everywhere (and equal to the naive algorithm's).
 
@@ -43,7 +44,7 @@ from tandem.errors import CollectiveMismatchError, CollectiveTimeoutError, PeerL
 from tandem.transport._arena import Arena
 
 __all__ = ["shm_all_reduce", "shm_all_reduce_many", "shm_broadcast", "shm_all_gather",
-           "SMALL_BYTES", "arena_check"]
+           "shm_reduce_scatter", "SMALL_BYTES", "arena_check"]
 
 SMALL_BYTES = 64 << 10
 # rounds of the whole-round path: the round's slice of the tensor and a peer's staged
@@ -336,3 +337,41 @@ def shm_all_gather(op: Op, outs: list[torch.Tensor], mine: torch.Tensor) -> None
             k = max(0, min(per, sizes[q] - start))
             if k:
                 outs[q][start:start + k].copy_(mine[start:start + k] if q == me else staged[q][:k])
+
+
+def shm_reduce_scatter(op: Op, out: torch.Tensor, ins: list[torch.Tensor], redop: ReduceOp) -> None:
+    """Member q's result goes to its ``out``: each member stages its inputs for the
+    others, and each reduces its own slice straight from the peers' staging.
+
+    ``ins[q]`` (flat) is this member's contribution to member q's output; sizes may
+    differ between members (the caller's signature carries them).
+    """
+    arena, check = _prepare(op)
+    p, me, size = arena.size, arena.index, out.element_size()
+    per = arena.chunk // size // p  # a round stages one piece for every member
+    views = _staging(arena, out.dtype, size, per * p)
+    kernel = combiner(redop, out.dtype)
+    sizes = [t.numel() for t in ins]
+    if out.numel() and out.untyped_storage().data_ptr() == ins[me].untyped_storage().data_ptr():
+        ins = list(ins)
+        ins[me] = ins[me].clone()  # the output overwrites my own input (in-place use)
+    for i, start in enumerate(range(0, max(max(sizes), 1), per)):
+        staged = views[arena.begin_round(check)]
+        for q in range(p):
+            k = max(0, min(per, sizes[q] - start))
+            if q != me and k:
+                staged[me][q * per:q * per + k].copy_(ins[q][start:start + k])
+        arena.post()
+        arena.wait_all(arena.posted, check)
+        if i == 0:
+            _verify(op, arena)
+        k = max(0, min(per, sizes[me] - start))
+        if not k:
+            continue
+        parts = [ins[me][start:start + k] if q == me else staged[q][me * per:me * per + k]
+                 for q in range(p)]
+        o = out[start:start + k]
+        kernel(parts[0], parts[1], o)
+        for part in parts[2:]:
+            kernel(o, part, o)
+        finish(redop, o, p)
