@@ -65,14 +65,19 @@ def segment_bytes(chunk: int) -> int:
 
 
 def default_chunk(local_ranks: int) -> int:
-    """Staging bytes per half: 1 MiB when every local rank has a CPU, else 4 MiB.
+    """Staging bytes per half: 1 MiB when every local rank has a CPU, else 4 MiB, halved
+    (down to 256 KiB) while all members' halves together would exceed 32 MiB.
 
     Each round costs two waits on every member; on an oversubscribed host a wait
     means a context switch, so rounds are made fewer and larger there (measured on
-    2 cores: 4 ranks, 64 MB all-reduce, 1 MiB rounds ~1.4x slower than 4 MiB).
+    2 cores: 4 ranks, 64 MB all-reduce, 1 MiB rounds ~1.4x slower than 4 MiB). Every
+    member maps every member's segment, so many local ranks get smaller ones.
     """
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (1 << 20) if local_ranks <= (cpus or 1) else (4 << 20)
+    chunk = (1 << 20) if local_ranks <= (cpus or 1) else (4 << 20)
+    while chunk > (256 << 10) and chunk * local_ranks > (32 << 20):
+        chunk >>= 1
+    return chunk
 
 
 class Arena:

@@ -15,6 +15,7 @@ import pytest
 from _shm_arena_ranks import (broadcast_and_gather, coalesced, every_dtype_and_op, late_peer,
                               reduce_scatters, subgroups_concurrently, without_arena)
 from tandem.testing import launch
+from tandem.transport._arena import default_chunk
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -77,3 +78,12 @@ def test_reduce_scatter_through_shared_memory_matches_the_member_order_reduction
     outcomes = launch(p, reduce_scatters, backend="shm", timeout=150, env=SMALL_STAGING)
     for rank, r in enumerate(_values(outcomes)):
         assert not r["wrong"], f"rank {rank} of {p}: wrong results for {r['wrong']}"
+
+
+def test_staging_per_member_shrinks_when_many_ranks_share_a_host() -> None:
+    # every member maps every member's segment: 64 local ranks must not map 64 x 4 MiB each
+    for n in (2, 4, 16, 64, 256):
+        chunk = default_chunk(n)
+        assert chunk & (chunk - 1) == 0 and chunk >= 256 << 10, (n, chunk)
+        assert chunk * n <= 32 << 20 or chunk == 256 << 10, (n, chunk)
+    assert default_chunk(64) < default_chunk(4)
