@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 from typing import Callable, NamedTuple
+
+from tandem.transport._shmem import process_alive
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -19,12 +20,8 @@ class Result(NamedTuple):
 
 
 def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not process_alive(pid):
         return False
-    except PermissionError:
-        return True
     try:  # a zombie is dead for our purposes (its parent has not reaped it yet)
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
