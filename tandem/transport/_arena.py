@@ -84,14 +84,14 @@ class Arena:
     """Staging segments of ``members`` (global ranks, in group order); ``index`` is mine.
 
     ``maps[i]`` is member i's segment (mine included). ``spin`` is how long a waiter
-    polls before it sleeps on the futex (``self.spin`` may be changed per call).
+    polls before it sleeps on the futex (``self.spin`` may be changed per call). The
+    segments are unmapped when the arena (held by its process group) is collected.
     """
 
     def __init__(self, members: Sequence[int], index: int, maps: Sequence[mmap.mmap],
                  chunk: int, spin: float) -> None:
         if len(members) > MAX_MEMBERS:
             raise ArgumentError(f"a shared-memory arena holds at most {MAX_MEMBERS} ranks")
-        self.members = list(members)
         self.index = index
         self.size = len(members)
         self.chunk = chunk
@@ -109,7 +109,6 @@ class Arena:
         self.target = 0
         self._round = 0
         self._first = [0, 0]  # the value posted first in each of the last two rounds
-        self.closed = False
 
     # -- memory ----------------------------------------------------------------------
     def data(self, member: int, half: int) -> torch.Tensor:
@@ -136,9 +135,6 @@ class Arena:
             if ctl[w]:
                 futex_wake(self._addr[self.index])
                 return
-
-    def posted_by(self, member: int) -> int:
-        return self._ctl[member][_POSTED]
 
     def lagging(self, target: int) -> list[int]:
         """Members (indexes) that have not yet posted ``target`` phases."""
@@ -188,11 +184,6 @@ class Arena:
         finally:
             ctl[flag] = 0
 
-    def wake_local(self) -> None:
-        """Wake this process's sleepers (they re-run their check)."""
-        for a in self._addr:
-            futex_wake(a)
-
     # -- announcements (which call each member is in) --------------------------------
     def announce(self, seq: int, sig: bytes, site: bytes) -> None:
         base = _CALLS + (seq % _KEPT) * _ENTRY
@@ -231,18 +222,3 @@ class Arena:
         if ctl[w] != before:
             return None
         return before - 1, sig, site
-
-    # -- lifetime --------------------------------------------------------------------
-    def close(self) -> None:
-        """Unmap; call only when no thread uses the arena any more."""
-        if self.closed:
-            return
-        self.closed = True
-        self._data = []
-        for v in self._ctl + self._text:
-            v.release()
-        for m in self._maps:
-            try:
-                m.close()
-            except BufferError:  # a tensor view is still alive; the GC unmaps it later
-                pass
