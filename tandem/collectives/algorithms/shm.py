@@ -236,14 +236,21 @@ def shm_all_reduce_many(op: Op, tensors: list[torch.Tensor], redop: ReduceOp) ->
 
 def _whole_round(op: Op, arena: Arena, check: Callable[[], None], staged: list[torch.Tensor],
                  pieces: list[Piece], redop: ReduceOp, kernel: Combine, first: bool) -> None:
-    """Every member stages the whole round and reduces all of it itself."""
+    """Every member stages the whole round and reduces all of it itself.
+
+    AVG over a power-of-two number of members stages each input already divided:
+    dividing by a power of two is exact, so the sum of the quotients has the same bits
+    as the quotient of the sum (subnormals aside), and no pass is spent dividing.
+    """
     p, me = arena.size, arena.index
     averaging = redop.name == "AVG" and redop.fn is None
-    if len(pieces) == 1:  # the common case: the round is one piece of one tensor
-        staged[me].copy_(pieces[0][0])
-    else:
-        for x, off in pieces:
-            staged[me][off:off + x.numel()].copy_(x)
+    prescale = averaging and p & (p - 1) == 0
+    for x, off in pieces:
+        mine = staged[me] if len(pieces) == 1 else staged[me][off:off + x.numel()]
+        if prescale:
+            torch.mul(x, 1.0 / p, out=mine)
+        else:
+            mine.copy_(x)
     arena.post()
     arena.wait_all(arena.posted, check)
     if first:
@@ -252,10 +259,11 @@ def _whole_round(op: Op, arena: Arena, check: Callable[[], None], staged: list[t
         part = staged if len(pieces) == 1 else [s[off:off + x.numel()] for s in staged]
         # combine in member order into x; x is still in cache from the copy, so it is
         # read in place of my staged copy while its value is unchanged (member 0 or 1)
-        kernel(x if me == 0 else part[0], x if me == 1 else part[1], x)
+        own = part[me] if prescale else x
+        kernel(own if me == 0 else part[0], own if me == 1 else part[1], x)
         for q in range(2, p):
             kernel(x, part[q], x)
-        if averaging:
+        if averaging and not prescale:
             finish(redop, x, p)
 
 
