@@ -27,6 +27,7 @@ from typing import Callable
 from tandem.errors import AuthenticationError, NetworkError, ProtocolError
 
 __all__ = [
+    "bind",
     "MAGIC",
     "HANDSHAKE_TIMEOUT",
     "client_handshake",
@@ -151,15 +152,24 @@ def connect(host: str, port: int, timeout: float, what: str) -> socket.socket:
             delay = min(delay * 2, 0.5)
 
 
-def listen(host: str, port: int = 0, backlog: int = 128) -> socket.socket:
-    """A listening socket bound to exactly ``host`` (never widened)."""
+def bind(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket bound to exactly ``host:port`` (0: the kernel picks); raises OSError."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except OSError as exc:
+    except OSError:
         sock.close()
+        raise
+    return sock
+
+
+def listen(host: str, port: int = 0, backlog: int = 128) -> socket.socket:
+    """A listening socket bound to exactly ``host`` (never widened)."""
+    try:
+        sock = bind(host, port)
+    except OSError as exc:
         raise NetworkError(f"cannot listen on {host}:{port}: {exc}") from exc
     sock.listen(backlog)
     return sock

@@ -18,6 +18,7 @@ import socket
 import time
 from typing import Callable
 
+from tandem import _wire
 from tandem.errors import ArgumentError
 from tandem.run.config import LaunchConfig
 from tandem.run.rootcause import Failure
@@ -44,13 +45,9 @@ class Assignment:
 
 def reserve_port(host: str, port: int = 0) -> socket.socket:
     """A socket bound to ``host:port`` (0: the kernel picks) that keeps the port ours."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        sock = _wire.bind(host, port)
     except OSError as exc:
-        sock.close()
         what = f"port {port}" if port else "a free port"
         raise ArgumentError(f"cannot reserve {what} on {host} for MASTER_PORT: {exc}") from exc
     return sock
