@@ -1,12 +1,46 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install tandem with its test tools into it.
-# torch is pinned to the CPU build 2.13.0; other versions are multi-GB downloads.
+# Create .venv (if missing) and install tandem with its test tools and the example's
+# extras into it. torch is pinned to the CPU build 2.13.0; other versions are multi-GB
+# downloads. A second run with nothing changed skips pip entirely (about a second).
+#   PYTHON=python3.12 bash scripts/setup.sh      # pick the interpreter for a new .venv
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+say() { printf 'setup: %s\n' "$*"; }
+
+# Everything pip's result depends on; when it is unchanged since the last successful
+# set-up, nothing needs installing.
+stamp_of() {
+  cat pyproject.toml scripts/setup.sh
+  .venv/bin/python -c 'import sys; print(sys.version)'
+}
+
+# Run pip quietly, but if it fails show everything it said and stop.
+pip_install() {
+  local log
+  log=$(mktemp)
+  if ! .venv/bin/python -m pip install --disable-pip-version-check "$@" >"$log" 2>&1; then
+    cat "$log" >&2
+    rm -f "$log"
+    say "pip install $* failed (its output is above)" >&2
+    exit 1
+  fi
+  rm -f "$log"
+}
+
 if [ ! -x .venv/bin/python ]; then
+  say "creating .venv with $("$PY" --version 2>&1)"
   "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -c "import torch, tandem; print('tandem', tandem.__version__, 'on torch', torch.__version__)"
+if [ -f .venv/.tandem-setup ] && [ "$(stamp_of | cksum)" = "$(cat .venv/.tandem-setup)" ] \
+   && .venv/bin/python -c 'import torch, tandem' 2>/dev/null; then
+  say "nothing changed since the last set-up; .venv is ready"
+  exit 0
+fi
+rm -f .venv/.tandem-setup
+say "installing torch 2.13.0 (CPU build; it lies on this machine's disk, seconds)"
+pip_install torch==2.13.0
+say "installing tandem (editable) with its test tools and the example's extras"
+pip_install -e '.[test,example]'
+.venv/bin/python -c "import torch, tandem; print('setup: tandem', tandem.__version__, 'on torch', torch.__version__)"
+stamp_of | cksum > .venv/.tandem-setup

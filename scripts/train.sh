@@ -1,9 +1,24 @@
 #!/usr/bin/env bash
-# Set everything up and train the example on 2 local processes through the launcher:
-#   bash scripts/train.sh [--steps N] ...        (flags go to examples/train_chars.py)
-#   NPROC=4 bash scripts/train.sh                (more ranks)
+# Set everything up and train the example on local processes through the launcher:
+#   bash scripts/train.sh [--steps N] [--quick] ...   (flags go to examples/train_chars.py;
+#                                                       --help lists them)
+#   bash scripts/train.sh --nproc 4                   (ranks; default 2, or $NPROC)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+nproc=${NPROC:-2}
+args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --nproc) [ $# -ge 2 ] || { echo "train.sh: --nproc needs a number" >&2; exit 2; }
+             nproc=$2; shift 2;;
+    --nproc=*) nproc=${1#--nproc=}; shift;;
+    *) args+=("$1"); shift;;
+  esac
+done
+case "$nproc" in
+  ''|*[!0-9]*|0) echo "train.sh: --nproc must be a positive number of ranks, got '$nproc'" >&2
+                 exit 2;;
+esac
 bash scripts/setup.sh
-exec .venv/bin/python -m tandem.run --standalone --nproc-per-node "${NPROC:-2}" \
-  examples/train_chars.py "$@"
+exec .venv/bin/python -m tandem.run --standalone --nproc-per-node "$nproc" \
+  examples/train_chars.py "${args[@]+"${args[@]}"}"

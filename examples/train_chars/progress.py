@@ -1,4 +1,4 @@
-"""Rank 0's progress line: tqdm when installed, else a carriage-return line on stderr."""
+"""Rank 0's progress: a tqdm bar on a terminal, plain periodic lines in logs and pipes."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ __all__ = ["Progress"]
 class Progress:
     """``update(step, loss, samples_per_s)`` after each step; ``close()`` at the end.
 
-    When stderr is not a terminal (logs, tests) it prints a full line every tenth of
-    the run instead of redrawing one.
+    When stderr is not a terminal (logs, tests, a launcher's pipe) it prints a full line
+    every tenth of the run instead of redrawing one: a bar redrawn with carriage returns
+    is unreadable in a log file.
     """
 
     def __init__(self, total: int, initial: int = 0, enabled: bool = True) -> None:
@@ -22,7 +23,7 @@ class Progress:
         self.tty = sys.stderr.isatty()
         self.every = max(1, total // 10)
         self.bar: Any = None
-        if enabled:
+        if enabled and self.tty:
             try:
                 from tqdm import tqdm
 
