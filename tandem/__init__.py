@@ -11,10 +11,10 @@ here with the same names, arguments and semantics; errors are the classes of
 ``tandem.errors``; settings are documented in ``tandem.config``.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
+# no ``from __future__ import annotations`` and only private aliases at module level:
+# ``dir(tandem)`` shows tandem's names and nothing else
+import importlib as _importlib
+from typing import TYPE_CHECKING as _TYPE_CHECKING, Any as _Any
 
 __version__ = "0.1.0"
 
@@ -77,20 +77,21 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'tandem' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(_importlib.import_module(module), name)
     globals()[name] = value  # later lookups skip this function
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    public = {n for n in globals() if not n.startswith("_")}  # loaded names, subpackages
+    return sorted(public | set(_EXPORTS) | {"__version__"})
 
 
-if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+if _TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from tandem.collectives.api import (
         all_gather,
         all_gather_into_tensor,
