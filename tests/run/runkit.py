@@ -6,7 +6,7 @@ import subprocess
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from tandem.transport._shmem import process_alive
+from tandem._proc import process_alive  # noqa: F401 - re-exported for the launcher tests
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -17,16 +17,6 @@ class Result(NamedTuple):
     code: int
     out: str
     err: str
-
-
-def pid_alive(pid: int) -> bool:
-    if not process_alive(pid):
-        return False
-    try:  # a zombie is dead for our purposes (its parent has not reaped it yet)
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def worker_pids(directory: Path) -> list[int]:

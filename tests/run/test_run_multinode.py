@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from runkit import SCRIPTS, Launch, finish, pid_alive, worker_pids
+from runkit import SCRIPTS, Launch, finish, process_alive, worker_pids
 
 SECRET = {"TANDEM_SECRET": "shared-by-both-nodes"}
 
@@ -125,9 +125,9 @@ def test_losing_node_zero_ends_the_other_node_and_its_workers(launch: Launch,
     res = finish(procs[1], 60)
     assert res.code == 1 and "StoreError" in res.err
     deadline = time.monotonic() + 10
-    while [p for p in pids if pid_alive(p)] and time.monotonic() < deadline:
+    while [p for p in pids if process_alive(p)] and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert [p for p in pids if pid_alive(p)] == []
+    assert [p for p in pids if process_alive(p)] == []
 
 
 @pytest.mark.timeout(120)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from runkit import SCRIPTS, Launch, finish, pid_alive, worker_pids
+from runkit import SCRIPTS, Launch, finish, process_alive, worker_pids
 
 
 def wait_for_pids(directory: Path, n: int, proc: subprocess.Popen[str]) -> list[int]:
@@ -24,9 +24,9 @@ def wait_for_pids(directory: Path, n: int, proc: subprocess.Popen[str]) -> list[
 
 def wait_dead(pids: list[int], timeout: float) -> list[int]:
     deadline = time.monotonic() + timeout
-    while [p for p in pids if pid_alive(p)] and time.monotonic() < deadline:
+    while [p for p in pids if process_alive(p)] and time.monotonic() < deadline:
         time.sleep(0.05)
-    return [p for p in pids if pid_alive(p)]
+    return [p for p in pids if process_alive(p)]
 
 
 @pytest.mark.timeout(90)
