@@ -39,6 +39,9 @@ __all__ = [
     "send_frame",
     "recv_frame",
     "is_loopback",
+    "is_wildcard",
+    "route_address",
+    "advertised_address",
     "tune",
     "accept_while",
 ]
@@ -212,6 +215,53 @@ def is_loopback(host: str) -> bool:
         return socket.gethostbyname(host).startswith("127.")
     except OSError:
         return False
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether binding ``host`` listens on every interface (``0.0.0.0``, ``::``, empty)."""
+    return host in ("", "0.0.0.0", "::")
+
+
+def route_address(toward: str) -> str:
+    """The local address of the interface the kernel would use to reach ``toward``.
+
+    Raises ``OSError`` when ``toward`` does not resolve or nothing routes to it.
+    """
+    family, _, _, _, where = socket.getaddrinfo(toward, 9, type=socket.SOCK_DGRAM)[0]
+    probe = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        probe.connect(where)  # a UDP connect sends nothing; it only picks the route
+        return str(probe.getsockname()[0])
+    finally:
+        probe.close()
+
+
+# An address of TEST-NET-1 (RFC 5737): never used by anyone, so the route to it is the
+# default route. Only a route lookup is made; nothing is ever sent there.
+_SOMEWHERE = "192.0.2.1"
+
+
+def advertised_address(bind: str, toward: str | None) -> str:
+    """The address that peers should dial to reach a listener bound to ``bind``.
+
+    A listener bound to one address is reached there. One bound to every interface
+    (``0.0.0.0``) is reached through the interface that routes to ``toward`` (the
+    master's address: the network the job runs on), else through the interface of
+    the default route, else through loopback.
+    """
+    if not is_wildcard(bind):
+        return bind
+    if toward and not is_wildcard(toward):
+        if is_loopback(toward):
+            return "::1" if ":" in toward else "127.0.0.1"
+        try:
+            return route_address(toward)
+        except OSError:
+            pass
+    try:
+        return route_address(_SOMEWHERE)
+    except OSError:
+        return "127.0.0.1"
 
 
 class BufferedReader:

@@ -28,6 +28,7 @@ import socket
 import struct
 import threading
 import time
+import warnings
 import weakref
 from typing import Sequence
 
@@ -433,6 +434,12 @@ class TCPStore(Store):
         if not key:
             raise ArgumentError("the store secret must not be empty")
         self.host = host_name
+        if is_master and _wire.is_wildcard(host_name):
+            warnings.warn(
+                f"the TCPStore listens on every interface of this host ({host_name!r}): "
+                f"anyone who can reach it may connect and try to authenticate, and its "
+                f"traffic is not encrypted; give this host's address (MASTER_ADDR, "
+                f"--master-addr) to listen on that interface only", stacklevel=2)
         self._server = _acquire_server(host_name, port, key, multi_tenant) if is_master else None
         self.port: int = self._server.address[1] if self._server else port
         try:

@@ -21,7 +21,8 @@ import torch
 import tandem as dist
 from _fault_helpers import attempt, values
 from tandem import _wire
-from tandem.collectives.world import world
+from tandem.collectives.world import bind_address, world
+from tandem.config import Settings
 from tandem.errors import AuthenticationError
 from tandem.store.tcp import PURPOSE as STORE_PURPOSE
 from tandem.testing import launch
@@ -198,6 +199,41 @@ def test_non_loopback_master_addr_binds_that_interface_not_all(monkeypatch: Any)
     for addr in values(outcomes, [0, 1])[0]:
         assert addr.startswith(f"{ip}:"), (ip, addr)
 
+
+
+def test_bind_addr_0000_listens_everywhere_but_publishes_the_routable_address(
+        monkeypatch: Any) -> None:
+    ip = _non_loopback_ipv4()
+    if ip is None:
+        pytest.skip("this host has no non-loopback IPv4 address")
+    monkeypatch.setenv("TANDEM_SECRET", HARNESS_SECRET)
+    outcomes = launch(2, _published_addresses, rendezvous="tcp", timeout=40,
+                      env={"MASTER_ADDR": ip, "TANDEM_BIND_ADDR": "0.0.0.0"})
+    for addr in values(outcomes, [0, 1])[0]:
+        assert addr.startswith(f"{ip}:"), (ip, addr)  # peers on other hosts dial this
+
+
+def test_a_wildcard_is_advertised_as_the_interface_that_routes_to_the_master() -> None:
+    assert _wire.advertised_address("10.1.2.3", "10.9.9.9") == "10.1.2.3"  # bound: as is
+    assert _wire.advertised_address("0.0.0.0", "127.0.0.1") == "127.0.0.1"
+    ip = _non_loopback_ipv4()
+    if ip is not None:
+        assert _wire.advertised_address("0.0.0.0", ip) == ip
+    assert not _wire.is_wildcard(_wire.advertised_address("0.0.0.0", None))
+    # MASTER_ADDR=0.0.0.0 asks for every interface; the transport listens there too
+    assert bind_address(Settings(), "0.0.0.0") == "0.0.0.0"
+    assert not _wire.is_wildcard(_wire.advertised_address("0.0.0.0", "0.0.0.0"))
+
+
+def test_a_store_listening_on_every_interface_says_so() -> None:
+    with pytest.warns(UserWarning, match="listens on every interface"):
+        store = dist.TCPStore("0.0.0.0", 0, is_master=True, timeout=10, secret=b"s",
+                              wait_for_workers=False)
+    try:
+        store.set("k", b"v")  # its own client reaches it over loopback
+        assert store.get("k") == b"v"
+    finally:
+        store.close()
 
 
 # -- the TCPStore server ------------------------------------------------------------------
