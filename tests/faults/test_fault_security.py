@@ -22,8 +22,8 @@ import tandem as dist
 from _fault_helpers import attempt, values
 from tandem import _wire
 from tandem.collectives.world import bind_address, world
-from tandem.config import Settings
-from tandem.errors import AuthenticationError
+from tandem.config import Settings, load_secret
+from tandem.errors import ArgumentError, AuthenticationError
 from tandem.store.tcp import PURPOSE as STORE_PURPOSE
 from tandem.testing import launch
 
@@ -234,6 +234,36 @@ def test_a_store_listening_on_every_interface_says_so() -> None:
         assert store.get("k") == b"v"
     finally:
         store.close()
+
+
+# -- the secret file ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620])
+def test_a_secret_file_other_users_can_access_is_refused(tmp_path: Any, mode: int) -> None:
+    path = tmp_path / "secret"
+    path.write_text("s3cret\n")
+    path.chmod(mode)
+    with pytest.raises(ArgumentError, match=f"{mode:04o}.*too open.*chmod 600"):
+        load_secret({"TANDEM_SECRET_FILE": str(path)})
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o400])
+def test_a_private_secret_file_is_read(tmp_path: Any, mode: int) -> None:
+    path = tmp_path / "secret"
+    path.write_text("s3cret\n")
+    path.chmod(mode)
+    assert load_secret({"TANDEM_SECRET_FILE": str(path)}) == b"s3cret"
+
+
+def test_a_per_user_secret_file_made_readable_by_others_is_refused(
+        tmp_path: Any, monkeypatch: Any) -> None:
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    first = load_secret({})  # created private
+    path = tmp_path / "tandem" / "secret"
+    assert (path.stat().st_mode & 0o777) == 0o600 and load_secret({}) == first
+    path.chmod(0o644)
+    with pytest.raises(ArgumentError, match="too open"):
+        load_secret({})
 
 
 # -- the TCPStore server ------------------------------------------------------------------
