@@ -26,7 +26,7 @@ import threading
 import time
 import weakref
 
-from tandem import _wire
+from tandem import _gate, _wire
 from tandem.errors import NetworkError, PeerLostError, ProtocolError, TandemError
 from tandem.store.base import Store
 from tandem.transport.base import Header, Mailbox, Slot, Transport, check_size
@@ -125,7 +125,7 @@ class TcpTransport(Transport):
                 left = max(0.1, deadline - time.monotonic())
                 sock = _wire.connect(peer_ip, int(peer_port), left, f"rank {peer}")
                 try:
-                    _wire.client_handshake(sock, self._secret, _PURPOSE)
+                    _wire.client_handshake(sock, self._secret, _PURPOSE, f"rank {peer}")
                     sock.sendall(_HELLO.pack(self.rank, self.world_size))
                 except BaseException:
                     sock.close()
@@ -161,15 +161,17 @@ class TcpTransport(Transport):
             with cond:
                 return not expected <= accepted.keys()
 
-        _wire.accept_while(listener, deadline, waiting,
-                           lambda sock: self._admit(sock, expected, accepted, cond))
+        gate = _gate.Gate(listener, self._secret, _PURPOSE,
+                          lambda sock: self._admit(sock, expected, accepted, cond),
+                          name=f"tandem-accept-{self.rank}")
+        gate.run(deadline, waiting)
 
     def _admit(self, sock: socket.socket, expected: set[int],
                accepted: dict[int, socket.socket], cond: threading.Condition) -> None:
-        """Authenticate one incoming connection; anything wrong just closes it."""
+        """Take one authenticated connection (the gate checked the secret); anything wrong
+        just closes it."""
         try:
             sock.settimeout(_wire.HANDSHAKE_TIMEOUT)
-            _wire.server_handshake(sock, self._secret, _PURPOSE)
             peer, world = _HELLO.unpack(_wire.recv_exact(sock, _HELLO.size))
             sock.settimeout(None)
             _wire.tune(sock)

@@ -9,10 +9,14 @@ working client) and where listeners bind (the address published in the store).
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,10 +24,10 @@ import torch
 
 import tandem as dist
 from _fault_helpers import attempt, values
-from tandem import _wire
+from tandem import _gate, _wire
 from tandem.collectives.world import bind_address, world
 from tandem.config import Settings, load_secret
-from tandem.errors import ArgumentError, AuthenticationError
+from tandem.errors import ArgumentError, AuthenticationError, StoreError
 from tandem.store.tcp import PURPOSE as STORE_PURPOSE
 from tandem.testing import launch
 
@@ -333,3 +337,132 @@ def test_store_rejects_strangers_while_a_good_client_keeps_working() -> None:
         for s in socks:
             s.close()
         master.close()
+
+
+# -- a flood of idle strangers at the store port ----------------------------------------
+
+FLOOD = 1100
+
+
+def _start_flood(port: int, n: int, greeted: int, timeout: float) -> subprocess.Popen[str]:
+    """``n`` idle strangers at ``port`` (tests/faults/_flood.py), once the server has taken
+    in and challenged ``greeted`` of them."""
+    flood = subprocess.Popen([sys.executable, str(Path(__file__).parent / "_flood.py"),
+                              str(port), str(n)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    assert flood.stdout is not None
+    deadline = time.monotonic() + timeout
+    for line in flood.stdout:
+        if int(line.split()[1]) >= greeted or time.monotonic() > deadline:
+            break
+    return flood
+
+
+def _join_through_store(rank: int, world_size: int, port: int) -> Any:
+    start = time.monotonic()
+    store = dist.TCPStore("127.0.0.1", port, world_size, timeout=60)
+    dist.init_process_group("tcp", store=store, rank=rank, world_size=world_size, timeout=60)
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    store.close()
+    return {"sum": t.tolist(), "formed": time.monotonic() - start}
+
+
+def test_a_job_forms_while_strangers_flood_the_store_port(monkeypatch: Any) -> None:
+    monkeypatch.setenv("TANDEM_SECRET", HARNESS_SECRET)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=60,
+                           secret=HARNESS_SECRET, wait_for_workers=False)
+    flood = _start_flood(master.port, FLOOD, greeted=1000, timeout=30)
+    try:
+        threads = threading.enumerate()
+        assert len(threads) < 20, f"a thread per stranger: {len(threads)} threads"
+        outcomes = launch(2, _join_through_store, (master.port,), init=False, timeout=80)
+        formed = values(outcomes, [0, 1])
+    finally:
+        flood.kill()
+        flood.communicate(timeout=30)
+        master.close()
+    for rank in (0, 1):
+        assert formed[rank]["sum"] == [3.0] * 4, formed
+        # strangers are pushed out after EVICT_AGE, not waited out
+        assert formed[rank]["formed"] < 30, formed
+
+
+def _greeted(port: int) -> socket.socket:
+    """A stranger the server has taken in: it received the challenge and says nothing."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    assert len(_wire.recv_exact(s, len(_wire.MAGIC) + 32)) == 40
+    return s
+
+
+def test_a_silent_stranger_is_dropped_at_its_handshake_deadline(monkeypatch: Any) -> None:
+    monkeypatch.setattr(_gate, "PENDING_DEADLINE", 1.0)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=10, secret=SECRET,
+                           wait_for_workers=False)
+    try:
+        start = time.monotonic()
+        idle = _greeted(master.port)
+        assert _closed_by_server(idle, within=10.0)
+        assert 0.9 <= time.monotonic() - start < 4.0  # its own deadline, not the client's
+        idle.close()
+    finally:
+        master.close()
+
+
+def test_a_full_gate_pushes_out_its_oldest_stranger(monkeypatch: Any) -> None:
+    monkeypatch.setattr(_gate, "MAX_PENDING", 4)
+    monkeypatch.setattr(_gate, "EVICT_AGE", 0.2)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=10, secret=SECRET,
+                           wait_for_workers=False)
+    try:
+        strangers = [_greeted(master.port) for _ in range(4)]
+        newest = _greeted(master.port)  # taken in once the oldest is 0.2 s old
+        assert _closed_by_server(strangers[0], within=5.0), "the oldest was kept"
+        for s in strangers[1:]:  # the others still wait (closed only at their deadline)
+            s.settimeout(0.0)
+            with pytest.raises(BlockingIOError):
+                s.recv(1)
+        with dist.TCPStore("127.0.0.1", master.port, timeout=10, secret=SECRET) as good:
+            good.set("in", b"yes")  # a rank still gets in: it pushes out the next oldest
+        for s in [*strangers, newest]:
+            s.close()
+    finally:
+        master.close()
+
+
+def test_a_store_that_dies_mid_handshake_is_not_called_a_wrong_secret() -> None:
+    host = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time, tandem\n"
+         "s = tandem.TCPStore('127.0.0.1', 0, is_master=True, secret=b'x', "
+         "wait_for_workers=False)\n"
+         "print(s.port, flush=True)\n"
+         "time.sleep(120)\n"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout is not None
+        port = int(host.stdout.readline())
+        os.kill(host.pid, signal.SIGSTOP)  # it cannot answer: our handshake waits for it
+        failed: list[BaseException] = []
+        entered = threading.Event()
+
+        def join() -> None:
+            entered.set()
+            try:
+                dist.TCPStore("127.0.0.1", port, timeout=20, secret=b"x")
+            except BaseException as exc:  # noqa: BLE001 - examined below
+                failed.append(exc)
+
+        client = threading.Thread(target=join, daemon=True)
+        client.start()
+        entered.wait(10)
+        time.sleep(0.5)  # connected (the kernel accepts for the stopped host): mid-handshake
+        os.kill(host.pid, signal.SIGKILL)
+        client.join(30)
+        assert not client.is_alive(), "the client did not notice the store's death"
+    finally:
+        host.kill()
+        host.wait(30)
+    assert len(failed) == 1 and isinstance(failed[0], StoreError), failed
+    assert not isinstance(failed[0], AuthenticationError), failed
+    assert "went away" in str(failed[0]) and "secret" not in str(failed[0]), failed
