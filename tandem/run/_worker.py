@@ -6,10 +6,13 @@
     python tandem/run/_worker.py --parent PID -m pkg.mod ARGS...    # like python -m pkg.mod
     python tandem/run/_worker.py --parent PID --exec prog ARGS...   # --no-python: exec prog
 
-It ties the worker's life to the launcher (``PR_SET_PDEATHSIG`` on Linux, which
-survives exec, plus a thread that watches the parent pid everywhere), and records
-an uncaught exception without any decorator: rank, host, time, exception type,
-message and traceback go as JSON to ``$TANDEM_ERROR_FILE`` before the worker exits 1.
+    options before the target: --cgroup DIR  --scratch DIR  --forward 15,2,...  --report FD
+
+The process started this way becomes the worker's supervisor (``_supervisor.py``:
+it ties the worker's life to the launcher's and kills whatever the worker leaves
+behind) and forks the worker, which runs the target. An uncaught exception in the
+worker is recorded without any decorator: rank, host, time, exception type, message
+and traceback go as JSON to ``$TANDEM_ERROR_FILE`` before the worker exits 1.
 It is run by path, not with ``-m``, so that a worker does not import tandem (and torch)
 unless its script does; it therefore imports the standard library only.
 """
@@ -17,46 +20,28 @@ unless its script does; it therefore imports the standard library only.
 import os  # already imported by the interpreter's startup, so never shadowed
 import sys
 
-if sys.path and sys.path[0] and (
-        os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpath(__file__))):
+_HERE = os.path.dirname(os.path.realpath(__file__))
+if sys.path and sys.path[0] and os.path.realpath(sys.path[0]) == _HERE:
     sys.path.pop(0)  # our directory must not shadow the script's imports
 
-import ctypes  # noqa: E402 - after the path fix above
+import importlib.util  # noqa: E402 - after the path fix above
 import json  # noqa: E402
 import runpy  # noqa: E402
-import signal  # noqa: E402
 import socket  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
-from types import TracebackType  # noqa: E402
+from types import ModuleType, TracebackType  # noqa: E402
 from typing import List, Optional  # noqa: E402
 
-PR_SET_PDEATHSIG = 1
-WATCH_INTERVAL = 0.5
 
-
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL this worker (and its process group) when the launcher goes away."""
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        except (OSError, AttributeError):
-            pass  # the watcher thread below still covers it
-    if parent and os.getppid() != parent:
-        os._exit(1)  # the launcher died before we could ask to follow it
-
-    def watch() -> None:
-        while True:
-            time.sleep(WATCH_INTERVAL)
-            if os.getppid() != parent:
-                if os.getpgrp() == os.getpid():
-                    os.killpg(os.getpid(), signal.SIGKILL)  # our children too
-                os.kill(os.getpid(), signal.SIGKILL)
-
-    if parent:
-        threading.Thread(target=watch, name="tandem-parent-watch", daemon=True).start()
+def _load_supervisor() -> ModuleType:
+    """``_supervisor.py`` beside this file, without importing the tandem package."""
+    name = "tandem.run._supervisor"
+    spec = importlib.util.spec_from_file_location(name, os.path.join(_HERE, "_supervisor.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _user_traceback(exc: BaseException) -> Optional[TracebackType]:
@@ -111,11 +96,12 @@ def _run(mode: str, target: str, args: List[str]) -> None:
 
 
 def main(argv: List[str]) -> None:
-    parent, mode = 0, "script"
-    while argv and argv[0] in ("--parent", "-m", "--exec", "--"):
+    options = {"--parent": "0", "--cgroup": "", "--scratch": "", "--forward": "", "--report": "-1"}
+    mode = "script"
+    while argv and (argv[0] in options or argv[0] in ("-m", "--exec", "--")):
         flag = argv.pop(0)
-        if flag == "--parent":
-            parent = int(argv.pop(0))
+        if flag in options:
+            options[flag] = argv.pop(0)
         elif flag == "-m":
             mode = "module"
         elif flag == "--exec":
@@ -123,8 +109,14 @@ def main(argv: List[str]) -> None:
         else:
             break
     if not argv:
-        sys.exit("usage: _worker.py --parent PID [-m | --exec] TARGET [ARGS...]")
-    _die_with_parent(parent)
+        sys.exit("usage: _worker.py --parent PID [--cgroup DIR] [--scratch DIR] "
+                 "[--forward SIGNUMS] [--report FD] [-m | --exec] TARGET [ARGS...]")
+    forward = [int(s) for s in options["--forward"].split(",") if s]
+    supervisor = _load_supervisor().Supervisor(
+        int(options["--parent"]), forward, cgroup=options["--cgroup"],
+        scratch=options["--scratch"], report_fd=int(options["--report"]))
+    if not supervisor.fork():
+        supervisor.supervise()  # exits with the worker's status
     if hasattr(sys.stdout, "reconfigure") and not sys.stdout.isatty():
         sys.stdout.reconfigure(line_buffering=True)  # lines reach the console as printed
     try:
