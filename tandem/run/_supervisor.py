@@ -1,9 +1,9 @@
 """The supervisor between the launcher and one worker: nothing the worker starts outlives it.
 
 Every worker the launcher starts begins as a small process running ``_worker.py``. It
-becomes the worker's supervisor and forks the worker itself (a fork of a process that
-has imported nothing but the standard library: about a millisecond, no second
-interpreter), then waits::
+becomes the worker's supervisor: it forks the worker (a fork of a process that has
+imported nothing but the standard library: about a millisecond, no second interpreter),
+then loads this module, off the worker's way, and waits::
 
     launcher ── supervisor ── worker ── the worker's children, grandchildren, daemons...
 
@@ -23,20 +23,18 @@ What Linux offers, all used at once:
   the supervisor itself dies.
 
 The launcher talks to the supervisor with signals: the ones it forwards (``--forward``)
-go on to the worker's process group; ``KILL_REQUEST`` means "kill everything now" (the
-launcher never SIGKILLs a supervisor it can ask). Once the worker has exited, the
-supervisor kills what it left behind and exits with the worker's status: its exit
-code, or death by the same signal. It imports the standard library only, like
-``_worker.py``, which loads it.
+go on to the worker's process group; ``KILL_REQUEST`` (``--kill-signal``) means "kill
+everything now" (the launcher never SIGKILLs a supervisor it can ask). Once the worker
+has exited, the supervisor kills what it left behind and exits with the worker's
+status: its exit code, or death by the same signal. It imports the standard library
+only, like ``_worker.py``, which loads it by path.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import resource
-import shutil
 import signal
 import sys
 import threading
@@ -48,24 +46,12 @@ __all__ = ["Supervisor", "KILL_REQUEST", "cgroup_kill", "cgroup_remove"]
 # A real-time signal nobody else sends; SIGUSR2 where there are none (then it cannot
 # also be forwarded).
 KILL_REQUEST = signal.SIGRTMIN + 4 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
-PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
 KILL_TIMEOUT = 10.0  # seconds to make everything left under the worker go away
 WATCH_INTERVAL = 0.5  # where there are no parent-death signals: how often to look
 
 
 class _Stop(Exception):
     """Raised by the KILL_REQUEST handler to leave the supervisor's wait."""
-
-
-def _prctl(option: int, value: int) -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return int(libc.prctl(option, value, 0, 0, 0)) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 def cgroup_kill(path: str) -> None:
@@ -126,103 +112,84 @@ def _descendants(pid: int) -> set[int]:
     Zombies are walked through, not reported: a zombie's children are still its own
     until it is collected.
     """
-    children: dict[int, list[int]] = {}
-    live: set[int] = set()
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return live
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                fields = f.read().rpartition(b")")[2].split()  # after "pid (comm)"
-        except OSError:
-            continue  # gone meanwhile
-        if len(fields) > 1:
-            children.setdefault(int(fields[1]), []).append(int(name))
-            if fields[0] not in (b"Z", b"X"):
-                live.add(int(name))
     found: set[int] = set()
-    todo = list(children.get(pid, ()))
+    live: set[int] = set()
+    todo = [pid]
     while todo:
-        p = todo.pop()
-        if p not in found:
-            found.add(p)
-            todo += children.get(p, ())
-    return found & live
+        for child in _children(todo.pop()) - found:
+            found.add(child)
+            todo.append(child)
+            if _stat(child)[:1] not in ([b"Z"], [b"X"], []):
+                live.add(child)
+    return live
+
+
+def _children(pid: int) -> set[int]:
+    """The children of ``pid``, from /proc: its own list where the kernel keeps one
+    (cheap on a host with many processes), else a look at every process's parent."""
+    if not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"):
+        return {int(p) for p in os.listdir("/proc")
+                if p.isdigit() and _stat(int(p))[1:2] == [str(pid).encode()]}
+    found: set[int] = set()
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found  # gone: its children come to us and are found next time
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                found.update(int(p) for p in f.read().split())
+        except OSError:
+            continue
+    return found
+
+
+def _stat(pid: int) -> list[bytes]:
+    """State (R, S, Z, ...) and parent pid of ``pid``, then more (empty if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()  # after "pid (comm)"
+    except OSError:
+        return []
 
 
 class Supervisor:
-    """One worker's supervisor: ``fork()`` it, then ``supervise()`` in the parent.
+    """The supervisor of the already forked ``worker``; see the module docstring.
 
-    ::
+    ``_worker.py`` forks with the forwarded signals and ``kill_signal`` blocked, then::
 
-        sup = Supervisor(parent=launcher_pid, forward=[signal.SIGTERM, ...])
-        if sup.fork():        # True in the worker
-            run_the_script()
-        else:
-            sup.supervise()   # never returns: exits with the worker's status
+        Supervisor(parent, forward, kill_signal, worker=pid, ...).supervise()  # exits
+
+    ``told``: whether the kernel sends ``kill_signal`` when the launcher dies; if not,
+    a thread watches for it.
     """
 
-    def __init__(self, parent: int, forward: list[int], cgroup: str = "", scratch: str = "",
-                 report_fd: int = -1) -> None:
+    def __init__(self, parent: int, forward: list[int], kill_signal: int, *, worker: int,
+                 told: bool, cgroup: str = "", scratch: str = "", report_fd: int = -1) -> None:
         self.parent = parent
-        self.forward = [s for s in forward if s not in (KILL_REQUEST, signal.SIGCHLD)]
+        self.forward = [s for s in forward if s not in (kill_signal, signal.SIGCHLD)]
+        self.kill_signal = kill_signal
+        self.worker = worker
+        self.told = told
         self.job_cgroup = cgroup
         self.cgroup = ""  # this worker's own, under the job's
         self.scratch = scratch
         self.report_fd = report_fd
-        self.worker = 0
-        self._blocked = {*self.forward, KILL_REQUEST}
+        self._blocked = {*forward, kill_signal}  # as _worker.py blocked them
         self._waiting = False  # in supervise()'s wait for the worker
 
-    def fork(self) -> bool:
-        """Become the supervisor and start the worker; True in the worker, False here."""
-        told = not self.parent or _prctl(PR_SET_PDEATHSIG, KILL_REQUEST)
-        _prctl(PR_SET_CHILD_SUBREAPER, 1)
-        if self.parent and os.getppid() != self.parent:
-            os._exit(1)  # the launcher died before we could ask to follow it
-        self._make_cgroup()
-        # signals wait (blocked) until each side has its handlers: none is lost or
-        # handled by the wrong process in between
-        signal.pthread_sigmask(signal.SIG_BLOCK, self._blocked)
-        me = os.getpid()
-        self.worker = os.fork()
-        if self.worker == 0:
-            self._become_worker(me)
-            return True
-        try:
-            os.setpgid(self.worker, self.worker)  # as the worker does: whoever runs first
-        except OSError:
-            pass  # the worker did it and already runs its program
+    # -- the supervisor's side -----------------------------------------------------------
+    def _start(self) -> None:
+        """Everything to do before waiting (signals are still blocked)."""
         self._report()
+        self._make_cgroup()
+        self._contain()
         for sig in self.forward:
             signal.signal(sig, self._pass_on)
-        signal.signal(KILL_REQUEST, self._stop)
-        if not told:  # no parent-death signal here: look for ourselves
+        signal.signal(self.kill_signal, self._stop)
+        if not self.told:  # no parent-death signal here: look for ourselves
             threading.Thread(target=self._watch_parent, daemon=True).start()
-        return False  # signals stay blocked until supervise() waits
 
-    # -- the worker's side --------------------------------------------------------------
-    def _become_worker(self, supervisor: int) -> None:
-        os.setpgid(0, 0)
-        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != supervisor:
-            os._exit(1)  # the supervisor is already gone
-        if self.cgroup:
-            try:
-                with open(os.path.join(self.cgroup, "cgroup.procs"), "w") as f:
-                    f.write("0")  # this process; its children follow it
-            except OSError as exc:
-                sys.stderr.write(f"tandemrun worker: cannot join the cgroup {self.cgroup}: "
-                                 f"{exc}; the supervisor alone cleans up after it\n")
-        if self.report_fd >= 0:
-            os.close(self.report_fd)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, self._blocked)
-
-    # -- the supervisor's side -----------------------------------------------------------
     def _make_cgroup(self) -> None:
         if not self.job_cgroup:
             return
@@ -232,6 +199,30 @@ class Supervisor:
             self.cgroup = path
         except OSError as exc:
             sys.stderr.write(f"tandemrun supervisor: cannot create the cgroup {path}: {exc}\n")
+
+    def _contain(self) -> None:
+        """Move the worker into its cgroup, while it starts: a move takes 5-10 ms (the
+        kernel waits for an RCU grace period), too long to hold up every worker's start.
+        What the worker started before it moved is moved after it."""
+        if not self.cgroup:
+            return
+        procs = -1
+        try:
+            procs = os.open(os.path.join(self.cgroup, "cgroup.procs"), os.O_WRONLY)
+            os.write(procs, str(self.worker).encode())
+            for pid in _descendants(self.worker):  # those it forked before it moved
+                try:
+                    os.write(procs, str(pid).encode())  # one pid per write
+                except ProcessLookupError:
+                    pass  # exited meanwhile
+        except ProcessLookupError:
+            pass  # the worker exited already; the clean-up finds what it left
+        except OSError as exc:
+            sys.stderr.write(f"tandemrun supervisor: cannot move the worker into the cgroup "
+                             f"{self.cgroup}: {exc}; the supervisor alone cleans up after it\n")
+        finally:
+            if procs >= 0:
+                os.close(procs)
 
     def _report(self) -> None:
         """Tell the launcher the worker's pid (it only knows ours)."""
@@ -256,10 +247,11 @@ class Supervisor:
     def _watch_parent(self) -> None:
         while os.getppid() == self.parent:
             time.sleep(WATCH_INTERVAL)
-        os.kill(os.getpid(), KILL_REQUEST)
+        os.kill(os.getpid(), self.kill_signal)
 
     def supervise(self) -> NoReturn:
         """Wait for the worker (collecting orphans meanwhile); clean up; exit as it did."""
+        self._start()
         self._waiting = True
         try:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, self._blocked)
@@ -284,6 +276,8 @@ class Supervisor:
                 except OSError:
                     pass
             if self.scratch:
+                import shutil  # only here: 3 ms of imports nobody else needs
+
                 shutil.rmtree(self.scratch, ignore_errors=True)
         self._exit_like(status)
 

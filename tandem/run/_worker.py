@@ -6,11 +6,13 @@
     python tandem/run/_worker.py --parent PID -m pkg.mod ARGS...    # like python -m pkg.mod
     python tandem/run/_worker.py --parent PID --exec prog ARGS...   # --no-python: exec prog
 
-    options before the target: --cgroup DIR  --scratch DIR  --forward 15,2,...  --report FD
+    options before the target: --forward 15,2,... --kill-signal N --cgroup DIR
+                               --scratch DIR --report FD
 
-The process started this way becomes the worker's supervisor (``_supervisor.py``:
-it ties the worker's life to the launcher's and kills whatever the worker leaves
-behind) and forks the worker, which runs the target. An uncaught exception in the
+The process started this way forks the worker, which runs the target, and becomes
+its supervisor (``_supervisor.py``, loaded after the fork so that the worker does not
+wait for it: it ties the worker's life to the launcher's and kills whatever the worker
+leaves behind). An uncaught exception in the
 worker is recorded without any decorator: rank, host, time, exception type, message
 and traceback go as JSON to ``$TANDEM_ERROR_FILE`` before the worker exits 1.
 It is run by path, not with ``-m``, so that a worker does not import tandem (and torch)
@@ -24,14 +26,57 @@ _HERE = os.path.dirname(os.path.realpath(__file__))
 if sys.path and sys.path[0] and os.path.realpath(sys.path[0]) == _HERE:
     sys.path.pop(0)  # our directory must not shadow the script's imports
 
-import importlib.util  # noqa: E402 - after the path fix above
+import ctypes  # noqa: E402 - after the path fix above
+import importlib.util  # noqa: E402
 import json  # noqa: E402
 import runpy  # noqa: E402
+import signal  # noqa: E402
 import socket  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from types import ModuleType, TracebackType  # noqa: E402
-from typing import List, Optional  # noqa: E402
+from typing import List, Optional, Set, Tuple  # noqa: E402
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, value: int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(option, value, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _fork(parent: int, kill_signal: int, blocked: Set[int]) -> Tuple[int, bool]:
+    """Start the worker: its pid in the supervisor (this process), 0 in the worker; and
+    whether the kernel tells the supervisor of the launcher's death with ``kill_signal``.
+
+    ``blocked`` signals stay blocked in the supervisor until it has its handlers, so
+    none is lost or handled by the wrong process in between.
+    """
+    told = not parent or _prctl(PR_SET_PDEATHSIG, kill_signal)
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans below us come to us, not to init
+    if parent and os.getppid() != parent:
+        os._exit(1)  # the launcher died before we could ask to follow it
+    signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    supervisor = os.getpid()
+    worker = os.fork()
+    if worker == 0:
+        os.setpgid(0, 0)  # a process group of its own, killed as a whole
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != supervisor:
+            os._exit(1)  # the supervisor is already gone
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
+        return 0, False
+    try:
+        os.setpgid(worker, worker)  # as the worker does: whoever runs first
+    except OSError:
+        pass  # the worker did it and already runs its program
+    return worker, told
 
 
 def _load_supervisor() -> ModuleType:
@@ -96,7 +141,9 @@ def _run(mode: str, target: str, args: List[str]) -> None:
 
 
 def main(argv: List[str]) -> None:
-    options = {"--parent": "0", "--cgroup": "", "--scratch": "", "--forward": "", "--report": "-1"}
+    # (the launcher passes a real-time --kill-signal; SIGUSR2 serves runs by hand)
+    options = {"--parent": "0", "--cgroup": "", "--scratch": "", "--forward": "",
+               "--kill-signal": str(int(signal.SIGUSR2)), "--report": "-1"}
     mode = "script"
     while argv and (argv[0] in options or argv[0] in ("-m", "--exec", "--")):
         flag = argv.pop(0)
@@ -109,14 +156,19 @@ def main(argv: List[str]) -> None:
         else:
             break
     if not argv:
-        sys.exit("usage: _worker.py --parent PID [--cgroup DIR] [--scratch DIR] "
-                 "[--forward SIGNUMS] [--report FD] [-m | --exec] TARGET [ARGS...]")
+        sys.exit("usage: _worker.py --parent PID [--forward SIGNUMS] [--kill-signal N] "
+                 "[--cgroup DIR] [--scratch DIR] [--report FD] [-m | --exec] TARGET [ARGS...]")
+    parent, kill_signal = int(options["--parent"]), int(options["--kill-signal"])
     forward = [int(s) for s in options["--forward"].split(",") if s]
-    supervisor = _load_supervisor().Supervisor(
-        int(options["--parent"]), forward, cgroup=options["--cgroup"],
-        scratch=options["--scratch"], report_fd=int(options["--report"]))
-    if not supervisor.fork():
-        supervisor.supervise()  # exits with the worker's status
+    report = int(options["--report"])
+    worker, told = _fork(parent, kill_signal, {*forward, kill_signal})
+    if worker:
+        _load_supervisor().Supervisor(
+            parent, forward, kill_signal, worker=worker, told=told,
+            cgroup=options["--cgroup"], scratch=options["--scratch"],
+            report_fd=report).supervise()  # exits with the worker's status
+    if report >= 0:
+        os.close(report)  # the supervisor's line to the launcher
     if hasattr(sys.stdout, "reconfigure") and not sys.stdout.isatty():
         sys.stdout.reconfigure(line_buffering=True)  # lines reach the console as printed
     try:

@@ -27,6 +27,7 @@ from typing import Callable, ParamSpec, TypeVar
 
 from tandem.config import load_secret
 from tandem.errors import ArgumentError
+from tandem.run._supervisor import KILL_REQUEST
 from tandem.run.config import LaunchConfig
 from tandem.run.containment import Containment, make_scratch
 from tandem.run.rendezvous import Assignment, LocalRendezvous, Rendezvous
@@ -156,7 +157,8 @@ class Agent:
 
     def _supervisor_options(self) -> tuple[str, ...]:
         """What each worker's supervisor needs (see ``tandem/run/_supervisor.py``)."""
-        options: tuple[str, ...] = ("--parent", str(os.getpid()),
+        options: tuple[str, ...] = ("--parent", str(os.getpid()), "--kill-signal",
+                                    str(int(KILL_REQUEST)),
                                     "--forward", ",".join(map(str, self.cfg.signals)))
         if self.containment.cgroup:
             options += ("--cgroup", self.containment.cgroup)
