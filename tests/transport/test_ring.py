@@ -89,19 +89,27 @@ def test_check_ends_a_wait_as_soon_as_the_waiter_is_woken(pair: Any, monkeypatch
     monkeypatch.setattr(_ring, "_SLEEP_S", 10.0)  # only a wake-up can end the sleep early
     _, consumer = pair
     stop = threading.Event()
+    asleep = threading.Event()
+
+    def futex_wait(*args: Any) -> Any:
+        asleep.set()
+        return real_futex_wait(*args)
+
+    real_futex_wait = _ring.futex_wait
+    monkeypatch.setattr(_ring, "futex_wait", futex_wait)
 
     def check() -> None:
         if stop.is_set():
             raise ProtocolError("stopped")
 
     reader, errors = _in_thread(lambda: consumer.read_into(memoryview(bytearray(10)), check))
-    time.sleep(0.2)  # asleep on the futex by now
+    assert asleep.wait(10), "the reader never slept on the futex"
     start = time.monotonic()
     stop.set()
     consumer.wake_local()
     reader.join(5)
     assert not reader.is_alive() and isinstance(errors[0], ProtocolError)
-    assert time.monotonic() - start < 2.0, "the wake-up did not reach the sleeper"
+    assert time.monotonic() - start < 5.0, "the wake-up did not reach the sleeper"  # not 10 s
 
 
 def test_a_ring_announcing_a_bad_capacity_is_refused() -> None:
