@@ -178,7 +178,6 @@ class Supervisor:
         self._blocked = {*forward, kill_signal}  # as _worker.py blocked them
         self._waiting = False  # in supervise()'s wait for the worker
 
-    # -- the supervisor's side -----------------------------------------------------------
     def _start(self) -> None:
         """Everything to do before waiting (signals are still blocked)."""
         self._report()

@@ -12,9 +12,9 @@
 The process started this way forks the worker, which runs the target, and becomes
 its supervisor (``_supervisor.py``, loaded after the fork so that the worker does not
 wait for it: it ties the worker's life to the launcher's and kills whatever the worker
-leaves behind). An uncaught exception in the
-worker is recorded without any decorator: rank, host, time, exception type, message
-and traceback go as JSON to ``$TANDEM_ERROR_FILE`` before the worker exits 1.
+leaves behind). An uncaught exception in the worker is recorded without any
+decorator: rank, host, time, exception type, message and traceback go as JSON to
+``$TANDEM_ERROR_FILE`` before the worker exits 1.
 It is run by path, not with ``-m``, so that a worker does not import tandem (and torch)
 unless its script does; it therefore imports the standard library only.
 """
