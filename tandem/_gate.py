@@ -64,6 +64,7 @@ class Gate:
             collections.OrderedDict())  # oldest first
         self._wake_r, self._wake_w = socket.socketpair()
         self._closed = threading.Event()
+        self._resume = 0.0  # out of descriptors with none to free: accept again after this
 
     def close(self) -> None:
         """Stop ``run`` (within a moment) and drop every connection still pending."""
@@ -109,6 +110,8 @@ class Gate:
     # -- the loop's pieces -----------------------------------------------------------------
     def _room(self, now: float) -> bool:
         """Whether to accept now: a free slot, or an oldest pending one old enough to evict."""
+        if now < self._resume:
+            return False
         if len(self._pending) < MAX_PENDING:
             return True
         oldest = next(iter(self._pending.values()))
@@ -142,10 +145,12 @@ class Gate:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE) and self._pending:
-                    self._drop(sel, next(iter(self._pending)))  # free a descriptor
-                    continue
-                return  # listener closed, or out of descriptors with nothing to free
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    if self._pending:
+                        self._drop(sel, next(iter(self._pending)))  # free a descriptor
+                        continue
+                    self._resume = now + _TICK  # nothing of ours to free: do not spin
+                return  # or the listener was closed
             if len(self._pending) >= MAX_PENDING:
                 self._drop(sel, next(iter(self._pending)))  # the oldest makes room
             sock.setblocking(False)
