@@ -120,8 +120,8 @@ def client_handshake(sock: socket.socket, secret: bytes, purpose: bytes,
     except (OSError, NetworkError) as exc:
         if isinstance(exc, AuthenticationError):
             raise
-        raise NetworkError(f"{what} closed the connection during the handshake (it went "
-                           f"away or dropped the connection): {exc}") from exc
+        raise NetworkError(f"{what} went away during the handshake (or dropped this "
+                           f"connection): {exc}") from exc
     finally:
         sock.settimeout(old)
 

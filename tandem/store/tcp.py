@@ -273,8 +273,7 @@ class _Client:
             raise
         except NetworkError as exc:  # a reset is no wrong secret: the server is gone
             sock.close()
-            raise StoreError(f"the store at {self.where} went away during the handshake: "
-                             f"{exc}") from exc
+            raise StoreError(str(exc)) from exc
         except BaseException:
             sock.close()
             raise

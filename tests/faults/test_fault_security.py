@@ -431,6 +431,13 @@ def test_a_full_gate_pushes_out_its_oldest_stranger(monkeypatch: Any) -> None:
         master.close()
 
 
+def _connections_to(port: int) -> int:
+    """How many connections to local ``port`` are established (``/proc/net/tcp``)."""
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return sum(1 for r in rows if int(r[1].rsplit(":", 1)[1], 16) == port and r[3] == "01")
+
+
 def test_a_store_that_dies_mid_handshake_is_not_called_a_wrong_secret() -> None:
     host = subprocess.Popen(
         [sys.executable, "-c",
@@ -444,19 +451,21 @@ def test_a_store_that_dies_mid_handshake_is_not_called_a_wrong_secret() -> None:
         port = int(host.stdout.readline())
         os.kill(host.pid, signal.SIGSTOP)  # it cannot answer: our handshake waits for it
         failed: list[BaseException] = []
-        entered = threading.Event()
 
         def join() -> None:
-            entered.set()
             try:
                 dist.TCPStore("127.0.0.1", port, timeout=20, secret=b"x")
             except BaseException as exc:  # noqa: BLE001 - examined below
                 failed.append(exc)
 
+        before = _connections_to(port)  # the host's own client's
         client = threading.Thread(target=join, daemon=True)
         client.start()
-        entered.wait(10)
-        time.sleep(0.5)  # connected (the kernel accepts for the stopped host): mid-handshake
+        # the kernel completes the connection for the stopped host: we wait in the handshake
+        deadline = time.monotonic() + 20
+        while _connections_to(port) <= before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _connections_to(port) > before, "the client never connected"
         os.kill(host.pid, signal.SIGKILL)
         client.join(30)
         assert not client.is_alive(), "the client did not notice the store's death"
