@@ -15,8 +15,9 @@ TANDEM_TIMEOUT                 default deadline of collectives and p2p ops, seco
 TANDEM_CONNECT_TIMEOUT         deadline to connect to peers and store, seconds (60)
 TANDEM_BIND_ADDR               address the transport listens on; default: loopback when
                                MASTER_ADDR is a loopback name, else all interfaces only
-                               if set to 0.0.0.0 explicitly, otherwise the address of the
-                               interface that routes to MASTER_ADDR
+                               if set to 0.0.0.0 explicitly (here or as MASTER_ADDR),
+                               otherwise the address of the interface that routes to
+                               MASTER_ADDR; on 0.0.0.0 peers are told that address
 TANDEM_MAX_FRAME               largest accepted message payload in bytes (16 GiB)
 TANDEM_ALGORITHM               force one all-reduce algorithm: auto, naive, ring,
                                doubling, shm, hierarchical, or a registered custom
