@@ -59,7 +59,8 @@ made: list[CountingTransport] = []  # the transport this process created, to rea
 def make_counting(options: tandem.BackendOptions) -> Transport:
     inner = TcpTransport(options.rank, options.world_size, options.store, options.host,
                          options.secret, options.settings.connect_timeout,
-                         options.settings.max_frame, options.hostname)
+                         options.settings.max_frame, options.hostname,
+                         advertise=options.advertise)
     transport = CountingTransport(inner)
     made.append(transport)
     return transport

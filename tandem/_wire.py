@@ -9,8 +9,12 @@ so nothing a stranger sends is ever interpreted as a length:
     server -> client   HMAC(secret, "S" purpose nonce_c nonce_s)
 
 ``purpose`` separates the store protocol from the transport protocol, so a reply
-recorded on one cannot be replayed on the other. After the handshake, frames are
-length-prefixed and the length is checked against a cap before anything is read.
+recorded on one cannot be replayed on the other. A server that finds the client's
+HMAC wrong answers ``REFUSED`` in place of its own, so a client with the wrong secret
+is told so, while a connection that merely closes (the server went away) is not
+mistaken for one. The server side runs in :mod:`tandem._gate`. After the handshake,
+frames are length-prefixed and the length is checked against a cap before anything
+is read. Nothing after the handshake is authenticated or encrypted (README, "Security").
 """
 
 from __future__ import annotations
@@ -20,18 +24,17 @@ import hmac
 import os
 import socket
 import struct
-import threading
 import time
-from typing import Callable
 
 from tandem.errors import AuthenticationError, NetworkError, ProtocolError
 
 __all__ = [
     "bind",
     "MAGIC",
+    "REFUSED",
     "HANDSHAKE_TIMEOUT",
     "client_handshake",
-    "server_handshake",
+    "server_proof",
     "connect",
     "listen",
     "recv_exact",
@@ -39,13 +42,16 @@ __all__ = [
     "send_frame",
     "recv_frame",
     "is_loopback",
+    "is_wildcard",
+    "route_address",
+    "advertised_address",
     "tune",
-    "accept_while",
 ]
 
 MAGIC = b"TANDEM01"
 NONCE = 32
 MAC = 32
+REFUSED = b"TANDEM: REFUSED, WRONG SECRET..."  # sent in place of the server's MAC
 HANDSHAKE_TIMEOUT = 10.0
 _LEN = struct.Struct("!I")
 
@@ -71,49 +77,51 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def server_handshake(sock: socket.socket, secret: bytes, purpose: bytes) -> None:
-    """Authenticate the connecting peer; raise ``AuthenticationError`` if it fails."""
-    old = sock.gettimeout()
-    sock.settimeout(HANDSHAKE_TIMEOUT)
-    try:
-        nonce_s = os.urandom(NONCE)
-        sock.sendall(MAGIC + nonce_s)
-        reply = recv_exact(sock, len(MAGIC) + NONCE + MAC)
-        if reply[: len(MAGIC)] != MAGIC:
-            raise AuthenticationError("peer does not speak the tandem protocol")
-        nonce_c = reply[len(MAGIC) : len(MAGIC) + NONCE]
-        expected = _mac(secret, b"C", purpose, nonce_s, nonce_c)
-        if not hmac.compare_digest(expected, reply[len(MAGIC) + NONCE :]):
-            raise AuthenticationError("peer failed authentication (wrong job secret?)")
-        sock.sendall(_mac(secret, b"S", purpose, nonce_c, nonce_s))
-    except (OSError, NetworkError) as exc:
-        if isinstance(exc, AuthenticationError):
-            raise
-        raise AuthenticationError(f"handshake with peer failed: {exc}") from exc
-    finally:
-        sock.settimeout(old)
+def server_proof(secret: bytes, purpose: bytes, nonce_s: bytes, reply: bytes) -> bytes | None:
+    """The server's answer to a client's ``reply`` to the challenge ``nonce_s``: its own
+    HMAC if the client proved the secret, else None."""
+    if len(reply) != len(MAGIC) + NONCE + MAC or reply[: len(MAGIC)] != MAGIC:
+        return None
+    nonce_c = reply[len(MAGIC) : len(MAGIC) + NONCE]
+    expected = _mac(secret, b"C", purpose, nonce_s, nonce_c)
+    if not hmac.compare_digest(expected, reply[len(MAGIC) + NONCE :]):
+        return None
+    return _mac(secret, b"S", purpose, nonce_c, nonce_s)
 
 
-def client_handshake(sock: socket.socket, secret: bytes, purpose: bytes) -> None:
-    """Prove knowledge of the secret to the server and check that it knows it too."""
+def client_handshake(sock: socket.socket, secret: bytes, purpose: bytes,
+                     what: str = "the server") -> None:
+    """Prove knowledge of the secret to the server and check that it knows it too.
+
+    Raises ``AuthenticationError`` when either side does not know the secret (or the
+    server is no tandem server), ``NetworkError`` when the connection breaks or stalls
+    during the handshake. ``what`` names the server in the messages.
+    """
     old = sock.gettimeout()
     sock.settimeout(HANDSHAKE_TIMEOUT)
     try:
         hello = recv_exact(sock, len(MAGIC) + NONCE)
         if hello[: len(MAGIC)] != MAGIC:
-            raise AuthenticationError("server does not speak the tandem protocol")
+            raise AuthenticationError(f"{what} does not speak the tandem protocol")
         nonce_s = hello[len(MAGIC) :]
         nonce_c = os.urandom(NONCE)
         sock.sendall(MAGIC + nonce_c + _mac(secret, b"C", purpose, nonce_s, nonce_c))
         proof = recv_exact(sock, MAC)
+        if proof == REFUSED:
+            raise AuthenticationError(
+                f"{what} refused this process's proof: wrong job secret (TANDEM_SECRET or "
+                f"TANDEM_SECRET_FILE must be the same for every rank)")
         if not hmac.compare_digest(proof, _mac(secret, b"S", purpose, nonce_c, nonce_s)):
-            raise AuthenticationError("server failed authentication (wrong job secret?)")
+            raise AuthenticationError(f"{what} failed authentication: it does not know "
+                                      f"the job secret")
+    except socket.timeout as exc:
+        raise NetworkError(
+            f"{what} did not finish the handshake within {HANDSHAKE_TIMEOUT:.0f}s") from exc
     except (OSError, NetworkError) as exc:
         if isinstance(exc, AuthenticationError):
             raise
-        raise AuthenticationError(
-            f"handshake with server failed (wrong job secret, or not a tandem server): {exc}"
-        ) from exc
+        raise NetworkError(f"{what} went away during the handshake (or dropped this "
+                           f"connection): {exc}") from exc
     finally:
         sock.settimeout(old)
 
@@ -165,7 +173,14 @@ def bind(host: str, port: int = 0) -> socket.socket:
     return sock
 
 
-def listen(host: str, port: int = 0, backlog: int = 128) -> socket.socket:
+# The kernel's queue of connections not yet accepted, as long as it allows (somaxconn):
+# with a short one, a flood of strangers fills it and the kernel drops the ranks' SYNs
+# (retried after 1, 3, 7 s...), while a long one keeps everyone in line, first come
+# first served, at no cost to us (see tandem._gate).
+BACKLOG = 4096
+
+
+def listen(host: str, port: int = 0, backlog: int = BACKLOG) -> socket.socket:
     """A listening socket bound to exactly ``host`` (never widened)."""
     try:
         sock = bind(host, port)
@@ -173,24 +188,6 @@ def listen(host: str, port: int = 0, backlog: int = 128) -> socket.socket:
         raise NetworkError(f"cannot listen on {host}:{port}: {exc}") from exc
     sock.listen(backlog)
     return sock
-
-
-def accept_while(listener: socket.socket, deadline: float, waiting: Callable[[], bool],
-                 admit: Callable[[socket.socket], None]) -> None:
-    """Accept connections while ``waiting()`` holds, until ``deadline`` or the listener closes.
-
-    Each connection is admitted on a thread of its own, so a stranger that connects and
-    says nothing cannot hold up the peers that are still to come.
-    """
-    listener.settimeout(0.2)
-    while time.monotonic() < deadline and waiting():
-        try:
-            sock, _ = listener.accept()
-        except socket.timeout:
-            continue
-        except OSError:
-            return  # listener closed: set-up finished or failed
-        threading.Thread(target=admit, args=(sock,), daemon=True).start()
 
 
 def send_frame(sock: socket.socket, payload: bytes) -> None:
@@ -212,6 +209,53 @@ def is_loopback(host: str) -> bool:
         return socket.gethostbyname(host).startswith("127.")
     except OSError:
         return False
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether binding ``host`` listens on every interface (``0.0.0.0``, ``::``, empty)."""
+    return host in ("", "0.0.0.0", "::")
+
+
+def route_address(toward: str) -> str:
+    """The local address of the interface the kernel would use to reach ``toward``.
+
+    Raises ``OSError`` when ``toward`` does not resolve or nothing routes to it.
+    """
+    family, _, _, _, where = socket.getaddrinfo(toward, 9, type=socket.SOCK_DGRAM)[0]
+    probe = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        probe.connect(where)  # a UDP connect sends nothing; it only picks the route
+        return str(probe.getsockname()[0])
+    finally:
+        probe.close()
+
+
+# An address of TEST-NET-1 (RFC 5737): never used by anyone, so the route to it is the
+# default route. Only a route lookup is made; nothing is ever sent there.
+_SOMEWHERE = "192.0.2.1"
+
+
+def advertised_address(bind: str, toward: str | None) -> str:
+    """The address that peers should dial to reach a listener bound to ``bind``.
+
+    A listener bound to one address is reached there. One bound to every interface
+    (``0.0.0.0``) is reached through the interface that routes to ``toward`` (the
+    master's address: the network the job runs on), else through the interface of
+    the default route, else through loopback.
+    """
+    if not is_wildcard(bind):
+        return bind
+    if toward and not is_wildcard(toward):
+        if is_loopback(toward):
+            return "::1" if ":" in toward else "127.0.0.1"
+        try:
+            return route_address(toward)
+        except OSError:
+            pass
+    try:
+        return route_address(_SOMEWHERE)
+    except OSError:
+        return "127.0.0.1"
 
 
 class BufferedReader:

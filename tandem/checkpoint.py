@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from tandem._proc import process_alive
 from tandem.collectives.api import broadcast
 from tandem.collectives.groups import get_global_rank
 from tandem.collectives.world import AnyGroup, get_rank, is_initialized
@@ -67,16 +68,6 @@ def _is_temp(name: str) -> bool:
     return _TMP in name
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
-
-
 def _remove_stale_temps(path: str) -> None:
     """Delete ``path``'s temporary files left by killed saves of this host.
 
@@ -95,7 +86,7 @@ def _remove_stale_temps(path: str) -> None:
         parts = name[len(prefix):].rsplit(".", 2)  # the host name may itself hold dots
         if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
             continue
-        if int(parts[1]) != os.getpid() and not _pid_alive(int(parts[1])):
+        if int(parts[1]) != os.getpid() and not process_alive(int(parts[1])):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(directory, name))
 

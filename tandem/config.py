@@ -15,8 +15,9 @@ TANDEM_TIMEOUT                 default deadline of collectives and p2p ops, seco
 TANDEM_CONNECT_TIMEOUT         deadline to connect to peers and store, seconds (60)
 TANDEM_BIND_ADDR               address the transport listens on; default: loopback when
                                MASTER_ADDR is a loopback name, else all interfaces only
-                               if set to 0.0.0.0 explicitly, otherwise the address of the
-                               interface that routes to MASTER_ADDR
+                               if set to 0.0.0.0 explicitly (here or as MASTER_ADDR),
+                               otherwise the address of the interface that routes to
+                               MASTER_ADDR; on 0.0.0.0 peers are told that address
 TANDEM_MAX_FRAME               largest accepted message payload in bytes (16 GiB)
 TANDEM_ALGORITHM               force one all-reduce algorithm: auto, naive, ring,
                                doubling, shm, hierarchical, or a registered custom
@@ -39,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
+import stat
 from pathlib import Path
 from typing import Callable, Mapping, TypeVar
 
@@ -130,7 +132,8 @@ def load_secret(env: Mapping[str, str] | None = None) -> bytes:
     Order: ``TANDEM_SECRET``, then the file named by ``TANDEM_SECRET_FILE``, then a
     per-user secret file (created with mode 0600 on first use). The per-user file
     makes single-host jobs and clusters with a shared home directory work without
-    set-up while keeping other users of the machine out.
+    set-up while keeping other users of the machine out. A secret file that other
+    users may read or write is refused, as ssh refuses such a private key.
     """
     env = os.environ if env is None else env
     value = env.get("TANDEM_SECRET")
@@ -138,13 +141,7 @@ def load_secret(env: Mapping[str, str] | None = None) -> bytes:
         return value.encode()
     path_name = env.get("TANDEM_SECRET_FILE")
     if path_name:
-        try:
-            data = Path(path_name).read_bytes().strip()
-        except OSError as exc:
-            raise ArgumentError(f"TANDEM_SECRET_FILE={path_name!r} cannot be read: {exc}") from exc
-        if not data:
-            raise ArgumentError(f"TANDEM_SECRET_FILE={path_name!r} is empty")
-        return data
+        return _read_secret_file(Path(path_name), f"TANDEM_SECRET_FILE={path_name!r}")
     path = _user_secret_path()
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -158,4 +155,21 @@ def load_secret(env: Mapping[str, str] | None = None) -> bytes:
             pass
         finally:
             os.unlink(tmp)
-    return path.read_bytes().strip()
+    return _read_secret_file(path, f"the per-user secret file {str(path)!r}")
+
+
+def _read_secret_file(path: Path, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            mode = stat.S_IMODE(os.fstat(f.fileno()).st_mode)  # of the file we read
+            data = f.read().strip()
+    except OSError as exc:
+        raise ArgumentError(f"{what} cannot be read: {exc}") from exc
+    if mode & 0o077:
+        raise ArgumentError(
+            f"{what}: permissions {mode:04o} are too open: other users of this host could "
+            f"read the job secret and join the job; make it private with chmod 600 {path} "
+            f"(a Kubernetes secret volume: defaultMode 0400)")
+    if not data:
+        raise ArgumentError(f"{what} is empty")
+    return data

@@ -45,10 +45,11 @@ class BackendOptions:
     store: Store
     rank: int
     world_size: int
-    host: str
+    host: str  # the address to listen on
     hostname: str
     secret: bytes
     settings: Settings
+    advertise: str = ""  # the address peers dial, when ``host`` is a wildcard like 0.0.0.0
 
 
 Factory = Callable[[BackendOptions], Transport]
@@ -57,7 +58,8 @@ Factory = Callable[[BackendOptions], Transport]
 def _tcp(options: BackendOptions) -> Transport:
     return TcpTransport(options.rank, options.world_size, options.store, options.host,
                         options.secret, options.settings.connect_timeout,
-                        options.settings.max_frame, options.hostname)
+                        options.settings.max_frame, options.hostname,
+                        advertise=options.advertise)
 
 
 def _shm_over(options: BackendOptions, peers: list[int], tcp: Transport | None) -> ShmTransport:

@@ -128,16 +128,14 @@ def bind_address(settings: Settings, master_addr: str | None) -> str:
         return settings.bind_addr
     if master_addr is None or _wire.is_loopback(master_addr):
         return "127.0.0.1"
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    if _wire.is_wildcard(master_addr):
+        return master_addr  # MASTER_ADDR=0.0.0.0: every interface, as the store listens
     try:
-        probe.connect((master_addr, 9))  # UDP connect sends nothing; it picks the route
-        return str(probe.getsockname()[0])
+        return _wire.route_address(master_addr)
     except OSError as exc:
         raise ArgumentError(
             f"cannot find the local address that reaches MASTER_ADDR={master_addr}: {exc}; "
             f"set TANDEM_BIND_ADDR") from exc
-    finally:
-        probe.close()
 
 
 def init_process_group(
@@ -172,8 +170,9 @@ def init_process_group(
     # the addresses of the previous incarnation
     generation = (store.add("tandem/inits", 1) - 1) // world_size
     scoped = PrefixStore(f"tandem/{generation}", store)
-    options = BackendOptions(store=scoped, rank=rank, world_size=world_size,
-                             host=bind_address(settings, master),
+    host = bind_address(settings, master)
+    options = BackendOptions(store=scoped, rank=rank, world_size=world_size, host=host,
+                             advertise=_wire.advertised_address(host, master),
                              hostname=os.environ.get("TANDEM_HOST_ID") or socket.gethostname(),
                              secret=load_secret(), settings=settings)
     transport = Backend.factory(backend_name)(options)

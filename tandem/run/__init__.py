@@ -29,6 +29,8 @@ exception and traceback. Pieces: :mod:`~tandem.run.args` (command line),
 :mod:`~tandem.run.agent` (the loop), :mod:`~tandem.run.rendezvous` and
 :mod:`~tandem.run.multinode` (agreement between nodes), :mod:`~tandem.run.workers`
 (processes), :mod:`~tandem.run.rootcause` (the summary), ``_worker.py`` (the bootstrap),
+``_supervisor.py`` and :mod:`~tandem.run.containment` (nothing a job starts outlives it:
+a supervisor per worker, the job's cgroup, its scratch directory),
 :mod:`~tandem.run.dynamic` (c10d, MIN:MAX) and :mod:`~tandem.run.heartbeat` (lost nodes).
 """
 

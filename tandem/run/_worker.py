@@ -6,10 +6,15 @@
     python tandem/run/_worker.py --parent PID -m pkg.mod ARGS...    # like python -m pkg.mod
     python tandem/run/_worker.py --parent PID --exec prog ARGS...   # --no-python: exec prog
 
-It ties the worker's life to the launcher (``PR_SET_PDEATHSIG`` on Linux, which
-survives exec, plus a thread that watches the parent pid everywhere), and records
-an uncaught exception without any decorator: rank, host, time, exception type,
-message and traceback go as JSON to ``$TANDEM_ERROR_FILE`` before the worker exits 1.
+    options before the target: --forward 15,2,... --kill-signal N --cgroup DIR
+                               --scratch DIR --report FD
+
+The process started this way forks the worker, which runs the target, and becomes
+its supervisor (``_supervisor.py``, loaded after the fork so that the worker does not
+wait for it: it ties the worker's life to the launcher's and kills whatever the worker
+leaves behind). An uncaught exception in the worker is recorded without any
+decorator: rank, host, time, exception type, message and traceback go as JSON to
+``$TANDEM_ERROR_FILE`` before the worker exits 1.
 It is run by path, not with ``-m``, so that a worker does not import tandem (and torch)
 unless its script does; it therefore imports the standard library only.
 """
@@ -17,46 +22,71 @@ unless its script does; it therefore imports the standard library only.
 import os  # already imported by the interpreter's startup, so never shadowed
 import sys
 
-if sys.path and sys.path[0] and (
-        os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpath(__file__))):
+_HERE = os.path.dirname(os.path.realpath(__file__))
+if sys.path and sys.path[0] and os.path.realpath(sys.path[0]) == _HERE:
     sys.path.pop(0)  # our directory must not shadow the script's imports
 
 import ctypes  # noqa: E402 - after the path fix above
+import importlib.util  # noqa: E402
 import json  # noqa: E402
 import runpy  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
-from types import TracebackType  # noqa: E402
-from typing import List, Optional  # noqa: E402
+from types import ModuleType, TracebackType  # noqa: E402
+from typing import List, Optional, Set, Tuple  # noqa: E402
 
 PR_SET_PDEATHSIG = 1
-WATCH_INTERVAL = 0.5
+PR_SET_CHILD_SUBREAPER = 36
 
 
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL this worker (and its process group) when the launcher goes away."""
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        except (OSError, AttributeError):
-            pass  # the watcher thread below still covers it
+def _prctl(option: int, value: int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(option, value, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _fork(parent: int, kill_signal: int, blocked: Set[int]) -> Tuple[int, bool]:
+    """Start the worker: its pid in the supervisor (this process), 0 in the worker; and
+    whether the kernel tells the supervisor of the launcher's death with ``kill_signal``.
+
+    ``blocked`` signals stay blocked in the supervisor until it has its handlers, so
+    none is lost or handled by the wrong process in between.
+    """
+    told = not parent or _prctl(PR_SET_PDEATHSIG, kill_signal)
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans below us come to us, not to init
     if parent and os.getppid() != parent:
         os._exit(1)  # the launcher died before we could ask to follow it
+    signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    supervisor = os.getpid()
+    worker = os.fork()
+    if worker == 0:
+        os.setpgid(0, 0)  # a process group of its own, killed as a whole
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != supervisor:
+            os._exit(1)  # the supervisor is already gone
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
+        return 0, False
+    try:
+        os.setpgid(worker, worker)  # as the worker does: whoever runs first
+    except OSError:
+        pass  # the worker did it and already runs its program
+    return worker, told
 
-    def watch() -> None:
-        while True:
-            time.sleep(WATCH_INTERVAL)
-            if os.getppid() != parent:
-                if os.getpgrp() == os.getpid():
-                    os.killpg(os.getpid(), signal.SIGKILL)  # our children too
-                os.kill(os.getpid(), signal.SIGKILL)
 
-    if parent:
-        threading.Thread(target=watch, name="tandem-parent-watch", daemon=True).start()
+def _load_supervisor() -> ModuleType:
+    """``_supervisor.py`` beside this file, without importing the tandem package."""
+    name = "tandem.run._supervisor"
+    spec = importlib.util.spec_from_file_location(name, os.path.join(_HERE, "_supervisor.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _user_traceback(exc: BaseException) -> Optional[TracebackType]:
@@ -111,11 +141,14 @@ def _run(mode: str, target: str, args: List[str]) -> None:
 
 
 def main(argv: List[str]) -> None:
-    parent, mode = 0, "script"
-    while argv and argv[0] in ("--parent", "-m", "--exec", "--"):
+    # (the launcher passes a real-time --kill-signal; SIGUSR2 serves runs by hand)
+    options = {"--parent": "0", "--cgroup": "", "--scratch": "", "--forward": "",
+               "--kill-signal": str(int(signal.SIGUSR2)), "--report": "-1"}
+    mode = "script"
+    while argv and (argv[0] in options or argv[0] in ("-m", "--exec", "--")):
         flag = argv.pop(0)
-        if flag == "--parent":
-            parent = int(argv.pop(0))
+        if flag in options:
+            options[flag] = argv.pop(0)
         elif flag == "-m":
             mode = "module"
         elif flag == "--exec":
@@ -123,8 +156,19 @@ def main(argv: List[str]) -> None:
         else:
             break
     if not argv:
-        sys.exit("usage: _worker.py --parent PID [-m | --exec] TARGET [ARGS...]")
-    _die_with_parent(parent)
+        sys.exit("usage: _worker.py --parent PID [--forward SIGNUMS] [--kill-signal N] "
+                 "[--cgroup DIR] [--scratch DIR] [--report FD] [-m | --exec] TARGET [ARGS...]")
+    parent, kill_signal = int(options["--parent"]), int(options["--kill-signal"])
+    forward = [int(s) for s in options["--forward"].split(",") if s]
+    report = int(options["--report"])
+    worker, told = _fork(parent, kill_signal, {*forward, kill_signal})
+    if worker:
+        _load_supervisor().Supervisor(
+            parent, forward, kill_signal, worker=worker, told=told,
+            cgroup=options["--cgroup"], scratch=options["--scratch"],
+            report_fd=report).supervise()  # exits with the worker's status
+    if report >= 0:
+        os.close(report)  # the supervisor's line to the launcher
     if hasattr(sys.stdout, "reconfigure") and not sys.stdout.isatty():
         sys.stdout.reconfigure(line_buffering=True)  # lines reach the console as printed
     try:

@@ -27,7 +27,9 @@ from typing import Callable, ParamSpec, TypeVar
 
 from tandem.config import load_secret
 from tandem.errors import ArgumentError
+from tandem.run._supervisor import KILL_REQUEST
 from tandem.run.config import LaunchConfig
+from tandem.run.containment import Containment, make_scratch
 from tandem.run.rendezvous import Assignment, LocalRendezvous, Rendezvous
 from tandem.run.rootcause import Failure, format_summary, load_record, pick_root_cause
 from tandem.run.streams import Console
@@ -71,6 +73,8 @@ class Agent:
         self._interruptible = False
         self.failures: list[Failure] = []
         self.stopped: list[int] = []
+        self.containment = Containment()  # made by run()
+        self.scratch = ""  # the launch's private directory, removed at the end
 
     def _say(self, text: str) -> None:
         self.err.message(f"tandemrun: {text}")
@@ -125,14 +129,14 @@ class Agent:
 
     def run(self) -> int:
         extra, secret = self._env_extra()
-        files_root = self.cfg.log_dir
-        scratch = None
-        if files_root is None:
-            scratch = tempfile.mkdtemp(prefix="tandemrun_")
-            files_root = scratch
-            if self.cfg.keeps_files:
-                self._say(f"-r/-t without --log-dir: logs go to {files_root}")
-                scratch = None  # keep them
+        files_root, self.scratch = self.cfg.log_dir, ""
+        if files_root is None and self.cfg.keeps_files:
+            files_root = tempfile.mkdtemp(prefix="tandemrun_logs_")  # kept: never swept
+            self._say(f"-r/-t without --log-dir: logs go to {files_root}")
+        elif files_root is None:
+            files_root = self.scratch = make_scratch()
+        self.containment = Containment.create()
+        self._say(self.containment.describe())
         previous = self._install_signals()
         rdzv = None
         try:
@@ -143,12 +147,24 @@ class Agent:
         finally:
             if self.group is not None:
                 self.group.close()
+            self.containment.close()
             if rdzv is not None:
                 rdzv.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)  # type: ignore[arg-type]
-            if scratch is not None:
-                shutil.rmtree(scratch, ignore_errors=True)
+            if self.scratch:
+                shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def _supervisor_options(self) -> tuple[str, ...]:
+        """What each worker's supervisor needs (see ``tandem/run/_supervisor.py``)."""
+        options: tuple[str, ...] = ("--parent", str(os.getpid()), "--kill-signal",
+                                    str(int(KILL_REQUEST)),
+                                    "--forward", ",".join(map(str, self.cfg.signals)))
+        if self.containment.cgroup:
+            options += ("--cgroup", self.containment.cgroup)
+        if self.scratch:  # removed by the supervisors if the launcher dies first
+            options += ("--scratch", self.scratch)
+        return options
 
     def _signaled(self) -> int:
         sig = self.ending or signal.SIGTERM
@@ -191,7 +207,8 @@ class Agent:
                  files_root: str) -> Outcome:
         cfg = self.cfg
         specs = worker_specs(cfg, a, base=os.environ, extra=extra, files_root=files_root,
-                             keep_logs=cfg.keeps_files, parent=os.getpid())
+                             keep_logs=cfg.keeps_files, supervisor=self._supervisor_options(),
+                             cgroup=self.containment.cgroup)
         group = self.group = WorkerGroup(specs, self.out, self.err)
         group.start()
         try:
@@ -240,7 +257,7 @@ class Agent:
             if since is not None and record is None and (w.exit_time or 0) >= since:
                 continue  # stopped by us, not a failure of its own
             f = Failure(rank=w.spec.rank, local_rank=w.spec.local_rank, node_rank=a.node_rank,
-                        host=host, pid=w.pid, time=w.exit_time or time.time(),
+                        host=host, pid=w.worker_pid or w.pid, time=w.exit_time or time.time(),
                         returncode=w.returncode, role=self.cfg.role,
                         error_file=w.spec.error_file if record and self.cfg.keeps_files else "",
                         log_dir=w.spec.log_dir or "")

@@ -28,6 +28,7 @@ import time
 import uuid
 from typing import Any, Callable
 
+from tandem import _wire
 from tandem.errors import ArgumentError, NetworkError, StoreTimeoutError, TandemError
 from tandem.run.config import LaunchConfig
 from tandem.run.heartbeat import Heartbeat, Watch
@@ -43,14 +44,10 @@ LEAVE_TIMEOUT = 10.0  # how long the store's host waits for the agents that join
 
 def local_address(toward: str) -> str:
     """The address of the interface that routes to ``toward`` (loopback stays loopback)."""
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
-        probe.connect((toward, 9))  # UDP connect sends nothing; it only picks the route
-        return str(probe.getsockname()[0])
+        return _wire.route_address(toward)
     except OSError:
         return socket.getfqdn()
-    finally:
-        probe.close()
 
 
 def _endpoint(cfg: LaunchConfig) -> tuple[str, int]:
@@ -149,6 +146,11 @@ class StoreRendezvous(Rendezvous):
                                                    "port": self._held.getsockname()[1]}))
         self.store.wait([master_key], self._timeout)
         master = json.loads(self.store.get(master_key))
+        if self._cfg.rdzv_backend == "static" and not self.is_host and _wire.is_wildcard(
+                master["addr"]):
+            # node 0 was given --master-addr 0.0.0.0, so its rank 0 listens on every
+            # interface: this node reaches it where it reaches node 0's store
+            master["addr"] = self._where[0]
         nodes: list[dict[str, Any]] = [json.loads(self.store.get(self._key(attempt, f"node/{k}")))
                                        for k in range(self._size)]
         mine, me = nodes[self._node], self._node

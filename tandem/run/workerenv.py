@@ -55,11 +55,15 @@ def attempt_dir(root: str, a: Assignment) -> str:
 
 def worker_specs(cfg: LaunchConfig, a: Assignment, *, base: Mapping[str, str],
                  extra: Mapping[str, str], files_root: str, keep_logs: bool,
-                 parent: int) -> list[WorkerSpec]:
-    """One :class:`WorkerSpec` per local rank; creates their directories under ``files_root``."""
+                 supervisor: tuple[str, ...], cgroup: str = "") -> list[WorkerSpec]:
+    """One :class:`WorkerSpec` per local rank; creates their directories under ``files_root``.
+
+    ``supervisor`` holds the options of each worker's supervisor (``_worker.py``);
+    ``cgroup`` is the job's cgroup, if it has one.
+    """
     specs = []
     argv = python_argv(cfg.entrypoint, cfg.args, module=cfg.module, no_python=cfg.no_python,
-                       parent=parent)
+                       supervisor=supervisor)
     for local_rank in range(cfg.nproc_per_node):
         rank = a.rank_offset + local_rank
         rank_dir = os.path.join(attempt_dir(files_root, a), f"rank_{rank}")
@@ -72,5 +76,5 @@ def worker_specs(cfg: LaunchConfig, a: Assignment, *, base: Mapping[str, str],
             env=worker_env(cfg, a, local_rank, base, extra, error_file),
             error_file=error_file, log_dir=rank_dir if keep_logs else None,
             stdout_console=cfg.console_for(local_rank, Std.OUT),
-            stderr_console=cfg.console_for(local_rank, Std.ERR)))
+            stderr_console=cfg.console_for(local_rank, Std.ERR), cgroup=cgroup))
     return specs

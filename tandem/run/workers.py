@@ -1,10 +1,14 @@
 """The local worker processes of one attempt: start, watch, signal, stop.
 
-Each worker is a new process (``start_new_session``, so its pid is also its process
-group id) running :mod:`tandem.run._worker`. A reaper thread per worker waits for its
-exit and notes the time, so the agent knows the order in which ranks died without
-polling races. Signals go to the worker's whole process group, so helpers the worker
-started (data loaders, compilers) receive them too.
+Each worker is a new process (``start_new_session``) running
+:mod:`tandem.run._worker`, which becomes the worker's supervisor
+(:mod:`tandem.run._supervisor`) and forks the worker itself. Signals go to the
+supervisor, which forwards them to the worker's process group (so helpers the worker
+started, data loaders and compilers, receive them too); SIGKILL is never sent to a
+supervisor that can be asked instead: it gets ``KILL_REQUEST`` and kills everything
+under it, wherever it went. A reaper thread per worker waits for its supervisor's exit
+and notes the time, so the agent knows the order in which ranks died without polling
+races.
 """
 
 from __future__ import annotations
@@ -17,11 +21,15 @@ import sys
 import threading
 import time
 
+from tandem.run._supervisor import KILL_REQUEST, cgroup_remove
 from tandem.run.streams import Console, start_pump
 
 __all__ = ["WorkerSpec", "Worker", "WorkerGroup", "BOOTSTRAP"]
 
 BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
+# How long a supervisor asked to kill everything may take before it is killed itself
+# (then the job's cgroup, where there is one, still holds what the worker left).
+KILL_GRACE = 15.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +42,7 @@ class WorkerSpec:
     log_dir: str | None = None  # holds stdout.log and stderr.log when set
     stdout_console: bool = True
     stderr_console: bool = True
+    cgroup: str = ""  # the job's cgroup, where the supervisor puts the worker
 
 
 class Worker:
@@ -45,15 +54,24 @@ class Worker:
         self.returncode: int | None = None
         self.exit_time: float | None = None
         self.start_time = time.time()
+        self.worker_pid = 0  # the worker's own pid, once its supervisor has exited
         files = {name: os.path.join(spec.log_dir, f"{name}.log") if spec.log_dir else None
                  for name in ("stdout", "stderr")}
         wanted = {"stdout": spec.stdout_console or files["stdout"] is not None,
                   "stderr": spec.stderr_console or files["stderr"] is not None}
-        self.proc = subprocess.Popen(
-            list(spec.argv), env=spec.env, start_new_session=True,
-            stdout=subprocess.PIPE if wanted["stdout"] else subprocess.DEVNULL,
-            stderr=subprocess.PIPE if wanted["stderr"] else subprocess.DEVNULL)
-        self.pid = self.proc.pid
+        self._pid_pipe, report = os.pipe()  # the supervisor writes the worker's pid there
+        try:
+            self.proc = subprocess.Popen(
+                [*spec.argv[:2], "--report", str(report), *spec.argv[2:]], env=spec.env,
+                start_new_session=True, pass_fds=(report,),
+                stdout=subprocess.PIPE if wanted["stdout"] else subprocess.DEVNULL,
+                stderr=subprocess.PIPE if wanted["stderr"] else subprocess.DEVNULL)
+        except BaseException:
+            os.close(self._pid_pipe)
+            raise
+        finally:
+            os.close(report)
+        self.pid = self.proc.pid  # the supervisor's
         prefix = f"[rank{spec.rank}]: "
         self._pumps = []
         if self.proc.stdout is not None:
@@ -75,31 +93,35 @@ class Worker:
             except ChildProcessError:
                 pass
         self.exit_time = time.time()
-        self._kill_group()  # helpers the worker left behind die with it
+        with os.fdopen(self._pid_pipe, "rb") as pipe:  # at EOF: the supervisor is gone
+            text = pipe.read(32)
+        self.worker_pid = int(text) if text.isdigit() else 0
+        if self.spec.cgroup:  # what a supervisor killed from outside could not clean up
+            cgroup_remove(os.path.join(self.spec.cgroup, f"worker-{self.pid}"), KILL_GRACE)
         self.returncode = self.proc.wait()
         on_exit.set()
-
-    def _kill_group(self) -> None:
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
     @property
     def alive(self) -> bool:
         return self.returncode is None
 
     def send(self, sig: int) -> None:
-        """Send ``sig`` to the worker's process group (the worker and its children)."""
+        """Send ``sig`` to the worker's process group (the worker and its children), through
+        its supervisor; SIGKILL kills everything the worker started."""
         if not self.alive:
             return  # reaped: its pid may belong to someone else by now
         try:
-            os.killpg(self.pid, sig)
+            os.kill(self.pid, KILL_REQUEST if sig == signal.SIGKILL else sig)
         except ProcessLookupError:
-            pass  # the group is gone: nothing left to signal
-        except PermissionError:
-            if self.alive:
-                os.kill(self.pid, sig)
+            pass  # exiting: nothing left to signal
+
+    def kill_supervisor(self) -> None:
+        """The last resort, for a supervisor that does not answer ``KILL_REQUEST``."""
+        if self.alive:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def join_output(self, timeout: float) -> None:
         """Wait until the worker's pipes are drained (its last lines printed)."""
@@ -152,21 +174,27 @@ class WorkerGroup:
         if sig is not None:
             self.signal_all(sig)
         if not self.wait(timeout):
-            self.signal_all(signal.SIGKILL)
-            self.wait(30.0)
+            self.kill_all()
         return hit
+
+    def kill_all(self) -> None:
+        """Kill every worker and all they started; wait until their supervisors are gone."""
+        self.signal_all(signal.SIGKILL)
+        if not self.wait(KILL_GRACE):
+            for w in self.alive():
+                w.kill_supervisor()
+            self.wait(KILL_GRACE)
 
     def close(self, output_timeout: float = 2.0) -> None:
         """Kill any worker still running; wait (briefly) until their output is printed."""
-        self.signal_all(signal.SIGKILL)
-        self.wait(10.0)
+        self.kill_all()
         deadline = time.monotonic() + output_timeout
         for w in self.workers:
             w.join_output(max(0.0, deadline - time.monotonic()))
 
 
 def python_argv(target: str, args: tuple[str, ...], *, module: bool, no_python: bool,
-                parent: int) -> tuple[str, ...]:
-    """The worker command line: the bootstrap followed by the user's target."""
+                supervisor: tuple[str, ...]) -> tuple[str, ...]:
+    """The worker command line: the bootstrap, its ``supervisor`` options, the user's target."""
     mode = ("--exec",) if no_python else ("-m",) if module else ("--",)
-    return (sys.executable, BOOTSTRAP, "--parent", str(parent), *mode, target, *args)
+    return (sys.executable, BOOTSTRAP, *supervisor, *mode, target, *args)

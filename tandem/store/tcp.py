@@ -9,7 +9,8 @@ the master included, talks to it over TCP::
 
 Each connection first passes the HMAC handshake of :mod:`tandem._wire` with the job
 secret (:func:`tandem.config.load_secret` unless ``secret=`` is given); nothing is parsed
-before it. A request and its reply are then one length-prefixed frame each::
+before it. One gate thread (:mod:`tandem._gate`) runs the handshakes of all strangers;
+a connection gets a thread of its own once it proves the secret. A request and its reply are then one length-prefixed frame each::
 
     request  op(1)     field*        field = length(4, big-endian) bytes
     reply    status(1) field*
@@ -28,13 +29,15 @@ import socket
 import struct
 import threading
 import time
+import warnings
 import weakref
 from typing import Sequence
 
-from tandem import _wire
+from tandem import _gate, _wire
 from tandem.config import load_secret
 from tandem.errors import (
     ArgumentError,
+    AuthenticationError,
     NetworkError,
     ProtocolError,
     StateError,
@@ -49,9 +52,6 @@ __all__ = ["TCPStore", "MAX_VALUE"]
 PURPOSE = b"tandem-store"
 MAX_VALUE = 64 << 20
 MAX_FRAME = 2 * MAX_VALUE + (1 << 20)  # compare_set carries two values, plus keys and headers
-# Connections still in the handshake at once; more are closed unanswered, so a flood of
-# strangers cannot pile up threads (each waits up to _wire.HANDSHAKE_TIMEOUT).
-MAX_PENDING = 1024
 MAX_IDLE = 4  # idle client connections kept per TCPStore for reuse
 # Seconds a client allows beyond a get/wait deadline for the reply (the server answers
 # TIMEOUT itself at the deadline), and for opening an extra connection to a live server.
@@ -127,9 +127,12 @@ class _Server:
         self._cond = threading.Condition()  # guards everything below; notified on writes
         self._conns: set[socket.socket] = set()
         self._closed = False
-        self._pending = threading.Semaphore(MAX_PENDING)
+        # strangers wait in the gate's handshake; only connections that prove the
+        # secret get a thread of their own (_serve)
+        self._gate = _gate.Gate(self._listener, secret, PURPOSE, self._serve,
+                                name=f"tandem-store:{self.address[1]}")
         self._thread = threading.Thread(
-            target=self._accept_loop, name=f"tandem-store-server:{self.address[1]}", daemon=True
+            target=self._gate.run, name=f"tandem-store-server:{self.address[1]}", daemon=True
         )
         self._thread.start()
 
@@ -144,7 +147,8 @@ class _Server:
             self._closed = True
             conns = list(self._conns)
             self._cond.notify_all()
-        # shutdown() wakes the threads blocked in accept()/recv(); they close their sockets
+        self._gate.close()
+        # shutdown() wakes the threads blocked in recv(); they close their sockets
         for sock in (self._listener, *conns):
             try:
                 sock.shutdown(socket.SHUT_RDWR)
@@ -154,38 +158,19 @@ class _Server:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
 
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                if self._closed:
-                    return
-                time.sleep(0.05)  # e.g. out of file descriptors: keep serving the others
-                continue
-            if not self._pending.acquire(blocking=False):
-                conn.close()
-                continue
-            with self._cond:
-                if self._closed:
-                    conn.close()
-                    return
-                self._conns.add(conn)
-            threading.Thread(
-                target=self._serve, args=(conn,), name="tandem-store-conn", daemon=True
-            ).start()
-
     def _serve(self, conn: socket.socket) -> None:
+        """Answer the requests of one authenticated connection until it closes."""
+        with self._cond:
+            if self._closed:
+                conn.close()
+                return
+            self._conns.add(conn)
         try:
-            try:
-                _wire.server_handshake(conn, self._secret, PURPOSE)
-            finally:
-                self._pending.release()
             while True:
                 request = _wire.recv_frame(conn, MAX_FRAME)
                 _wire.send_frame(conn, self._handle(request))
         except (TandemError, OSError):
-            pass  # a stranger, a client that left or a malformed frame: drop this one only
+            pass  # a client that left or a malformed frame: drop this one only
         finally:
             with self._cond:
                 self._conns.discard(conn)
@@ -282,7 +267,13 @@ class _Client:
                 f"could not connect to the store at {self.where} within {limit:.1f}s"
             ) from exc
         try:
-            _wire.client_handshake(sock, self._secret, PURPOSE)
+            _wire.client_handshake(sock, self._secret, PURPOSE, f"the store at {self.where}")
+        except AuthenticationError:
+            sock.close()
+            raise
+        except NetworkError as exc:  # a reset is no wrong secret: the server is gone
+            sock.close()
+            raise StoreError(str(exc)) from exc
         except BaseException:
             sock.close()
             raise
@@ -433,6 +424,12 @@ class TCPStore(Store):
         if not key:
             raise ArgumentError("the store secret must not be empty")
         self.host = host_name
+        if is_master and _wire.is_wildcard(host_name):
+            warnings.warn(
+                f"the TCPStore listens on every interface of this host ({host_name!r}): "
+                f"anyone who can reach it may connect and try to authenticate, and its "
+                f"traffic is not encrypted; give this host's address (MASTER_ADDR, "
+                f"--master-addr) to listen on that interface only", stacklevel=2)
         self._server = _acquire_server(host_name, port, key, multi_tenant) if is_master else None
         self.port: int = self._server.address[1] if self._server else port
         try:

@@ -24,7 +24,7 @@ import socket
 import struct
 import threading
 import time
-from tandem import _wire
+from tandem import _gate, _wire
 from tandem.errors import AuthenticationError, NetworkError, ProtocolError, TandemError
 from tandem.store.base import Store
 
@@ -69,7 +69,7 @@ def connect_local(store: Store, rank: int, world: int, mine: dict[int, int], sec
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     name = f"\0tandem-shm-{secrets.token_hex(16)}"
     listener.bind(name)
-    listener.listen(128)
+    listener.listen(_wire.BACKLOG)
     links: dict[int, Link] = {}
     higher = {p for p in mine if p > rank}
     cond = threading.Condition()
@@ -90,7 +90,7 @@ def connect_local(store: Store, rank: int, world: int, mine: dict[int, int], sec
                     raise NetworkError(
                         f"rank {rank} cannot reach rank {peer} through its shared-memory socket "
                         f"({exc}): did rank {peer} exit?") from exc
-                _wire.client_handshake(sock, secret, _PURPOSE)
+                _wire.client_handshake(sock, secret, _PURPOSE, f"local rank {peer}")
                 got, got_world, pid, peer_fd = _exchange(sock, rank, world, mine[peer])
                 if (got, got_world) != (peer, world):
                     os.close(peer_fd)
@@ -130,17 +130,19 @@ def _accept_loop(listener: socket.socket, rank: int, world: int, secret: bytes,
         with cond:
             return not higher <= links.keys()
 
-    _wire.accept_while(listener, deadline, waiting,
-                       lambda sock: _admit(sock, rank, world, secret, higher, links, cond, mine))
+    gate = _gate.Gate(listener, secret, _PURPOSE,
+                      lambda sock: _admit(sock, rank, world, secret, higher, links, cond, mine),
+                      name=f"tandem-shm-accept-{rank}")
+    gate.run(deadline, waiting)
 
 
 def _admit(sock: socket.socket, rank: int, world: int, secret: bytes, higher: set[int],
            links: dict[int, Link], cond: threading.Condition, mine: dict[int, int]) -> None:
-    """Authenticate one incoming connection; anything wrong just closes it."""
+    """Take one authenticated connection (the gate checked the secret); anything wrong
+    just closes it."""
     peer_fd = -1
     try:
-        sock.settimeout(_wire.HANDSHAKE_TIMEOUT)
-        _wire.server_handshake(sock, secret, _PURPOSE)
+        sock.settimeout(_wire.HANDSHAKE_TIMEOUT)  # the gate checked the secret already
         # the connector speaks first, so we learn its rank before handing over its ring
         msg, fds, _, _ = socket.recv_fds(sock, _HELLO.size, 1)
         if len(msg) < _HELLO.size:

@@ -27,10 +27,11 @@ import secrets
 import sys
 import threading
 
+from tandem._proc import process_alive
 from tandem.errors import NetworkError
 
 __all__ = ["unsupported_reason", "create_segment", "futex_wait", "futex_wake", "fence",
-           "address_of", "sweep_stale", "process_alive"]
+           "address_of", "sweep_stale"]
 
 _SYS_FUTEX = {"x86_64": 202}.get(platform.machine())
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
@@ -160,14 +161,3 @@ def sweep_stale(directory: str = "/dev/shm") -> int:
         except (ValueError, OSError):
             continue
     return removed
-
-
-def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (one of another user counts as alive)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -1,7 +1,8 @@
 """TCP transport: a full mesh of authenticated connections, one per pair of ranks.
 
 Set-up: every rank listens on its bind address (port 0, so jobs never collide),
-publishes ``host:port`` in the store, connects to every lower rank and accepts
+publishes ``host:port`` in the store (for a listener on every interface, ``0.0.0.0``,
+the address peers can dial: ``advertise``), connects to every lower rank and accepts
 every higher one. Each connection proves the job secret (``tandem._wire``)
 before the peer's rank is read; strangers, junk and wrong secrets are dropped
 without disturbing the job. The listener is closed once the mesh is complete.
@@ -25,7 +26,7 @@ import threading
 import time
 import weakref
 
-from tandem import _wire
+from tandem import _gate, _wire
 from tandem.errors import NetworkError, PeerLostError, ProtocolError, TandemError
 from tandem.store.base import Store
 from tandem.transport.base import Header, Mailbox, Slot, Transport, check_size
@@ -84,7 +85,8 @@ class TcpTransport(Transport):
     """Connects ``rank`` to all ``world_size - 1`` peers through ``store``."""
 
     def __init__(self, rank: int, world_size: int, store: Store, host: str, secret: bytes,
-                 connect_timeout: float, max_frame: int, hostname: str = "") -> None:
+                 connect_timeout: float, max_frame: int, hostname: str = "", *,
+                 advertise: str = "") -> None:
         self.rank = rank
         self.world_size = world_size
         self.mailbox = Mailbox(rank)
@@ -94,6 +96,7 @@ class TcpTransport(Transport):
         self._closing = False
         self._peers: dict[int, _Peer] = {}
         self._hosts: dict[int, str] = {rank: hostname}
+        self._advertise = advertise or _wire.advertised_address(host, None)
         self._connect(store, host, connect_timeout, hostname)
         for peer in self._peers.values():
             threading.Thread(target=self._read_loop, args=(peer,), daemon=True,
@@ -110,7 +113,7 @@ class TcpTransport(Transport):
         expected = set(range(self.rank + 1, self.world_size))
         try:
             port = listener.getsockname()[1]
-            store.set(f"addr/{self.rank}", f"{host}:{port}|{hostname}")
+            store.set(f"addr/{self.rank}", f"{self._advertise}:{port}|{hostname}")
             if expected:
                 threading.Thread(target=self._accept_loop,
                                  args=(listener, expected, accepted, cond, deadline),
@@ -122,7 +125,7 @@ class TcpTransport(Transport):
                 left = max(0.1, deadline - time.monotonic())
                 sock = _wire.connect(peer_ip, int(peer_port), left, f"rank {peer}")
                 try:
-                    _wire.client_handshake(sock, self._secret, _PURPOSE)
+                    _wire.client_handshake(sock, self._secret, _PURPOSE, f"rank {peer}")
                     sock.sendall(_HELLO.pack(self.rank, self.world_size))
                 except BaseException:
                     sock.close()
@@ -158,15 +161,17 @@ class TcpTransport(Transport):
             with cond:
                 return not expected <= accepted.keys()
 
-        _wire.accept_while(listener, deadline, waiting,
-                           lambda sock: self._admit(sock, expected, accepted, cond))
+        gate = _gate.Gate(listener, self._secret, _PURPOSE,
+                          lambda sock: self._admit(sock, expected, accepted, cond),
+                          name=f"tandem-accept-{self.rank}")
+        gate.run(deadline, waiting)
 
     def _admit(self, sock: socket.socket, expected: set[int],
                accepted: dict[int, socket.socket], cond: threading.Condition) -> None:
-        """Authenticate one incoming connection; anything wrong just closes it."""
+        """Take one authenticated connection (the gate checked the secret); anything wrong
+        just closes it."""
         try:
             sock.settimeout(_wire.HANDSHAKE_TIMEOUT)
-            _wire.server_handshake(sock, self._secret, _PURPOSE)
             peer, world = _HELLO.unpack(_wire.recv_exact(sock, _HELLO.size))
             sock.settimeout(None)
             _wire.tune(sock)

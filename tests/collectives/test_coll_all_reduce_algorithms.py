@@ -260,10 +260,10 @@ def test_failing_custom_op_reports_the_error_to_every_rank_instead_of_hanging_th
             return type(exc).__name__, str(exc), time.monotonic() - start
         return None
 
-    outcomes = run_threads(2, body, op_timeout=3.0, timeout=20.0)
+    outcomes = run_threads(2, body, op_timeout=10.0, timeout=30.0)
     assert outcomes[0] is not None and "boom" in outcomes[0][1], f"rank 0: {outcomes[0]}"
     assert outcomes[1] is not None, "rank 1: all_reduce returned although rank 0 failed"
     kind, message, elapsed = outcomes[1]
-    assert kind != "CollectiveTimeoutError" and elapsed < 2.0, (
+    assert kind != "CollectiveTimeoutError" and elapsed < 5.0, (  # half the op timeout
         f"rank 1: got {kind} after {elapsed:.1f}s ({message}); expected rank 0's failure "
         f"to be reported at once")

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.timeout(90)
 
 CAP = 4096
 BIG = 4 * CAP  # bytes of the oversized message
-OP_TIMEOUT = 3.0
+OP_TIMEOUT = 10.0
+FAST = OP_TIMEOUT / 2  # an error without waiting for the op timeout comes before this
 
 
 def _oversized_message(rank: int, world_size: int) -> Any:
@@ -28,7 +29,7 @@ def _oversized_message(rank: int, world_size: int) -> Any:
         return {"small": True, "big": big, "after": after}
     got_small = attempt(dist.recv, small, src=0)
     big = attempt(dist.recv, torch.zeros(BIG // 4), src=0)
-    time.sleep(OP_TIMEOUT + 1.0)  # stay alive: rank 0 must not learn of it by our exit
+    time.sleep(FAST + 1.0)  # stay alive: rank 0 must not learn of it by our exit
     return {"small": got_small["ok"], "big": big}
 
 
@@ -47,10 +48,10 @@ def test_receiver_refuses_an_oversized_message_naming_size_and_cap(oversized: An
     r = oversized[1]["big"]
     assert not r["ok"] and r["type"] in ("ProtocolError", "PeerLostError"), r
     assert str(BIG) in r["msg"] and str(CAP) in r["msg"], r
-    assert r["elapsed"] < 1.0, r
+    assert r["elapsed"] < FAST, r
 
 
 def test_sender_learns_at_once_that_its_connection_was_refused(oversized: Any) -> None:
     r = oversized[0]["after"]
     assert not r["ok"] and r["type"] in ("ProtocolError", "PeerLostError"), r
-    assert r["elapsed"] < 1.0, r
+    assert r["elapsed"] < FAST, r

@@ -19,7 +19,8 @@ from tandem.testing import launch
 
 pytestmark = pytest.mark.timeout(90)
 
-GROUP_TIMEOUT = 3.0  # a case that is not detected ends with this timeout instead
+GROUP_TIMEOUT = 10.0  # a case that is not detected ends with this timeout instead
+FAST = GROUP_TIMEOUT / 2  # a detected one long before it
 
 
 def _tensor(rank: int, dtype: torch.dtype = torch.float32, n: int = 4) -> torch.Tensor:
@@ -123,7 +124,7 @@ def test_every_rank_raises_collective_mismatch(mismatches: Any, name: str) -> No
             assert "mismatch" in err["msg"], (rank, err)
         else:
             assert err["type"] == "CollectiveMismatchError", (rank, err)
-            assert err["elapsed"] < 2.0, (rank, err)  # not by GROUP_TIMEOUT
+            assert err["elapsed"] < FAST, (rank, err)  # not by GROUP_TIMEOUT
 
 
 @pytest.mark.parametrize("name", DETECTED)
@@ -148,7 +149,7 @@ def test_no_data_is_combined(mismatches: Any, name: str) -> None:
 def test_next_collective_on_the_group_fails_fast(mismatches: Any, name: str) -> None:
     for rank in (0, 1):
         then = mismatches[rank][name]["then"]
-        assert not then["ok"] and then["elapsed"] < 1.0, (rank, then)
+        assert not then["ok"] and then["elapsed"] < FAST, (rank, then)
         if name == "root":
             # both ranks only sent, so each learns of the other's call from its stray
             # message, which may arrive while the next call is already running

@@ -9,10 +9,14 @@ working client) and where listeners bind (the address published in the store).
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,9 +24,10 @@ import torch
 
 import tandem as dist
 from _fault_helpers import attempt, values
-from tandem import _wire
-from tandem.collectives.world import world
-from tandem.errors import AuthenticationError
+from tandem import _gate, _wire
+from tandem.collectives.world import bind_address, world
+from tandem.config import Settings, load_secret
+from tandem.errors import ArgumentError, AuthenticationError, StoreError
 from tandem.store.tcp import PURPOSE as STORE_PURPOSE
 from tandem.testing import launch
 
@@ -200,6 +205,71 @@ def test_non_loopback_master_addr_binds_that_interface_not_all(monkeypatch: Any)
 
 
 
+def test_bind_addr_0000_listens_everywhere_but_publishes_the_routable_address(
+        monkeypatch: Any) -> None:
+    ip = _non_loopback_ipv4()
+    if ip is None:
+        pytest.skip("this host has no non-loopback IPv4 address")
+    monkeypatch.setenv("TANDEM_SECRET", HARNESS_SECRET)
+    outcomes = launch(2, _published_addresses, rendezvous="tcp", timeout=40,
+                      env={"MASTER_ADDR": ip, "TANDEM_BIND_ADDR": "0.0.0.0"})
+    for addr in values(outcomes, [0, 1])[0]:
+        assert addr.startswith(f"{ip}:"), (ip, addr)  # peers on other hosts dial this
+
+
+def test_a_wildcard_is_advertised_as_the_interface_that_routes_to_the_master() -> None:
+    assert _wire.advertised_address("10.1.2.3", "10.9.9.9") == "10.1.2.3"  # bound: as is
+    assert _wire.advertised_address("0.0.0.0", "127.0.0.1") == "127.0.0.1"
+    ip = _non_loopback_ipv4()
+    if ip is not None:
+        assert _wire.advertised_address("0.0.0.0", ip) == ip
+    assert not _wire.is_wildcard(_wire.advertised_address("0.0.0.0", None))
+    # MASTER_ADDR=0.0.0.0 asks for every interface; the transport listens there too
+    assert bind_address(Settings(), "0.0.0.0") == "0.0.0.0"
+    assert not _wire.is_wildcard(_wire.advertised_address("0.0.0.0", "0.0.0.0"))
+
+
+def test_a_store_listening_on_every_interface_says_so() -> None:
+    with pytest.warns(UserWarning, match="listens on every interface"):
+        store = dist.TCPStore("0.0.0.0", 0, is_master=True, timeout=10, secret=b"s",
+                              wait_for_workers=False)
+    try:
+        store.set("k", b"v")  # its own client reaches it over loopback
+        assert store.get("k") == b"v"
+    finally:
+        store.close()
+
+
+# -- the secret file ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620])
+def test_a_secret_file_other_users_can_access_is_refused(tmp_path: Any, mode: int) -> None:
+    path = tmp_path / "secret"
+    path.write_text("s3cret\n")
+    path.chmod(mode)
+    with pytest.raises(ArgumentError, match=f"{mode:04o}.*too open.*chmod 600"):
+        load_secret({"TANDEM_SECRET_FILE": str(path)})
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o400])
+def test_a_private_secret_file_is_read(tmp_path: Any, mode: int) -> None:
+    path = tmp_path / "secret"
+    path.write_text("s3cret\n")
+    path.chmod(mode)
+    assert load_secret({"TANDEM_SECRET_FILE": str(path)}) == b"s3cret"
+
+
+def test_a_per_user_secret_file_made_readable_by_others_is_refused(
+        tmp_path: Any, monkeypatch: Any) -> None:
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    first = load_secret({})  # created private
+    path = tmp_path / "tandem" / "secret"
+    assert (path.stat().st_mode & 0o777) == 0o600 and load_secret({}) == first
+    path.chmod(0o644)
+    with pytest.raises(ArgumentError, match="too open"):
+        load_secret({})
+
+
 # -- the TCPStore server ------------------------------------------------------------------
 
 SECRET = b"store-fault-test-secret"
@@ -267,3 +337,141 @@ def test_store_rejects_strangers_while_a_good_client_keeps_working() -> None:
         for s in socks:
             s.close()
         master.close()
+
+
+# -- a flood of idle strangers at the store port ----------------------------------------
+
+FLOOD = 1100
+
+
+def _start_flood(port: int, n: int, greeted: int, timeout: float) -> subprocess.Popen[str]:
+    """``n`` idle strangers at ``port`` (tests/faults/_flood.py), once the server has taken
+    in and challenged ``greeted`` of them."""
+    flood = subprocess.Popen([sys.executable, str(Path(__file__).parent / "_flood.py"),
+                              str(port), str(n)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    assert flood.stdout is not None
+    deadline = time.monotonic() + timeout
+    for line in flood.stdout:
+        if int(line.split()[1]) >= greeted or time.monotonic() > deadline:
+            break
+    return flood
+
+
+def _join_through_store(rank: int, world_size: int, port: int) -> Any:
+    start = time.monotonic()
+    store = dist.TCPStore("127.0.0.1", port, world_size, timeout=60)
+    dist.init_process_group("tcp", store=store, rank=rank, world_size=world_size, timeout=60)
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    store.close()
+    return {"sum": t.tolist(), "formed": time.monotonic() - start}
+
+
+def test_a_job_forms_while_strangers_flood_the_store_port(monkeypatch: Any) -> None:
+    monkeypatch.setenv("TANDEM_SECRET", HARNESS_SECRET)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=60,
+                           secret=HARNESS_SECRET, wait_for_workers=False)
+    flood = _start_flood(master.port, FLOOD, greeted=1000, timeout=30)
+    try:
+        store_threads = [t for t in threading.enumerate() if t.name.startswith("tandem-store")]
+        assert len(store_threads) < 5, f"a thread per stranger: {len(store_threads)} threads"
+        outcomes = launch(2, _join_through_store, (master.port,), init=False, timeout=80)
+        formed = values(outcomes, [0, 1])
+    finally:
+        flood.kill()
+        flood.communicate(timeout=30)
+        master.close()
+    for rank in (0, 1):
+        assert formed[rank]["sum"] == [3.0] * 4, formed
+        # strangers are pushed out after EVICT_AGE, not waited out
+        assert formed[rank]["formed"] < 30, formed
+
+
+def _greeted(port: int) -> socket.socket:
+    """A stranger the server has taken in: it received the challenge and says nothing."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    assert len(_wire.recv_exact(s, len(_wire.MAGIC) + 32)) == 40
+    return s
+
+
+def test_a_silent_stranger_is_dropped_at_its_handshake_deadline(monkeypatch: Any) -> None:
+    monkeypatch.setattr(_gate, "PENDING_DEADLINE", 1.0)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=10, secret=SECRET,
+                           wait_for_workers=False)
+    try:
+        start = time.monotonic()
+        idle = _greeted(master.port)
+        assert _closed_by_server(idle, within=10.0)
+        assert 0.9 <= time.monotonic() - start < 4.0  # its own deadline, not the client's
+        idle.close()
+    finally:
+        master.close()
+
+
+def test_a_full_gate_pushes_out_its_oldest_stranger(monkeypatch: Any) -> None:
+    monkeypatch.setattr(_gate, "MAX_PENDING", 4)
+    monkeypatch.setattr(_gate, "EVICT_AGE", 0.2)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=10, secret=SECRET,
+                           wait_for_workers=False)
+    try:
+        strangers = [_greeted(master.port) for _ in range(4)]
+        newest = _greeted(master.port)  # taken in once the oldest is 0.2 s old
+        assert _closed_by_server(strangers[0], within=5.0), "the oldest was kept"
+        for s in strangers[1:]:  # the others still wait (closed only at their deadline)
+            s.settimeout(0.0)
+            with pytest.raises(BlockingIOError):
+                s.recv(1)
+        with dist.TCPStore("127.0.0.1", master.port, timeout=10, secret=SECRET) as good:
+            good.set("in", b"yes")  # a rank still gets in: it pushes out the next oldest
+        for s in [*strangers, newest]:
+            s.close()
+    finally:
+        master.close()
+
+
+def _connections_to(port: int) -> int:
+    """How many connections to local ``port`` are established (``/proc/net/tcp``)."""
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return sum(1 for r in rows if int(r[1].rsplit(":", 1)[1], 16) == port and r[3] == "01")
+
+
+def test_a_store_that_dies_mid_handshake_is_not_called_a_wrong_secret() -> None:
+    host = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time, tandem\n"
+         "s = tandem.TCPStore('127.0.0.1', 0, is_master=True, secret=b'x', "
+         "wait_for_workers=False)\n"
+         "print(s.port, flush=True)\n"
+         "time.sleep(120)\n"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout is not None
+        port = int(host.stdout.readline())
+        os.kill(host.pid, signal.SIGSTOP)  # it cannot answer: our handshake waits for it
+        failed: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                dist.TCPStore("127.0.0.1", port, timeout=20, secret=b"x")
+            except BaseException as exc:  # noqa: BLE001 - examined below
+                failed.append(exc)
+
+        before = _connections_to(port)  # the host's own client's
+        client = threading.Thread(target=join, daemon=True)
+        client.start()
+        # the kernel completes the connection for the stopped host: we wait in the handshake
+        deadline = time.monotonic() + 20
+        while _connections_to(port) <= before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _connections_to(port) > before, "the client never connected"
+        os.kill(host.pid, signal.SIGKILL)
+        client.join(30)
+        assert not client.is_alive(), "the client did not notice the store's death"
+    finally:
+        host.kill()
+        host.wait(30)
+    assert len(failed) == 1 and isinstance(failed[0], StoreError), failed
+    assert not isinstance(failed[0], AuthenticationError), failed
+    assert "went away" in str(failed[0]) and "secret" not in str(failed[0]), failed

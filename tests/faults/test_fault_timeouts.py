@@ -131,7 +131,7 @@ def test_work_wait_with_a_timeout_raises_before_the_op_deadline(never_calls: Any
     r = never_calls[0]
     for key in ("recv_short", "short"):
         assert not r[key]["ok"] and r[key]["type"] == "CollectiveTimeoutError", (key, r[key])
-        assert 0.4 < r[key]["elapsed"] < 1.5, (key, r[key])
+        assert 0.4 < r[key]["elapsed"] < OP_TIMEOUT - 0.5, (key, r[key])
     assert "irecv from rank 1" in r["recv_short"]["msg"], r["recv_short"]
     assert "all_reduce" in r["short"]["msg"], r["short"]
     assert r["pending_after_short"], "a short wait must not complete the op"
@@ -140,7 +140,7 @@ def test_work_wait_with_a_timeout_raises_before_the_op_deadline(never_calls: Any
 def test_late_rank_finds_the_group_aborted_and_fails_fast(never_calls: Any) -> None:
     r = never_calls[1]["late"]
     assert not r["ok"] and r["type"] == "StateError", r
-    assert "timed out" in r["msg"] and r["elapsed"] < 1.0, r
+    assert "timed out" in r["msg"] and r["elapsed"] < OP_TIMEOUT - 0.5, r
 
 
 def _send_to_stopped_peer(rank: int, world_size: int) -> Any:

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from tandem.transport._shmem import process_alive
+from tandem._proc import process_alive
 
 __all__ = ["Unavailable", "NetnsLab", "RankRun", "netns_lab", "unavailable_reason"]
 

@@ -50,7 +50,7 @@ RUNS = {
 
 
 def _launch(spec: Spec, workdir: Path, init_only: bool = False, host_ids: bool = True,
-            grace: float = 5.0) -> list[RankRun]:
+            grace: float = 5.0, bind_any: bool = False) -> list[RankRun]:
     """Run ``_netns_rank.py`` for each rank of ``spec`` in a fresh lab; skip if none can be made."""
     hosts = max(spec.placement) + 1
     secret = secrets.token_hex(16)
@@ -76,6 +76,8 @@ def _launch(spec: Spec, workdir: Path, init_only: bool = False, host_ids: bool =
                     out["TANDEM_BIND_ADDR"] = lab.addrs[host]
                 else:
                     out["MASTER_ADDR"] = lab.addrs[0]
+                if bind_any:
+                    out["TANDEM_BIND_ADDR"] = "0.0.0.0"
                 return out
 
             return lab.run(RANK_SCRIPT, spec.placement, args, env, timeout=50, grace=grace)
@@ -144,6 +146,14 @@ def test_auto_uses_shared_memory_only_within_a_namespace(results: Any, name: str
 def test_tcp_backend_uses_tcp_between_every_pair(results: Any) -> None:
     for rank, report in enumerate(results("tcp-2x2")):
         assert (report["transport"], report["shm_peers"]) == ("TcpTransport", []), rank
+
+
+def test_ranks_listening_on_every_interface_are_reached_across_hosts(tmp_path: Path) -> None:
+    # TANDEM_BIND_ADDR=0.0.0.0: each rank must publish its host's address, not 0.0.0.0
+    # (which the other host would dial as itself)
+    runs = _launch(Spec("tcp", [0, 1], "tcp"), tmp_path, init_only=True, bind_any=True)
+    for r in runs:
+        assert r.ok, f"rank {r.rank}:\n{r.log[-3000:]}"
 
 
 def test_without_host_ids_namespaces_are_still_told_apart(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from runkit import Launch, Result, finish, pid_alive, worker_pids
+from runkit import Launch, Result, finish, process_alive, worker_pids
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +49,7 @@ def launch(tmp_path: Path) -> Iterator[Launch]:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=30)
     for pid in worker_pids(tmp_path):
-        if pid_alive(pid):
+        if process_alive(pid):
             os.kill(pid, signal.SIGKILL)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runkit import SCRIPTS, Launch, finish, pid_alive, worker_pids
+from runkit import SCRIPTS, Launch, finish, process_alive, worker_pids
 
 SECRET = {"TANDEM_SECRET": "shared-by-both-nodes"}
 
@@ -92,7 +92,7 @@ def test_a_leaving_node_shrinks_the_job(launch: Launch, tmp_path: Path) -> None:
     assert res.code == 0, res.err
     assert {"seen_ws2_rank0_restart1", "seen_ws2_rank1_restart1"} <= seen(tmp_path)
     assert "restart 1 of 1" in res.err
-    assert [p for p in leaving_workers if pid_alive(p)] == []
+    assert [p for p in leaving_workers if process_alive(p)] == []
 
 
 def _parent(pid: int) -> int:

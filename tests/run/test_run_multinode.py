@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from runkit import SCRIPTS, Launch, finish, pid_alive, worker_pids
+from runkit import SCRIPTS, Launch, finish, process_alive, worker_pids
 
 SECRET = {"TANDEM_SECRET": "shared-by-both-nodes"}
 
@@ -125,9 +125,9 @@ def test_losing_node_zero_ends_the_other_node_and_its_workers(launch: Launch,
     res = finish(procs[1], 60)
     assert res.code == 1 and "StoreError" in res.err
     deadline = time.monotonic() + 10
-    while [p for p in pids if pid_alive(p)] and time.monotonic() < deadline:
+    while [p for p in pids if process_alive(p)] and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert [p for p in pids if pid_alive(p)] == []
+    assert [p for p in pids if process_alive(p)] == []
 
 
 @pytest.mark.timeout(120)
@@ -148,3 +148,19 @@ def test_a_node_whose_agent_dies_is_noticed_by_its_heartbeat(launch: Launch,
     assert time.monotonic() - start < 30
     assert "ranks      : all of node 1, from rank 2" in res.err
     assert "exception  : AgentLost: the agent of node 1" in res.err
+
+
+@pytest.mark.timeout(120)
+def test_master_addr_0000_on_node_zero_reaches_the_other_node_as_its_store_address(
+        launch: Launch, tmp_path: Path) -> None:
+    port = free_port()
+    procs = [launch("--nnodes", "2", "--nproc-per-node", "2", "--node-rank", node,
+                    "--master-addr", addr, "--master-port", port, SCRIPTS / "dump_env.py",
+                    tmp_path, env=SECRET)
+             for node, addr in ((0, "0.0.0.0"), (1, "127.0.0.1"))]
+    results = [finish(p, 240) for p in procs]
+    assert [r.code for r in results] == [0, 0], [r.err for r in results]
+    envs = [json.loads((tmp_path / f"env_{r}.json").read_text())["env"] for r in range(4)]
+    # node 0's rank 0 listens on every interface; node 1 must not dial 0.0.0.0 (itself)
+    assert [e["MASTER_ADDR"] for e in envs] == ["0.0.0.0", "0.0.0.0", "127.0.0.1", "127.0.0.1"]
+    assert "listens on every interface" in results[0].err  # node 0's store said so

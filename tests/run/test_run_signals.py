@@ -4,29 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from runkit import SCRIPTS, Launch, finish, pid_alive, worker_pids
-
-
-def wait_for_pids(directory: Path, n: int, proc: subprocess.Popen[str]) -> list[int]:
-    deadline = time.monotonic() + 60
-    while len(worker_pids(directory)) < n:
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "workers did not start"
-        time.sleep(0.05)
-    return worker_pids(directory)
-
-
-def wait_dead(pids: list[int], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while [p for p in pids if pid_alive(p)] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return [p for p in pids if pid_alive(p)]
+from runkit import SCRIPTS, Launch, finish, wait_dead, wait_for_pids
 
 
 @pytest.mark.timeout(90)

@@ -56,7 +56,7 @@ def test_the_death_is_noticed_within_seconds_not_at_the_op_timeout(killed: Any) 
 def test_the_group_fails_fast_after_the_loss(killed: Any) -> None:
     for rank, r in killed["survivors"].items():
         later = r["later"]
-        assert not later["ok"] and later["elapsed"] < 1.0, (rank, later)
+        assert not later["ok"] and later["elapsed"] < NOTICED_WITHIN, (rank, later)
         assert "rank 2" in later["msg"], (rank, later["msg"])
 
 
@@ -90,4 +90,4 @@ def test_an_oversized_frame_is_refused_and_the_sender_learns_at_once(tmp_path: A
     assert not refused["ok"] and "16384" in refused["msg"] and "4096" in refused["msg"], refused
     after = r0["after"]  # the receiver closed the connection: no waiting for a deadline
     assert not after["ok"] and after["type"] in ("PeerLostError", "StateError"), after
-    assert after["elapsed"] < 2.0, after
+    assert after["elapsed"] < NOTICED_WITHIN, after

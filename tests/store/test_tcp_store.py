@@ -127,7 +127,7 @@ def test_hostile_connections_do_not_disturb_other_clients(
         with TCPStore(HOST, master.port, timeout=5) as good:
             good.set("k", b"v")
             assert master.get("k") == b"v"
-        assert time.monotonic() - start < 2.0
+        assert time.monotonic() - start < 4.0  # within the client's 5 s timeout
         for sock in (garbage, huge_unauthenticated, huge_after_handshake, unknown_op):
             assert _closed_by_peer(sock), "the server kept a bad connection open"
     finally:
@@ -185,8 +185,8 @@ def test_closing_the_server_fails_a_blocked_client_promptly(master: TCPStore) ->
     time.sleep(0.1)
     start = time.monotonic()
     master.close()
-    thread.join(3)
-    assert time.monotonic() - start < 2.0
+    thread.join(15)
+    assert time.monotonic() - start < 10.0  # a third of the get's 30 s
     assert len(errors) == 1 and isinstance(errors[0], StoreError)
     with pytest.raises(StoreError):
         client.set("after", b"x")
@@ -211,8 +211,8 @@ def test_killed_server_process_fails_clients_promptly(spawn: Any, mp_queue: Any)
     time.sleep(0.1)
     start = time.monotonic()
     server.kill()
-    thread.join(3)
-    assert time.monotonic() - start < 2.0
+    thread.join(15)
+    assert time.monotonic() - start < 10.0  # a third of the get's 30 s
     assert len(errors) == 1 and isinstance(errors[0], StoreError), errors
     with pytest.raises(StoreError):
         client.get("alive")

@@ -92,7 +92,10 @@ def check_parked(t: Transport, me: int, peer: int, group: int) -> dict[str, Any]
     sizes = [5, (3 << 20) + 1]
     for i, n in enumerate(sizes):
         wait(send(t, peer, group, i, 0, pattern(n, 7 * me + i)))
-    time.sleep(0.3)  # the peer's messages are parked by now
+    wait(send(t, peer, group, len(sizes), 0, b"last"))
+    # messages from one peer arrive in order: once this one is in, the others are parked
+    last, _ = recv(t, peer, group, len(sizes), 0, 4)
+    wait(last)
     ok = []
     for i, n in enumerate(sizes):
         r, buf = recv(t, peer, group, i, 0, n)

@@ -39,6 +39,20 @@ def pair() -> Any:
         r.close()
 
 
+def _asleep_on_a_futex(thread: threading.Thread, timeout: float = 10.0) -> bool:
+    """Wait until ``thread`` is blocked in the futex system call (202 on x86-64)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/self/task/{thread.native_id}/syscall") as f:
+                if f.read().split()[0] == "202":
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.001)
+    return False
+
+
 def _in_thread(fn: Callable[[], None]) -> tuple[threading.Thread, list[BaseException]]:
     errors: list[BaseException] = []
 
@@ -95,13 +109,13 @@ def test_check_ends_a_wait_as_soon_as_the_waiter_is_woken(pair: Any, monkeypatch
             raise ProtocolError("stopped")
 
     reader, errors = _in_thread(lambda: consumer.read_into(memoryview(bytearray(10)), check))
-    time.sleep(0.2)  # asleep on the futex by now
+    assert _asleep_on_a_futex(reader), "the reader never slept on the futex"
     start = time.monotonic()
     stop.set()
     consumer.wake_local()
     reader.join(5)
     assert not reader.is_alive() and isinstance(errors[0], ProtocolError)
-    assert time.monotonic() - start < 2.0, "the wake-up did not reach the sleeper"
+    assert time.monotonic() - start < 5.0, "the wake-up did not reach the sleeper"  # not 10 s
 
 
 def test_a_ring_announcing_a_bad_capacity_is_refused() -> None:

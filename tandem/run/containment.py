@@ -1,0 +1,138 @@
+"""What a job leaves on the host: nothing. The job's cgroup and its scratch directory.
+
+Each worker has a supervisor (:mod:`tandem.run._supervisor`: process groups, a child
+subreaper, parent-death signals); this module adds what the launcher itself holds::
+
+    job = Containment.create()            # a cgroup v2 for the job's workers, if possible
+    print(job.describe())                 # which mechanisms are active, and why not
+    scratch = make_scratch()              # /tmp/tandemrun_<pid>...: logs, error files
+    ...
+    job.close()                           # kills anything left, removes the cgroup
+
+The cgroup is ``tandemrun-<pid>.<pid namespace>-<random>`` below the launcher's own cgroup in the
+unified (v2) hierarchy; each supervisor makes ``worker-<pid>`` in it and the worker
+moves there. It needs write access to the launcher's cgroup (root, or a delegated
+subtree such as systemd's ``user@.service``); elsewhere the supervisors alone keep
+the promise, and :meth:`Containment.describe` says so. A launcher killed with SIGKILL
+leaves both to its supervisors, which remove them on their way out; what a kill of
+every process of the job leaves is swept by the next launcher of the same user.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import tempfile
+
+from tandem._proc import process_alive
+from tandem.run._supervisor import cgroup_remove
+
+__all__ = ["Containment", "make_scratch", "sweep"]
+
+PREFIX = "tandemrun-"
+SCRATCH_PREFIX = "tandemrun_"
+# <prefix><pid>.<pid namespace>_...: a launcher's pid means something only in its own
+# pid namespace (containers of one pod may share /tmp)
+_OWNED = re.compile(r"tandemrun[-_](\d+)\.(\d+)[-_]")
+REMOVE_TIMEOUT = 10.0
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _owner_tag() -> str:
+    return f"{os.getpid()}.{_pid_namespace()}"
+
+
+def _own_cgroup() -> str:
+    """The directory of this process's cgroup in the unified hierarchy; OSError if none."""
+    with open("/proc/self/cgroup") as f:
+        path = next((line.strip()[3:] for line in f if line.startswith("0::")), None)
+    if path is None:
+        raise OSError("this process is in no cgroup v2 hierarchy")
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            # ... mount-root mount-point ... - fstype source options
+            if fields[fields.index("-") + 1] == "cgroup2":
+                root, mount = fields[3], fields[4]
+                if path == root or path.startswith(root.rstrip("/") + "/"):
+                    return os.path.join(mount, path[len(root):].lstrip("/"))
+    raise OSError("no cgroup v2 hierarchy is mounted")
+
+
+class Containment:
+    """The job's cgroup, or why there is none; see the module docstring."""
+
+    def __init__(self, cgroup: str = "", reason: str = "") -> None:
+        self.cgroup = cgroup  # empty: none
+        self.reason = reason  # why there is none
+
+    @classmethod
+    def create(cls) -> Containment:
+        try:
+            parent = _own_cgroup()
+        except (OSError, ValueError, IndexError) as exc:
+            return cls(reason=str(exc))
+        if not os.access(os.path.join(parent, "cgroup.procs"), os.W_OK):
+            return cls(reason=f"no permission to move processes out of {parent}")
+        sweep(parent, PREFIX)
+        path = os.path.join(parent, f"{PREFIX}{_owner_tag()}-{secrets.token_hex(3)}")
+        try:
+            os.mkdir(path)
+        except OSError as exc:
+            return cls(reason=f"cannot create {path}: {exc}")
+        return cls(path)
+
+    def describe(self) -> str:
+        helpers = "a supervisor per worker (process group, subreaper, parent-death signal)"
+        if self.cgroup:
+            return f"workers are contained by the cgroup {self.cgroup} and {helpers}"
+        return f"workers are contained by {helpers}; no cgroup: {self.reason}"
+
+    def worker_cgroup(self, supervisor: int) -> str:
+        """The cgroup that the supervisor with pid ``supervisor`` made for its worker."""
+        return os.path.join(self.cgroup, f"worker-{supervisor}") if self.cgroup else ""
+
+    def close(self) -> None:
+        """Kill whatever is still in the job's cgroup and remove it."""
+        if self.cgroup:
+            cgroup_remove(self.cgroup, REMOVE_TIMEOUT)
+            self.cgroup = ""
+
+
+def make_scratch() -> str:
+    """A new private directory for one launch, named after this launcher's pid."""
+    root = tempfile.gettempdir()
+    sweep(root, SCRATCH_PREFIX)
+    return tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{_owner_tag()}_", dir=root)
+
+
+def sweep(directory: str, prefix: str) -> None:
+    """Remove what dead launchers of this user left in ``directory`` (a cgroup or /tmp)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    namespace = _pid_namespace()
+    for name in names:
+        owner = _OWNED.match(name) if name.startswith(prefix) else None
+        if owner is None or int(owner.group(2)) != namespace:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if process_alive(int(owner.group(1))) or os.stat(path).st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        if prefix == PREFIX:
+            cgroup_remove(path, REMOVE_TIMEOUT)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+

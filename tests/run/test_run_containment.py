@@ -1,0 +1,152 @@
+"""Nothing a job starts outlives it, however the launcher ends.
+
+Each worker of these jobs starts three helpers the way real jobs do (a plain child,
+one in a session of its own, a double-forked daemon; ``scripts/spawn_helpers.py``).
+The launcher is then SIGKILLed, SIGTERMed, or its workers just exit; every helper
+must be gone, and so must the launcher's scratch directory and the job's cgroup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from runkit import SCRIPTS, Launch, finish, process_alive, wait_dead, wait_for_pids
+from tandem.run import containment
+from tandem.run.workers import BOOTSTRAP
+
+pytestmark = pytest.mark.timeout(120)
+HELPERS = ("plain", "session", "daemon")
+
+
+def kids(directory: Path) -> list[int]:
+    return [int(p.read_text()) for p in directory.glob("kid_*") if not p.name.endswith(".tmp")]
+
+
+@pytest.fixture
+def reap_kids(tmp_path: Path) -> Iterator[None]:
+    """Whatever happens, no helper of a test outlives it."""
+    yield
+    for pid in kids(tmp_path):
+        if process_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def started(directory: Path, workers: int, proc: subprocess.Popen[str]) -> list[int]:
+    """Wait until every worker noted its pid and its helpers'; all of those pids."""
+    pids = wait_for_pids(directory, workers, proc) + kids(directory)
+    assert len(pids) == workers * (1 + len(HELPERS)) and all(map(process_alive, pids))
+    return pids
+
+
+def scratch_of(directory: Path) -> Path:
+    """The launcher's scratch directory (the workers' error files are below it)."""
+    rank_dir = Path((directory / "scratch_0").read_text())
+    return next(p for p in rank_dir.parents if p.name.startswith("tandemrun_"))
+
+
+def job_cgroups(launcher: int) -> list[str]:
+    try:
+        parent = containment._own_cgroup()
+    except OSError:
+        return []
+    return [n for n in os.listdir(parent) if n.startswith(f"tandemrun-{launcher}.")]
+
+
+def test_nothing_survives_a_sigkilled_launcher(launch: Launch, tmp_path: Path,
+                                                reap_kids: None) -> None:
+    proc = launch("--nproc-per-node", "2", SCRIPTS / "spawn_helpers.py", tmp_path)
+    pids = started(tmp_path, 2, proc)
+    scratch = scratch_of(tmp_path)
+    assert scratch.is_dir()
+    os.kill(proc.pid, signal.SIGKILL)
+    finish(proc, 30)
+    assert wait_dead(pids, 15) == [], "outlived the launcher"
+    deadline = time.monotonic() + 15
+    while (scratch.exists() or job_cgroups(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not scratch.exists(), f"{scratch} was left behind"
+    assert job_cgroups(proc.pid) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_nothing_survives_a_launcher_stopped_by_a_signal(launch: Launch, tmp_path: Path,
+                                                         reap_kids: None, sig: int) -> None:
+    proc = launch("--nproc-per-node", "2", SCRIPTS / "spawn_helpers.py", tmp_path)
+    pids = started(tmp_path, 2, proc)
+    scratch = scratch_of(tmp_path)
+    proc.send_signal(sig)
+    res = finish(proc, 60)
+    assert res.code == 128 + sig, res.err
+    assert wait_dead(pids, 5) == [], "outlived the job"
+    assert not scratch.exists() and job_cgroups(proc.pid) == []
+
+
+def test_what_a_worker_leaves_behind_ends_with_it(launch: Launch, tmp_path: Path,
+                                                  reap_kids: None) -> None:
+    proc = launch("--nproc-per-node", "2", SCRIPTS / "spawn_helpers.py", tmp_path, "exit")
+    res = finish(proc, 60)
+    assert res.code == 0, res.err
+    assert wait_dead(kids(tmp_path), 5) == []
+
+
+def test_the_launcher_says_how_its_workers_are_contained(launch: Launch, tmp_path: Path,
+                                                         reap_kids: None) -> None:
+    res = finish(launch("--nproc-per-node", "1", SCRIPTS / "spawn_helpers.py", tmp_path,
+                        "exit"), 60)
+    assert res.code == 0, res.err
+    here = containment.Containment.create()  # what the launcher found, in the same place
+    has_cgroup, reason = bool(here.cgroup), here.reason
+    here.close()
+    if has_cgroup:
+        assert "workers are contained by the cgroup" in res.err, res.err
+    else:
+        assert f"no cgroup: {reason}" in res.err, res.err
+
+
+def test_where_no_cgroup_can_be_made_the_launcher_says_why(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def unmounted() -> str:
+        raise OSError("no cgroup v2 hierarchy is mounted")
+
+    monkeypatch.setattr(containment, "_own_cgroup", unmounted)
+    job = containment.Containment.create()
+    assert job.cgroup == ""
+    assert job.describe().endswith("no cgroup: no cgroup v2 hierarchy is mounted")
+    assert "supervisor per worker" in job.describe()
+
+
+def test_without_a_cgroup_the_supervisor_alone_cleans_up(tmp_path: Path,
+                                                         reap_kids: None) -> None:
+    """A stand-in launcher starts one supervised worker without --cgroup, then dies."""
+    env = {**os.environ, "RANK": "0", "TANDEM_ERROR_FILE": str(tmp_path / "e" / "error.json")}
+    launcher = subprocess.Popen(
+        [sys.executable, "-c",
+         "import os, subprocess, sys, time\n"
+         f"subprocess.Popen([sys.executable, {BOOTSTRAP!r}, '--parent', str(os.getpid()), "
+         f"'--forward', '15', {str(SCRIPTS / 'spawn_helpers.py')!r}, {str(tmp_path)!r}])\n"
+         "time.sleep(120)\n"], env=env, start_new_session=True, text=True)
+    try:
+        pids = started(tmp_path, 1, launcher)
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(30)
+        assert wait_dead(pids, 15) == [], "outlived the launcher"
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+
+
+def test_a_worker_killed_by_a_signal_is_reported_with_that_signal(tmp_path: Path) -> None:
+    script = tmp_path / "s.py"
+    script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n")
+    res = subprocess.run([sys.executable, BOOTSTRAP, "--parent", str(os.getpid()), str(script)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == -signal.SIGSEGV, res
+    assert not list(Path(".").glob("core*"))
