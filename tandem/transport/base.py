@@ -132,10 +132,9 @@ class Transport(abc.ABC):
 
         # a stuck peer with a full socket buffer must not block the rank that aborts
         teller = threading.Thread(target=tell, daemon=True, name="tandem-abort")
+        teller.start()  # before it is listed: close() may join it from another thread
         tellers = self._tellers()
-        tellers[:] = [t for t in tellers if t.is_alive()]
-        tellers.append(teller)
-        teller.start()
+        tellers[:] = [t for t in tellers if t.is_alive()] + [teller]
 
     def fail_here(self, group: int, error: TandemError) -> None:
         """Fail every receive of ``group`` on this rank only (peers are not told)."""
