@@ -169,3 +169,28 @@ def test_a_send_queue_beyond_its_cap_is_refused_naming_peer_and_bytes(
         stuck.set()
     text = str(info.value)
     assert "rank 1" in text and "bytes" in text and str(8 << 20) in text, text
+
+
+def test_a_writer_that_raises_fails_its_send_and_the_connection(
+        pair: list[Transport], monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = pair
+    import tandem.transport._ring as ring
+    import tandem.transport.tcp as tcp
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        if threading.current_thread().name.startswith(("tandem-write", "tandem-shm-write")):
+            raise RuntimeError("a bug in the writer")
+        return real(*args, **kwargs)
+
+    if isinstance(a, TcpTransport):
+        real = tcp._sendall_vec
+        monkeypatch.setattr(tcp, "_sendall_vec", broken)
+    else:
+        real = ring.Ring.write
+        monkeypatch.setattr(ring.Ring, "write", broken)
+    waiting = _recv(b, 0, 14, 1)
+    big = memoryview(bytes(4 << 20))  # too large to go inline: the writer thread sends it
+    sent = a.isend(1, Header(Kind.P2P, 14, 1, 0, len(big)), big)
+    error = _finished(sent)
+    assert isinstance(error, PeerLostError) and "a bug in the writer" in str(error), error
+    assert isinstance(_finished(waiting), PeerLostError), "the peer must learn at once"
