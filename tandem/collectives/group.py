@@ -31,6 +31,10 @@ from tandem.transport import Arena, Header, Kind, Slot, Transport
 
 __all__ = ["ProcessGroup", "NonMemberGroup", "Op", "as_bytes", "timeout_seconds", "bounded"]
 
+# enum members as module constants: looking one up on its class costs ~10x a global
+_COLL = Kind.COLL
+_P2P = Kind.P2P
+
 _SCRATCH_KEEP = 256 << 20  # larger working buffers are not kept between calls
 _TEXT_KEEP = 1024  # bytes of a signature or call site kept as text; the rest is hashed
 _CLOSE_S = 1.0  # how long close() waits for the running call to fail and return
@@ -78,12 +82,12 @@ class Op:
 
     def send(self, to: int, step: int, view: memoryview) -> Slot:
         g = self.group
-        header = Header(Kind.COLL, g.group_id, self.seq, step, len(view), self.sig, self.site)
+        header = Header(_COLL, g.group_id, self.seq, step, len(view), self.sig, self.site)
         return g.transport.isend(g.ranks[to], header, view)
 
     def recv(self, frm: int, step: int, view: memoryview) -> Slot:
         g = self.group
-        return g.transport.irecv(g.ranks[frm], Kind.COLL, g.group_id, self.seq, step, view,
+        return g.transport.irecv(g.ranks[frm], _COLL, g.group_id, self.seq, step, view,
                                  self.sig, self.site)
 
     def wait(self, *slots: Slot) -> None:
@@ -281,7 +285,7 @@ class ProcessGroup:
         key = (dst, tag)
         seq = self._p2p_sent[key]
         self._p2p_sent[key] += 1
-        header = Header(Kind.P2P, self.group_id, seq, tag, len(view), b"", bounded(site))
+        header = Header(_P2P, self.group_id, seq, tag, len(view), b"", bounded(site))
         return self.transport.isend(self.ranks[dst], header, view)
 
     def p2p_recv(self, src: int | None, tag: int, view: memoryview) -> Slot:
@@ -289,19 +293,19 @@ class ProcessGroup:
             key = (src, tag)
             seq = self._p2p_recv[key]
             self._p2p_recv[key] += 1
-            return self.transport.irecv(self.ranks[src], Kind.P2P, self.group_id, seq, tag, view)
+            return self.transport.irecv(self.ranks[src], _P2P, self.group_id, seq, tag, view)
         index = {g: i for i, g in enumerate(self.ranks)}
 
         def match(peer: int, header: Header) -> bool:
             src_rank = index.get(peer)
-            if src_rank is None or header.kind != Kind.P2P or header.group != self.group_id:
+            if src_rank is None or header.kind != _P2P or header.group != self.group_id:
                 return False
             if header.step != tag or header.seq != self._p2p_recv[(src_rank, tag)]:
                 return False
             self._p2p_recv[(src_rank, tag)] += 1  # claimed under the mailbox lock
             return True
 
-        return self.transport.irecv_any(self.ranks, Kind.P2P, self.group_id, view, match)
+        return self.transport.irecv_any(self.ranks, _P2P, self.group_id, view, match)
 
     def wait_p2p(self, slot: Slot, timeout: float | None, what: str) -> None:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
