@@ -118,9 +118,7 @@ class Transport(abc.ABC):
     def abort(self, group: int, peers: Iterable[int], error: TandemError) -> None:
         """Fail ``group`` here and tell ``peers`` so they raise the same error."""
         self.mailbox.abort_group(group, error)
-        code = next((c for c, t in ABORT_CODES.items() if type(error) is t), 0)
-        data = encode_error(error, self.rank)
-        header = Header(Kind.ABORT, group, 0, code, len(data))
+        header, data = _abort_message(group, error, self.rank)
         targets = [p for p in peers if p != self.rank and self.lost(p) is None]
 
         def tell() -> None:
@@ -138,7 +136,7 @@ class Transport(abc.ABC):
 
     def fail_here(self, group: int, error: TandemError) -> None:
         """Fail every receive of ``group`` on this rank only (peers are not told)."""
-        self.mailbox.abort_group(group, error)
+        self.mailbox.abort_group(group, error, quiet=True)
 
     def _tellers(self) -> list[threading.Thread]:
         return self.__dict__.setdefault("_abort_tellers", [])
@@ -171,12 +169,19 @@ class Transport(abc.ABC):
 
     def say_goodbye(self, peers: Iterable[int]) -> None:
         """Tell ``peers`` this rank closes on purpose (best effort, never blocks), so they
-        do not take the closed connections for a crash while they finish their own calls."""
-        header = Header(Kind.BYE, 0, 0, 0, 0)
+        do not take the closed connections for a crash while they finish their own calls.
+
+        Groups that failed here are reported first, on the same connections: a peer
+        still waiting on this rank then fails with the cause ("rank 0 died (reported by
+        rank 2)"), not with this rank's leaving, even if the news from elsewhere is late.
+        """
+        news = [_abort_message(g, e, self.rank) for g, e in self.mailbox.failures.reasons()]
+        news.append((Header(Kind.BYE, 0, 0, 0, 0), b""))
         for p in peers:
             if p != self.rank and self.lost(p) is None:
                 try:
-                    self.isend(p, header, memoryview(b""))
+                    for header, data in news:
+                        self.isend(p, header, memoryview(data))
                 except TandemError:
                     pass
 
@@ -212,6 +217,13 @@ class Transport(abc.ABC):
         lost = self.lost(peer)
         if lost is not None:
             raise lost
+
+
+def _abort_message(group: int, error: TandemError, reporter: int) -> tuple[Header, bytes]:
+    """The ABORT message telling peers that ``group`` failed with ``error``."""
+    code = next((c for c, t in ABORT_CODES.items() if type(error) is t), 0)
+    data = encode_error(error, reporter)
+    return Header(Kind.ABORT, group, 0, code, len(data)), data
 
 
 def check_size(nbytes: int, cap: int, peer: int) -> None:

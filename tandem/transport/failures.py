@@ -81,6 +81,7 @@ class Failures:
         self._departed: set[int] = set()
         self._left: dict[int, PeerLostError] = {}
         self._aborted: dict[int, TandemError] = {}
+        self._quiet: set[int] = set()  # groups failed here only (destroyed), nothing to tell
         self._closed: TandemError | None = None
         self._reports: dict[int, collections.deque[Report]] = {}
 
@@ -133,10 +134,22 @@ class Failures:
                 return self._left.setdefault(peer, error)
             return self._dead.setdefault(peer, error)
 
-    def abort(self, group: int, error: TandemError) -> TandemError:
-        """Record that ``group`` failed; return the first error it failed with."""
+    def abort(self, group: int, error: TandemError, quiet: bool = False) -> TandemError:
+        """Record that ``group`` failed; return the first error it failed with.
+
+        ``quiet``: a failure of this rank only (its group was destroyed), which peers
+        have no use for (see :meth:`reasons`).
+        """
         with self._lock:
+            if group not in self._aborted and quiet:
+                self._quiet.add(group)
             return self._aborted.setdefault(group, error)
+
+    def reasons(self) -> list[tuple[int, TandemError]]:
+        """(group, error) of every group that failed here for a reason peers should know:
+        a rank that leaves tells them first, so none blames its leaving."""
+        with self._lock:
+            return [(g, e) for g, e in self._aborted.items() if g not in self._quiet]
 
     def report(self, group: int, reporter: int, error: TandemError) -> None:
         with self._lock:

@@ -284,9 +284,10 @@ class Mailbox:
         for s in victims:
             s.finish(None, error)
 
-    def abort_group(self, group: int, error: TandemError) -> None:
-        """Fail every receive of ``group`` here, now and later, with ``error``."""
-        self.failures.abort(group, error)
+    def abort_group(self, group: int, error: TandemError, quiet: bool = False) -> None:
+        """Fail every receive of ``group`` here, now and later, with ``error`` (``quiet``:
+        for this rank's own reasons, see ``Failures.abort``)."""
+        self.failures.abort(group, error, quiet)
         with self._lock:
             victims = [s for k, s in self._posted.items() if k[2] == group]
             for s in victims:
