@@ -233,6 +233,8 @@ def check_size(nbytes: int, cap: int, peer: int) -> None:
 
 def check_header(header: Header) -> None:
     """Refuse a header whose signature or call site cannot be framed."""
+    if len(header.sig) <= SIG_MAX and len(header.site) <= SIG_MAX:
+        return  # every send passes here: keep the common case to one test
     for name, value in (("signature", header.sig), ("call site", header.site)):
         if len(value) > SIG_MAX:
             raise ArgumentError(

@@ -107,7 +107,9 @@ class Failures:
 
     def failure(self, peer: int, group: int) -> TandemError | None:
         """Why a receive from ``peer`` on ``group`` cannot complete, or None."""
-        return self.aborted(group) or self._dead.get(peer) or self._left.get(peer)
+        # every receive asks this: one expression, no nested call
+        return (self._aborted.get(group) or self._closed or self._dead.get(peer)
+                or self._left.get(peer))
 
     def reports(self, group: int) -> list[Report]:
         """Every failure peers reported on ``group``, oldest first."""

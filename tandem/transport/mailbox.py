@@ -123,6 +123,7 @@ class Mailbox:
         parked = Slot(peer, key, None, b"")
         parked.header = header
         parked.parked = bytearray(header.nbytes)
+        parked.counted = True
         self._parked[key] = parked
         self._parked_bytes += header.nbytes
         self._filling[peer] = parked
@@ -143,14 +144,17 @@ class Mailbox:
                 del self._filling[peer]
             parked.event.set()  # whole; a receive posted from now on copies it at once
             waiter, parked.waiter = parked.waiter, None
+            if waiter is not None:
+                self._free(parked)
         if waiter is not None:
             self._complete_from_parked(waiter, parked)
 
     def _free(self, parked: Slot) -> None:
-        """Give up a parked buffer (lock held); counted once, whatever the path."""
-        if parked.parked is not None:
-            self._parked_bytes -= len(parked.parked)
-            parked.parked = None
+        """Stop counting a parked payload against the cap (lock held); once, whatever the
+        path. Its buffer lives on until its copy is made (see _complete_from_parked)."""
+        if parked.counted:
+            parked.counted = False
+            self._parked_bytes -= parked.nbytes
 
     def _take_wild(self, peer: int, header: Header) -> Slot | None:
         for i, (match, slot) in enumerate(self._wild):
@@ -205,7 +209,9 @@ class Mailbox:
                     clash = mm.clashing_arrival(self._parked.values(), kind, group, seq, sig)
                 if failure is None and clash is None:
                     self._posted[key] = slot
-            elif not early.event.is_set():
+            elif early.event.is_set():
+                self._free(early)
+            else:
                 early.waiter = slot  # the reader completes it (or fails it with the loss)
         if early is not None:
             if early.event.is_set():
@@ -234,7 +240,9 @@ class Mailbox:
                 failure = self.failures.aborted(group)
                 if failure is None:
                     self._wild.append((match, slot))
-            elif not early.event.is_set():
+            elif early.event.is_set():
+                self._free(early)
+            else:
                 early.waiter = slot
         if early is not None:
             if early.event.is_set():
@@ -250,8 +258,7 @@ class Mailbox:
         error = mm.check(slot, header, self.rank)
         if error is None and slot.view is not None:
             slot.view[: header.nbytes] = early.parked
-        with self._lock:
-            self._free(early)
+        early.parked = None
         slot.finish(header, error)
 
     def cancel(self, slot: Slot) -> None:

@@ -100,7 +100,7 @@ class Slot:
     """
 
     __slots__ = ("peer", "key", "view", "sig", "site", "event", "header", "error", "parked",
-                 "on_done", "waiter")
+                 "on_done", "waiter", "counted")
 
     def __init__(self, peer: int, key: Key, view: memoryview | None, sig: bytes,
                  site: bytes = b"") -> None:
@@ -115,6 +115,7 @@ class Slot:
         self.parked: bytearray | None = None
         self.on_done: Callable[[Slot], None] | None = None
         self.waiter: Slot | None = None
+        self.counted = False  # a parked payload counted against the mailbox's cap
 
     def done(self) -> bool:
         return self.event.is_set()
