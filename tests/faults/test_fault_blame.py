@@ -1,6 +1,6 @@
 """Every error names the rank that actually died or stalled, never a live bystander.
 
-Four ranks over tcp. A SIGKILLed rank is named by every survivor, also by those that
+Four ranks over tcp (and shm). A SIGKILLed rank is named by every survivor, also by those that
 learn of it from another survivor ("rank 0 died (reported by rank 1)"), even while
 the survivors tear down and exit; a SIGSTOPped rank is the only one in the ``missing``
 list of the ring's timeout, on every live rank.
@@ -37,10 +37,12 @@ def _rank_0_killed(rank: int, world_size: int, stamp: str) -> Any:
     return failure
 
 
-@pytest.mark.parametrize("run", range(3))
-def test_every_survivor_names_the_killed_rank_never_a_live_one(run: int, tmp_path: Any) -> None:
+@pytest.mark.parametrize("backend,run", [("tcp", 0), ("tcp", 1), ("tcp", 2), ("shm", 0)])
+def test_every_survivor_names_the_killed_rank_never_a_live_one(backend: str, run: int,
+                                                               tmp_path: Any) -> None:
     stamp = str(tmp_path / "stamp")
-    outcomes = launch(WORLD, _rank_0_killed, (stamp,), timeout=60, op_timeout=60.0)
+    outcomes = launch(WORLD, _rank_0_killed, (stamp,), backend=backend, timeout=60,
+                      op_timeout=60.0)
     for rank, r in values(outcomes, [1, 2, 3]).items():
         assert not r["ok"] and r["type"] == "PeerLostError", (rank, r)
         assert r["rank"] == 0, (rank, r)
