@@ -194,6 +194,19 @@ class ShmTransport(BoundedSends, Transport):
                     p.wake()  # its reader drains the ring, then reports the loss
                     with self._offer_cv:
                         self._offer_cv.notify_all()
+        except Exception as exc:  # noqa: BLE001 - unwatched peers could die unnoticed
+            if not self._closing:
+                for p in self._peers.values():
+                    p.closing = True  # its reader stops; the loss below is the news
+                    p.wake()
+                    self.mailbox.peer_lost(p.rank, PeerLostError(
+                        f"rank {self.rank} stopped watching its shared-memory connections "
+                        f"({type(exc).__name__}: {exc}); rank {p.rank} can no longer be "
+                        f"reached", p.rank))
+                    try:
+                        p.sock.shutdown(socket.SHUT_RDWR)  # the peer learns at once
+                    except OSError:
+                        pass
         finally:
             sel.close()
             for _, fds in pending.values():

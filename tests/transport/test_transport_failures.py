@@ -194,3 +194,29 @@ def test_a_writer_that_raises_fails_its_send_and_the_connection(
     error = _finished(sent)
     assert isinstance(error, PeerLostError) and "a bug in the writer" in str(error), error
     assert isinstance(_finished(waiting), PeerLostError), "the peer must learn at once"
+
+
+def test_a_shm_watcher_that_raises_fails_every_waiting_receive(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    store = HashStore()
+    made: list[Any] = [None, None]
+    threads = [threading.Thread(target=lambda r=r: made.__setitem__(r, _make("shm", r, store)))
+               for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    a, b = made
+    try:
+        def broken(*args: Any) -> None:
+            raise RuntimeError("a bug in the watcher")
+
+        monkeypatch.setattr(b, "_take_offers", broken)
+        waiting = _recv(b, 0, 15, 4)
+        a._offer(a._peers[1], 99, a._peers[1].sock.fileno(), 4096)  # wakes b's watcher
+        error = _finished(waiting)
+        assert isinstance(error, PeerLostError) and "a bug in the watcher" in str(error), error
+        assert isinstance(_finished(_recv(a, 1, 15, 4)), PeerLostError), "the peer learns too"
+    finally:
+        a.close()
+        b.close()
