@@ -178,16 +178,14 @@ def init_process_group(
                                  hostname=os.environ.get("TANDEM_HOST_ID") or socket.gethostname(),
                                  secret=load_secret(), settings=settings)
         transport = Backend.factory(backend_name)(options)
+        try:
+            default = ProcessGroup(transport, list(range(world_size)), 0,
+                                   group_name or "default", seconds, settings, backend_name)
+        except BaseException:
+            transport.close()
+            raise
     except BaseException:
         if owns_store:  # a failed start leaves no store connection or server behind
-            store.close()
-        raise
-    try:
-        default = ProcessGroup(transport, list(range(world_size)), 0, group_name or "default",
-                               seconds, settings, backend_name)
-    except BaseException:
-        transport.close()
-        if owns_store:
             store.close()
         raise
     _world = World(default, store, transport, settings, backend_name, generation, owns_store)
