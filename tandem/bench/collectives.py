@@ -276,7 +276,7 @@ def run(world_sizes: Sequence[int], ops: Sequence[str], sizes: Sequence[int], *,
 
 def usable_backends(backends: Sequence[str]) -> tuple[list[str], str]:
     """The backends this machine can run, and why any were dropped ("" if none was)."""
-    from tandem.transport._shmem import unsupported_reason
+    from tandem.transport.shm import unsupported_reason
 
     why = unsupported_reason()
     dropped = [b for b in backends if why and b in _SHARED_MEMORY]

@@ -29,10 +29,9 @@ from typing import Callable
 from tandem.config import Settings
 from tandem.errors import ArgumentError
 from tandem.store.base import Store
-from tandem.transport._shmem import unsupported_reason
 from tandem.transport.base import Transport
 from tandem.transport.mixed import MixedTransport, exchange_hosts, require_one_host, same_host
-from tandem.transport.shm import ShmTransport
+from tandem.transport.shm import ShmTransport, unsupported_reason
 from tandem.transport.tcp import TcpTransport
 
 __all__ = ["Backend", "BackendOptions", "resolve_backend"]

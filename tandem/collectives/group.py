@@ -7,13 +7,16 @@ daemon thread per group, started on first use.
 
 Any failure that leaves ranks out of step (a signature mismatch, a timeout, a
 lost peer) *aborts* the group: every member is told and raises the same error,
-and later calls on the group fail at once instead of hanging.
+and later calls on the group fail at once instead of hanging. ``close`` (called by
+``destroy_process_group``) fails what is still pending at once with ``StateError``
+and ends the group's threads and shared memory.
 """
 
 from __future__ import annotations
 
 import collections
 import datetime
+import hashlib
 import threading
 import time
 from typing import Any, Callable, Iterable
@@ -24,13 +27,31 @@ from tandem.config import Settings
 from tandem.errors import (ArgumentError, CollectiveError, CollectiveTimeoutError, StateError,
                            TandemError)
 from tandem.collectives.work import Completions, Work
-from tandem.transport._arena import Arena
-from tandem.transport.base import Header, Kind, Slot, Transport
-from tandem.transport.wait import wait_all
+from tandem.transport import Arena, Header, Kind, Slot, Transport
 
-__all__ = ["ProcessGroup", "NonMemberGroup", "Op", "as_bytes", "timeout_seconds"]
+__all__ = ["ProcessGroup", "NonMemberGroup", "Op", "as_bytes", "timeout_seconds", "bounded"]
+
+# enum members as module constants: looking one up on its class costs ~10x a global
+_COLL = Kind.COLL
+_P2P = Kind.P2P
 
 _SCRATCH_KEEP = 256 << 20  # larger working buffers are not kept between calls
+_TEXT_KEEP = 1024  # bytes of a signature or call site kept as text; the rest is hashed
+_CLOSE_S = 1.0  # how long close() waits for the running call to fail and return
+
+
+def bounded(text: str) -> bytes:
+    """``text`` encoded, with anything beyond ~1 KiB replaced by its hash.
+
+    Signatures carry per-rank lists (sizes of every rank's tensors) that grow with
+    the group; every rank shortens alike, so equal calls still compare equal and
+    different ones still differ, and a message always fits its frame.
+    """
+    data = text.encode()
+    if len(data) <= _TEXT_KEEP:
+        return data
+    digest = hashlib.blake2b(data, digest_size=16).hexdigest().encode()
+    return data[:_TEXT_KEEP - len(digest) - 5] + b"...#" + digest
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:
@@ -61,19 +82,19 @@ class Op:
 
     def send(self, to: int, step: int, view: memoryview) -> Slot:
         g = self.group
-        header = Header(Kind.COLL, g.group_id, self.seq, step, len(view), self.sig, self.site)
+        header = Header(_COLL, g.group_id, self.seq, step, len(view), self.sig, self.site)
         return g.transport.isend(g.ranks[to], header, view)
 
     def recv(self, frm: int, step: int, view: memoryview) -> Slot:
         g = self.group
-        return g.transport.irecv(g.ranks[frm], Kind.COLL, g.group_id, self.seq, step, view,
+        return g.transport.irecv(g.ranks[frm], _COLL, g.group_id, self.seq, step, view,
                                  self.sig, self.site)
 
     def wait(self, *slots: Slot) -> None:
         if all(s.event.is_set() and s.error is None for s in slots):
             return  # the common case in pipelined loops: nothing to wait for
         g = self.group
-        wait_all(slots, self.deadline, self.describe, g.transport.mailbox, g.ranks)
+        g.transport.wait(slots, self.deadline, self.describe, g.ranks)
 
     def wait_list(self, slots: Iterable[Slot]) -> None:
         self.wait(*slots)
@@ -137,11 +158,11 @@ class ProcessGroup:
         with self._cv:
             seq = self._seq
             self._seq += 1
-        return Op(self, name, seq, sig.encode(), site.encode())
+        return Op(self, name, seq, bounded(sig), bounded(site))
 
     def run(self, op: Op, fn: Callable[[Op], Any], async_op: bool, result: Any = None) -> Work | None:
         """Execute ``fn(op)`` in issue order; return a Work when ``async_op``."""
-        failure = self.transport.mailbox.aborted.get(self.group_id)
+        failure = self.transport.aborted(self.group_id)
         if failure is not None:
             raise StateError(f"process group '{self.group_name}' was aborted earlier: "
                              f"{failure}") from failure
@@ -160,6 +181,8 @@ class ProcessGroup:
                 return None
         work = Work(op.describe(), result, self.completions)
         with self._cv:
+            if self._closed:
+                raise self._destroyed()
             self._queue.append((op, fn, work))
             if self._engine is None:
                 self._engine = threading.Thread(target=self._engine_loop, daemon=True,
@@ -177,21 +200,36 @@ class ProcessGroup:
         return self._engine
 
     def _engine_loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue or self._busy:
-                    self._cv.wait()
-                op, fn, work = self._queue.popleft()
-                self._busy = True
-            try:
-                self._execute(op, fn)
-                work._complete()
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-                work._complete(error=exc)
-            finally:
+        try:
+            while True:
                 with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
+                    while not self._queue or self._busy:
+                        if self._closed:
+                            return
+                        self._cv.wait()
+                    op, fn, work = self._queue.popleft()
+                    self._busy = True
+                try:
+                    self._execute(op, fn)
+                    work._complete()
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                    work._complete(error=exc)
+                finally:
+                    with self._cv:
+                        self._busy = False
+                        self._cv.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - the engine must never die silently
+            error = StateError(f"the progress engine of process group '{self.group_name}' "
+                               f"failed ({type(exc).__name__}: {exc})")
+            self.abort(error)
+            self._fail_queued(error)
+
+    def _fail_queued(self, error: TandemError) -> None:
+        with self._cv:
+            queued = list(self._queue)
+            self._queue.clear()
+        for _, _, work in queued:
+            work._complete(error=error)
 
     def _execute(self, op: Op, fn: Callable[[Op], Any]) -> None:
         op.deadline = time.monotonic() + self.timeout
@@ -203,7 +241,7 @@ class ProcessGroup:
                 # different call can tell (see algorithms.shm)
                 self.arena.announce(op.seq, op.sig, op.site)
             fn(op)
-            self.transport.mailbox.finished(self.group_id, op.seq, op.sig, op.site)
+            self.transport.finished(self.group_id, op.seq, op.sig, op.site)
         except CollectiveError as exc:
             self.abort(exc)
             raise
@@ -224,7 +262,7 @@ class ProcessGroup:
 
     def abort(self, error: TandemError) -> None:
         """Fail this group here and on every member, with ``error``."""
-        if self.transport.mailbox.aborted.get(self.group_id) is error:
+        if self.transport.aborted(self.group_id) is error:
             return  # we learnt it from a peer's abort: everyone has been told already
         self.transport.abort(self.group_id, self.ranks, error)
 
@@ -247,38 +285,62 @@ class ProcessGroup:
         key = (dst, tag)
         seq = self._p2p_sent[key]
         self._p2p_sent[key] += 1
-        header = Header(Kind.P2P, self.group_id, seq, tag, len(view), b"", site.encode())
+        header = Header(_P2P, self.group_id, seq, tag, len(view), b"", bounded(site))
         return self.transport.isend(self.ranks[dst], header, view)
 
     def p2p_recv(self, src: int | None, tag: int, view: memoryview) -> Slot:
-        mailbox = self.transport.mailbox
         if src is not None:
             key = (src, tag)
             seq = self._p2p_recv[key]
             self._p2p_recv[key] += 1
-            return self.transport.irecv(self.ranks[src], Kind.P2P, self.group_id, seq, tag, view)
+            return self.transport.irecv(self.ranks[src], _P2P, self.group_id, seq, tag, view)
         index = {g: i for i, g in enumerate(self.ranks)}
 
         def match(peer: int, header: Header) -> bool:
             src_rank = index.get(peer)
-            if src_rank is None or header.kind != Kind.P2P or header.group != self.group_id:
+            if src_rank is None or header.kind != _P2P or header.group != self.group_id:
                 return False
             if header.step != tag or header.seq != self._p2p_recv[(src_rank, tag)]:
                 return False
             self._p2p_recv[(src_rank, tag)] += 1  # claimed under the mailbox lock
             return True
 
-        return mailbox.post_any(self.ranks, Kind.P2P, self.group_id, view, match)
+        return self.transport.irecv_any(self.ranks, _P2P, self.group_id, view, match)
 
     def wait_p2p(self, slot: Slot, timeout: float | None, what: str) -> None:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         peers = [slot.peer] if slot.peer >= 0 else self.ranks
-        wait_all([slot], deadline, lambda: f"{what} on group '{self.group_name}'",
-                 self.transport.mailbox, peers)
+        self.transport.wait([slot], deadline, lambda: f"{what} on group '{self.group_name}'",
+                            peers)
 
     # -- lifetime --------------------------------------------------------------------
     def close(self) -> None:
-        self._closed = True
+        """Fail what is pending with ``StateError``; end the engine, the futures thread
+        and the shared staging memory. The transport is not closed (other groups use it)."""
+        if self._closed:
+            return
+        error = self._destroyed()
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._fail_queued(error)
+        self.transport.fail_here(self.group_id, error)  # the running call fails at once
+        end = time.monotonic() + _CLOSE_S
+        engine = self._engine
+        if engine is not None and engine is not threading.current_thread():
+            engine.join(_CLOSE_S)
+        with self._cv:
+            while self._busy and time.monotonic() < end:
+                self._cv.wait(max(0.0, end - time.monotonic()))
+            idle = not self._busy and (engine is None or not engine.is_alive())
+        self.completions.close()
+        if self.arena is not None and idle:  # a call still inside must not see it unmapped
+            self.arena.close()
+            self.arena = None
+
+    def _destroyed(self) -> StateError:
+        return StateError(f"process group '{self.group_name}' was destroyed "
+                          f"(destroy_process_group) while the operation was pending")
 
 
 class NonMemberGroup:

@@ -24,12 +24,18 @@ class Completions:
     """
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        # unbounded by design: one entry per completed op, and ops are bounded by the
+        # caller's own outstanding Work objects
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._closed = False
 
     def submit(self, fn: Callable[[], None]) -> None:
         with self._lock:
+            if self._closed:
+                fn()  # the group is gone: resolve here rather than never
+                return
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, daemon=True,
                                                 name="tandem-futures")
@@ -38,7 +44,21 @@ class Completions:
 
     def _loop(self) -> None:
         while True:
-            self._queue.get()()
+            fn = self._queue.get()
+            if fn is None:
+                return
+            fn()
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Run what is queued, then end the thread (waiting up to ``timeout`` seconds)."""
+        with self._lock:
+            self._closed = True
+            thread = self._thread
+        if thread is None:
+            return
+        self._queue.put(None)
+        if thread is not threading.current_thread():
+            thread.join(timeout)
 
 
 

@@ -170,19 +170,32 @@ def init_process_group(
     # the addresses of the previous incarnation
     generation = (store.add("tandem/inits", 1) - 1) // world_size
     scoped = PrefixStore(f"tandem/{generation}", store)
-    host = bind_address(settings, master)
-    options = BackendOptions(store=scoped, rank=rank, world_size=world_size, host=host,
-                             advertise=_wire.advertised_address(host, master),
-                             hostname=os.environ.get("TANDEM_HOST_ID") or socket.gethostname(),
-                             secret=load_secret(), settings=settings)
-    transport = Backend.factory(backend_name)(options)
-    default = ProcessGroup(transport, list(range(world_size)), 0, group_name or "default",
-                           seconds, settings, backend_name)
+    try:
+        host = bind_address(settings, master)
+        options = BackendOptions(store=scoped, rank=rank, world_size=world_size, host=host,
+                                 advertise=_wire.advertised_address(host, master),
+                                 hostname=os.environ.get("TANDEM_HOST_ID") or socket.gethostname(),
+                                 secret=load_secret(), settings=settings)
+        transport = Backend.factory(backend_name)(options)
+        try:
+            default = ProcessGroup(transport, list(range(world_size)), 0,
+                                   group_name or "default", seconds, settings, backend_name)
+        except BaseException:
+            transport.close()
+            raise
+    except BaseException:
+        if owns_store:  # a failed start leaves no store connection or server behind
+            store.close()
+        raise
     _world = World(default, store, transport, settings, backend_name, generation, owns_store)
 
 
 def destroy_process_group(group: ProcessGroup | NonMemberGroup | None = None) -> None:
-    """Tear down ``group``, or everything (the default group, transport, store) if None."""
+    """Tear down ``group``, or everything (the default group, transport, store) if None.
+
+    Operations still pending on a destroyed group fail at once with ``StateError``;
+    once everything is torn down no thread, descriptor or mapping of tandem remains.
+    """
     global _world
     w = _require()
     if group is not None and group is not w.default:
@@ -192,13 +205,17 @@ def destroy_process_group(group: ProcessGroup | NonMemberGroup | None = None) ->
             w.groups.remove(group)
         return
     _world = None
-    for g in w.groups:
-        if isinstance(g, ProcessGroup):
-            g.close()
-    w.default.close()
-    w.transport.close()
-    if w.owns_store:  # a store the caller passed in stays theirs to reuse
-        w.store.close()
+    try:
+        for g in w.groups:
+            if isinstance(g, ProcessGroup):
+                g.close()
+        w.default.close()
+    finally:
+        try:
+            w.transport.close()
+        finally:
+            if w.owns_store:  # a store the caller passed in stays theirs to reuse
+                w.store.close()
 
 
 def _require() -> World:

@@ -84,8 +84,8 @@ class Arena:
     """Staging segments of ``members`` (global ranks, in group order); ``index`` is mine.
 
     ``maps[i]`` is member i's segment (mine included). ``spin`` is how long a waiter
-    polls before it sleeps on the futex (``self.spin`` may be changed per call). The
-    segments are unmapped when the arena (held by its process group) is collected.
+    polls before it sleeps on the futex (``self.spin`` may be changed per call). Its
+    process group unmaps the segments with :meth:`close` when it is destroyed.
     """
 
     def __init__(self, members: Sequence[int], index: int, maps: Sequence[mmap.mmap],
@@ -109,6 +109,25 @@ class Arena:
         self.target = 0
         self._round = 0
         self._first = [0, 0]  # the value posted first in each of the last two rounds
+
+    # -- lifetime --------------------------------------------------------------------
+    def close(self) -> None:
+        """Unmap every segment; call only when no thread uses the arena any more.
+
+        Views into the segments are dropped first; a mapping something else still
+        views (a staging tensor a caller kept) is left to the garbage collector.
+        """
+        self._data = []
+        for views in (self._ctl, self._text):
+            for v in views:
+                v.release()
+        self._ctl, self._text = [], []
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:
+                pass
+        self._maps = []
 
     # -- memory ----------------------------------------------------------------------
     def data(self, member: int, half: int) -> torch.Tensor:

@@ -18,15 +18,18 @@ ring straight into the posted buffer (or parks it).
 
 from __future__ import annotations
 
-import collections
 import socket
 import struct
 import threading
+import time
 
 from tandem.errors import PeerLostError, StateError, TandemError
 from tandem.transport._ring import Ring
 from tandem.transport._shm_setup import Link
-from tandem.transport.base import Header, Mailbox, Slot, check_size
+from tandem.transport.base import check_size
+from tandem.transport.mailbox import Mailbox
+from tandem.transport.message import Header, Slot
+from tandem.transport.sendqueue import SendQueue
 
 __all__ = ["ShmPeer", "Closed", "frame"]
 
@@ -60,7 +63,7 @@ class ShmPeer:
         self.writer: threading.Thread | None = None
         self._wlock = threading.Lock()
         self._cv = threading.Condition()
-        self._queue: collections.deque[tuple[list[memoryview], Header, Slot]] = collections.deque()
+        self.queue = SendQueue(me, self.rank)
 
     def lost(self, why: str) -> PeerLostError:
         return PeerLostError(
@@ -72,12 +75,12 @@ class ShmPeer:
         """Write ``parts`` now if they fit, else queue them; ``slot`` finishes when written."""
         with self._cv:
             # inline only when nothing is queued or being written and the frame fits now
-            inline = not self._queue and self._wlock.acquire(blocking=False)
+            inline = not self.queue and self._wlock.acquire(blocking=False)
             if inline and sum(len(p) for p in parts) > self.outbound.free():
                 self._wlock.release()
                 inline = False
             if not inline:
-                self._queue.append((parts, header, slot))
+                self.queue.push((parts, header, slot))
                 if self.writer is None:
                     self.writer = threading.Thread(target=self._write_loop, daemon=True,
                                                    name=f"tandem-shm-write-{self.me}>{self.rank}")
@@ -101,20 +104,46 @@ class ShmPeer:
         except TandemError as exc:
             slot.finish(None, exc)
             return
+        except Exception as exc:  # noqa: BLE001 - a writer must never die silently
+            self._break()
+            slot.finish(None, PeerLostError(
+                f"rank {self.me} failed writing to rank {self.rank} ({type(exc).__name__}: "
+                f"{exc}); the connection was closed", self.rank))
+            return
         slot.finish(header)
+
+    def _break(self) -> None:
+        """End the connection: the peer learns at once, as with a TCP reset."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def flush(self, deadline: float) -> None:
+        """Wait (until ``deadline``, monotonic) for queued sends to be written."""
+        with self._cv:
+            while self.queue and not self.eof and time.monotonic() < deadline:
+                self._cv.wait(max(0.0, deadline - time.monotonic()))
+
+    def drain(self) -> list[Slot]:
+        """Remove every queued send (the transport is closing); their slots."""
+        with self._cv:
+            return [slot for _, _, slot in self.queue.drain()]
 
     def _write_loop(self) -> None:
         while True:
             with self._cv:
-                while not self._queue:
+                while not self.queue:
                     if self.closing:
                         return
                     self._cv.wait(0.5)
-                parts, header, slot = self._queue[0]
+                parts, header, slot = self.queue.first()
             with self._wlock:
                 self._write(parts, header, slot)
             with self._cv:
-                self._queue.popleft()
+                if self.queue and self.queue.first()[2] is slot:
+                    self.queue.popleft()
+                self._cv.notify_all()
 
     def wake(self) -> None:
         """Wake this process's threads waiting on either ring (they re-check their state)."""
@@ -160,10 +189,7 @@ class ShmPeer:
             if not isinstance(exc, PeerLostError):
                 # the stream is broken (e.g. an oversized frame): end the connection, so the
                 # peer learns at once, as with a TCP reset, instead of at its deadline
-                try:
-                    self.sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                self._break()
                 exc = PeerLostError(
                     f"the shared-memory stream from rank {self.rank} (pid {self.pid}) to rank "
                     f"{self.me} broke ({type(exc).__name__}: {exc}); the connection was closed",

@@ -1,482 +1,125 @@
 """The ``Transport`` seam: tagged byte messages between ranks, with posted receives.
 
-A transport connects one rank to every other rank of a job and moves messages.
-Each message has a :class:`Header` (kind, group, sequence number, step, size, the
-sender's signature of the operation and its call site) and a payload. Receivers
-*post* a buffer for a message key before or after it arrives:
+A transport connects one rank to every other rank of a job and moves messages
+(:mod:`.message`: a ``Header`` and a payload). Receivers post a buffer for a message
+key before or after it arrives; the :class:`~.mailbox.Mailbox` matches them, checks
+signatures (:mod:`.mismatch`) and keeps the failure bookkeeping (:mod:`.failures`).
+Implementations (tcp, shm, loopback) only deliver bytes.
 
-* posted first: the payload is read straight into the posted memory (no copy);
-* arrived first: it is parked in a temporary buffer and copied when posted.
+What the collectives layer uses, and nothing else::
 
-Before a payload touches posted memory, the sender's signature is compared with
-the receiver's; a mismatch fails the receive with ``CollectiveMismatchError`` and
-the payload is discarded, so mismatched collectives never combine data.
-
-Implementations (tcp, loopback) only deliver bytes; matching, signatures, dead
-peers and aborts live here, written once.
+    slot = t.isend(peer, Header(Kind.COLL, group, seq, step, n, sig, site), view)
+    slot = t.irecv(peer, Kind.COLL, group, seq, step, view, sig, site)
+    t.wait([slot], deadline, describe, peers)     # raises naming whoever failed
+    t.aborted(group), t.lost(peer), t.left(peer)  # what failed, or None
+    t.abort(group, peers, error)                  # fail group here and at peers
+    t.finished(group, seq, sig, site)             # a call completed here
+    t.close()                                     # release everything; pending ops fail
 """
 
 from __future__ import annotations
 
 import abc
-import collections
-import dataclasses
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence
 
-from tandem.errors import (
-    CollectiveMismatchError,
-    CollectiveTimeoutError,
-    PeerLostError,
-    ProtocolError,
-    StateError,
-    TandemError,
-)
+from tandem.errors import ArgumentError, PeerLostError, ProtocolError, StateError, TandemError
+from tandem.transport.failures import ABORT_CODES, decode_error, encode_error
+from tandem.transport.mailbox import Mailbox
+from tandem.transport.message import SIG_MAX, Flag, Header, Key, Kind, Reader, Slot, reader_of
+from tandem.transport.wait import wait_all
 
 if TYPE_CHECKING:
     from tandem.transport._arena import Arena
 
-__all__ = ["Kind", "Header", "Slot", "Mailbox", "Transport", "check_size", "encode_error",
-           "decode_error"]
+__all__ = ["Kind", "Header", "Slot", "Mailbox", "Transport", "check_size", "check_header",
+           "encode_error", "decode_error", "ABORT_CODES", "Flag", "Key", "Reader", "join_all",
+           "Link"]
+
+_TELL_S = 1.0  # how long close() lets abort messages already on their way go out
+_FLUSH_S = 1.0  # how long close() lets queued sends (aborts, goodbyes) go out
 
 
-class Kind:
-    """Message kinds (one byte on the wire)."""
+class Link(Protocol):
+    """What closing needs of a transport's connection to one peer."""
 
-    COLL = 1  # collective data: key is (group, seq, step)
-    P2P = 2  # point-to-point: key is (group, per-pair counter, tag)
-    ABORT = 3  # a rank aborted a group; payload is the UTF-8 reason
-    BYE = 4  # the sender is closing its transport on purpose (destroy_process_group)
+    rank: int
 
-
-@dataclasses.dataclass(frozen=True)
-class Header:
-    kind: int
-    group: int
-    seq: int
-    step: int
-    nbytes: int
-    sig: bytes = b""
-    site: bytes = b""
+    def flush(self, deadline: float) -> None: ...
 
 
-# An ABORT message's ``step`` says which error the receivers raise.
-ABORT_CODES: dict[int, type[TandemError]] = {
-    0: StateError,
-    1: CollectiveMismatchError,
-    2: CollectiveTimeoutError,
-    3: PeerLostError,
-}
-
-Key = tuple[int, int, int, int, int]  # (peer, kind, group, seq, step)
-
-
-def encode_error(error: TandemError, reporter: int) -> bytes:
-    """An ABORT payload: the details other ranks need to rebuild ``error``."""
-    missing = ",".join(map(str, getattr(error, "missing", ())))
-    lost = getattr(error, "rank", -1)
-    return f"{missing};{lost}\n[reported by rank {reporter}] {error}".encode()
-
-
-def decode_error(code: int, data: bytes) -> TandemError:
-    head, _, text = data.decode(errors="replace").partition("\n")
-    missing_text, _, lost_text = head.partition(";")
-    error_type = ABORT_CODES.get(code, StateError)
-    if error_type is CollectiveTimeoutError:
-        missing = tuple(int(m) for m in missing_text.split(",") if m.strip().lstrip("-").isdigit())
-        return CollectiveTimeoutError(text, missing)
-    if error_type is PeerLostError:
-        return PeerLostError(text, int(lost_text) if lost_text.lstrip("-").isdigit() else -1)
-    return error_type(text)
-Reader = Callable[[memoryview], None]
-
-
-class Flag:
-    """A one-shot event: ``set`` once, ``wait`` with a timeout, ``is_set``.
-
-    ``threading.Event`` builds a Condition and two locks per instance; a transport makes
-    one of these per message, so this is a single pre-acquired lock released by ``set``
-    (measured: Event construction was 12% of the main thread's time in a chunked ring).
-    """
-
-    __slots__ = ("_lock", "_set")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._lock.acquire()
-        self._set = False
-
-    def set(self) -> None:
-        if not self._set:
-            self._set = True
-            try:
-                self._lock.release()
-            except RuntimeError:  # a concurrent set() released it first
-                pass
-
-    def is_set(self) -> bool:
-        return self._set
-
-    def wait(self, timeout: float | None = None) -> bool:
-        if self._set:
-            return True
-        if self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
-            self._lock.release()  # wake the next waiter too
-            return True
-        return self._set
-
-
-class Slot:
-    """One posted receive (or a parked early arrival)."""
-
-    __slots__ = ("peer", "key", "view", "sig", "site", "event", "header", "error", "parked",
-                 "on_done")
-
-    def __init__(self, peer: int, key: Key, view: memoryview | None, sig: bytes,
-                 site: bytes = b"") -> None:
-        self.peer = peer
-        self.key = key
-        self.view = view
-        self.sig = sig
-        self.site = site
-        self.event = Flag()
-        self.header: Header | None = None
-        self.error: BaseException | None = None
-        self.parked: bytearray | None = None
-        self.on_done: Callable[[Slot], None] | None = None
-
-    def done(self) -> bool:
-        return self.event.is_set()
-
-    def finish(self, header: Header | None, error: BaseException | None = None) -> None:
-        if self.event.is_set():
-            return
-        self.header = header
-        self.error = error
-        self.event.set()
-        if self.on_done is not None:
-            self.on_done(self)
-
-    @property
-    def nbytes(self) -> int:
-        return self.header.nbytes if self.header is not None else 0
-
-
-def _mismatch(slot: Slot, header: Header, my_rank: int, peer: int | None = None) -> CollectiveMismatchError:
-    return CollectiveMismatchError(
-        f"collective mismatch (group {header.group}, sequence {header.seq}): "
-        f"rank {my_rank} called {slot.sig.decode(errors='replace')} at "
-        f"{slot.site.decode(errors='replace') or '?'} but rank {slot.peer if peer is None else peer} called "
-        f"{header.sig.decode(errors='replace')} at {header.site.decode(errors='replace')}"
-    )
-
-
-class Mailbox:
-    """Matches arriving messages with posted receives, for one rank and all peers."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-        self._lock = threading.Lock()
-        self._posted: dict[Key, Slot] = {}
-        self._parked: dict[Key, Slot] = {}
-        self._wild: list[tuple[Callable[[int, Header], bool], Slot]] = []
-        self.dead: dict[int, PeerLostError] = {}
-        # peers that said goodbye before closing: a finished peer, not a crashed one, so
-        # only calls that still need it fail (see peer_lost)
-        self.departed: set[int] = set()
-        self.left: dict[int, PeerLostError] = {}
-        self.aborted: dict[int, TandemError] = {}
-        # the last calls completed per group: (seq, sig, site), to recognise stray messages
-        self._finished: dict[int, collections.deque[tuple[int, bytes, bytes]]] = {}
-        # every failure peers reported per group, including after the first one
-        self.reports: dict[int, list[TandemError]] = collections.defaultdict(list)
-        # set by the transport: tell ``peer`` that ``group`` failed with ``error``
-        self.reply: Callable[[int, int, TandemError], None] | None = None
-
-    # -- receiving side (called by the transport's reader for ``peer``) ----------------
-    def arrive(self, peer: int, header: Header, read: Reader) -> None:
-        """Deliver one message; ``read(view)`` fills ``view`` with the payload."""
-        if header.kind == Kind.BYE:
-            read(memoryview(bytearray(header.nbytes)))
-            with self._lock:
-                self.departed.add(peer)
-            return
-        if header.kind == Kind.ABORT:
-            buf = bytearray(header.nbytes)
-            read(memoryview(buf))
-            reported = decode_error(header.step, bytes(buf))
-            self.reports[header.group].append(reported)
-            self.abort_group(header.group, reported)
-            return
-        key = (peer, header.kind, header.group, header.seq, header.step)
-        with self._lock:
-            slot = self._posted.pop(key, None)
-            if slot is None:
-                slot = self._take_wild(peer, header)
-            stray = None
-            if slot is None:
-                stray = self._stray(peer, header)
-            if slot is None and stray is None:
-                parked = Slot(peer, key, None, b"")
-                parked.header = header
-                self._parked[key] = parked
-                clash = self._clashing_posts(peer, header)
-        if stray is not None:
-            read(memoryview(bytearray(header.nbytes)))  # drain, never combine
-            self._reject(peer, header.group, stray)
-            return
-        if slot is None:
-            for victim in clash:  # our own call for this sequence number is a different one
-                victim.finish(None, _mismatch(victim, header, self.rank, peer))
-            buf = bytearray(header.nbytes)
-            read(memoryview(buf))
-            parked.parked = buf
-            parked.event.set()
-            return
-        error = self._check(slot, header)
-        if error is not None:
-            read(memoryview(bytearray(header.nbytes)))  # drain, never combine
-            slot.finish(header, error)
-            return
-        assert slot.view is not None
-        read(slot.view)
-        slot.finish(header)
-
-    def _clashing_posts(self, peer: int, header: Header) -> list[Slot]:
-        """Posted receives of the same collective call whose signature differs from ``header``.
-
-        Mismatched calls often use different step numbers, so their messages never meet a
-        posted receive; comparing against every receive of the same (group, sequence)
-        catches them at once instead of at the deadline. Caller holds the lock.
-        """
-        if header.kind != Kind.COLL:
-            return []
-        clash = [s for k, s in self._posted.items() if k[1] == Kind.COLL and k[2] == header.group
-                 and k[3] == header.seq and s.sig != header.sig]
-        for s in clash:
-            del self._posted[s.key]
-        return clash
-
-    def _stray(self, peer: int, header: Header) -> CollectiveMismatchError | None:
-        """A message for a call this rank already completed: the peer's call differed.
-
-        E.g. two ranks that both believe they are the root of a broadcast only send.
-        Caller holds the lock.
-        """
-        done = self._finished.get(header.group)
-        if header.kind != Kind.COLL or not done or header.seq > done[-1][0]:
-            return None
-        mine = next(((sig, site) for seq, sig, site in done if seq == header.seq), None)
-        sig, site = mine if mine is not None else (b"an earlier collective", b"?")
-        return CollectiveMismatchError(
-            f"collective mismatch (group {header.group}, sequence {header.seq}): "
-            f"rank {self.rank} completed {sig.decode(errors='replace')} at "
-            f"{site.decode(errors='replace')} but rank {peer} called "
-            f"{header.sig.decode(errors='replace')} at {header.site.decode(errors='replace')}")
-
-    def _reject(self, peer: int, group: int, error: TandemError) -> None:
-        self.abort_group(group, error)
-        if self.reply is not None:
-            self.reply(peer, group, error)
-
-    def finished(self, group: int, seq: int, sig: bytes, site: bytes) -> None:
-        """Record that this rank completed call ``seq``; leftovers for it are strays."""
-        with self._lock:
-            done = self._finished.setdefault(group, collections.deque(maxlen=64))
-            done.append((seq, sig, site))
-            keys = [k for k in self._parked
-                    if k[1] == Kind.COLL and k[2] == group and k[3] == seq]
-            strays = [(k[0], self._parked.pop(k).header) for k in keys]
-            errors = [(peer, self._stray(peer, h)) for peer, h in strays if h is not None]
-        for peer, error in errors:
-            if error is not None:
-                self._reject(peer, group, error)
-
-    def parked_call(self, group: int, seq: int) -> tuple[int, Header] | None:
-        """A collective message of call ``seq`` on ``group`` that nobody has received yet
-        (sender, header). A call that moves no messages uses it to spot a peer whose call
-        of the same number does."""
-        with self._lock:
-            for k, parked in self._parked.items():
-                if (k[1] == Kind.COLL and k[2] == group and k[3] == seq
-                        and parked.header is not None):
-                    return k[0], parked.header
-        return None
-
-    def _clashing_arrival(self, kind: int, group: int, seq: int, sig: bytes) -> Slot | None:
-        """A parked message of the same collective call with another signature (lock held)."""
-        if kind != Kind.COLL:
-            return None
-        for k, parked in self._parked.items():
-            if (k[1] == Kind.COLL and k[2] == group and k[3] == seq and parked.header is not None
-                    and parked.header.sig != sig):
-                return parked
-        return None
-
-    def _take_wild(self, peer: int, header: Header) -> Slot | None:
-        for i, (match, slot) in enumerate(self._wild):
-            if match(peer, header):
-                del self._wild[i]
-                slot.peer = peer
-                return slot
-        return None
-
-    def _check(self, slot: Slot, header: Header) -> BaseException | None:
-        if header.kind == Kind.COLL and header.sig != slot.sig:
-            return _mismatch(slot, header, self.rank)
-        if slot.view is not None and header.nbytes != len(slot.view):
-            what = slot.sig.decode(errors="replace") or "receive"
-            return CollectiveMismatchError(
-                f"rank {slot.peer} sent {header.nbytes} bytes but rank {self.rank} expected "
-                f"{len(slot.view)} for {what} (tensor sizes differ across ranks; sender at "
-                f"{header.site.decode(errors='replace')})"
-            )
-        return None
-
-    # -- posting side ----------------------------------------------------------------
-    def post(self, peer: int, kind: int, group: int, seq: int, step: int,
-             view: memoryview, sig: bytes = b"", site: bytes = b"") -> Slot:
-        key = (peer, kind, group, seq, step)
-        slot = Slot(peer, key, view, sig, site)
-        with self._lock:
-            early = self._parked.pop(key, None)
-            if early is None:
-                failure = self._failure(peer, group)
-                clash = self._clashing_arrival(kind, group, seq, sig) if failure is None else None
-                if failure is None and clash is None:
-                    self._posted[key] = slot
-        if early is None:
-            if clash is not None:
-                assert clash.header is not None
-                failure = _mismatch(slot, clash.header, self.rank, clash.peer)
-            if failure is not None:
-                slot.finish(None, failure)
-            return slot
-        self._complete_from_parked(slot, early)
-        return slot
-
-    def post_any(self, peers: Iterable[int], kind: int, group: int, view: memoryview,
-                 match: Callable[[int, Header], bool]) -> Slot:
-        """Post a receive that any of ``peers`` may satisfy (``recv(src=None)``)."""
-        slot = Slot(-1, (-1, kind, group, -1, -1), view, b"")
-        with self._lock:
-            early = None
-            for key, parked in self._parked.items():
-                if parked.header is not None and match(key[0], parked.header):
-                    early = self._parked.pop(key)
-                    slot.peer = key[0]
-                    break
-            if early is None:
-                failure = self.aborted.get(group)
-                if failure is None:
-                    self._wild.append((match, slot))
-        if early is None:
-            if failure is not None:
-                slot.finish(None, failure)
-            return slot
-        self._complete_from_parked(slot, early)
-        return slot
-
-    def _complete_from_parked(self, slot: Slot, early: Slot) -> None:
-        early.event.wait()  # the reader may still be filling the parked buffer
-        header = early.header
-        assert header is not None and early.parked is not None
-        error = self._check(slot, header)
-        if error is None and slot.view is not None:
-            slot.view[: header.nbytes] = early.parked
-        slot.finish(header, error)
-
-    def cancel(self, slot: Slot) -> None:
-        with self._lock:
-            self._posted.pop(slot.key, None)
-            self._wild = [(m, s) for m, s in self._wild if s is not slot]
-
-    # -- failures --------------------------------------------------------------------
-    def _failure(self, peer: int, group: int) -> TandemError | None:
-        if group in self.aborted:
-            return self.aborted[group]
-        return self.dead.get(peer) or self.left.get(peer)
-
-    def peer_lost(self, peer: int, error: PeerLostError) -> None:
-        """``peer``'s connection is gone: it crashed (every wait on its group fails), or,
-        after a goodbye, it left (only what waits on it fails)."""
-        with self._lock:
-            if peer in self.departed:
-                error = PeerLostError(
-                    f"rank {peer} left (it closed its process group) before sending what rank "
-                    f"{self.rank} is waiting for; did the ranks run different collectives?",
-                    peer)
-                self.left.setdefault(peer, error)
-            else:
-                self.dead.setdefault(peer, error)
-            victims = [s for k, s in self._posted.items() if k[0] == peer]
-            for s in victims:
-                del self._posted[s.key]
-        for s in victims:
-            s.finish(None, error)
-
-    def abort_group(self, group: int, error: TandemError) -> None:
-        with self._lock:
-            self.aborted.setdefault(group, error)
-            victims = [s for k, s in self._posted.items() if k[2] == group]
-            for s in victims:
-                del self._posted[s.key]
-            wild = [s for _, s in self._wild if s.key[2] == group]
-            self._wild = [(m, s) for m, s in self._wild if s.key[2] != group]
-        for s in victims + wild:
-            s.finish(None, error)
+def join_all(threads: Iterable[threading.Thread | None], seconds: float) -> bool:
+    """Join ``threads`` (not the calling one) within ``seconds``; whether all ended."""
+    end = time.monotonic() + seconds
+    me = threading.current_thread()
+    rest = [t for t in threads if t is not None and t is not me]
+    for t in rest:
+        t.join(max(0.0, end - time.monotonic()))
+    return not any(t.is_alive() for t in rest)
 
 
 class Transport(abc.ABC):
     """Moves messages between this rank and its peers.
 
-    ``isend`` returns a :class:`Slot`-like handle whose ``event`` is set when the
-    buffer may be reused; ``irecv`` posts a receive in the :class:`Mailbox`.
+    ``isend`` returns a :class:`Slot` whose ``event`` is set when the buffer may be
+    reused; ``irecv`` posts a receive in the :class:`Mailbox`.
     """
 
     rank: int
     world_size: int
     mailbox: Mailbox
 
+    # -- messages ----------------------------------------------------------------------
     def irecv(self, peer: int, kind: int, group: int, seq: int, step: int,
               view: memoryview, sig: bytes = b"", site: bytes = b"") -> Slot:
         return self.mailbox.post(peer, kind, group, seq, step, view, sig, site)
+
+    def irecv_any(self, peers: Iterable[int], kind: int, group: int, view: memoryview,
+                  match: Callable[[int, Header], bool]) -> Slot:
+        """A receive any of ``peers`` may satisfy: the first message ``match`` accepts."""
+        return self.mailbox.post_any(peers, kind, group, view, match)
 
     @abc.abstractmethod
     def isend(self, peer: int, header: Header, payload: memoryview) -> Slot:
         """Queue ``payload`` for ``peer``; the handle completes when it was written."""
 
-    def _send_slot(self, peer: int, header: Header) -> Slot:
-        return Slot(peer, (peer, header.kind, header.group, header.seq, header.step), None, b"")
+    def cancel(self, slot: Slot) -> None:
+        """Withdraw a posted receive."""
+        self.mailbox.cancel(slot)
 
-    def _send_to_self(self, header: Header, payload: memoryview) -> Slot:
-        """A message to this very rank: copied now, delivered through the mailbox."""
-        data = bytes(payload)
+    def wait(self, slots: Iterable[Slot], deadline: float, describe: Callable[[], str],
+             peers: Iterable[int] = ()) -> None:
+        """Wait for ``slots`` until ``deadline``; ``peers`` are watched for death."""
+        wait_all(slots, deadline, describe, self.mailbox, peers)
 
-        def read(view: memoryview) -> None:
-            view[:] = data
+    # -- what failed ---------------------------------------------------------------------
+    def aborted(self, group: int) -> TandemError | None:
+        """Why ``group`` failed on this rank (abort, or the transport closed), or None."""
+        return self.mailbox.failures.aborted(group)
 
-        self.mailbox.arrive(self.rank, header, read)
-        slot = self._send_slot(self.rank, header)
-        slot.finish(header)
-        return slot
+    def lost(self, peer: int) -> PeerLostError | None:
+        """Why ``peer`` is gone if its connection closed without a goodbye, else None."""
+        return self.mailbox.failures.lost(peer)
 
-    def _check_peer(self, peer: int, known: bool, what: str) -> None:
-        """Raise if ``peer`` has no link (``what`` names the link) or was lost."""
-        if not known:
-            raise PeerLostError(f"rank {self.rank} has no {what} to rank {peer}", peer)
-        lost = self.mailbox.dead.get(peer)
-        if lost is not None:
-            raise lost
+    def left(self, peer: int) -> PeerLostError | None:
+        """Why ``peer``, which closed its process group on purpose, can send no more."""
+        return self.mailbox.failures.left(peer)
 
+    def finished(self, group: int, seq: int, sig: bytes, site: bytes) -> None:
+        """This rank completed call ``seq`` of ``group``; later messages for it are strays."""
+        self.mailbox.finished(group, seq, sig, site)
+
+    def parked_call(self, group: int, seq: int) -> tuple[int, Header] | None:
+        """(sender, header) of an unreceived message of call ``seq`` on ``group``, or None."""
+        return self.mailbox.parked_call(group, seq)
+
+    # -- failing -------------------------------------------------------------------------
     def abort(self, group: int, peers: Iterable[int], error: TandemError) -> None:
         """Fail ``group`` here and tell ``peers`` so they raise the same error."""
         self.mailbox.abort_group(group, error)
-        code = next((c for c, t in ABORT_CODES.items() if type(error) is t), 0)
-        data = encode_error(error, self.rank)
-        header = Header(Kind.ABORT, group, 0, code, len(data))
-        targets = [p for p in peers if p != self.rank and p not in self.mailbox.dead]
+        header, data = _abort_message(group, error, self.rank)
+        targets = [p for p in peers if p != self.rank and self.lost(p) is None]
 
         def tell() -> None:
             for p in targets:
@@ -486,22 +129,63 @@ class Transport(abc.ABC):
                     pass
 
         # a stuck peer with a full socket buffer must not block the rank that aborts
-        threading.Thread(target=tell, daemon=True, name="tandem-abort").start()
+        teller = threading.Thread(target=tell, daemon=True, name="tandem-abort")
+        teller.start()  # before it is listed: close() may join it from another thread
+        tellers = self._tellers()
+        tellers[:] = [t for t in tellers if t.is_alive()] + [teller]
 
+    def fail_here(self, group: int, error: TandemError) -> None:
+        """Fail every receive of ``group`` on this rank only (peers are not told)."""
+        self.mailbox.abort_group(group, error, quiet=True)
+
+    def _tellers(self) -> list[threading.Thread]:
+        return self.__dict__.setdefault("_abort_tellers", [])
+
+    def _finish_telling(self) -> None:
+        """Let aborts on their way reach their queues first: a peer that sees this rank
+        leave must already know why (else it blames the rank that left)."""
+        end = time.monotonic() + _TELL_S
+        for t in self._tellers():
+            t.join(max(0.0, end - time.monotonic()))
+
+    # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
         """Close every connection; pending operations fail."""
 
+    def _take_leave(self, links: Iterable[Link]) -> None:
+        """The polite start of ``close``: aborts on their way and a goodbye reach every
+        peer's queue, and queued sends get a moment to go out, so peers learn why this
+        rank leaves before they see its connections close."""
+        links = list(links)
+        self._finish_telling()
+        self.say_goodbye([link.rank for link in links])
+        end = time.monotonic() + _FLUSH_S
+        for link in links:
+            link.flush(end)
+
+    def closed_error(self) -> StateError:
+        return StateError(f"rank {self.rank} closed its transport (destroy_process_group): "
+                          f"the operation can no longer complete")
+
     def say_goodbye(self, peers: Iterable[int]) -> None:
         """Tell ``peers`` this rank closes on purpose (best effort, never blocks), so they
-        do not take the closed connections for a crash while they finish their own calls."""
-        header = Header(Kind.BYE, 0, 0, 0, 0)
+        do not take the closed connections for a crash while they finish their own calls.
+
+        Groups that failed here are reported first, on the same connections: a peer
+        still waiting on this rank then fails with the cause ("rank 0 died (reported by
+        rank 2)"), not with this rank's leaving, even if the news from elsewhere is late.
+        """
+        news = [_abort_message(g, e, self.rank) for g, e in self.mailbox.failures.reasons()]
+        news.append((Header(Kind.BYE, 0, 0, 0, 0), b""))
         for p in peers:
-            if p != self.rank and p not in self.mailbox.dead:
+            if p != self.rank and self.lost(p) is None:
                 try:
-                    self.isend(p, header, memoryview(b""))
+                    for header, data in news:
+                        self.isend(p, header, memoryview(data))
                 except TandemError:
                     pass
 
+    # -- topology ----------------------------------------------------------------------------
     def host_of(self, rank: int) -> str:
         """The host identity of ``rank`` (used for topology decisions)."""
         return ""
@@ -515,7 +199,44 @@ class Transport(abc.ABC):
         """Shared staging memory with ``members`` (collective over them); shm only."""
         raise StateError(f"the {type(self).__name__} cannot share memory between ranks")
 
+    # -- helpers for implementations ---------------------------------------------------------
+    def _send_slot(self, peer: int, header: Header) -> Slot:
+        return Slot(peer, (peer, header.kind, header.group, header.seq, header.step), None, b"")
+
+    def _send_to_self(self, header: Header, payload: memoryview) -> Slot:
+        """A message to this very rank: copied now, delivered through the mailbox."""
+        self.mailbox.arrive(self.rank, header, reader_of(memoryview(bytes(payload))))
+        slot = self._send_slot(self.rank, header)
+        slot.finish(header)
+        return slot
+
+    def _check_peer(self, peer: int, known: bool, what: str) -> None:
+        """Raise if ``peer`` has no link (``what`` names the link) or was lost."""
+        if not known:
+            raise PeerLostError(f"rank {self.rank} has no {what} to rank {peer}", peer)
+        lost = self.lost(peer)
+        if lost is not None:
+            raise lost
+
+
+def _abort_message(group: int, error: TandemError, reporter: int) -> tuple[Header, bytes]:
+    """The ABORT message telling peers that ``group`` failed with ``error``."""
+    code = next((c for c, t in ABORT_CODES.items() if type(error) is t), 0)
+    data = encode_error(error, reporter)
+    return Header(Kind.ABORT, group, 0, code, len(data)), data
+
 
 def check_size(nbytes: int, cap: int, peer: int) -> None:
     if nbytes > cap:
         raise ProtocolError(f"rank {peer} announced a {nbytes}-byte message; the cap is {cap}")
+
+
+def check_header(header: Header) -> None:
+    """Refuse a header whose signature or call site cannot be framed."""
+    if len(header.sig) <= SIG_MAX and len(header.site) <= SIG_MAX:
+        return  # every send passes here: keep the common case to one test
+    for name, value in (("signature", header.sig), ("call site", header.site)):
+        if len(value) > SIG_MAX:
+            raise ArgumentError(
+                f"a message {name} of {len(value)} bytes exceeds the frame's {SIG_MAX}; "
+                f"long signatures must be shortened (ProcessGroup hashes them)")

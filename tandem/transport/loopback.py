@@ -13,7 +13,9 @@ from __future__ import annotations
 from typing import Sequence
 
 from tandem.errors import ArgumentError, PeerLostError
-from tandem.transport.base import Header, Mailbox, Slot, Transport
+from tandem.transport.base import Transport, check_header
+from tandem.transport.mailbox import Mailbox
+from tandem.transport.message import Header, Slot, reader_of
 
 __all__ = ["LoopbackHub", "LoopbackTransport"]
 
@@ -32,12 +34,9 @@ class LoopbackTransport(Transport):
         target = self.hub.transports[peer]
         if target.closed:
             raise PeerLostError(f"rank {peer} closed its loopback transport", peer)
+        check_header(header)
         data = payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload
-
-        def read(view: memoryview) -> None:
-            view[:] = data[: len(view)]
-
-        target.mailbox.arrive(self.rank, header, read)
+        target.mailbox.arrive(self.rank, header, reader_of(data))
         slot.finish(header)
         return slot
 
@@ -45,7 +44,10 @@ class LoopbackTransport(Transport):
         return self.hub.hosts[rank] if self.hub.hosts else ""
 
     def close(self) -> None:
+        if self.closed:
+            return
         self.closed = True
+        self.mailbox.close(self.closed_error())
         for t in self.hub.transports:
             if t is not self and not t.closed:
                 t.mailbox.peer_lost(self.rank, PeerLostError(

@@ -23,7 +23,8 @@ from typing import Sequence
 from tandem.errors import ArgumentError
 from tandem.transport._arena import Arena
 from tandem.store.base import Store
-from tandem.transport.base import Header, Slot, Transport
+from tandem.transport.base import Transport
+from tandem.transport.message import Header, Slot
 from tandem.transport.shm import ShmTransport
 
 __all__ = ["MixedTransport", "exchange_hosts", "require_one_host", "host_key", "same_host"]
@@ -111,6 +112,7 @@ class MixedTransport(Transport):
         return self.shm.arena(key, members, chunk, timeout)
 
     def close(self) -> None:
+        self._finish_telling()  # aborts this transport started reach their queues first
         try:
             self.shm.close()
         finally:

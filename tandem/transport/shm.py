@@ -35,7 +35,6 @@ import socket
 import struct
 import threading
 import time
-import weakref
 from typing import Sequence
 
 from tandem.errors import (ArgumentError, CollectiveTimeoutError, NetworkError, PeerLostError,
@@ -45,10 +44,16 @@ from tandem.transport._arena import Arena, default_chunk, segment_bytes, CONTROL
 from tandem.transport._ring import Ring, init_segment, segment_size
 from tandem.transport._shm_peer import ShmPeer, frame
 from tandem.transport._shm_setup import Link, connect_local
-from tandem.transport._shmem import create_segment
-from tandem.transport.base import Header, Mailbox, Slot, Transport
+from tandem.transport import forks
+from tandem.transport._shmem import create_segment, unsupported_reason
+from tandem.transport.base import Transport, check_header, join_all
+from tandem.transport.mailbox import DEFAULT_PARK_LIMIT, Mailbox
+from tandem.transport.message import Header, Slot
+from tandem.transport.sendqueue import DEFAULT_SEND_LIMIT, BoundedSends, SendQueue
 
-__all__ = ["ShmTransport", "ring_capacity", "default_spin"]
+__all__ = ["ShmTransport", "ring_capacity", "default_spin", "unsupported_reason"]
+
+_JOIN_S = 2.0  # how long close() waits for this transport's threads to end
 
 _MIN_RING = 4096
 _OFFER = struct.Struct("<QQ")  # an arena segment handed over the socket: key, bytes
@@ -65,15 +70,6 @@ def default_spin(local_ranks: int) -> float:
     return 200e-6 if local_ranks <= (cpus or 1) else 5e-6
 
 
-def _forget_in_child(ref: "weakref.ref[ShmTransport]") -> None:
-    t = ref()
-    if t is not None and not t._closing:
-        t._closing = True  # the child has no threads of ours; it must not use the rings
-        for p in t._peers.values():
-            p.closing = True
-            p.sock.close()  # the child's copy only: the parent's connection stays up
-
-
 def ring_capacity(peers: int) -> int:
     """Default bytes per ring: 4 MiB, shrinking to 256 KiB so a rank maps <= ~32 MiB."""
     cap = 4 << 20
@@ -82,7 +78,7 @@ def ring_capacity(peers: int) -> int:
     return cap
 
 
-class ShmTransport(Transport):
+class ShmTransport(BoundedSends, Transport):
     """Connects ``rank`` to the ranks ``peers`` (default: all) of this host through memory.
 
     ``mailbox`` lets a mixed transport share one mailbox between shm and tcp;
@@ -94,7 +90,9 @@ class ShmTransport(Transport):
                  peers: Sequence[int] | None = None, hostname: str = "",
                  connect_timeout: float = 60.0, max_frame: int = 16 << 30,
                  mailbox: Mailbox | None = None, ring_bytes: int | None = None,
-                 spin: float | None = None, shm_dir: str | None = None) -> None:
+                 spin: float | None = None, shm_dir: str | None = None,
+                 park_limit: int = DEFAULT_PARK_LIMIT,
+                 send_limit: int = DEFAULT_SEND_LIMIT) -> None:
         local = sorted(set(range(world_size) if peers is None else peers) - {rank})
         cap = ring_bytes or ring_capacity(len(local))
         if cap < _MIN_RING or cap & (cap - 1):
@@ -102,7 +100,7 @@ class ShmTransport(Transport):
         self.rank = rank
         self.world_size = world_size
         if mailbox is None:  # a shared mailbox's owner (the mixed transport) sets the reply
-            mailbox = Mailbox(rank)
+            mailbox = Mailbox(rank, park_limit)
             mailbox.reply = lambda peer, group, error: self.abort(group, [peer], error)
         self.mailbox = mailbox
         self.hostname = hostname
@@ -142,10 +140,21 @@ class ShmTransport(Transport):
             self._start(peer.read_loop, (self.mailbox, max_frame),
                         f"tandem-shm-read-{rank}<{peer.rank}")
         self._start(self._watch, (), f"tandem-shm-watch-{rank}")
-        # a fork()ed child (e.g. a DataLoader worker) must not hold our sockets open: if
-        # this process died, its peers would never see EOF and never learn of the death
-        me = weakref.ref(self)
-        os.register_at_fork(after_in_child=lambda: _forget_in_child(me))
+        self.send_limit = send_limit
+        forks.track(self)
+
+
+    def _send_queues(self) -> list[SendQueue]:
+        return [p.queue for p in self._peers.values()]
+
+    def forget_in_child(self) -> None:
+        """In a forked child (e.g. a DataLoader worker): never use the rings, and drop the
+        inherited sockets, or this process's death would go unseen by its peers."""
+        if not self._closing:
+            self._closing = True  # the child has no threads of ours
+            for p in self._peers.values():
+                p.closing = True
+                p.sock.close()  # the child's copy only: the parent's connection stays up
 
     @staticmethod
     def _map(link: Link, spin: float) -> Ring:
@@ -185,6 +194,19 @@ class ShmTransport(Transport):
                     p.wake()  # its reader drains the ring, then reports the loss
                     with self._offer_cv:
                         self._offer_cv.notify_all()
+        except Exception as exc:  # noqa: BLE001 - unwatched peers could die unnoticed
+            if not self._closing:
+                for p in self._peers.values():
+                    p.closing = True  # its reader stops; the loss below is the news
+                    p.wake()
+                    self.mailbox.peer_lost(p.rank, PeerLostError(
+                        f"rank {self.rank} stopped watching its shared-memory connections "
+                        f"({type(exc).__name__}: {exc}); rank {p.rank} can no longer be "
+                        f"reached", p.rank))
+                    try:
+                        p.sock.shutdown(socket.SHUT_RDWR)  # the peer learns at once
+                    except OSError:
+                        pass
         finally:
             sel.close()
             for _, fds in pending.values():
@@ -289,6 +311,7 @@ class ShmTransport(Transport):
         p = self._peers.get(peer)
         self._check_peer(peer, p is not None, "shared-memory ring")
         assert p is not None
+        check_header(header)
         slot = self._send_slot(peer, header)
         p.send(frame(header, data), header, slot)
         return slot
@@ -301,25 +324,24 @@ class ShmTransport(Transport):
         return self.hostname if self.reaches(rank) else ""
 
     def close(self) -> None:
-        """Stop every thread, close the sockets (peers see EOF) and unmap the rings."""
+        """Say goodbye, let queued sends go out briefly, stop every thread, close the
+        sockets (peers see EOF) and unmap the rings; pending operations fail."""
         if self._closing:
             return
-        self.say_goodbye(list(self._peers))
+        self._take_leave(self._peers.values())
         self._closing = True
+        forks.untrack(self)
+        self.mailbox.close(self.closed_error())
         for p in self._peers.values():
             p.closing = True
+            for slot in p.drain():
+                slot.finish(None, self.closed_error())
             p.wake()
             try:
                 p.sock.shutdown(socket.SHUT_RDWR)  # wakes the watcher; peers see EOF
             except OSError:
                 pass
-        deadline = time.monotonic() + 2.0
-        me = threading.current_thread()
-        threads = self._threads + [p.writer for p in self._peers.values() if p.writer]
-        for t in threads:
-            if t is not me:
-                t.join(max(0.0, deadline - time.monotonic()))
-        stuck = any(t.is_alive() for t in threads if t is not me)
+        stuck = not join_all(self._threads + [p.writer for p in self._peers.values()], _JOIN_S)
         for p in self._peers.values():
             p.sock.close()
             if not stuck:  # a thread still inside a ring must not see it unmapped

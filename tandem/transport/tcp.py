@@ -12,24 +12,29 @@ straight into posted tensor memory (``recv_into``, GIL released). Small sends go
 out inline from the caller (lowest latency); large ones are queued to a per-peer
 writer thread so a pipelined algorithm can reduce one chunk while the next is on
 the wire. ``sendmsg`` writes header and payload in one call without copying.
-A reader that sees its socket close reports the peer as lost at once.
+A reader that sees its socket close reports the peer as lost at once; a reader or
+writer that fails in any other way closes that connection and reports why, so no
+thread dies silently. Queues are bounded (:mod:`.sendqueue`). ``close`` lets sends
+already queued (aborts, goodbyes) go out for a moment, then ends every thread.
 """
 
 from __future__ import annotations
 
-import collections
 import os
 import socket
 import struct
 import sys
 import threading
 import time
-import weakref
 
 from tandem import _gate, _wire
 from tandem.errors import NetworkError, PeerLostError, ProtocolError, TandemError
 from tandem.store.base import Store
-from tandem.transport.base import Header, Mailbox, Slot, Transport, check_size
+from tandem.transport import forks
+from tandem.transport.base import Transport, check_header, check_size, join_all
+from tandem.transport.mailbox import DEFAULT_PARK_LIMIT, Mailbox
+from tandem.transport.message import Header, Slot
+from tandem.transport.sendqueue import DEFAULT_SEND_LIMIT, BoundedSends, SendQueue
 
 __all__ = ["TcpTransport"]
 
@@ -37,6 +42,7 @@ _HDR = struct.Struct("!BIQiQHH")
 _HELLO = struct.Struct("!II")
 _INLINE_MAX = 256 << 10
 _PURPOSE = b"tandem-transport"
+_JOIN_S = 2.0  # how long close() waits for this transport's threads to end
 
 
 def _sendall_vec(sock: socket.socket, parts: list[memoryview], flags: int = 0) -> None:
@@ -59,37 +65,32 @@ def _sendall_vec(sock: socket.socket, parts: list[memoryview], flags: int = 0) -
 
 
 class _Peer:
-    def __init__(self, rank: int, sock: socket.socket) -> None:
+    def __init__(self, me: int, rank: int, sock: socket.socket) -> None:
         self.rank = rank
         self.sock = sock
         self.cv = threading.Condition()
         self.busy = False  # someone is writing to the socket; protected by cv
-        self.queue: collections.deque[tuple[list[memoryview], Header, Slot]] = collections.deque()
+        self.queue = SendQueue(me, rank)
         self.writer: threading.Thread | None = None
+        self.reader: threading.Thread | None = None
+
+    def flush(self, deadline: float) -> None:
+        """Wait (until ``deadline``, monotonic) for queued sends to be written."""
+        with self.cv:
+            while (self.queue or self.busy) and time.monotonic() < deadline:
+                self.cv.wait(max(0.0, deadline - time.monotonic()))
 
 
-def _forget_in_child(ref: "weakref.ref[TcpTransport]") -> None:
-    """In a forked child (a DataLoader worker, say), drop the inherited connections.
-
-    Otherwise the child's copies keep them open after the parent dies, and peers
-    would not see the parent's death until their deadline.
-    """
-    t = ref()
-    if t is not None and not t._closing:
-        t._closing = True
-        for p in t._peers.values():
-            p.sock.close()  # the child's descriptor only: the parent's connection stays up
-
-
-class TcpTransport(Transport):
+class TcpTransport(BoundedSends, Transport):
     """Connects ``rank`` to all ``world_size - 1`` peers through ``store``."""
 
     def __init__(self, rank: int, world_size: int, store: Store, host: str, secret: bytes,
                  connect_timeout: float, max_frame: int, hostname: str = "", *,
-                 advertise: str = "") -> None:
+                 advertise: str = "", park_limit: int = DEFAULT_PARK_LIMIT,
+                 send_limit: int = DEFAULT_SEND_LIMIT) -> None:
         self.rank = rank
         self.world_size = world_size
-        self.mailbox = Mailbox(rank)
+        self.mailbox = Mailbox(rank, park_limit)
         self.mailbox.reply = lambda peer, group, error: self.abort(group, [peer], error)
         self._secret = secret
         self._max_frame = max_frame
@@ -98,11 +99,22 @@ class TcpTransport(Transport):
         self._hosts: dict[int, str] = {rank: hostname}
         self._advertise = advertise or _wire.advertised_address(host, None)
         self._connect(store, host, connect_timeout, hostname)
+        self.send_limit = send_limit
         for peer in self._peers.values():
-            threading.Thread(target=self._read_loop, args=(peer,), daemon=True,
-                             name=f"tandem-read-{rank}<{peer.rank}").start()
-        me = weakref.ref(self)
-        os.register_at_fork(after_in_child=lambda: _forget_in_child(me))
+            peer.reader = threading.Thread(target=self._read_loop, args=(peer,), daemon=True,
+                                           name=f"tandem-read-{rank}<{peer.rank}")
+            peer.reader.start()
+        forks.track(self)
+
+    def _send_queues(self) -> list[SendQueue]:
+        return [p.queue for p in self._peers.values()]
+
+    def forget_in_child(self) -> None:
+        """In a forked child: drop the inherited connections (see :mod:`.forks`)."""
+        if not self._closing:
+            self._closing = True
+            for p in self._peers.values():
+                p.sock.close()  # the child's descriptor only: the parent's connection stays up
 
     # -- set-up ----------------------------------------------------------------------
     def _connect(self, store: Store, host: str, timeout: float, hostname: str) -> None:
@@ -111,13 +123,15 @@ class TcpTransport(Transport):
         cond = threading.Condition()
         accepted: dict[int, socket.socket] = {}
         expected = set(range(self.rank + 1, self.world_size))
+        acceptor = None
         try:
             port = listener.getsockname()[1]
             store.set(f"addr/{self.rank}", f"{self._advertise}:{port}|{hostname}")
             if expected:
-                threading.Thread(target=self._accept_loop,
-                                 args=(listener, expected, accepted, cond, deadline),
-                                 daemon=True, name=f"tandem-accept-{self.rank}").start()
+                acceptor = threading.Thread(target=self._accept_loop,
+                                            args=(listener, expected, accepted, cond, deadline),
+                                            daemon=True, name=f"tandem-accept-{self.rank}")
+                acceptor.start()
             for peer in range(self.rank):
                 addr, _, peer_host = store.get(f"addr/{peer}").decode().partition("|")
                 peer_ip, _, peer_port = addr.rpartition(":")
@@ -130,7 +144,7 @@ class TcpTransport(Transport):
                 except BaseException:
                     sock.close()
                     raise
-                self._peers[peer] = _Peer(peer, sock)
+                self._peers[peer] = _Peer(self.rank, peer, sock)
             with cond:
                 while not expected <= accepted.keys():
                     left = deadline - time.monotonic()
@@ -142,7 +156,7 @@ class TcpTransport(Transport):
                         )
                     cond.wait(left)
             for peer in expected:
-                self._peers[peer] = _Peer(peer, accepted[peer])
+                self._peers[peer] = _Peer(self.rank, peer, accepted[peer])
                 addr = store.get(f"addr/{peer}").decode()
                 self._hosts[peer] = addr.partition("|")[2]
         except BaseException:
@@ -153,6 +167,8 @@ class TcpTransport(Transport):
             raise
         finally:
             listener.close()
+            if acceptor is not None:
+                acceptor.join(1.0)  # it notices the closed listener within its poll
 
     def _accept_loop(self, listener: socket.socket, expected: set[int],
                      accepted: dict[int, socket.socket], cond: threading.Condition,
@@ -200,22 +216,34 @@ class TcpTransport(Transport):
                 kind, group, seq, step, nbytes, siglen, sitelen = _HDR.unpack(
                     reader.read(_HDR.size))
                 check_size(nbytes, self._max_frame, peer.rank)
-                extra = reader.read(siglen + sitelen) if siglen + sitelen else b""
+                extra = self._read_extra(reader, siglen + sitelen)
                 header = Header(kind, group, seq, step, nbytes, extra[:siglen], extra[siglen:])
                 self.mailbox.arrive(peer.rank, header, read)
-        except ProtocolError as exc:
-            # refuse the rest of this peer's stream; closing tells the sender at once
+        except (OSError, NetworkError) as exc:
+            if isinstance(exc, ProtocolError):
+                # refuse the rest of this peer's stream; closing tells the sender at once
+                self._shutdown(peer.sock)
+                why = f"rank {self.rank} dropped its connection to rank {peer.rank}: {exc}"
+            else:
+                why = (f"rank {peer.rank} (host {self._hosts.get(peer.rank) or '?'}) closed its "
+                       f"connection to rank {self.rank} ({exc}); did it exit or crash?")
+            if not self._closing:
+                self.mailbox.peer_lost(peer.rank, PeerLostError(why, peer.rank))
+        except Exception as exc:  # noqa: BLE001 - a reader must never die silently
             self._shutdown(peer.sock)
             if not self._closing:
                 self.mailbox.peer_lost(peer.rank, PeerLostError(
-                    f"rank {self.rank} dropped its connection to rank {peer.rank}: {exc}",
-                    peer.rank))
-        except (OSError, TandemError) as exc:
-            if not self._closing:
-                self.mailbox.peer_lost(peer.rank, PeerLostError(
-                    f"rank {peer.rank} (host {self._hosts.get(peer.rank) or '?'}) closed its "
-                    f"connection to rank {self.rank} ({exc}); did it exit or crash?",
-                    peer.rank))
+                    f"rank {self.rank} failed reading from rank {peer.rank} "
+                    f"({type(exc).__name__}: {exc}); the connection was closed", peer.rank))
+
+    @staticmethod
+    def _read_extra(reader: _wire.BufferedReader, n: int) -> bytes:
+        """A message's signature and call site (up to twice ``SIG_MAX`` bytes)."""
+        if n <= len(reader.buf):
+            return reader.read(n) if n else b""
+        extra = bytearray(n)
+        reader.read_into(memoryview(extra))
+        return bytes(extra)
 
     @staticmethod
     def _shutdown(sock: socket.socket) -> None:
@@ -230,6 +258,7 @@ class TcpTransport(Transport):
         p = self._peers.get(peer)
         self._check_peer(peer, p is not None, "connection")
         assert p is not None
+        check_header(header)
         slot = self._send_slot(peer, header)
         head = _HDR.pack(header.kind, header.group, header.seq, header.step, header.nbytes,
                          len(header.sig), len(header.site)) + header.sig + header.site
@@ -264,10 +293,7 @@ class TcpTransport(Transport):
     def _enqueue(self, p: _Peer, parts: list[memoryview], header: Header, slot: Slot,
                  front: bool) -> None:
         """Queue for the writer thread (caller holds ``p.cv``)."""
-        if front:
-            p.queue.appendleft((parts, header, slot))
-        else:
-            p.queue.append((parts, header, slot))
+        p.queue.push((parts, header, slot), front)
         if p.writer is None:
             p.writer = threading.Thread(target=self._write_loop, args=(p,), daemon=True,
                                         name=f"tandem-write-{self.rank}>{p.rank}")
@@ -295,6 +321,9 @@ class TcpTransport(Transport):
                 slot.finish(header)
             except OSError as exc:
                 self._send_failed(p, slot, exc)
+            except Exception as exc:  # noqa: BLE001 - a writer must never die silently
+                self._shutdown(p.sock)
+                self._send_failed(p, slot, OSError(f"{type(exc).__name__}: {exc}"))
             with p.cv:
                 p.busy = False
                 p.cv.notify_all()
@@ -303,11 +332,21 @@ class TcpTransport(Transport):
         return self._hosts.get(rank, "")
 
     def close(self) -> None:
-        if not self._closing:
-            self.say_goodbye(list(self._peers))
+        """Say goodbye, let queued sends go out briefly, then end every thread and
+        connection; operations still pending fail with ``StateError``."""
+        if self._closing:
+            return
+        self._take_leave(self._peers.values())
         self._closing = True
+        forks.untrack(self)
+        self.mailbox.close(self.closed_error())
         for p in self._peers.values():
             with p.cv:
+                dropped = p.queue.drain()
                 p.cv.notify_all()
+            for _, _, slot in dropped:
+                slot.finish(None, self.closed_error())
             self._shutdown(p.sock)
+        join_all([t for p in self._peers.values() for t in (p.reader, p.writer)], _JOIN_S)
+        for p in self._peers.values():
             p.sock.close()

@@ -5,12 +5,15 @@ complete, and otherwise raises, never later than the deadline:
 
 * a slot failed (mismatch, abort from a peer): that error, naming the operation;
 * a rank of the group died, even one this rank is not waiting on: ``PeerLostError``
-  within a fraction of a second (the transport notices closed connections);
-* the deadline passed: ``CollectiveTimeoutError`` naming the ranks not heard from.
+  naming the first rank noticed dead, within a fraction of a second (the transport
+  notices closed connections);
+* the deadline passed: ``CollectiveTimeoutError`` naming the ranks that stalled.
 
-Timeouts are shared: a rank that times out tells its peers at once, and a rank that
-learns of a peer's timeout adds the ranks *it* was waiting on. So when rank 1 waits
-on rank 0, which waits on a stopped rank 2, both name rank 2, not just each other.
+Timeouts are shared. A rank that times out, or learns that a peer did, tells every
+peer which ranks it was waiting on, and listens briefly for their reports. A rank
+that reports is alive, so it is never blamed; what remains of everyone's waits are
+the ranks that stalled. In a ring where rank 2 is stopped, rank 3 waits on 2, rank 0
+on 3 and rank 1 on 0: ranks 0, 1 and 3 report, and all three name rank 2 alone.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ import time
 from typing import Callable, Iterable
 
 from tandem.errors import CollectiveTimeoutError, PeerLostError
-from tandem.transport.base import Mailbox, Slot
+from tandem.transport.mailbox import Mailbox
+from tandem.transport.message import Slot
 
-__all__ = ["wait_all"]
+__all__ = ["wait_all", "TIMEOUT_GRACE"]
 
-# how long a rank that timed out listens for its peers' timeouts before reporting
+# how long a rank that timed out listens for its peers' reports before raising
 TIMEOUT_GRACE = 0.5
 
 
@@ -38,49 +42,52 @@ def wait_all(slots: Iterable[Slot], deadline: float, describe: Callable[[], str]
         if slot.event.is_set():
             pending.popleft()
             if slot.error is not None:
-                _raise(slot, pending, describe, mailbox)
+                _raise(slot, pending, describe, mailbox, peers)
             continue
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            for s in pending:
-                mailbox.cancel(s)
+            _cancel(pending, mailbox)
             raise _timed_out(pending, describe, mailbox, peers)
         if slot.event.wait(min(remaining, 0.05)):
             continue
-        for p in peers:
-            lost = mailbox.dead.get(p)
-            if lost is not None:
-                for s in pending:
-                    mailbox.cancel(s)
-                raise PeerLostError(f"{describe()} failed: {lost}", p) from lost
+        lost = mailbox.failures.first_lost(peers)
+        if lost is not None:
+            _cancel(pending, mailbox)
+            raise PeerLostError(f"{describe()} failed: {lost}", lost.rank) from lost
+
+
+def _cancel(slots: Iterable[Slot], mailbox: Mailbox) -> None:
+    for s in slots:
+        mailbox.cancel(s)
 
 
 def _waiting_on(slots: Iterable[Slot], me: int) -> set[int]:
     return {s.peer for s in slots if not s.event.is_set() and s.peer not in (-1, me)}
 
 
-def _raise(slot: Slot, pending: Iterable[Slot], describe: Callable[[], str],
-           mailbox: Mailbox) -> None:
+def _names(ranks: Iterable[int]) -> str:
+    return ", ".join(map(str, sorted(ranks))) or "-"
+
+
+def _raise(slot: Slot, pending: collections.deque[Slot], describe: Callable[[], str],
+           mailbox: Mailbox, peers: tuple[int, ...]) -> None:
     error = slot.error
     assert error is not None
     if isinstance(error, CollectiveTimeoutError):
-        # a peer timed out: add whom this rank was still waiting on
+        # a peer timed out: add whom this rank was still waiting on, and tell the others
         mine = _waiting_on(pending, mailbox.rank)
         if slot.header is None and slot.peer not in (-1, mailbox.rank):
             mine.add(slot.peer)  # the receive the abort interrupted
-        missing = tuple(sorted((set(error.missing) | mine) - {mailbox.rank}))
-        for s in pending:
-            mailbox.cancel(s)
+        _cancel(pending, mailbox)
+        missing = _verdict(slot.key[2], mine, error, mailbox, peers, describe)
         raise CollectiveTimeoutError(
-            f"{describe()} timed out: waiting on rank(s) {_names(mine) or '-'}; "
-            f"peers report: {error}", missing) from error
-    if isinstance(error, PeerLostError) and not str(error).startswith("["):
+            f"{describe()} timed out: waiting on rank(s) {_names(mine)}; the group is waiting "
+            f"on rank(s) {_names(missing)}; peers report: {error}",
+            tuple(sorted(missing))) from error
+    _cancel(pending, mailbox)
+    if isinstance(error, PeerLostError) and "reported by" not in str(error):
         raise PeerLostError(f"{describe()} failed: {error}", error.rank) from error
     raise error
-
-
-def _names(ranks: Iterable[int]) -> str:
-    return ", ".join(map(str, sorted(ranks)))
 
 
 def _timed_out(pending: Iterable[Slot], describe: Callable[[], str], mailbox: Mailbox,
@@ -90,26 +97,38 @@ def _timed_out(pending: Iterable[Slot], describe: Callable[[], str], mailbox: Ma
     error = CollectiveTimeoutError(
         f"{describe()} timed out: no message from rank(s) {_names(mine)}", tuple(sorted(mine)))
     groups = {s.key[2] for s in slots}
-    if mailbox.reply is None or not groups:
+    if not groups:
         return error
-    group = next(iter(groups))
-    seen = len(mailbox.reports[group])
-    for p in peers:
-        if p != mailbox.rank and p not in mailbox.dead:
-            mailbox.reply(p, group, error)
-    # listen briefly for what the peers were waiting on
-    end = time.monotonic() + TIMEOUT_GRACE
-    missing = set(mine)
-    while time.monotonic() < end:
-        reports = [r for r in mailbox.reports[group][seen:] if isinstance(r, CollectiveTimeoutError)]
-        if reports:
-            for r in reports:
-                missing |= set(r.missing)
-            break
-        time.sleep(0.02)
-    missing.discard(mailbox.rank)
+    missing = _verdict(next(iter(groups)), mine, error, mailbox, peers, describe)
     if missing == mine:
         return error
     return CollectiveTimeoutError(
         f"{describe()} timed out: no message from rank(s) {_names(mine)}; the group is "
         f"waiting on rank(s) {_names(missing)}", tuple(sorted(missing)))
+
+
+def _verdict(group: int, mine: set[int], cause: CollectiveTimeoutError, mailbox: Mailbox,
+             peers: tuple[int, ...], describe: Callable[[], str]) -> set[int]:
+    """Tell the live peers whom this rank waits on; listen for theirs; return the ranks
+    that stalled: all that anyone waits on, less every rank that reported (it is alive)."""
+    me = mailbox.rank
+    failures = mailbox.failures
+    live = {p for p in peers if p != me and failures.lost(p) is None}
+    if mailbox.reply is not None:
+        mine_error = CollectiveTimeoutError(
+            f"{describe()} timed out on rank {me}: no message from rank(s) {_names(mine)}",
+            tuple(sorted(mine)))
+        for p in live:
+            mailbox.reply(p, group, mine_error)
+    end = time.monotonic() + TIMEOUT_GRACE
+    while True:
+        reports = [(r, e) for r, e in failures.reports(group)
+                   if isinstance(e, CollectiveTimeoutError)]
+        reporters = {r for r, _ in reports}
+        if live <= reporters or time.monotonic() >= end:
+            break
+        time.sleep(0.02)
+    missing = set(mine) | set(cause.missing)
+    for _, e in reports:
+        missing |= set(e.missing)
+    return missing - reporters - {me}

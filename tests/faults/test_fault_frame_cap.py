@@ -55,3 +55,43 @@ def test_sender_learns_at_once_that_its_connection_was_refused(oversized: Any) -
     r = oversized[0]["after"]
     assert not r["ok"] and r["type"] in ("ProtocolError", "PeerLostError"), r
     assert r["elapsed"] < FAST, r
+
+
+LONG = 100_000  # characters of signature: far beyond a frame's 64 KiB for it
+
+
+def _long_signature(rank: int, world_size: int, differ: bool) -> Any:
+    from tandem.collectives.world import default_group
+
+    g = default_group()
+    tail = str(rank) if differ else "same"
+    op = g.new_op("custom", "sizes=" + "1," * (LONG // 2) + tail, "site.py:1")
+    peer = 1 - rank
+    out = torch.zeros(4)
+    from tandem.collectives.group import as_bytes
+
+    def body(o: Any) -> None:
+        o.wait(o.send(peer, 0, as_bytes(torch.full((4,), float(rank)))),
+               o.recv(peer, 0, as_bytes(out)))
+
+    result = attempt(g.run, op, body, False)
+    result["got"] = out.tolist()
+    result["sig_bytes"] = len(op.sig)
+    return result
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_a_long_signature_is_hashed_and_still_matches(backend: str) -> None:
+    outcomes = launch(2, _long_signature, (False,), backend=backend, timeout=40,
+                      op_timeout=OP_TIMEOUT)
+    for rank, r in values(outcomes, [0, 1]).items():
+        assert r["ok"], (rank, r)
+        assert r["got"] == [float(1 - rank)] * 4, (rank, r)
+        assert r["sig_bytes"] <= 2048, r
+
+
+def test_long_signatures_that_differ_only_at_the_end_still_mismatch() -> None:
+    outcomes = launch(2, _long_signature, (True,), timeout=40, op_timeout=OP_TIMEOUT)
+    for rank, r in values(outcomes, [0, 1]).items():
+        assert not r["ok"] and r["type"] == "CollectiveMismatchError", (rank, r)
+        assert r["elapsed"] < OP_TIMEOUT, (rank, r)

@@ -1,6 +1,6 @@
 """Collectives through shared staging memory: ranks read each other's memory directly.
 
-Same-host groups get an :class:`~tandem.transport._arena.Arena` at their first
+Same-host groups get an :class:`~tandem.transport.Arena` at their first
 call: every member maps every member's staging segment. A tensor streams through
 it in rounds of at most ``arena.chunk`` bytes, so no segment is tensor-sized.
 
@@ -41,7 +41,7 @@ from tandem.collectives.algorithms.ring import even_bounds
 from tandem.collectives.group import Op
 from tandem.collectives.reduce_op import Combine, ReduceOp, combiner, finish
 from tandem.errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError
-from tandem.transport._arena import Arena
+from tandem.transport import Arena
 
 __all__ = ["shm_all_reduce", "shm_all_reduce_many", "shm_broadcast", "shm_all_gather",
            "shm_reduce_scatter", "SMALL_BYTES", "arena_check"]
@@ -99,25 +99,25 @@ def _differs(op: Op, arena: Arena, member: int, strict: bool) -> CollectiveMisma
 def arena_check(op: Op, arena: Arena) -> Callable[[], None]:
     """What a rank waiting in shared memory checks before it sleeps and as it wakes."""
     g = op.group
-    mailbox = g.transport.mailbox
+    transport = g.transport
 
     def check() -> None:
-        failure = mailbox.aborted.get(g.group_id)
+        failure = transport.aborted(g.group_id)
         if failure is not None:
             raise failure
         for r in g.ranks:
-            lost = mailbox.dead.get(r)
+            lost = transport.lost(r)
             if lost is not None:
                 raise PeerLostError(f"{op.describe()} failed: {lost}", r) from lost
         lagging = [q for q in arena.lagging(arena.target) if q != arena.index]
         for q in lagging:
-            gone = mailbox.left.get(g.ranks[q])
+            gone = transport.left(g.ranks[q])
             if gone is not None:
                 raise PeerLostError(f"{op.describe()} failed: {gone}", g.ranks[q]) from gone
             error = _differs(op, arena, q, strict=False)
             if error is not None:
                 raise error
-        parked = mailbox.parked_call(g.group_id, op.seq)
+        parked = transport.parked_call(g.group_id, op.seq)
         if parked is not None:
             sender, header = parked
             member = g.ranks.index(sender) if sender in g.ranks else -1

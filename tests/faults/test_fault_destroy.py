@@ -1,0 +1,159 @@
+"""``destroy_process_group`` releases everything and fails what is still pending.
+
+After it returns, no tandem thread, descriptor or shared mapping of the job is left
+in the process (checked within a second, against the state before the job), on
+every backend; an async op still waiting fails at once with ``StateError``; a
+failed transport set-up closes the store it was given by ``init_process_group``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import tandem as dist
+from _fault_helpers import attempt, values
+from tandem.testing import launch
+
+pytestmark = pytest.mark.timeout(120)
+
+SETTLE = 1.0  # seconds allowed for threads to end after destroy_process_group returns
+
+
+def _threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("tandem"))
+
+
+def _fds() -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return sorted(out)
+
+
+def _maps() -> list[str]:
+    """Shared mappings (rings, arenas): anonymous heap changes are the allocator's."""
+    with open("/proc/self/maps") as f:
+        return sorted(ln.split(None, 5)[-1].strip() for ln in f
+                      if ln.split()[1].endswith("s") or "tandem" in ln or "memfd" in ln)
+
+
+def _state() -> dict[str, list[str]]:
+    return {"threads": _threads(), "fds": _fds(), "maps": _maps()}
+
+
+def _one_job(rank: int, init_method: str, backend: str) -> None:
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=2,
+                            timeout=30)
+    t = torch.ones(1 << 16)
+    dist.all_reduce(t)  # the default group's arena (shm) and readers/writers
+    works = [dist.all_reduce(torch.ones(1 << 18), async_op=True) for _ in range(3)]
+    works[0].get_future().then(lambda f: f.value())  # the futures thread
+    for w in works:
+        w.wait()
+    peer = 1 - rank
+    if rank == 0:
+        dist.send(torch.ones(1 << 20), dst=peer)  # a queued (large) send
+    else:
+        dist.recv(torch.zeros(1 << 20), src=peer)
+    sub = dist.new_group([0, 1])
+    dist.all_reduce(torch.ones(8), group=sub)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _leaves_nothing(rank: int, world_size: int, tmp: str, backend: str) -> Any:
+    _one_job(rank, f"file://{tmp}/warm", backend)  # warm up: lazy imports, torch's pools
+    time.sleep(0.5)
+    before = _state()
+    _one_job(rank, f"file://{tmp}/job", backend)
+    end = time.monotonic() + SETTLE
+    after = _state()
+    while after != before and time.monotonic() < end:
+        time.sleep(0.05)
+        after = _state()
+    return {"before": before, "after": after}
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm", "auto"])
+def test_destroy_leaves_no_thread_descriptor_or_mapping(backend: str, tmp_path: Any) -> None:
+    outcomes = launch(2, _leaves_nothing, (str(tmp_path), backend), init=False, timeout=90)
+    for rank, r in values(outcomes, [0, 1]).items():
+        for what in ("threads", "fds", "maps"):
+            extra = sorted(set(r["after"][what]) - set(r["before"][what]))
+            assert r["after"][what] == r["before"][what], (rank, what, extra)
+
+
+def _pending_at_destroy(rank: int, world_size: int) -> Any:
+    dist.barrier()
+    if rank == 1:
+        time.sleep(3.0)  # never joins the all_reduce before rank 0 destroys
+        return None
+    work = dist.all_reduce(torch.ones(4), async_op=True)
+    time.sleep(0.3)  # the engine is waiting on rank 1
+    start = time.monotonic()
+    dist.destroy_process_group()
+    took = time.monotonic() - start
+    outcome = attempt(work.wait)
+    outcome["destroy_took"] = took
+    outcome["since_destroy"] = time.monotonic() - start
+    return outcome
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_an_async_op_pending_at_destroy_fails_at_once_with_state_error(backend: str) -> None:
+    outcomes = launch(2, _pending_at_destroy, backend=backend, timeout=60, op_timeout=30.0)
+    r = values(outcomes, [0])[0]
+    assert not r["ok"] and r["type"] == "StateError", r
+    assert "destroy" in r["msg"], r
+    assert r["since_destroy"] < 2.0, r
+
+
+def _failing_backend(options: Any) -> Any:
+    from tandem.errors import NetworkError
+
+    raise NetworkError("this backend always fails to connect")
+
+
+def _store_closed_on_failed_setup(rank: int, world_size: int, tmp: str) -> Any:
+    import socket
+
+    from tandem.collectives.backend import Backend
+
+    Backend.register_backend("failing", _failing_backend)
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    before = _state()
+    kept: list[BaseException] = []  # the error and its traceback stay alive, as in a REPL
+    try:
+        dist.init_process_group("failing", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=2, timeout=10)
+    except Exception as exc:  # noqa: BLE001 - checked below
+        kept.append(exc)
+    error = {"ok": not kept, "msg": str(kept[0]) if kept else ""}
+    end = time.monotonic() + SETTLE
+    after = _state()
+    while after != before and time.monotonic() < end:
+        time.sleep(0.05)
+        after = _state()
+    return {"error": error, "before": before, "after": after,
+            "initialized": dist.is_initialized()}
+
+
+def test_a_failed_transport_set_up_closes_the_store(tmp_path: Any) -> None:
+    outcomes = launch(1, _store_closed_on_failed_setup, (str(tmp_path),), init=False,
+                      timeout=60)
+    r = values(outcomes, [0])[0]
+    assert not r["error"]["ok"] and "always fails" in r["error"]["msg"], r
+    assert not r["initialized"]
+    assert r["after"] == r["before"], r

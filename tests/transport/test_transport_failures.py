@@ -1,0 +1,222 @@
+"""Transport failures inside one process: broken readers, cut messages, caps on memory.
+
+Two real transports (tcp or shm) are built in threads of this process over a
+HashStore, so a test can break one side exactly where it wants (a reader that
+raises, a message cut off in the middle) and check that every waiting receive
+fails at once, with that error, instead of waiting out its deadline.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from tandem.errors import ArgumentError, NetworkError, PeerLostError, TandemError
+from tandem.store.hash import HashStore
+from tandem.transport import Header, Kind, Slot, Transport
+from tandem.transport.shm import ShmTransport
+from tandem.transport.tcp import TcpTransport
+from _cut import cut_message as _cut_message, vanish as _die
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = b"failures-secret"
+FAST = 5.0  # seconds: far below any deadline, yet generous on a busy machine
+
+
+def _make(kind: str, rank: int, store: HashStore, **kw: Any) -> Transport:
+    if kind == "tcp":
+        return TcpTransport(rank, 2, store, "127.0.0.1", SECRET, 30.0, 1 << 34, "h", **kw)
+    return ShmTransport(rank, 2, store, SECRET, ring_bytes=1 << 20, hostname="h", **kw)
+
+
+@pytest.fixture(params=["tcp", "shm"])
+def pair(request: Any) -> Iterator[list[Transport]]:
+    store = HashStore()
+    made: list[Any] = [None, None]
+
+    def build(rank: int) -> None:
+        made[rank] = _make(request.param, rank, store)
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(isinstance(m, Transport) for m in made), made
+    yield made
+    for t in made:
+        t.close()
+
+
+def _finished(slot: Slot, within: float = FAST) -> BaseException | None:
+    assert slot.event.wait(within), f"{slot.key} still pending after {within}s"
+    return slot.error
+
+
+def _recv(t: Transport, peer: int, group: int, n: int) -> Slot:
+    return t.irecv(peer, Kind.P2P, group, 0, 0, memoryview(bytearray(n)))
+
+
+def test_a_reader_that_raises_fails_every_waiting_receive_with_its_error(
+        pair: list[Transport]) -> None:
+    a, b = pair
+
+    def broken(peer: int, header: Header, read: Callable[[memoryview], None]) -> None:
+        raise RuntimeError("a bug in the reader")
+
+    waiting = [_recv(b, 0, group, 4) for group in (7, 8)]  # two groups, neither is sent to
+    b.mailbox.arrive = broken  # type: ignore[method-assign]
+    a.isend(1, Header(Kind.P2P, 9, 0, 0, 4), memoryview(b"ping"))
+    for slot in waiting:
+        error = _finished(slot)
+        assert isinstance(error, TandemError), error
+        assert "a bug in the reader" in str(error) and "RuntimeError" in str(error), error
+    later = _recv(b, 0, 10, 4)
+    assert isinstance(_finished(later), TandemError), "a later receive must fail at once too"
+
+
+def test_a_signature_and_call_site_beyond_the_read_buffer_are_delivered(
+        pair: list[Transport]) -> None:
+    a, b = pair
+    sig, site = b"s" * 40_000, b"f" * 30_000  # together above the reader's 64 KiB buffer
+    slot = b.irecv(0, Kind.COLL, 3, 0, 0, memoryview(bytearray(4)), sig, site)
+    a.isend(1, Header(Kind.COLL, 3, 0, 0, 4, sig, site), memoryview(b"data"))
+    assert _finished(slot) is None
+
+
+def test_a_signature_too_long_for_the_frame_is_refused_at_the_sender(
+        pair: list[Transport]) -> None:
+    a, _ = pair
+    with pytest.raises(ArgumentError, match="signature"):
+        a.isend(1, Header(Kind.COLL, 3, 0, 0, 4, b"s" * 70_000, b""), memoryview(b"data"))
+
+
+def test_a_receive_posted_after_its_sender_died_mid_message_fails_naming_it(
+        pair: list[Transport]) -> None:
+    a, b = pair
+    _cut_message(a, 1, Header(Kind.P2P, 5, 0, 0, 8 << 20), b"x" * (256 << 10))
+    time.sleep(0.3)  # the reader is now filling the parked message
+    _die(a)
+    time.sleep(0.5)
+    start = time.monotonic()
+    slot = _recv(b, 0, 5, 8 << 20)  # must not block here, nor wait for ever
+    error = _finished(slot)
+    assert time.monotonic() - start < FAST
+    assert isinstance(error, PeerLostError) and error.rank == 0, error
+    assert "rank 0" in str(error), error
+
+
+def test_a_receive_posted_while_its_message_is_cut_off_fails_naming_the_sender(
+        pair: list[Transport]) -> None:
+    a, b = pair
+    _cut_message(a, 1, Header(Kind.P2P, 5, 0, 0, 8 << 20), b"x" * (256 << 10))
+    time.sleep(0.3)
+    slot = _recv(b, 0, 5, 8 << 20)  # the parked message is still being read
+    assert not slot.event.is_set()
+    _die(a)
+    error = _finished(slot)
+    assert isinstance(error, PeerLostError) and error.rank == 0, error
+
+
+def test_parked_messages_beyond_the_cap_fail_naming_peer_and_bytes(
+        pair: list[Transport]) -> None:
+    a, b = pair
+    b.mailbox.park_limit = 1 << 20
+    chunk = bytes(400 << 10)
+    for seq in range(4):  # 1.6 MB that rank 1 never posts receives for
+        a.isend(1, Header(Kind.P2P, 11, seq, 0, len(chunk)), memoryview(chunk))
+    later = b.irecv(0, Kind.P2P, 11, 3, 0, memoryview(bytearray(len(chunk))))
+    error = _finished(later)
+    assert isinstance(error, TandemError), error
+    text = str(error)
+    assert "rank 0" in text and str(1 << 20) in text, text
+    # the sender learns it too: its group 11 is failed with the same explanation
+    probe = _recv(a, 1, 11, 1)
+    assert isinstance(_finished(probe), TandemError)
+
+
+def test_a_first_parked_message_larger_than_the_cap_is_still_accepted(
+        pair: list[Transport]) -> None:
+    a, b = pair
+    b.mailbox.park_limit = 1 << 20
+    big = bytes(3 << 20)
+    a.isend(1, Header(Kind.P2P, 12, 0, 0, len(big)), memoryview(big))
+    time.sleep(0.3)
+    slot = _recv(b, 0, 12, len(big))
+    assert _finished(slot) is None
+
+
+def test_a_send_queue_beyond_its_cap_is_refused_naming_peer_and_bytes(
+        pair: list[Transport]) -> None:
+    a, b = pair
+    a.send_limit = 8 << 20  # type: ignore[attr-defined]
+    stuck = threading.Event()
+
+    def stopped(peer: int, header: Header, read: Callable[[memoryview], None]) -> None:
+        stuck.wait(FAST)  # rank 1 reads nothing more, like a stopped process
+
+    b.mailbox.arrive = stopped  # type: ignore[method-assign]
+    payload = memoryview(bytes(1 << 20))
+    try:
+        with pytest.raises(NetworkError) as info:
+            for seq in range(1000):  # 1 GB: far more than buffers and rings hold
+                a.isend(1, Header(Kind.P2P, 13, seq, 0, len(payload)), payload)
+    finally:
+        stuck.set()
+    text = str(info.value)
+    assert "rank 1" in text and "bytes" in text and str(8 << 20) in text, text
+
+
+def test_a_writer_that_raises_fails_its_send_and_the_connection(
+        pair: list[Transport], monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = pair
+    import tandem.transport._ring as ring
+    import tandem.transport.tcp as tcp
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        if threading.current_thread().name.startswith(("tandem-write", "tandem-shm-write")):
+            raise RuntimeError("a bug in the writer")
+        return real(*args, **kwargs)
+
+    if isinstance(a, TcpTransport):
+        real = tcp._sendall_vec
+        monkeypatch.setattr(tcp, "_sendall_vec", broken)
+    else:
+        real = ring.Ring.write
+        monkeypatch.setattr(ring.Ring, "write", broken)
+    waiting = _recv(b, 0, 14, 1)
+    big = memoryview(bytes(4 << 20))  # too large to go inline: the writer thread sends it
+    sent = a.isend(1, Header(Kind.P2P, 14, 1, 0, len(big)), big)
+    error = _finished(sent)
+    assert isinstance(error, PeerLostError) and "a bug in the writer" in str(error), error
+    assert isinstance(_finished(waiting), PeerLostError), "the peer must learn at once"
+
+
+def test_a_shm_watcher_that_raises_fails_every_waiting_receive(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    store = HashStore()
+    made: list[Any] = [None, None]
+    threads = [threading.Thread(target=lambda r=r: made.__setitem__(r, _make("shm", r, store)))
+               for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    a, b = made
+    try:
+        def broken(*args: Any) -> None:
+            raise RuntimeError("a bug in the watcher")
+
+        monkeypatch.setattr(b, "_take_offers", broken)
+        waiting = _recv(b, 0, 15, 4)
+        a._offer(a._peers[1], 99, a._peers[1].sock.fileno(), 4096)  # wakes b's watcher
+        error = _finished(waiting)
+        assert isinstance(error, PeerLostError) and "a bug in the watcher" in str(error), error
+        assert isinstance(_finished(_recv(a, 1, 15, 4)), PeerLostError), "the peer learns too"
+    finally:
+        a.close()
+        b.close()

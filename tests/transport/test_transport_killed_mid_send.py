@@ -1,0 +1,80 @@
+"""A sender SIGKILLed in the middle of a large message: the receive fails, naming it.
+
+The message arrives before its receive is posted, so it is being parked when the
+sender dies; the receive posted half a second later must raise ``PeerLostError``
+naming the sender within seconds (the op timeout is a minute), on every backend.
+``cut`` writes only part of the payload before the kill, so the death always
+falls inside the message; ``send`` is a real 256 MB send killed 0.15 s in (on a
+fast host the send may finish first: then the data must be whole).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import tandem as dist
+from _cut import cut_message
+from tandem.collectives.world import world
+from tandem.testing import launch
+from tandem.transport import Header, Kind
+
+pytestmark = pytest.mark.timeout(120)
+
+NBYTES = 256 << 20
+NOTICED_WITHIN = 5.0
+
+
+def _attempt_recv(buf: torch.Tensor) -> dict[str, Any]:
+    start = time.monotonic()
+    try:
+        dist.recv(buf, src=1)
+    except Exception as exc:  # noqa: BLE001 - described for the test
+        return {"ok": False, "type": type(exc).__name__, "msg": str(exc),
+                "rank": getattr(exc, "rank", None), "at": time.time(),
+                "elapsed": time.monotonic() - start}
+    return {"ok": True, "whole": bool((buf == 1).all()), "at": time.time()}
+
+
+def _killed_mid_send(rank: int, world_size: int, how: str) -> Any:
+    import os
+    import signal
+
+    dist.barrier()
+    if rank == 1:
+        if how == "cut":
+            header = Header(Kind.P2P, 0, 0, 0, NBYTES)
+            cut_message(world().transport, 0, header, bytes(NBYTES // 4))
+            time.sleep(0.15)
+        else:
+            data = torch.ones(NBYTES // 4)
+            threading.Timer(0.15, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            dist.send(data, dst=0)
+            time.sleep(5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    killed_at = time.time() + 0.15
+    time.sleep(0.65)  # the receive is posted about 0.5 s after the kill
+    result = _attempt_recv(torch.zeros(NBYTES // 4))
+    result["killed_at"] = killed_at
+    return result
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm", "auto"])
+@pytest.mark.parametrize("how", ["cut", "send"])
+def test_receive_of_a_message_cut_by_the_senders_death_fails_naming_it(
+        backend: str, how: str) -> None:
+    outcomes = launch(2, _killed_mid_send, (how,), backend=backend, timeout=60,
+                      op_timeout=60.0)
+    r0 = outcomes[0]
+    assert r0.ok, r0.error
+    r = r0.value
+    if r["ok"]:
+        assert how == "send" and r["whole"], r  # the send beat the kill: data intact
+        return
+    assert r["type"] == "PeerLostError" and r["rank"] == 1, r
+    assert "rank 1" in r["msg"], r
+    assert r["at"] - r["killed_at"] < NOTICED_WITHIN, r
