@@ -54,11 +54,11 @@ class BackendOptions:
 Factory = Callable[[BackendOptions], Transport]
 
 
-def _tcp(options: BackendOptions) -> Transport:
+def _tcp(options: BackendOptions, peers: list[int] | None = None) -> TcpTransport:
     return TcpTransport(options.rank, options.world_size, options.store, options.host,
                         options.secret, options.settings.connect_timeout,
                         options.settings.max_frame, options.hostname,
-                        advertise=options.advertise)
+                        advertise=options.advertise, peers=peers)
 
 
 def _shm_over(options: BackendOptions, peers: list[int], tcp: Transport | None) -> ShmTransport:
@@ -86,9 +86,10 @@ def _auto(options: BackendOptions) -> Transport:
     local = same_host(hosts, options.rank)
     if len(local) == options.world_size:
         return _shm_over(options, local, None)
-    tcp = _tcp(options)
     if len(local) == 1:
-        return tcp
+        return _tcp(options)
+    # same-host peers talk through shared memory only: no second (tcp) link to them
+    tcp = _tcp(options, peers=[r for r in range(options.world_size) if r not in local])
     try:
         return MixedTransport(tcp, _shm_over(options, local, tcp))
     except BaseException:

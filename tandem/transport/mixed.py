@@ -81,7 +81,12 @@ def require_one_host(hosts: list[str]) -> None:
 
 
 class MixedTransport(Transport):
-    """Routes same-host peers through ``shm`` and every other peer through ``tcp``."""
+    """Routes same-host peers through ``shm`` and every other peer through ``tcp``.
+
+    Each peer has exactly one link: ``tcp`` connects to the other hosts' ranks only
+    (``TcpTransport(peers=...)``), so a peer's messages, and its goodbye after them,
+    arrive in the order they were sent.
+    """
 
     def __init__(self, tcp: Transport, shm: ShmTransport) -> None:
         if shm.mailbox is not tcp.mailbox:
@@ -102,7 +107,7 @@ class MixedTransport(Transport):
         return self.route(peer).isend(peer, header, payload)
 
     def host_of(self, rank: int) -> str:
-        return self.tcp.host_of(rank)
+        return self.route(rank).host_of(rank)
 
     def shares_memory_with(self, ranks: Sequence[int]) -> bool:
         return self.shm.shares_memory_with(ranks)

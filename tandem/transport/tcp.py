@@ -26,9 +26,10 @@ import struct
 import sys
 import threading
 import time
+from typing import Sequence
 
 from tandem import _gate, _wire
-from tandem.errors import NetworkError, PeerLostError, ProtocolError, TandemError
+from tandem.errors import ArgumentError, NetworkError, PeerLostError, ProtocolError, TandemError
 from tandem.store.base import Store
 from tandem.transport import forks
 from tandem.transport.base import Transport, check_header, check_size, join_all
@@ -82,14 +83,23 @@ class _Peer:
 
 
 class TcpTransport(BoundedSends, Transport):
-    """Connects ``rank`` to all ``world_size - 1`` peers through ``store``."""
+    """Connects ``rank`` to its ``peers`` (default: all ``world_size - 1`` others) through
+    ``store``. The mixed transport passes the ranks of other hosts only: a same-host
+    peer talks through shared memory alone, so there is one link per peer and one
+    stream of that peer's messages (two links could deliver a goodbye on one before a
+    message still in flight on the other)."""
 
     def __init__(self, rank: int, world_size: int, store: Store, host: str, secret: bytes,
                  connect_timeout: float, max_frame: int, hostname: str = "", *,
                  advertise: str = "", park_limit: int = DEFAULT_PARK_LIMIT,
-                 send_limit: int = DEFAULT_SEND_LIMIT) -> None:
+                 send_limit: int = DEFAULT_SEND_LIMIT,
+                 peers: Sequence[int] | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
+        self.links = (set(range(world_size)) if peers is None else set(peers)) - {rank}
+        if not self.links <= set(range(world_size)):
+            raise ArgumentError(f"peers {sorted(peers or ())} must be ranks of a "
+                                f"{world_size}-rank job")
         self.mailbox = Mailbox(rank, park_limit)
         self.mailbox.reply = lambda peer, group, error: self.abort(group, [peer], error)
         self._secret = secret
@@ -122,7 +132,7 @@ class TcpTransport(BoundedSends, Transport):
         listener = _wire.listen(host, 0)
         cond = threading.Condition()
         accepted: dict[int, socket.socket] = {}
-        expected = set(range(self.rank + 1, self.world_size))
+        expected = {p for p in self.links if p > self.rank}
         acceptor = None
         try:
             port = listener.getsockname()[1]
@@ -132,7 +142,7 @@ class TcpTransport(BoundedSends, Transport):
                                             args=(listener, expected, accepted, cond, deadline),
                                             daemon=True, name=f"tandem-accept-{self.rank}")
                 acceptor.start()
-            for peer in range(self.rank):
+            for peer in sorted(p for p in self.links if p < self.rank):
                 addr, _, peer_host = store.get(f"addr/{peer}").decode().partition("|")
                 peer_ip, _, peer_port = addr.rpartition(":")
                 self._hosts[peer] = peer_host
