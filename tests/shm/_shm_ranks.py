@@ -115,6 +115,8 @@ def battery(rank: int, p: int, backend: str, store_path: str,
         transport = world().transport
         out = _ops(rank, p)
         out["transport"] = type(transport).__name__
+        tcp = getattr(transport, "tcp", None)  # the mixed transport's cross-host half
+        out["tcp_links"] = sorted(tcp.links) if tcp is not None else None
         out["backend"] = dist.get_backend()
         return out
     finally:

@@ -56,7 +56,7 @@ def test_every_collective_over_shm_gives_the_exact_result(results: Any, name: st
 
 def test_shm_and_tcp_agree_bit_for_bit(results: Any) -> None:
     for rank, (shm, tcp) in enumerate(zip(results["shm-4"], results["tcp-4"])):
-        differ = [k for k in tcp if k not in ("transport", "backend", "shares_memory")
+        differ = [k for k in tcp if k not in ("transport", "backend", "shares_memory", "tcp_links")
                   and shm[k] != tcp[k]]
         assert not differ, f"rank {rank}: shm and tcp differ on {differ}"
 
@@ -82,3 +82,10 @@ def test_auto_across_hosts_mixes_shm_within_and_tcp_across(results: Any) -> None
     wrong = _differences(results["auto-2-hosts-4"])
     assert not wrong, f"mixed topology: wrong results for {wrong}"
     assert {r["transport"] for r in results["auto-2-hosts-4"]} == {"MixedTransport"}
+
+
+def test_mixed_transport_links_same_host_peers_by_shared_memory_only(results: Any) -> None:
+    # one link per peer: a goodbye sent after a message can never overtake it on another
+    for rank, r in enumerate(results["auto-2-hosts-4"]):
+        other_host = [2, 3] if rank < 2 else [0, 1]
+        assert r["tcp_links"] == other_host, (rank, r["tcp_links"])
