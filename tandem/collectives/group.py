@@ -13,7 +13,6 @@ and later calls on the group fail at once instead of hanging.
 from __future__ import annotations
 
 import collections
-import datetime
 import threading
 import time
 from typing import Any, Callable, Iterable
@@ -21,14 +20,14 @@ from typing import Any, Callable, Iterable
 import torch
 
 from tandem.config import Settings
-from tandem.errors import (ArgumentError, CollectiveError, CollectiveTimeoutError, StateError,
+from tandem.errors import (CollectiveError, CollectiveTimeoutError, StateError,
                            TandemError)
 from tandem.collectives.work import Completions, Work
 from tandem.transport._arena import Arena
 from tandem.transport.base import Header, Kind, Slot, Transport
 from tandem.transport.wait import wait_all
 
-__all__ = ["ProcessGroup", "NonMemberGroup", "Op", "as_bytes", "timeout_seconds"]
+__all__ = ["ProcessGroup", "NonMemberGroup", "Op", "as_bytes"]
 
 _SCRATCH_KEEP = 256 << 20  # larger working buffers are not kept between calls
 
@@ -303,14 +302,3 @@ class NonMemberGroup:
 
     def __repr__(self) -> str:
         return f"<NonMemberGroup '{self.group_name}' ranks={self.ranks}>"
-
-
-def timeout_seconds(timeout: float | datetime.timedelta | None, default: float) -> float:
-    if timeout is None:
-        return default
-    if isinstance(timeout, datetime.timedelta):
-        timeout = timeout.total_seconds()
-    if timeout <= 0:
-        raise ArgumentError(f"timeout must be positive, got {timeout}")
-    return float(timeout)
-
