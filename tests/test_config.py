@@ -87,3 +87,23 @@ def test_host_id_and_local_world_size_are_settings() -> None:
 def test_local_world_size_must_be_a_positive_integer(raw: str) -> None:
     with pytest.raises(ArgumentError, match="LOCAL_WORLD_SIZE"):
         load_settings({"LOCAL_WORLD_SIZE": raw})
+
+
+def test_only_tandem_config_reads_settings_from_the_environment() -> None:
+    """Settings are read once, into Settings, and passed down (the launcher and the
+    benchmarks, which read their own command-line environment, aside)."""
+    import re
+    from pathlib import Path
+
+    import tandem
+
+    root = Path(tandem.__file__).parent
+    reads = re.compile(r"(environ|getenv)\W[^\n]*[\"'](TANDEM_|LOCAL_WORLD_SIZE)")
+    outside = [
+        f"{path.relative_to(root)}:{number}: {line.strip()}"
+        for path in sorted(root.rglob("*.py"))
+        if path.name != "config.py" and path.relative_to(root).parts[0] not in ("run", "bench")
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        if reads.search(line)
+    ]
+    assert not outside, "settings read outside tandem.config:\n" + "\n".join(outside)

@@ -84,8 +84,10 @@ class TcpTransport(Transport):
     """Connects ``rank`` to all ``world_size - 1`` peers through ``store``."""
 
     def __init__(self, rank: int, world_size: int, store: Store, host: str, secret: bytes,
-                 connect_timeout: float, max_frame: int, hostname: str = "") -> None:
+                 connect_timeout: float, max_frame: int, hostname: str = "",
+                 debug: bool = False) -> None:
         self.rank = rank
+        self._debug_log = debug  # TANDEM_DEBUG, read once with the other settings
         self.world_size = world_size
         self.mailbox = Mailbox(rank)
         self.mailbox.reply = lambda peer, group, error: self.abort(group, [peer], error)
@@ -183,7 +185,7 @@ class TcpTransport(Transport):
         sock.close()
 
     def _debug(self, message: str) -> None:
-        if os.environ.get("TANDEM_DEBUG", "0") not in ("", "0"):
+        if self._debug_log:
             print(f"[tandem rank {self.rank}] {message}", file=sys.stderr)
 
     # -- data path -------------------------------------------------------------------
