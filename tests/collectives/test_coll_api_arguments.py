@@ -78,6 +78,14 @@ def test_init_process_group_refuses_a_nan_connect_timeout_setting(
     assert not tandem.is_initialized()
 
 
+@pytest.mark.parametrize("value", NON_FINITE, ids=str)
+def test_work_wait_refuses_a_timeout_that_is_no_deadline(g: ProcessGroup, value: object) -> None:
+    work = tandem.irecv(f(2), 0, group=g)
+    with pytest.raises(ArgumentError, match="Work.wait: timeout"):
+        work.wait(timeout=value)  # type: ignore[arg-type]
+    assert not work.is_completed()
+
+
 @pytest.mark.parametrize("value", [math.nan, math.inf, -2.0], ids=str)
 def test_store_timeouts_are_checked_the_same_way(value: float) -> None:
     with pytest.raises(ArgumentError, match="timeout"):
