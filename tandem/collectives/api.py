@@ -1,6 +1,8 @@
 """The torch.distributed collective functions, on tandem's process groups.
 
-Names, arguments, defaults and in-place semantics follow ``torch.distributed``:
+Names, arguments, defaults and in-place semantics follow ``torch.distributed`` (the
+all-to-all family is in :mod:`~tandem.collectives.alltoall`, the barriers in
+:mod:`~tandem.collectives.barriers`):
 ``src``/``dst`` are global ranks (``group_src``/``group_dst`` take group ranks),
 results are written into the caller's tensors, ``async_op=True`` returns a
 :class:`~tandem.collectives.work.Work`. Every call carries a signature (op, dtype,
@@ -9,32 +11,26 @@ shape, reduce op, root, algorithm) that peers check before combining anything.
 
 from __future__ import annotations
 
-import datetime
-import math
 import os
 import struct
 import sys
-import time
 import zlib
 from typing import Any, Callable, Sequence
 
 import torch
 
 from tandem.collectives import algorithms as algo
-from tandem.collectives.checks import (int_list, output_arg, root_rank, sizes_match, tensor_arg,
-                                       tensors_arg)
-from tandem.collectives.group import Op, ProcessGroup, as_bytes
+from tandem.collectives.checks import output_arg, root_rank, sizes_match, tensor_arg, tensors_arg
+from tandem.collectives.group import Op, ProcessGroup
 from tandem.collectives.reduce_op import ReduceOp, check_dtype
 from tandem.collectives.work import Work
 from tandem.collectives.world import AnyGroup, resolve_group
-from tandem.config import timeout_seconds
-from tandem.errors import ArgumentError, CollectiveTimeoutError
+from tandem.errors import ArgumentError
 from tandem.transport.base import Slot
 
 __all__ = [
     "broadcast", "all_reduce", "all_reduce_coalesced", "reduce", "all_gather", "all_gather_into_tensor", "gather",
-    "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
-    "barrier", "monitored_barrier", "call_site",
+    "scatter", "reduce_scatter", "reduce_scatter_tensor", "call_site",
 ]
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -405,132 +401,3 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor,
 
     sig = _sig("reduce_scatter_tensor", output, op=op.sig)
     return _launch(g, "reduce_scatter_tensor", sig, body, async_op, [output])
-
-
-def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor],
-               group: AnyGroup | None = None, async_op: bool = False) -> Work | None:
-    g = resolve_group(group, "all_to_all")
-    if not input_tensor_list:
-        raise ArgumentError("all_to_all: input_tensor_list is empty")
-    dtype = tensor_arg(input_tensor_list[0], "all_to_all", "input_tensor_list[0]").dtype
-    ins = [t.contiguous() for t in
-           tensors_arg(input_tensor_list, "all_to_all", "input_tensor_list", g.group_size, dtype)]
-    outs = [_Flat(t, load=False) for t in
-            tensors_arg(output_tensor_list, "all_to_all", "output_tensor_list", g.group_size, dtype,
-                        output=True)]
-    r = g.group_rank
-    if outs[r].flat.numel() != ins[r].numel():
-        raise ArgumentError(f"all_to_all: output_tensor_list[{r}] has {outs[r].flat.numel()} "
-                            f"elements, input_tensor_list[{r}] has {ins[r].numel()}")
-
-    def body(o: Op) -> None:
-        algo.pairwise_all_to_all(o, [f.flat for f in outs], [t.view(-1) for t in ins])
-        for f in outs:
-            f.done()
-
-    return _launch(g, "all_to_all", _sig("all_to_all", None, dtype=dtype), body, async_op,
-                   output_tensor_list)
-
-
-def _splits(t: torch.Tensor, sizes: Sequence[int] | None, p: int, name: str) -> list[int]:
-    rows = t.shape[0] if t.dim() > 0 else t.numel()
-    if sizes is None or len(sizes) == 0:
-        if rows % p:
-            raise ArgumentError(f"all_to_all_single: {name} has {rows} rows, not divisible by "
-                                f"{p} ranks; pass {name}_split_sizes")
-        return [rows // p] * p
-    sizes = int_list(sizes, "all_to_all_single", f"{name}_split_sizes")
-    if len(sizes) != p or sum(sizes) != rows or min(sizes) < 0:
-        raise ArgumentError(f"all_to_all_single: {name}_split_sizes={sizes} must be {p} "
-                            f"non-negative sizes adding up to {rows} rows")
-    return sizes
-
-
-def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
-                      output_split_sizes: Sequence[int] | None = None,
-                      input_split_sizes: Sequence[int] | None = None,
-                      group: AnyGroup | None = None, async_op: bool = False) -> Work | None:
-    g = resolve_group(group, "all_to_all_single")
-    output_arg(output, "all_to_all_single", "output")
-    tensor_arg(input, "all_to_all_single", "input")
-    if output.dtype != input.dtype:
-        raise ArgumentError(f"all_to_all_single: output is {output.dtype}, input {input.dtype}")
-    p = g.group_size
-    in_sizes = _splits(input, input_split_sizes, p, "input")
-    out_sizes = _splits(output, output_split_sizes, p, "output")
-    row_in, row_out = math.prod(input.shape[1:]), math.prod(output.shape[1:])
-    if row_in != row_out:
-        raise ArgumentError(
-            f"all_to_all_single: output has rows of {row_out} elements (shape "
-            f"{list(output.shape)}) but input has rows of {row_in} (shape {list(input.shape)}); "
-            f"rows move whole, so both need the same number of elements per row")
-    src = input.contiguous()
-    out = _Flat(output, load=False)
-
-    def pieces(flat: torch.Tensor, sizes: list[int], row: int) -> list[torch.Tensor]:
-        return list(flat.split([s * row for s in sizes]))
-
-    def body(o: Op) -> None:
-        algo.pairwise_all_to_all(o, pieces(out.flat, out_sizes, row_out),
-                                 pieces(src.view(-1), in_sizes, row_in))
-        out.done()
-
-    return _launch(g, "all_to_all_single", _sig("all_to_all_single", None, dtype=input.dtype),
-                   body, async_op, [output])
-
-
-def barrier(group: AnyGroup | None = None, async_op: bool = False,
-            device_ids: Any = None, timeout: float | datetime.timedelta | None = None) -> Work | None:
-    """Return once every rank of the group has entered the barrier (``timeout``: this call's
-    deadline instead of the group's)."""
-    g = resolve_group(group, "barrier")
-    if device_ids is not None:
-        raise ArgumentError(f"barrier: device_ids={device_ids!r}: tandem moves CPU tensors and "
-                            f"binds no devices; call barrier() without device_ids")
-    token = torch.zeros(1, dtype=torch.uint8)
-    seconds = None if timeout is None else timeout_seconds(timeout, g.timeout, "barrier: timeout")
-
-    def body(o: Op) -> None:
-        if seconds is not None:
-            o.deadline = time.monotonic() + seconds
-        algo.ALL_REDUCE["doubling"](o, token, ReduceOp.MAX)
-
-    return _launch(g, "barrier", "barrier", body, async_op, None)
-
-
-def monitored_barrier(group: AnyGroup | None = None,
-                      timeout: float | datetime.timedelta | None = None,
-                      wait_all_ranks: bool = False) -> None:
-    """A barrier that names the ranks that did not arrive within ``timeout``.
-
-    Rank 0 of the group collects an arrival from every other rank, then releases
-    them. With ``wait_all_ranks`` it waits the full timeout and names every missing
-    rank; otherwise it reports the first one it runs out of time on.
-    """
-    g = resolve_group(group, "monitored_barrier")
-    seconds = timeout_seconds(timeout, g.timeout, "monitored_barrier: timeout")
-    token = torch.zeros(1, dtype=torch.uint8)
-
-    def body(o: Op) -> None:
-        o.deadline = time.monotonic() + seconds
-        if g.group_rank != 0:
-            o.wait(o.send(0, 0, as_bytes(token)))
-            o.wait(o.recv(0, 1, as_bytes(torch.zeros(1, dtype=torch.uint8))))
-            return
-        slots = [o.recv(i, 0, as_bytes(torch.zeros(1, dtype=torch.uint8)))
-                 for i in range(1, g.group_size)]
-        missing = []
-        for i, slot in enumerate(slots, start=1):
-            try:
-                o.wait(slot)
-            except CollectiveTimeoutError:
-                missing.append(g.ranks[i])
-                if not wait_all_ranks:
-                    break
-        if missing:
-            raise CollectiveTimeoutError(
-                f"monitored_barrier on group '{g.group_name}': rank(s) {missing} did not "
-                f"arrive within {seconds:.1f}s", tuple(missing))
-        o.wait(*[o.send(i, 1, as_bytes(token)) for i in range(1, g.group_size)])
-
-    _launch(g, "monitored_barrier", "monitored_barrier", body, False, None)
