@@ -12,7 +12,9 @@ TANDEM_SECRET_FILE             file holding the job secret (used if TANDEM_SECRE
                                without either, a per-user secret in
                                ``~/.config/tandem/secret`` (mode 0600) is created/used
 TANDEM_TIMEOUT                 default deadline of collectives and p2p ops, seconds (1800)
-TANDEM_CONNECT_TIMEOUT         deadline to connect to peers and store, seconds (60)
+TANDEM_CONNECT_TIMEOUT         deadline of set-up, seconds: reaching the store (name
+                               resolution included), finding the peers' addresses and
+                               connecting to them; the init timeout if shorter (60)
 TANDEM_BIND_ADDR               address the transport listens on; default: loopback when
                                MASTER_ADDR is a loopback name, else all interfaces only
                                if set to 0.0.0.0 explicitly, otherwise the address of the
