@@ -25,7 +25,7 @@ from tandem.collectives.checks import check_cpu_device, int_list, refuse_pg_opti
 from tandem.collectives.group import NonMemberGroup, ProcessGroup
 from tandem.collectives.world import AnyGroup, World, resolve_group, world
 from tandem.config import timeout_seconds
-from tandem.errors import ArgumentError, CollectiveMismatchError, StateError
+from tandem.errors import ArgumentError, CollectiveMismatchError
 
 __all__ = ["new_group", "new_subgroups", "new_subgroups_by_enumeration", "get_group_rank",
            "get_global_rank", "get_process_group_ranks"]
@@ -70,10 +70,6 @@ def new_group(ranks: Sequence[int] | None = None,
         group_id = _agree(w, members, me)
         group = ProcessGroup(w.transport, members, group_id, group_desc or f"group{group_id}",
                              seconds, w.settings, w.default.backend)
-        refused = w.transport.mailbox.aborted.get(group_id)
-        if refused is not None:
-            raise StateError(f"new_group: a member refused group '{group.group_name}' "
-                             f"(global ranks {members}): {refused}") from refused
     w.groups.append(group)
     return group
 

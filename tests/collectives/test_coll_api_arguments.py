@@ -119,7 +119,7 @@ def test_init_process_group_refuses_bad_ranks_and_sizes(job_secret: bytes, rank:
 HUGE_WORLD = textwrap.dedent("""
     import resource, time
     resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
-    import tandem
+    import tandem, tandem.collectives.world  # imports (torch's too) before the clock starts
     start = time.monotonic()
     try:
         tandem.init_process_group("tcp", store=tandem.HashStore(), rank=0, world_size=2**40)

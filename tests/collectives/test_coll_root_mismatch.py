@@ -1,7 +1,8 @@
 """Ranks that disagree on a root or on a custom reduce op are stopped before combining.
 
 A gather or reduce root only receives: two ranks that each believe they are the root
-would both wait for data nobody sends. Two custom reduce ops with the same name (two
+would both wait for data nobody sends. A rank whose own part can complete (it only
+sends) may return, but the group is aborted and its next call fails. Two custom reduce ops with the same name (two
 lambdas) would combine into different results per rank. Each case must end on every
 rank with ``CollectiveMismatchError`` within seconds, far below the group's deadline,
 on tcp and on shm. Each case runs on a fresh group, so one case's abort stays there.
@@ -55,6 +56,15 @@ def _reduce_two_camps(rank: int, g: Any) -> Any:
     return t.tolist()
 
 
+# Each names the other as the root: neither waits for data, so both may finish their
+# part; the group is aborted all the same and the next call on it fails.
+def _reduce_each_names_the_other(rank: int, g: Any) -> Any:
+    t = torch.full((4,), float(rank))
+    tandem.reduce(t, dst=1 - rank, group=g)
+    tandem.barrier(group=g)
+    return t.tolist()
+
+
 def _two_lambdas(rank: int, g: Any) -> Any:
     if rank == 0:
         op = tandem.ReduceOp.custom(lambda a, b: torch.maximum(a, b))
@@ -77,6 +87,7 @@ CASES: dict[str, tuple[int, Callable[[int, Any], Any]]] = {
     "reduce-each-its-own-dst": (2, _reduce_each_its_own_dst),
     "gather-two-camps": (3, _gather_two_camps),
     "reduce-two-camps": (3, _reduce_two_camps),
+    "reduce-each-names-the-other": (2, _reduce_each_names_the_other),
     "two-lambdas": (2, _two_lambdas),
     "same-name-different-function": (2, _same_name_different_function),
 }
@@ -107,7 +118,9 @@ def seen(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, dict[str, 
     return request.param, [o.value for o in outcomes]
 
 
-BYSTANDERS = {"gather-two-camps": {2}, "reduce-two-camps": {2}}
+# ranks whose own call may complete (they combine nothing); their next call fails
+BYSTANDERS = {"gather-two-camps": {2}, "reduce-two-camps": {2},
+              "reduce-each-names-the-other": {0, 1}}
 
 
 @pytest.mark.parametrize("case", list(CASES))
