@@ -15,19 +15,16 @@ Reaching the store waits at most ``connect_timeout``.
 from __future__ import annotations
 
 import datetime
-import socket
 import urllib.parse
 from typing import Mapping
 
-from tandem import _wire
 from tandem.collectives.cluster_env import cluster_env
-from tandem.config import Settings
 from tandem.errors import ArgumentError
 from tandem.store.base import Store
 from tandem.store.file import FileStore
 from tandem.store.tcp import TCPStore
 
-__all__ = ["open_store", "check_rank", "bind_address", "MAX_WORLD_SIZE"]
+__all__ = ["open_store", "check_rank", "MAX_WORLD_SIZE"]
 
 # Far beyond any job tandem serves (every rank keeps a link to every other); larger values
 # are mistakes, and refusing them up front spares allocating per-rank tables for them.
@@ -112,21 +109,3 @@ def open_store(init_method: str, rank: int, world_size: int, timeout: float,
                      timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False,
                      connect_timeout=connect_timeout)
     return store, rank, world_size, host
-
-
-def bind_address(settings: Settings, master_addr: str | None) -> str:
-    """Where this rank's transport listens: loopback for single-host jobs."""
-    if settings.bind_addr:
-        return settings.bind_addr
-    if master_addr is None or _wire.is_loopback(master_addr):
-        return "127.0.0.1"
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        probe.connect((master_addr, 9))  # UDP connect sends nothing; it picks the route
-        return str(probe.getsockname()[0])
-    except OSError as exc:
-        raise ArgumentError(
-            f"cannot find the local address that reaches MASTER_ADDR={master_addr}: {exc}; "
-            f"set TANDEM_BIND_ADDR") from exc
-    finally:
-        probe.close()

@@ -14,10 +14,11 @@ import datetime
 import os
 import socket
 
+from tandem import _wire
 from tandem.collectives.backend import Backend, BackendOptions, resolve_backend
 from tandem.collectives.checks import check_cpu_device, refuse_pg_options
 from tandem.collectives.group import NonMemberGroup, ProcessGroup
-from tandem.collectives.init_method import bind_address, check_rank, open_store
+from tandem.collectives.init_method import check_rank, open_store
 from tandem.config import Settings, load_secret, load_settings, timeout_seconds
 from tandem.errors import ArgumentError, StateError, StoreTimeoutError
 from tandem.store.base import Store
@@ -39,6 +40,7 @@ __all__ = [
 
 AnyGroup = ProcessGroup | NonMemberGroup
 
+
 @dataclasses.dataclass
 class World:
     default: ProcessGroup
@@ -55,6 +57,24 @@ class World:
 
 
 _world: World | None = None
+
+
+def bind_address(settings: Settings, master_addr: str | None) -> str:
+    """Where this rank's transport listens: loopback for single-host jobs."""
+    if settings.bind_addr:
+        return settings.bind_addr
+    if master_addr is None or _wire.is_loopback(master_addr):
+        return "127.0.0.1"
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((master_addr, 9))  # UDP connect sends nothing; it picks the route
+        return str(probe.getsockname()[0])
+    except OSError as exc:
+        raise ArgumentError(
+            f"cannot find the local address that reaches MASTER_ADDR={master_addr}: {exc}; "
+            f"set TANDEM_BIND_ADDR") from exc
+    finally:
+        probe.close()
 
 
 def init_process_group(
