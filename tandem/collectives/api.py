@@ -356,7 +356,7 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
 
 def _reduce_scatter_flat(g: ProcessGroup, o: Op, flat: torch.Tensor, sizes: Sequence[int],
                          op: ReduceOp) -> tuple[int, int]:
-    bounds = algo.segment_bounds(sizes)
+    bounds = algo.segment_bounds(list(sizes))
     algo.ring(o, flat, bounds, op, reduce_scatter=True, all_gather=False)
     return bounds[g.group_rank]
 

@@ -121,13 +121,17 @@ def init_process_group(
         scoped = PrefixStore(f"tandem/{generation}", store)
         scoped.set_timeout(setup)  # peers' addresses must appear within the connect deadline
         transport = _connect(scoped, rank, world_size, backend_name, settings, master, setup)
+        try:
+            default = ProcessGroup(transport, list(range(world_size)), 0,
+                                   group_name or "default", seconds, settings, backend_name)
+        except BaseException:
+            transport.close()
+            raise
     except BaseException:
-        if owns_store:
+        if owns_store:  # a failed start leaves no store connection or server behind
             store.close()
         raise
     scoped.set_timeout(seconds)  # later store use (new_group) is bounded by the op timeout
-    default = ProcessGroup(transport, list(range(world_size)), 0, group_name or "default",
-                           seconds, settings, backend_name)
     _world = World(default, store, transport, settings, backend_name, generation, owns_store,
                    scoped)
 

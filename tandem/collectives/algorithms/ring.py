@@ -16,8 +16,6 @@ next, chunk by chunk.
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
 from tandem.collectives.group import Op, as_bytes
@@ -28,7 +26,7 @@ __all__ = ["ring", "even_bounds", "segment_bounds", "ring_all_reduce"]
 Bounds = list[tuple[int, int]]
 
 
-def segment_bounds(sizes: Sequence[int]) -> Bounds:
+def segment_bounds(sizes: list[int]) -> Bounds:
     """``(start, end)`` of consecutive segments of ``sizes`` elements each."""
     out, start = [], 0
     for n in sizes:
