@@ -8,6 +8,7 @@ or struct error.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Sequence
 
 import torch
@@ -100,9 +101,21 @@ def root_rank(g: ProcessGroup, what: str, rank: int | None, group_rank: int | No
     return g.ranks.index(rank)
 
 
+def _as_int(value: Any) -> int | None:
+    """``value`` as an int if it is an integer (numpy's and torch's too), else None."""
+    if isinstance(value, bool):
+        return None  # True is an int to Python, but never a rank, a size or a tag
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def tag_arg(tag: Any, what: str) -> int:
-    if not isinstance(tag, int) or isinstance(tag, bool):
+    value = _as_int(tag)
+    if value is None:
         raise ArgumentError(f"{what}: tag must be an int, got {type(tag).__name__} {tag!r}")
+    tag = value
     if not TAG_MIN <= tag <= TAG_MAX:
         raise ArgumentError(f"{what}: tag={tag} does not fit in 32 bits; use a tag in "
                             f"[{TAG_MIN}, {TAG_MAX}]")
@@ -110,14 +123,17 @@ def tag_arg(tag: Any, what: str) -> int:
 
 
 def int_list(values: Any, what: str, name: str) -> list[int]:
-    """A list of plain ints (not bools, floats or strings), for ranks and split sizes."""
-    if not isinstance(values, (list, tuple, range)):
+    """Integers (numpy's and torch's too, not bools, floats or strings) as a list of ints,
+    for ranks and split sizes."""
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
         raise ArgumentError(f"{what}: {name} must be a list of ints, got {type(values).__name__}")
-    bad = [v for v in values if not isinstance(v, int) or isinstance(v, bool)]
+    values = list(values)
+    out = [_as_int(v) for v in values]
+    bad = [v for v, n in zip(values, out) if n is None]
     if bad:
         raise ArgumentError(f"{what}: {name} must be ints, got {bad[0]!r} "
                             f"({type(bad[0]).__name__}) in {list(values)}")
-    return list(values)
+    return [n for n in out if n is not None]
 
 
 def check_cpu_device(what: str, name: str, device: object) -> None:

@@ -160,6 +160,14 @@ def test_new_group_ranks_are_checked(solo: None, ranks: list[object], match: str
         tandem.new_group(ranks)  # type: ignore[arg-type]
 
 
+def test_new_group_takes_integer_ranks_of_any_integer_type(solo: None) -> None:
+    import numpy
+
+    g = tandem.new_group(numpy.arange(1))  # type: ignore[arg-type]
+    assert tandem.get_process_group_ranks(g) == [0]
+    assert type(tandem.get_process_group_ranks(g)[0]) is int
+
+
 # -- point-to-point tags -----------------------------------------------------------------------
 @pytest.mark.parametrize("tag", [2 ** 40, 2 ** 31, -(2 ** 31) - 1], ids=str)
 @pytest.mark.parametrize("call", ["isend", "irecv"])
