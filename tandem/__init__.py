@@ -26,12 +26,12 @@ _EXPORTS: dict[str, str] = {
     "all_gather_into_tensor": "tandem.collectives.api",
     "all_reduce": "tandem.collectives.api",
     "all_reduce_coalesced": "tandem.collectives.api",
-    "all_to_all": "tandem.collectives.api",
-    "all_to_all_single": "tandem.collectives.api",
-    "barrier": "tandem.collectives.api",
+    "all_to_all": "tandem.collectives.alltoall",
+    "all_to_all_single": "tandem.collectives.alltoall",
+    "barrier": "tandem.collectives.barriers",
     "broadcast": "tandem.collectives.api",
     "gather": "tandem.collectives.api",
-    "monitored_barrier": "tandem.collectives.api",
+    "monitored_barrier": "tandem.collectives.barriers",
     "reduce": "tandem.collectives.api",
     "reduce_scatter": "tandem.collectives.api",
     "reduce_scatter_tensor": "tandem.collectives.api",
@@ -92,23 +92,21 @@ def __dir__() -> list[str]:
 
 
 if _TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from tandem.collectives.algorithms import register_algorithm
+    from tandem.collectives.alltoall import all_to_all, all_to_all_single
     from tandem.collectives.api import (
         all_gather,
         all_gather_into_tensor,
         all_reduce,
         all_reduce_coalesced,
-        all_to_all,
-        all_to_all_single,
-        barrier,
         broadcast,
         gather,
-        monitored_barrier,
         reduce,
         reduce_scatter,
         reduce_scatter_tensor,
         scatter,
     )
-    from tandem.collectives.algorithms import register_algorithm
+    from tandem.collectives.barriers import barrier, monitored_barrier
     from tandem.collectives.backend import Backend, BackendOptions
     from tandem.collectives.group import NonMemberGroup, ProcessGroup
     from tandem.collectives.groups import (

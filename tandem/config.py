@@ -12,7 +12,9 @@ TANDEM_SECRET_FILE             file holding the job secret (used if TANDEM_SECRE
                                without either, a per-user secret in
                                ``~/.config/tandem/secret`` (mode 0600) is created/used
 TANDEM_TIMEOUT                 default deadline of collectives and p2p ops, seconds (1800)
-TANDEM_CONNECT_TIMEOUT         deadline to connect to peers and store, seconds (60)
+TANDEM_CONNECT_TIMEOUT         deadline of set-up, seconds: reaching the store (name
+                               resolution included), finding the peers' addresses and
+                               connecting to them; the init timeout if shorter (60)
 TANDEM_BIND_ADDR               address the transport listens on; default: loopback when
                                MASTER_ADDR is a loopback name, else all interfaces only
                                if set to 0.0.0.0 explicitly (here or as MASTER_ADDR),
@@ -31,22 +33,33 @@ TANDEM_SHM_ARENA               0: same-host groups do not share staging memory, 
 TANDEM_SHM_CHUNK               staging bytes per rank and half of a shared-memory arena,
                                a power of two >= 4096; 0 picks 1 MiB, or 4 MiB when
                                the host has fewer CPUs than local ranks (0)
-TANDEM_DEBUG                   1: log connection set-up and aborts to stderr (0)
+TANDEM_DEBUG                   1: log rejected connections to stderr (0)
+TANDEM_HOST_ID                 this rank's host identity, for topology decisions (default:
+                               the host name); set it to simulate hosts on one machine
+LOCAL_WORLD_SIZE               ranks per node (set by the launcher); the default
+                               ``group_size`` of ``new_subgroups``
 =============================  =========================================================
+
+Flags take ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``; anything else
+is refused, so a typo never flips a setting. Timeouts, here and in every function that
+takes one, must be finite and positive: :func:`timeout_seconds` checks them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import math
 import os
 import secrets
 import stat
+import threading
 from pathlib import Path
 from typing import Callable, Mapping, TypeVar
 
 from tandem.errors import ArgumentError
 
-__all__ = ["Settings", "load_settings", "load_secret", "ALGORITHMS"]
+__all__ = ["Settings", "load_settings", "load_secret", "timeout_seconds", "ALGORITHMS"]
 
 ALGORITHMS = ("auto", "naive", "ring", "doubling", "shm", "hierarchical")
 N = TypeVar("N", int, float)
@@ -64,14 +77,15 @@ class Settings:
     shm_arena: bool = True
     shm_chunk: int = 0
     debug: bool = False
+    host_id: str | None = None
+    local_world_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.timeout <= 0:
-            raise ArgumentError(f"TANDEM_TIMEOUT must be positive seconds, got {self.timeout}")
-        if self.connect_timeout <= 0:
+        timeout_seconds(self.timeout, 0.0, "TANDEM_TIMEOUT")
+        timeout_seconds(self.connect_timeout, 0.0, "TANDEM_CONNECT_TIMEOUT")
+        if self.local_world_size is not None and self.local_world_size < 1:
             raise ArgumentError(
-                f"TANDEM_CONNECT_TIMEOUT must be positive seconds, got {self.connect_timeout}"
-            )
+                f"LOCAL_WORLD_SIZE must be a positive integer, got {self.local_world_size}")
         if not self.algorithm:
             # names are checked against the algorithm registry when a collective runs,
             # so algorithms registered by the user are accepted too
@@ -96,11 +110,19 @@ def _number(env: Mapping[str, str], name: str, kind: Callable[[str], N], default
         raise ArgumentError(f"{name}={raw!r} is not a valid {label}") from exc
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     raw = env.get(name)
     if raw is None or raw == "":
         return default
-    return raw not in ("0", "false", "False", "no")
+    if raw.strip().lower() in _TRUE:
+        return True
+    if raw.strip().lower() in _FALSE:
+        return False
+    raise ArgumentError(f"{name}={raw!r} is not a flag: use 1/true/yes/on or 0/false/no/off")
 
 
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
@@ -118,7 +140,38 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         shm_arena=_flag(env, "TANDEM_SHM_ARENA", base.shm_arena),
         shm_chunk=_number(env, "TANDEM_SHM_CHUNK", int, base.shm_chunk),
         debug=_flag(env, "TANDEM_DEBUG", base.debug),
+        host_id=env.get("TANDEM_HOST_ID") or None,
+        local_world_size=(_number(env, "LOCAL_WORLD_SIZE", int, 0)
+                          if env.get("LOCAL_WORLD_SIZE") else None),
     )
+
+
+# the longest wait the platform's locks accept (longer ones raise OverflowError mid-call)
+_LONGEST = threading.TIMEOUT_MAX
+
+
+def timeout_seconds(timeout: float | datetime.timedelta | None, default: float,
+                    what: str = "timeout") -> float:
+    """``timeout`` (seconds or a ``timedelta``; ``None``: ``default``) as finite seconds.
+
+    NaN, infinite, zero and negative values are refused: a NaN deadline never passes
+    and one in the past has passed already, so neither bounds a wait. ``what`` names
+    the argument in the message (``"barrier: timeout"``).
+    """
+    if timeout is None:
+        return default
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise ArgumentError(f"{what} must be seconds (a number) or a datetime.timedelta, "
+                            f"got {type(timeout).__name__}")
+    if not math.isfinite(seconds) or seconds <= 0 or seconds > _LONGEST:
+        raise ArgumentError(f"{what} must be a finite, positive number of seconds at most "
+                            f"{_LONGEST:.0f}, got {timeout!r}; every wait in tandem has a "
+                            f"deadline")
+    return seconds
 
 
 def _user_secret_path() -> Path:

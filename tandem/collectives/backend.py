@@ -57,7 +57,7 @@ Factory = Callable[[BackendOptions], Transport]
 def _tcp(options: BackendOptions, peers: list[int] | None = None) -> TcpTransport:
     return TcpTransport(options.rank, options.world_size, options.store, options.host,
                         options.secret, options.settings.connect_timeout,
-                        options.settings.max_frame, options.hostname,
+                        options.settings.max_frame, options.hostname, options.settings.debug,
                         advertise=options.advertise, peers=peers)
 
 

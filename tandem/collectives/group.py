@@ -15,7 +15,6 @@ and ends the group's threads and shared memory.
 from __future__ import annotations
 
 import collections
-import datetime
 import hashlib
 import threading
 import time
@@ -24,12 +23,12 @@ from typing import Any, Callable, Iterable
 import torch
 
 from tandem.config import Settings
-from tandem.errors import (ArgumentError, CollectiveError, CollectiveTimeoutError, StateError,
+from tandem.errors import (CollectiveError, CollectiveTimeoutError, StateError,
                            TandemError)
 from tandem.collectives.work import Completions, Work
 from tandem.transport import Arena, Header, Kind, Slot, Transport
 
-__all__ = ["ProcessGroup", "NonMemberGroup", "Op", "as_bytes", "timeout_seconds", "bounded"]
+__all__ = ["ProcessGroup", "NonMemberGroup", "Op", "as_bytes", "bounded"]
 
 # enum members as module constants: looking one up on its class costs ~10x a global
 _COLL = Kind.COLL
@@ -365,14 +364,3 @@ class NonMemberGroup:
 
     def __repr__(self) -> str:
         return f"<NonMemberGroup '{self.group_name}' ranks={self.ranks}>"
-
-
-def timeout_seconds(timeout: float | datetime.timedelta | None, default: float) -> float:
-    if timeout is None:
-        return default
-    if isinstance(timeout, datetime.timedelta):
-        timeout = timeout.total_seconds()
-    if timeout <= 0:
-        raise ArgumentError(f"timeout must be positive, got {timeout}")
-    return float(timeout)
-

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from tandem.collectives import api, p2p
+from tandem.collectives.checks import check_cpu_device, root_rank
 from tandem.collectives.world import AnyGroup, resolve_group
 from tandem.errors import ArgumentError
 
@@ -43,7 +44,8 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None,
                           group: AnyGroup | None = None, device: Any = None,
                           group_src: int | None = None) -> None:
     g = resolve_group(group, "broadcast_object_list")
-    root = api._root(g, "broadcast_object_list", src, group_src, "src")
+    check_cpu_device("broadcast_object_list", "device", device)
+    root = root_rank(g, "broadcast_object_list", src, group_src, "src")
     if not isinstance(object_list, list):
         raise ArgumentError("broadcast_object_list: object_list must be a list")
     sizes = torch.zeros(len(object_list), dtype=torch.int64)
@@ -76,7 +78,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: AnyGroup | None =
 def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int | None = None,
                   group: AnyGroup | None = None, group_dst: int | None = None) -> None:
     g = resolve_group(group, "gather_object")
-    root = api._root(g, "gather_object", dst, group_dst, "dst")
+    root = root_rank(g, "gather_object", dst, group_dst, "dst")
     if g.group_rank == root and (not isinstance(object_gather_list, list)
                                  or len(object_gather_list) != g.group_size):
         raise ArgumentError(
@@ -106,7 +108,7 @@ def scatter_object_list(scatter_object_output_list: list[Any],
                         src: int | None = None, group: AnyGroup | None = None,
                         group_src: int | None = None) -> None:
     g = resolve_group(group, "scatter_object_list")
-    root = api._root(g, "scatter_object_list", src, group_src, "src")
+    root = root_rank(g, "scatter_object_list", src, group_src, "src")
     if not isinstance(scatter_object_output_list, list) or not scatter_object_output_list:
         raise ArgumentError("scatter_object_list: scatter_object_output_list must be a "
                             "non-empty list")
@@ -130,19 +132,47 @@ def scatter_object_list(scatter_object_output_list: list[Any],
 def send_object_list(object_list: list[Any], dst: int | None = None,
                      group: AnyGroup | None = None, device: Any = None,
                      group_dst: int | None = None, use_batch: bool = False) -> None:
+    """Send the objects of ``object_list`` to ``dst`` (sizes first, then the bytes).
+
+    ``use_batch=True`` posts both sends through :func:`batch_isend_irecv`, as torch does.
+    """
+    check_cpu_device("send_object_list", "device", device)
+    if not isinstance(object_list, list):
+        raise ArgumentError("send_object_list: object_list must be a list")
     packed = [_pack(o) for o in object_list]
     sizes = torch.tensor([t.numel() for t in packed], dtype=torch.int64)
+    data = torch.cat(packed) if packed else torch.empty(0, dtype=torch.uint8)
+    if use_batch:
+        ops = [p2p.P2POp(p2p.isend, t, dst, group, group_peer=group_dst) for t in (sizes, data)]
+        for work in p2p.batch_isend_irecv(ops):
+            work.wait()
+        return
     p2p.send(sizes, dst, group, group_dst=group_dst)
-    p2p.send(torch.cat(packed) if packed else torch.empty(0, dtype=torch.uint8), dst, group,
-             group_dst=group_dst)
+    p2p.send(data, dst, group, group_dst=group_dst)
 
 
 def recv_object_list(object_list: list[Any], src: int | None = None,
                      group: AnyGroup | None = None, device: Any = None,
                      group_src: int | None = None, use_batch: bool = False) -> int:
-    """Fill ``object_list`` in place; return the sender's global rank."""
+    """Fill ``object_list`` in place; return the sender's global rank.
+
+    ``use_batch=True`` receives the sizes through :func:`batch_isend_irecv`, as torch
+    does (from a given ``src`` only: a batch names its peers).
+    """
+    check_cpu_device("recv_object_list", "device", device)
+    if not isinstance(object_list, list):
+        raise ArgumentError("recv_object_list: object_list must be a list")
     sizes = torch.zeros(len(object_list), dtype=torch.int64)
-    sender = p2p.recv(sizes, src, group, group_src=group_src)
+    if use_batch:
+        if src is None and group_src is None:
+            raise ArgumentError("recv_object_list: use_batch=True needs src (or group_src); "
+                                "batch_isend_irecv receives from a named rank")
+        p2p.batch_isend_irecv([p2p.P2POp(p2p.irecv, sizes, src, group,
+                                         group_peer=group_src)])[0].wait()
+        g = resolve_group(group, "recv_object_list")
+        sender = g.ranks[root_rank(g, "recv_object_list", src, group_src, "src")]
+    else:
+        sender = p2p.recv(sizes, src, group, group_src=group_src)
     data = torch.empty(int(sizes.sum()), dtype=torch.uint8)
     p2p.recv(data, sender, group)
     offset = 0

@@ -12,7 +12,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from tandem.collectives.api import _root, _tensor, call_site
+from tandem.collectives.api import call_site
+from tandem.collectives.checks import output_arg, root_rank, tag_arg, tensor_arg
 from tandem.collectives.group import ProcessGroup, as_bytes
 from tandem.collectives.work import Work
 from tandem.collectives.world import AnyGroup, resolve_group
@@ -25,14 +26,14 @@ __all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv"]
 def _peer(g: ProcessGroup, what: str, rank: int | None, group_rank: int | None, name: str) -> int:
     if rank is None and group_rank is None:
         raise ArgumentError(f"{what}: {name} is required")
-    peer = _root(g, what, rank, group_rank, name)
+    peer = root_rank(g, what, rank, group_rank, name)
     if peer == g.group_rank:
         raise ArgumentError(f"{what}: {name} is this rank itself ({g.ranks[peer]})")
     return peer
 
 
-def _contiguous(t: torch.Tensor, what: str) -> torch.Tensor:
-    _tensor(t, what, "tensor")
+def _contiguous(t: torch.Tensor, what: str, output: bool = False) -> torch.Tensor:
+    (output_arg if output else tensor_arg)(t, what, "tensor")
     if not t.is_contiguous():
         raise ArgumentError(f"{what}: tensor must be contiguous")
     return t
@@ -63,6 +64,7 @@ def _work(g: ProcessGroup, slot: Slot, what: str, result: Any) -> Work:
 def isend(tensor: torch.Tensor, dst: int | None = None, group: AnyGroup | None = None,
           tag: int = 0, group_dst: int | None = None) -> Work:
     g = resolve_group(group, "isend")
+    tag_arg(tag, "isend")
     peer = _peer(g, "isend", dst, group_dst, "dst")
     slot = g.p2p_send(peer, tag, as_bytes(_contiguous(tensor, "isend")), call_site())
     return _work(g, slot, f"isend to rank {g.ranks[peer]} (tag {tag})", [tensor])
@@ -71,8 +73,9 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group: AnyGroup | None =
 def irecv(tensor: torch.Tensor, src: int | None = None, group: AnyGroup | None = None,
           tag: int = 0, group_src: int | None = None) -> Work:
     g = resolve_group(group, "irecv")
+    tag_arg(tag, "irecv")
     peer = None if src is None and group_src is None else _peer(g, "irecv", src, group_src, "src")
-    slot = g.p2p_recv(peer, tag, as_bytes(_contiguous(tensor, "irecv")))
+    slot = g.p2p_recv(peer, tag, as_bytes(_contiguous(tensor, "irecv", output=True)))
     who = "any rank" if peer is None else f"rank {g.ranks[peer]}"
     return _work(g, slot, f"irecv from {who} (tag {tag})", [tensor])
 
@@ -98,6 +101,7 @@ class P2POp:
                  group: AnyGroup | None = None, tag: int = 0, group_peer: int | None = None) -> None:
         if op not in (isend, irecv, send, recv):
             raise ArgumentError("P2POp op must be tandem.isend or tandem.irecv")
+        tag_arg(tag, "P2POp")  # checked here, so a batch never starts half-way
         self.op = isend if op in (isend, send) else irecv
         self.tensor = tensor
         self.peer = peer

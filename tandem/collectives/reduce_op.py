@@ -10,17 +10,27 @@ Python callable ``fn(a, b) -> Tensor`` that is associative and commutative::
 
 Combines are always applied as ``fn(lower_rank_data, higher_rank_data)``, so every
 rank computes bit-identical results.
+
+Ranks compare a custom op by its *fingerprint* (module, qualified name, and a hash of
+the function's code, constants, defaults and closure values), not by its name alone:
+two different lambdas, or one function that differs between ranks, are a
+``CollectiveMismatchError`` before anything is combined. ``name=`` only labels the op
+in messages. (Bytecode differs between Python versions, so all ranks of a job need the
+same Python to use custom ops, as they need the same code.)
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
+import hashlib
+import types
+from typing import Any, Callable
 
 import torch
 
 from tandem.errors import ArgumentError
 
-__all__ = ["ReduceOp", "Combine", "combine", "combiner", "finish", "check_dtype"]
+__all__ = ["ReduceOp", "Combine", "combine", "combiner", "finish", "check_dtype", "fingerprint"]
 
 _BITWISE_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
 # dtypes whose CPU kernels cover every combine below; torch's uint16/32/64, complex32 and
@@ -42,13 +52,14 @@ class ReduceOp:
     BOR: "ReduceOp"
     BXOR: "ReduceOp"
 
-    __slots__ = ("name", "fn", "code")
+    __slots__ = ("name", "fn", "code", "sig")
 
     def __init__(self, name: str, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
-                 code: int) -> None:
+                 code: int, sig: str | None = None) -> None:
         self.name = name
         self.fn = fn
         self.code = code
+        self.sig = sig or name  # what peers compare: the name, plus a fingerprint if custom
 
     @classmethod
     def custom(cls, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -56,11 +67,67 @@ class ReduceOp:
         """A user-defined reduce op from an associative, commutative ``fn(a, b)``."""
         if not callable(fn):
             raise ArgumentError(f"custom reduce op needs a callable, got {type(fn).__name__}")
-        label = name or getattr(fn, "__name__", "custom")
-        return cls(f"custom:{label}", fn, 100)
+        if name is not None and not isinstance(name, str):
+            raise ArgumentError(f"custom reduce op name must be a str, got {name!r}")
+        label = name or getattr(fn, "__name__", type(fn).__name__)
+        return cls(f"custom:{label}", fn, 100, f"custom:{label}#{fingerprint(fn)}")
 
     def __repr__(self) -> str:
         return f"<ReduceOp.{self.name}>"
+
+
+def fingerprint(fn: Callable[..., Any]) -> str:
+    """12 hex digits that differ between functions that compute differently.
+
+    Hashes the function's module and qualified name, its bytecode, constants and names
+    (nested functions included), its defaults and the values it closes over; a
+    ``functools.partial`` adds its arguments, a callable object its class's ``__call__``.
+    Values without a stable text (tensors, arbitrary objects) contribute their type only.
+    """
+    h = hashlib.sha256()
+    _feed(h, fn, depth=0)
+    return h.hexdigest()[:12]
+
+
+def _feed(h: Any, value: Any, depth: int) -> None:
+    if depth > 8:  # deep enough for any real op; guards against cycles
+        h.update(b"...")
+        return
+    if isinstance(value, (int, float, complex, str, bytes, bool, type(None))):
+        h.update(f"{type(value).__name__}:{value!r};".encode())
+    elif isinstance(value, (tuple, list, frozenset)):
+        h.update(f"{type(value).__name__}[".encode())
+        for item in value if not isinstance(value, frozenset) else sorted(map(repr, value)):
+            _feed(h, item, depth + 1)
+        h.update(b"]")
+    elif isinstance(value, types.CodeType):
+        h.update(value.co_code)
+        _feed(h, value.co_consts, depth + 1)
+        _feed(h, value.co_names, depth + 1)
+        _feed(h, (value.co_argcount, value.co_kwonlyargcount, value.co_flags), depth + 1)
+    elif isinstance(value, functools.partial):
+        h.update(b"partial(")
+        _feed(h, value.func, depth + 1)
+        _feed(h, value.args, depth + 1)
+        _feed(h, sorted(value.keywords.items()), depth + 1)
+        h.update(b")")
+    elif isinstance(value, types.FunctionType):
+        h.update(f"fn:{value.__module__}.{value.__qualname__};".encode())
+        _feed(h, value.__code__, depth + 1)
+        _feed(h, value.__defaults__, depth + 1)
+        _feed(h, tuple(sorted((value.__kwdefaults__ or {}).items())), depth + 1)
+        _feed(h, tuple(c.cell_contents for c in value.__closure__ or ()), depth + 1)
+    elif isinstance(value, types.MethodType):
+        _feed(h, value.__func__, depth + 1)
+        h.update(f"bound to {type(value.__self__).__qualname__};".encode())
+    elif callable(value) and not isinstance(value, type) and hasattr(value, "__qualname__"):
+        # a builtin or extension function (torch.maximum): its name is its identity
+        h.update(f"builtin:{getattr(value, '__module__', '')}.{value.__qualname__};".encode())
+    elif callable(value) and callable(getattr(type(value), "__call__", None)):
+        h.update(f"object:{type(value).__module__}.{type(value).__qualname__};".encode())
+        _feed(h, getattr(type(value), "__call__"), depth + 1)
+    else:
+        h.update(f"{type(value).__module__}.{type(value).__qualname__};".encode())
 
 
 def _builtin(name: str, code: int) -> ReduceOp:

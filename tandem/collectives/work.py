@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 import torch
 
+from tandem.config import timeout_seconds
 from tandem.errors import CollectiveTimeoutError
 
 __all__ = ["Work", "Completions"]
@@ -111,7 +112,7 @@ class Work:
 
     # -- torch-compatible API --------------------------------------------------------
     def wait(self, timeout: float | datetime.timedelta | None = None) -> bool:
-        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        seconds = None if timeout is None else timeout_seconds(timeout, 0.0, "Work.wait: timeout")
         if self._waiter is not None and not self._event.is_set():
             self._waiter(seconds)  # drives the operation from this thread (p2p)
         if not self._event.wait(seconds):

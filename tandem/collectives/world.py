@@ -8,23 +8,21 @@ torch-compatible functions (``all_reduce(t)`` without a group) need it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import os
 import socket
-import urllib.parse
-from typing import Mapping
 
 from tandem import _wire
 from tandem.collectives.backend import Backend, BackendOptions, resolve_backend
-from tandem.collectives.cluster_env import cluster_env
-from tandem.collectives.group import NonMemberGroup, ProcessGroup, timeout_seconds
-from tandem.config import Settings, load_secret, load_settings
-from tandem.errors import ArgumentError, StateError
+from tandem.collectives.checks import check_cpu_device, refuse_pg_options
+from tandem.collectives.group import NonMemberGroup, ProcessGroup
+from tandem.collectives.init_method import check_rank, open_store
+from tandem.config import Settings, load_secret, load_settings, timeout_seconds
+from tandem.errors import ArgumentError, StateError, StoreTimeoutError
 from tandem.store.base import Store
-from tandem.store.file import FileStore
 from tandem.store.prefix import PrefixStore
-from tandem.store.tcp import TCPStore
 from tandem.transport.base import Transport
 
 __all__ = [
@@ -52,74 +50,13 @@ class World:
     backend: str
     generation: int
     owns_store: bool
+    scoped: Store  # this incarnation's namespace in ``store`` (group ids live here)
     groups: list[AnyGroup] = dataclasses.field(default_factory=list)
-    groups_made: int = 0
+    # groups this rank created per set of members (see groups.new_group)
+    created: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
 
 
 _world: World | None = None
-
-
-def _env_int(env: Mapping[str, str], name: str) -> int | None:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return None
-    try:
-        return int(raw)
-    except ValueError as exc:
-        raise ArgumentError(f"environment variable {name}={raw!r} is not an integer") from exc
-
-
-def _rendezvous(init_method: str, rank: int, world_size: int, timeout: float,
-                env: Mapping[str, str]) -> tuple[Store, int, int, str | None]:
-    """Return (store, rank, world_size, master address) for an init_method URL."""
-    url = urllib.parse.urlparse(init_method)
-    query = dict(urllib.parse.parse_qsl(url.query))
-    if "rank" in query:
-        rank = int(query["rank"])
-    if "world_size" in query:
-        world_size = int(query["world_size"])
-    if url.scheme == "env":
-        env = cluster_env(env)  # srun / mpirun give ranks through their own variables
-        if rank < 0:
-            rank = _env_int(env, "RANK") if _env_int(env, "RANK") is not None else -1  # type: ignore[assignment]
-        if world_size < 0:
-            world_size = _env_int(env, "WORLD_SIZE") if _env_int(env, "WORLD_SIZE") is not None else -1  # type: ignore[assignment]
-        missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if not env.get(n)]
-        if rank < 0:
-            missing.append("RANK")
-        if world_size < 0:
-            missing.append("WORLD_SIZE")
-        if missing:
-            raise ArgumentError(
-                f"init_method='env://' needs the environment variable(s) {', '.join(missing)} "
-                f"(set by tandemrun / torchrun, derived under srun / mpirun, or export them "
-                f"yourself)")
-        host, port = env["MASTER_ADDR"], _env_int(env, "MASTER_PORT")
-    elif url.scheme == "tcp":
-        if not url.hostname or not url.port:
-            raise ArgumentError(f"init_method {init_method!r} must look like tcp://host:port")
-        host, port = url.hostname, url.port
-    elif url.scheme == "file":
-        if rank < 0 or world_size <= 0:
-            raise ArgumentError("init_method='file://...' needs rank= and world_size=")
-        path = url.path if not url.netloc else url.netloc + url.path
-        return FileStore(path, world_size, timeout=timeout), rank, world_size, None
-    else:
-        raise ArgumentError(
-            f"init_method {init_method!r}: scheme must be env://, tcp:// or file://")
-    if rank < 0 or world_size <= 0:
-        raise ArgumentError(f"init_method {init_method!r} needs rank= and world_size=")
-    _check_rank(rank, world_size)
-    store = TCPStore(host, port or 0, world_size, is_master=(rank == 0),
-                     timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
-    return store, rank, world_size, host
-
-
-def _check_rank(rank: int, world_size: int) -> None:
-    if world_size <= 0:
-        raise ArgumentError(f"world_size must be positive, got {world_size}")
-    if not 0 <= rank < world_size:
-        raise ArgumentError(f"rank must be in [0, {world_size}), got {rank}")
 
 
 def bind_address(settings: Settings, master_addr: str | None) -> str:
@@ -149,34 +86,39 @@ def init_process_group(
     pg_options: object = None,
     device_id: object = None,
 ) -> None:
-    """Join the job: connect to every other rank and create the default group."""
+    """Join the job: connect to every other rank and create the default group.
+
+    ``timeout`` is the deadline of every collective (default ``TANDEM_TIMEOUT``). Set-up
+    (reaching the store, finding and connecting the peers) waits at most
+    ``TANDEM_CONNECT_TIMEOUT`` (60 s), or ``timeout`` if that is shorter. ``device_id``
+    may be None or the CPU; ``pg_options`` must be None.
+    """
     global _world
     if _world is not None:
         raise StateError("tandem is already initialised; call destroy_process_group() first")
     settings = load_settings()
     backend_name = resolve_backend(backend)
-    seconds = timeout_seconds(timeout, settings.timeout)
+    seconds = timeout_seconds(timeout, settings.timeout, "init_process_group: timeout")
+    refuse_pg_options("init_process_group", pg_options)
+    check_cpu_device("init_process_group", "device_id", device_id)
+    setup = min(settings.connect_timeout, seconds)
     master: str | None = None
     owns_store = store is None
     if store is None:
-        store, rank, world_size, master = _rendezvous(init_method or "env://", rank,
-                                                      world_size, seconds, os.environ)
+        store, rank, world_size, master = open_store(init_method or "env://", rank,
+                                                     world_size, seconds, setup, os.environ)
     elif init_method is not None:
         raise ArgumentError("pass either store= or init_method=, not both")
     else:
+        check_rank(rank, world_size)
         master = os.environ.get("MASTER_ADDR")
-    _check_rank(rank, world_size)
-    # every init on the same store gets a fresh namespace, so a re-init never reads
-    # the addresses of the previous incarnation
-    generation = (store.add("tandem/inits", 1) - 1) // world_size
-    scoped = PrefixStore(f"tandem/{generation}", store)
     try:
-        host = bind_address(settings, master)
-        options = BackendOptions(store=scoped, rank=rank, world_size=world_size, host=host,
-                                 advertise=_wire.advertised_address(host, master),
-                                 hostname=os.environ.get("TANDEM_HOST_ID") or socket.gethostname(),
-                                 secret=load_secret(), settings=settings)
-        transport = Backend.factory(backend_name)(options)
+        # every init on the same store gets a fresh namespace, so a re-init never reads
+        # the addresses of the previous incarnation
+        generation = (store.add("tandem/inits", 1) - 1) // world_size
+        scoped = PrefixStore(f"tandem/{generation}", store)
+        scoped.set_timeout(setup)  # peers' addresses must appear within the connect deadline
+        transport = _connect(scoped, rank, world_size, backend_name, settings, master, setup)
         try:
             default = ProcessGroup(transport, list(range(world_size)), 0,
                                    group_name or "default", seconds, settings, backend_name)
@@ -187,7 +129,26 @@ def init_process_group(
         if owns_store:  # a failed start leaves no store connection or server behind
             store.close()
         raise
-    _world = World(default, store, transport, settings, backend_name, generation, owns_store)
+    scoped.set_timeout(seconds)  # later store use (new_group) is bounded by the op timeout
+    _world = World(default, store, transport, settings, backend_name, generation, owns_store,
+                   scoped)
+
+
+def _connect(store: Store, rank: int, world_size: int, backend: str, settings: Settings,
+             master: str | None, setup: float) -> Transport:
+    """Build this rank's transport through ``store``, whose deadline is ``setup``."""
+    host = bind_address(settings, master)
+    options = BackendOptions(store=store, rank=rank, world_size=world_size, host=host,
+                             advertise=_wire.advertised_address(host, master),
+                             hostname=settings.host_id or socket.gethostname(),
+                             secret=load_secret(), settings=settings)
+    try:
+        return Backend.factory(backend)(options)
+    except StoreTimeoutError as exc:
+        raise StoreTimeoutError(
+            f"rank {rank}: the job of {world_size} ranks did not form within {setup:.1f}s "
+            f"(TANDEM_CONNECT_TIMEOUT, or the init timeout if shorter): {exc}; a rank whose "
+            f"entry is missing never started, or cannot reach the store") from exc
 
 
 def destroy_process_group(group: ProcessGroup | NonMemberGroup | None = None) -> None:
@@ -259,8 +220,9 @@ def get_rank(group: AnyGroup | None = None) -> int:
 
 
 def get_world_size(group: AnyGroup | None = None) -> int:
+    """The number of ranks in ``group``; -1 on a rank outside it (as torch)."""
     if isinstance(group, NonMemberGroup):
-        return group.size()
+        return -1
     return resolve_group(group, "get_world_size").group_size
 
 

@@ -13,21 +13,12 @@ import datetime
 import time
 from typing import Iterable, Sequence
 
+from tandem.config import timeout_seconds
 from tandem.errors import ArgumentError, StoreTimeoutError
 
-__all__ = ["Store", "DEFAULT_STORE_TIMEOUT", "as_seconds"]
+__all__ = ["Store", "DEFAULT_STORE_TIMEOUT"]
 
 DEFAULT_STORE_TIMEOUT = 300.0
-
-
-def as_seconds(timeout: float | datetime.timedelta | None, default: float) -> float:
-    if timeout is None:
-        return default
-    if isinstance(timeout, datetime.timedelta):
-        timeout = timeout.total_seconds()
-    if timeout <= 0:
-        raise ArgumentError(f"timeout must be positive, got {timeout}")
-    return float(timeout)
 
 
 def _key(key: object) -> str:
@@ -50,7 +41,7 @@ class Store(abc.ABC):
     """Key-value store with blocking ``get``/``wait`` bounded by a deadline."""
 
     def __init__(self, timeout: float | datetime.timedelta | None = None) -> None:
-        self._timeout = as_seconds(timeout, DEFAULT_STORE_TIMEOUT)
+        self._timeout = timeout_seconds(timeout, DEFAULT_STORE_TIMEOUT)
 
     # -- public API, mirrors torch.distributed.Store ---------------------------------
     @property
@@ -58,7 +49,7 @@ class Store(abc.ABC):
         return datetime.timedelta(seconds=self._timeout)
 
     def set_timeout(self, timeout: float | datetime.timedelta) -> None:
-        self._timeout = as_seconds(timeout, self._timeout)
+        self._timeout = timeout_seconds(timeout, self._timeout)
 
     def set(self, key: str, value: str | bytes) -> None:
         self._set(_key(key), _value(value))
@@ -88,7 +79,7 @@ class Store(abc.ABC):
         if isinstance(keys, str):
             raise ArgumentError("wait takes a list of keys, got a single str")
         key_list = [_key(k) for k in keys]
-        seconds = as_seconds(timeout, self._timeout)
+        seconds = timeout_seconds(timeout, self._timeout, "wait: timeout")
         self._wait(key_list, time.monotonic() + seconds, seconds)
 
     def check(self, keys: Sequence[str]) -> bool:

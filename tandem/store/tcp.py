@@ -34,7 +34,7 @@ import weakref
 from typing import Sequence
 
 from tandem import _gate, _wire
-from tandem.config import load_secret
+from tandem.config import load_secret, timeout_seconds
 from tandem.errors import (
     ArgumentError,
     AuthenticationError,
@@ -236,6 +236,17 @@ class _Server:
             self._cond.wait(remaining)
 
 
+def _why_not(host: str, error: BaseException | None) -> str:
+    """What the last connection attempt met, in words a user can act on."""
+    if isinstance(error, socket.gaierror):
+        return (f"the host name {host!r} does not resolve ({error}); check MASTER_ADDR or "
+                f"the init_method URL")
+    if isinstance(error, ConnectionRefusedError):
+        return (f"nothing listens there ({error}); is rank 0 (the store's host) running, "
+                f"and MASTER_PORT right?")
+    return f"last attempt: {error}; is the address reachable from this host?"
+
+
 class _Client:
     """The connections of one TCPStore: one per concurrent caller, reused when idle.
 
@@ -243,9 +254,11 @@ class _Client:
     still ``set`` the key it waits for (one shared connection would deadlock them).
     """
 
-    def __init__(self, host: str, port: int, secret: bytes, timeout: float) -> None:
+    def __init__(self, host: str, port: int, secret: bytes, timeout: float,
+                 connect_timeout: float) -> None:
         self.where = f"{host}:{port}"
         self.timeout = timeout
+        self.connect_timeout = connect_timeout
         self._host, self._port, self._secret = host, port, secret
         self._lock = threading.Lock()  # guards the fields below
         self._idle: list[socket.socket] = []
@@ -255,17 +268,18 @@ class _Client:
         self._idle.append(self._open(first=True))
 
     def _open(self, first: bool = False) -> socket.socket:
-        # The first connect waits for the server to come up; later ones only run while
-        # it is known to be up, so a refusal soon means that it is gone.
-        limit = self.timeout if first else min(self.timeout, REPLY_GRACE)
+        # The first connect waits for the server to come up (and for its name to resolve:
+        # a host that starts late may not be in DNS yet); later ones only run while it is
+        # known to be up, so a refusal soon means that it is gone.
+        limit = self.connect_timeout if first else min(self.timeout, REPLY_GRACE)
         try:
             sock = _wire.connect(self._host, self._port, limit, "store")
         except NetworkError as exc:
             if not first:
                 raise StoreError(f"the store server at {self.where} stopped accepting") from exc
             raise StoreTimeoutError(
-                f"could not connect to the store at {self.where} within {limit:.1f}s"
-            ) from exc
+                f"could not connect to the store at {self.where} within {limit:.1f}s: "
+                f"{_why_not(self._host, exc.__cause__)}") from exc
         try:
             _wire.client_handshake(sock, self._secret, PURPOSE, f"the store at {self.where}")
         except AuthenticationError:
@@ -397,7 +411,9 @@ class TCPStore(Store):
     ``world_size``, every instance counts itself in and the master's constructor
     returns once ``world_size`` instances (itself included) have joined, or raises
     ``StoreTimeoutError`` after ``timeout``. ``close()`` (or ``with``) releases the
-    connections and, on the master, stops the server.
+    connections and, on the master, stops the server. ``connect_timeout`` (tandem's
+    addition; default ``timeout``) bounds reaching the server, name resolution included;
+    when it passes, the error names the address and what the last attempt met.
     """
 
     def __init__(
@@ -411,8 +427,10 @@ class TCPStore(Store):
         multi_tenant: bool = False,
         *,
         secret: bytes | str | None = None,
+        connect_timeout: float | datetime.timedelta | None = None,
     ) -> None:
         super().__init__(timeout)
+        connect = timeout_seconds(connect_timeout, self._timeout, "TCPStore: connect_timeout")
         if not isinstance(port, int) or not 0 <= port <= 65535 or (port == 0 and not is_master):
             raise ArgumentError(f"port must be 1..65535 (or 0 on the master), got {port!r}")
         if world_size == -1:
@@ -433,7 +451,8 @@ class TCPStore(Store):
         self._server = _acquire_server(host_name, port, key, multi_tenant) if is_master else None
         self.port: int = self._server.address[1] if self._server else port
         try:
-            self._client = _Client(_connect_host(host_name), self.port, key, self._timeout)
+            self._client = _Client(_connect_host(host_name), self.port, key, self._timeout,
+                                   connect)
         except BaseException:
             if self._server is not None:
                 _release_server(self._server)

@@ -90,11 +90,12 @@ class TcpTransport(BoundedSends, Transport):
     message still in flight on the other)."""
 
     def __init__(self, rank: int, world_size: int, store: Store, host: str, secret: bytes,
-                 connect_timeout: float, max_frame: int, hostname: str = "", *,
-                 advertise: str = "", park_limit: int = DEFAULT_PARK_LIMIT,
-                 send_limit: int = DEFAULT_SEND_LIMIT,
+                 connect_timeout: float, max_frame: int, hostname: str = "",
+                 debug: bool = False, *, advertise: str = "",
+                 park_limit: int = DEFAULT_PARK_LIMIT, send_limit: int = DEFAULT_SEND_LIMIT,
                  peers: Sequence[int] | None = None) -> None:
         self.rank = rank
+        self._debug_log = debug  # TANDEM_DEBUG, read once with the other settings
         self.world_size = world_size
         self.links = (set(range(world_size)) if peers is None else set(peers)) - {rank}
         if not self.links <= set(range(world_size)):
@@ -214,7 +215,7 @@ class TcpTransport(BoundedSends, Transport):
         sock.close()
 
     def _debug(self, message: str) -> None:
-        if os.environ.get("TANDEM_DEBUG", "0") not in ("", "0"):
+        if self._debug_log:
             print(f"[tandem rank {self.rank}] {message}", file=sys.stderr)
 
     # -- data path -------------------------------------------------------------------

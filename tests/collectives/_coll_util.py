@@ -18,6 +18,7 @@ DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int
           torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128]
 OPS = ["SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR"]
 ALGORITHMS = ["naive", "doubling", "ring"]
+LONELY_SIZE = 3  # the size of the ``lonely`` group of conftest; the test process is rank 1
 
 _COMBINE: dict[str, Callable[..., torch.Tensor]] = {
     # torch's own kernels, applied in rank order; on bool, add is "or" and mul is "and"

@@ -33,7 +33,7 @@ from tandem.collectives.algorithms.hierarchical import (
     host_layout,
 )
 from tandem.collectives.algorithms.naive import naive_all_reduce
-from tandem.collectives.algorithms.ring import even_bounds, ring, ring_all_reduce
+from tandem.collectives.algorithms.ring import even_bounds, ring, ring_all_reduce, segment_bounds
 from tandem.collectives.algorithms.shm import (
     shm_all_gather,
     shm_all_reduce,
@@ -53,6 +53,7 @@ __all__ = [
     "direct_scatter",
     "pairwise_all_to_all",
     "even_bounds",
+    "segment_bounds",
     "hierarchical_broadcast",
     "ring",
     "shm_all_gather",

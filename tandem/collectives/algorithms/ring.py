@@ -21,19 +21,24 @@ import torch
 from tandem.collectives.group import Op, as_bytes
 from tandem.collectives.reduce_op import ReduceOp, combine, finish
 
-__all__ = ["ring", "even_bounds", "ring_all_reduce"]
+__all__ = ["ring", "even_bounds", "segment_bounds", "ring_all_reduce"]
 
 Bounds = list[tuple[int, int]]
 
 
-def even_bounds(numel: int, parts: int) -> Bounds:
-    base, extra = divmod(numel, parts)
+def segment_bounds(sizes: list[int]) -> Bounds:
+    """``(start, end)`` of consecutive segments of ``sizes`` elements each."""
     out, start = [], 0
-    for i in range(parts):
-        end = start + base + (1 if i < extra else 0)
-        out.append((start, end))
-        start = end
+    for n in sizes:
+        out.append((start, start + n))
+        start += n
     return out
+
+
+def even_bounds(numel: int, parts: int) -> Bounds:
+    """``parts`` segments covering ``numel`` elements, the first ones one element longer."""
+    base, extra = divmod(numel, parts)
+    return segment_bounds([base + (1 if i < extra else 0) for i in range(parts)])
 
 
 def _chunks(bounds: tuple[int, int], chunk: int) -> list[tuple[int, int]]:

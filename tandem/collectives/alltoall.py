@@ -1,0 +1,96 @@
+"""all_to_all and all_to_all_single: every rank sends a piece to every rank.
+
+``all_to_all`` takes a list of tensors per rank (piece ``i`` goes to group rank ``i``);
+``all_to_all_single`` cuts one tensor into rows (``*_split_sizes`` rows per rank, even
+splits by default) and receives into one. Pieces move pairwise, straight into the
+output (see :func:`~tandem.collectives.algorithms.pairwise_all_to_all`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from tandem.collectives import algorithms as algo
+from tandem.collectives import api
+from tandem.collectives.checks import int_list, output_arg, tensor_arg, tensors_arg
+from tandem.collectives.group import Op
+from tandem.collectives.work import Work
+from tandem.collectives.world import AnyGroup, resolve_group
+from tandem.errors import ArgumentError
+
+__all__ = ["all_to_all", "all_to_all_single"]
+
+
+def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor],
+               group: AnyGroup | None = None, async_op: bool = False) -> Work | None:
+    g = resolve_group(group, "all_to_all")
+    if not input_tensor_list:
+        raise ArgumentError("all_to_all: input_tensor_list is empty")
+    dtype = tensor_arg(input_tensor_list[0], "all_to_all", "input_tensor_list[0]").dtype
+    ins = [t.contiguous() for t in
+           tensors_arg(input_tensor_list, "all_to_all", "input_tensor_list", g.group_size, dtype)]
+    outs = [api._Flat(t, load=False) for t in
+            tensors_arg(output_tensor_list, "all_to_all", "output_tensor_list", g.group_size, dtype,
+                        output=True)]
+    r = g.group_rank
+    if outs[r].flat.numel() != ins[r].numel():
+        raise ArgumentError(f"all_to_all: output_tensor_list[{r}] has {outs[r].flat.numel()} "
+                            f"elements, input_tensor_list[{r}] has {ins[r].numel()}")
+
+    def body(o: Op) -> None:
+        algo.pairwise_all_to_all(o, [f.flat for f in outs], [t.view(-1) for t in ins])
+        for f in outs:
+            f.done()
+
+    return api._launch(g, "all_to_all", api._sig("all_to_all", None, dtype=dtype), body, async_op,
+                   output_tensor_list)
+
+
+def _splits(t: torch.Tensor, sizes: Sequence[int] | None, p: int, name: str) -> list[int]:
+    rows = t.shape[0] if t.dim() > 0 else t.numel()
+    if sizes is None or len(sizes) == 0:
+        if rows % p:
+            raise ArgumentError(f"all_to_all_single: {name} has {rows} rows, not divisible by "
+                                f"{p} ranks; pass {name}_split_sizes")
+        return [rows // p] * p
+    sizes = int_list(sizes, "all_to_all_single", f"{name}_split_sizes")
+    if len(sizes) != p or sum(sizes) != rows or min(sizes) < 0:
+        raise ArgumentError(f"all_to_all_single: {name}_split_sizes={sizes} must be {p} "
+                            f"non-negative sizes adding up to {rows} rows")
+    return sizes
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
+                      output_split_sizes: Sequence[int] | None = None,
+                      input_split_sizes: Sequence[int] | None = None,
+                      group: AnyGroup | None = None, async_op: bool = False) -> Work | None:
+    g = resolve_group(group, "all_to_all_single")
+    output_arg(output, "all_to_all_single", "output")
+    tensor_arg(input, "all_to_all_single", "input")
+    if output.dtype != input.dtype:
+        raise ArgumentError(f"all_to_all_single: output is {output.dtype}, input {input.dtype}")
+    p = g.group_size
+    in_sizes = _splits(input, input_split_sizes, p, "input")
+    out_sizes = _splits(output, output_split_sizes, p, "output")
+    row_in, row_out = math.prod(input.shape[1:]), math.prod(output.shape[1:])
+    if row_in != row_out:
+        raise ArgumentError(
+            f"all_to_all_single: output has rows of {row_out} elements (shape "
+            f"{list(output.shape)}) but input has rows of {row_in} (shape {list(input.shape)}); "
+            f"rows move whole, so both need the same number of elements per row")
+    src = input.contiguous()
+    out = api._Flat(output, load=False)
+
+    def pieces(flat: torch.Tensor, sizes: list[int], row: int) -> list[torch.Tensor]:
+        return list(flat.split([s * row for s in sizes]))
+
+    def body(o: Op) -> None:
+        algo.pairwise_all_to_all(o, pieces(out.flat, out_sizes, row_out),
+                                 pieces(src.view(-1), in_sizes, row_in))
+        out.done()
+
+    return api._launch(g, "all_to_all_single", api._sig("all_to_all_single", None, dtype=input.dtype),
+                   body, async_op, [output])

@@ -1,0 +1,156 @@
+"""Argument checks shared by the public functions, run before any byte moves.
+
+Each raises :class:`~tandem.errors.ArgumentError` naming the function, the argument and
+what to pass instead. A check that were missing here would let one rank start a call
+its peers never join (they wait out their deadline), or fail half-way with a raw torch
+or struct error.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Sequence
+
+import torch
+
+from tandem.collectives.group import ProcessGroup
+from tandem.errors import ArgumentError
+
+__all__ = ["tensor_arg", "tensors_arg", "output_arg", "sizes_match", "root_rank", "tag_arg",
+           "int_list", "check_cpu_device", "refuse_pg_options", "TAG_MIN", "TAG_MAX"]
+
+# a p2p tag travels as a signed 32-bit field of the message header
+TAG_MIN, TAG_MAX = -(2 ** 31), 2 ** 31 - 1
+
+
+def tensor_arg(t: Any, what: str, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ArgumentError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ArgumentError(f"{what}: {name} is on {t.device}; tandem collectives take CPU tensors")
+    if t.layout != torch.strided:
+        raise ArgumentError(f"{what}: {name} has layout {t.layout}; only dense tensors are supported")
+    return t
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` are the same memory (e.g. made by ``expand``)."""
+    if t.is_contiguous() or t.numel() <= 1:
+        return False
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1)
+    reach = 0  # the largest offset the smaller strides reach
+    for stride, n in dims:
+        if stride == 0:
+            return True
+        if stride <= reach:
+            break  # interleaved dimensions: count the distinct offsets below
+        reach += stride * (n - 1)
+    else:
+        return False
+    offsets = torch.zeros((), dtype=torch.int64)
+    for n, stride in zip(t.shape, t.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * stride
+    return bool(offsets.reshape(-1).unique().numel() != t.numel())
+
+
+def output_arg(t: Any, what: str, name: str) -> torch.Tensor:
+    """A tensor the call writes into: its elements must be distinct memory."""
+    tensor_arg(t, what, name)
+    if _overlaps(t):
+        raise ArgumentError(
+            f"{what}: {name} (shape {list(t.shape)}, stride {list(t.stride())}) has elements "
+            f"that overlap in memory, e.g. made by expand(); results cannot be written into "
+            f"it: pass a tensor of its own (.clone())")
+    return t
+
+
+def tensors_arg(ts: Any, what: str, name: str, count: int, dtype: torch.dtype,
+                output: bool = False) -> list[torch.Tensor]:
+    if not isinstance(ts, (list, tuple)):
+        raise ArgumentError(f"{what}: {name} must be a list of tensors, got {type(ts).__name__}")
+    if len(ts) != count:
+        raise ArgumentError(f"{what}: {name} has {len(ts)} tensors; the group has {count} ranks")
+    check = output_arg if output else tensor_arg
+    out = [check(t, what, f"{name}[{i}]") for i, t in enumerate(ts)]
+    for i, t in enumerate(out):
+        if t.dtype != dtype:
+            raise ArgumentError(f"{what}: {name}[{i}] is {t.dtype}, expected {dtype}")
+    return out
+
+
+def sizes_match(ts: Sequence[torch.Tensor], what: str, name: str, numel: int) -> None:
+    for i, t in enumerate(ts):
+        if t.numel() != numel:
+            raise ArgumentError(f"{what}: {name}[{i}] has {t.numel()} elements, tensor has {numel}")
+
+
+def root_rank(g: ProcessGroup, what: str, rank: int | None, group_rank: int | None,
+              name: str) -> int:
+    """Group rank of a root given as a global rank (torch) or a group rank, not both."""
+    if rank is not None and group_rank is not None:
+        raise ArgumentError(f"{what}: pass {name}={rank} or group_{name}={group_rank}, not both")
+    if group_rank is not None:
+        if not isinstance(group_rank, int) or not 0 <= group_rank < g.group_size:
+            raise ArgumentError(f"{what}: group_{name}={group_rank!r} is outside "
+                                f"[0, {g.group_size})")
+        return group_rank
+    rank = 0 if rank is None else rank
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank not in g.ranks:
+        raise ArgumentError(f"{what}: {name}={rank!r} is not a member of group "
+                            f"'{g.group_name}' (global ranks {g.ranks})")
+    return g.ranks.index(rank)
+
+
+def _as_int(value: Any) -> int | None:
+    """``value`` as an int if it is an integer (numpy's and torch's too), else None."""
+    if isinstance(value, bool):
+        return None  # True is an int to Python, but never a rank, a size or a tag
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def tag_arg(tag: Any, what: str) -> int:
+    value = _as_int(tag)
+    if value is None:
+        raise ArgumentError(f"{what}: tag must be an int, got {type(tag).__name__} {tag!r}")
+    tag = value
+    if not TAG_MIN <= tag <= TAG_MAX:
+        raise ArgumentError(f"{what}: tag={tag} does not fit in 32 bits; use a tag in "
+                            f"[{TAG_MIN}, {TAG_MAX}]")
+    return tag
+
+
+def int_list(values: Any, what: str, name: str) -> list[int]:
+    """Integers (numpy's and torch's too, not bools, floats or strings) as a list of ints,
+    for ranks and split sizes."""
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
+        raise ArgumentError(f"{what}: {name} must be a list of ints, got {type(values).__name__}")
+    values = list(values)
+    out = [_as_int(v) for v in values]
+    bad = [v for v, n in zip(values, out) if n is None]
+    if bad:
+        raise ArgumentError(f"{what}: {name} must be ints, got {bad[0]!r} "
+                            f"({type(bad[0]).__name__}) in {list(values)}")
+    return [n for n in out if n is not None]
+
+
+def check_cpu_device(what: str, name: str, device: object) -> None:
+    """Refuse a device other than the CPU: tandem moves CPU tensors only."""
+    if device is None:
+        return
+    try:
+        kind = torch.device(device).type  # type: ignore[call-overload]
+    except (RuntimeError, TypeError) as exc:
+        raise ArgumentError(f"{what}: {name}={device!r} is not a device") from exc
+    if kind != "cpu":
+        raise ArgumentError(f"{what}: {name}={device!r}: tandem moves CPU tensors only; pass "
+                            f"None or 'cpu'")
+
+
+def refuse_pg_options(what: str, pg_options: object) -> None:
+    if pg_options is not None:
+        raise ArgumentError(f"{what}: pg_options is not supported (tandem backends take no "
+                            f"options objects); configure tandem with the TANDEM_* variables "
+                            f"of tandem.config")
