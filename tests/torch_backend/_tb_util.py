@@ -52,14 +52,25 @@ def values(outcomes: list[Outcome]) -> list[Any]:
 
 
 def checked(cases: dict[str, Callable[[], Any]]) -> dict[str, Any]:
-    """Run each case; its result, or ``{"error": traceback}`` (one failure spoils no other)."""
+    """Run each case, then leave torch.distributed; per case its result, or
+    ``{"error": traceback}`` (one failure spoils no other)."""
     out: dict[str, Any] = {}
-    for name, case in cases.items():
-        try:
-            out[name] = case()
-        except Exception:  # noqa: BLE001 - reported per case to the test
-            out[name] = {"error": traceback.format_exc()}
+    try:
+        for name, case in cases.items():
+            try:
+                out[name] = case()
+            except Exception:  # noqa: BLE001 - reported per case to the test
+                out[name] = {"error": traceback.format_exc()}
+    finally:
+        dist.destroy_process_group()
     return out
+
+
+def results_on(world: int, fn: Callable[..., Any], tmp: Any, timeout: float,
+               *args: Any) -> list[Any]:
+    """Every rank's value of ``fn(rank, world, store_dir, *args)``; ``tmp`` is pytest's
+    ``tmp_path_factory``."""
+    return values(run(world, fn, tmp.mktemp("tb"), *args, timeout=timeout))
 
 
 def attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from _tb_util import checked, init, run, same, values
+from _tb_util import checked, init, results_on, same
 
 R = dist.ReduceOp
 Case = Callable[[Any, int, int], Any]  # (group, rank, world) -> outputs to compare
@@ -275,15 +275,12 @@ def compare(rank: int, world: int, store_dir: str) -> dict[str, Any]:
     cases["subgroups"] = lambda: {"same": _subgroups(rank, world) is None}
     cases["mixed_dtypes_coalesced"] = lambda: {"same": _mixed_dtypes_coalesced(rank, world)
                                                is None}
-    try:
-        return checked(cases)
-    finally:
-        dist.destroy_process_group()
+    return checked(cases)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"{w}ranks")
 def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return values(run(request.param, compare, tmp_path_factory.mktemp("tb"), timeout=150))
+    return results_on(request.param, compare, tmp_path_factory, 150)
 
 
 @pytest.mark.timeout(180)

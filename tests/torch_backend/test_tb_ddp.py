@@ -28,7 +28,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _tb_util import checked, init, run, values
+from _tb_util import checked, init, results_on
 
 STEPS = 10
 BATCH = 8
@@ -142,15 +142,12 @@ def compare(rank: int, world: int, store_dir: str) -> dict[str, Any]:
     cases["zero_redundancy_optimizer"] = lambda: _zero(rank, world, gloo)
     if world == 2:  # with three ranks a joined rank adds a third contribution
         cases["join_uneven_inputs"] = lambda: _join(rank, world, gloo)
-    try:
-        return checked(cases)
-    finally:
-        dist.destroy_process_group()
+    return checked(cases)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"{w}ranks")
 def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return values(run(request.param, compare, tmp_path_factory.mktemp("ddp"), timeout=170))
+    return results_on(request.param, compare, tmp_path_factory, 170)
 
 
 @pytest.mark.timeout(200)
