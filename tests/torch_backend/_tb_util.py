@@ -29,11 +29,12 @@ def env() -> dict[str, str]:
 
 
 def init(rank: int, world: int, store_dir: str, backend: str = "tandem",
-         timeout: float = 60.0, **kwargs: Any) -> None:
-    """Join torch.distributed with ``backend`` (tandem's backend registered first)."""
+         timeout: float = 60.0, store: str = "store", **kwargs: Any) -> None:
+    """Join torch.distributed with ``backend`` (tandem's backend registered first);
+    ``store`` names the rendezvous file in ``store_dir`` (a new one for each job)."""
     import tandem.torch_backend  # noqa: F401 - registers "tandem"
 
-    dist.init_process_group(backend, init_method=f"file://{store_dir}/store", rank=rank,
+    dist.init_process_group(backend, init_method=f"file://{store_dir}/{store}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=timeout),
                             **kwargs)
 
