@@ -23,6 +23,10 @@ _OPS: dict[str, ReduceOp] = {
     "MIN": ReduceOp.MIN, "MAX": ReduceOp.MAX, "BAND": ReduceOp.BAND, "BOR": ReduceOp.BOR,
     "BXOR": ReduceOp.BXOR, "PREMUL_SUM": ReduceOp.SUM,
 }
+# looked up by the enum's integer value: the enum's .name costs microseconds per call
+_RED_OP_TYPE = dist.ReduceOp.RedOpType
+_BY_VALUE = {v.value: (_OPS[n], n == "PREMUL_SUM") for n, v in _RED_OP_TYPE.__members__.items()
+             if n in _OPS}
 
 _ACCELERATOR_HINT = ("the 'tandem' torch backend moves CPU tensors; copy the tensor to the CPU, "
                      "or run accelerator collectives on a group of their own backend, e.g. "
@@ -32,10 +36,11 @@ _ACCELERATOR_HINT = ("the 'tandem' torch backend moves CPU tensors; copy the ten
 def reduce_op(op: Any, what: str) -> tuple[ReduceOp, float | torch.Tensor | None]:
     """tandem's reduce op for torch's ``op``, and PREMUL_SUM's factor (None otherwise)."""
     kind = getattr(op, "op", op)  # a ReduceOp carries its RedOpType in .op
-    mapped = _OPS.get(getattr(kind, "name", ""))
-    if mapped is None or not isinstance(kind, dist.ReduceOp.RedOpType):
+    found = _BY_VALUE.get(kind.value) if isinstance(kind, _RED_OP_TYPE) else None
+    if found is None:
         raise ArgumentError(f"{what}: reduce op {op!r} is not one of torch's ReduceOp values")
-    if kind.name != "PREMUL_SUM":
+    mapped, premul = found
+    if not premul:
         return mapped, None
     factor = op.factor
     if isinstance(factor, torch.Tensor) and (factor.numel() != 1 or factor.device.type != "cpu"):
@@ -56,12 +61,16 @@ def premultiplied(t: torch.Tensor, factor: float | torch.Tensor | None,
 
 def cpu_tensors(tensors: Sequence[Any], what: str, name: str) -> None:
     for i, t in enumerate(tensors):
-        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+        if isinstance(t, torch.Tensor) and not t.is_cpu:
             raise ArgumentError(f"{what}: {name}[{i}] is on {t.device}; {_ACCELERATOR_HINT}")
 
 
 def one_tensor(tensors: Any, what: str, name: str = "tensors") -> torch.Tensor:
     """The single tensor of torch's one-tensor-per-process list."""
+    if type(tensors) is list and len(tensors) == 1:  # what torch passes: the fast path
+        t = tensors[0]
+        if isinstance(t, torch.Tensor) and t.is_cpu:
+            return t
     if isinstance(tensors, torch.Tensor):
         tensors = [tensors]
     if not isinstance(tensors, (list, tuple)) or len(tensors) != 1:

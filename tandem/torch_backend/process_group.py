@@ -25,7 +25,7 @@ from tandem.collectives.group import ProcessGroup
 from tandem.collectives.work import Work
 from tandem.errors import ArgumentError, CollectiveTimeoutError, StateError, TandemError
 from tandem.torch_backend._collectives import Collectives
-from tandem.torch_backend._errors import translated
+from tandem.torch_backend._errors import translate, translated
 from tandem.torch_backend._fabric import Fabric
 from tandem.torch_backend._options import one_tensor
 from tandem.torch_backend._work import TorchWork, seconds_or_none
@@ -141,7 +141,13 @@ class TandemProcessGroup(Collectives, dist.ProcessGroup):  # type: ignore[misc]
         """
         timeout = seconds_or_none(opts.timeout)
         queued = bool(opts.asyncOp) or timeout is not None or self._coalesced is not None
-        issued = translated(lambda: launch(queued), self._to_global)
+        try:
+            issued = launch(queued)
+        except TandemError as exc:
+            error = translate(exc, self._to_global)
+            if error is exc:
+                raise
+            raise error from exc
         if not queued:
             return TorchWork((), result)
         works = [w for w in (issued if isinstance(issued, list) else [issued]) if w is not None]

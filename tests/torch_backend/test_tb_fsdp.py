@@ -24,6 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn import functional as F
 
+from tandem.bench.torch_backend import TinyTransformer
+
 from _tb_util import checked, init, results_on
 
 STEPS = 10
@@ -31,25 +33,9 @@ TOLERANCE = 1e-6
 VOCAB, WIDTH, SEQ, BATCH = 64, 32, 8, 4
 
 
-class TinyTransformer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(WIDTH, 4, 64, dropout=0.0, batch_first=True)
-            for _ in range(2))
-        self.out = nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.out(h)
-
-
 def _sharded(mesh: DeviceMesh, seed: int = 5) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = TinyTransformer()
+    model = TinyTransformer(VOCAB, WIDTH, layers=2)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
