@@ -258,6 +258,10 @@ def _subgroups(rank: int, world: int) -> Any:
     dist.all_reduce(u, group=mine)
     assert same(u, sum(_x(r) for r in members)), (u, members)
     assert dist.get_backend(mine) == "tandem" and dist.get_world_size(mine) == len(members)
+    alone, _ = dist.new_subgroups(group_size=1)
+    v = _x(rank)
+    dist.all_reduce(v, group=alone)
+    assert same(v, _x(rank)) and dist.get_world_size(alone) == 1
 
 
 def compare(rank: int, world: int, store_dir: str) -> dict[str, Any]:

@@ -47,6 +47,12 @@ def test_a_one_rank_job_runs_with_torchs_identity_calls() -> None:
         objects: list[Any] = [None]
         dist.all_gather_object(objects, {"a": 1})
         assert objects == [{"a": 1}]
+        a, b = torch.ones(2), torch.ones(3)
+        with dist._coalescing_manager(device=torch.device("cpu"), async_ops=True) as cm:
+            dist.all_reduce(a)  # torch's coalescing with a device: one handle for the calls
+            dist.all_reduce(b)
+        cm.wait()
+        assert torch.equal(a, torch.ones(2)) and torch.equal(b, torch.ones(3))
     finally:
         dist.destroy_process_group()
 
