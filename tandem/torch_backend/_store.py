@@ -37,8 +37,9 @@ class TorchStore(Store):
         except (RuntimeError, OSError) as exc:  # torch's DistStoreError is a RuntimeError
             raise StoreError(f"torch store {what} failed: {exc}") from exc
 
-    def _set(self, key: str, value: bytes) -> None:  # torch's stub says str; bytes work
-        self._call(f"set {key!r}", lambda: self.torch_store.set(key, value))  # type: ignore[arg-type]
+    def _set(self, key: str, value: bytes) -> None:
+        put = self.torch_store.set  # torch's stub says str; its binding takes bytes as well
+        self._call(f"set {key!r}", lambda: put(key, value))  # type: ignore[arg-type]
 
     def _get(self, key: str, deadline: float, seconds: float) -> bytes:
         self._wait([key], deadline, seconds)

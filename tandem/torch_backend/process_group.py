@@ -102,8 +102,8 @@ class TandemProcessGroup(Collectives, dist.ProcessGroup):  # type: ignore[misc]
 
     def abort(self) -> None:
         """Fail every pending and later call of this group, here and on every member."""
-        self._group.abort(StateError(f"process group '{self._name}' was aborted on rank "
-                                     f"{self._fabric.global_rank(self._group.ranks[self._group.group_rank])}"))
+        me = self._fabric.global_rank(self._group.ranks[self._group.group_rank])
+        self._group.abort(StateError(f"process group '{self._name}' was aborted on rank {me}"))
         self.shutdown()
 
     # -- one call --------------------------------------------------------------------------
@@ -141,7 +141,7 @@ class TandemProcessGroup(Collectives, dist.ProcessGroup):  # type: ignore[misc]
         """
         timeout = seconds_or_none(opts.timeout)
         queued = bool(opts.asyncOp) or timeout is not None or self._coalesced is not None
-        try:
+        try:  # translated() inlined: this is every call's path
             issued = launch(queued)
         except TandemError as exc:
             error = translate(exc, self._to_global)

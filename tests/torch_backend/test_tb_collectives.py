@@ -252,7 +252,8 @@ def _subgroups(rank: int, world: int) -> Any:
     t = _x(rank)
     if rank in (0, world - 1):
         dist.all_reduce(t, group=pair)
-        assert same(t, _x(0) + _x(world - 1)) and dist.get_process_group_ranks(pair) == [0, world - 1]
+        assert same(t, _x(0) + _x(world - 1))
+        assert dist.get_process_group_ranks(pair) == [0, world - 1]
     members = [0, 1] if rank < 2 else list(range(2, world))
     u = _x(rank)
     dist.all_reduce(u, group=mine)
