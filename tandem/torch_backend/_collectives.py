@@ -18,15 +18,11 @@ import torch.distributed.distributed_c10d as c10d
 
 from tandem.collectives import api
 from tandem.collectives.group import ProcessGroup
-from tandem.collectives.work import Work
 from tandem.errors import ArgumentError
 from tandem.torch_backend._options import (cpu_tensors, one_tensor, premultiplied, reduce_op,
                                            root_tensor_zero)
 
 __all__ = ["Collectives"]
-
-Launch = Callable[[bool], "Work | None | list[Work | None]"]
-
 
 def _pairs(outputs: Sequence[Any], inputs: Sequence[Any], what: str) -> None:
     if len(outputs) != len(inputs):
@@ -48,14 +44,14 @@ class Collectives:
 
     _call: Callable[..., dist.Work]
 
-    def _tandem(self, what: str) -> ProcessGroup:
-        raise NotImplementedError  # provided by the process group
+    def _usable(self) -> ProcessGroup:
+        raise NotImplementedError  # the process group's tandem group, checked on first use
 
     # -- all-reduce family -------------------------------------------------------------
     def allreduce(self, tensors: Sequence[torch.Tensor],
                   opts: c10d.AllreduceOptions | None = None) -> dist.Work:
         opts = opts or c10d.AllreduceOptions()
-        g = self._tandem("allreduce")
+        g = self._usable()
         t = one_tensor(tensors, "allreduce")
         op, factor = reduce_op(opts.reduceOp, "allreduce")
         premultiplied(t, factor, in_place=True)
@@ -64,7 +60,7 @@ class Collectives:
     def allreduce_coalesced(self, tensors: Sequence[torch.Tensor],
                             opts: c10d.AllreduceCoalescedOptions | None = None) -> dist.Work:
         opts = opts or c10d.AllreduceCoalescedOptions()
-        g = self._tandem("allreduce_coalesced")
+        g = self._usable()
         cpu_tensors(tensors, "allreduce_coalesced", "tensors")
         op, factor = reduce_op(opts.reduceOp, "allreduce_coalesced")
         for t in tensors:
@@ -77,7 +73,7 @@ class Collectives:
     def reduce(self, tensors: Sequence[torch.Tensor],
                opts: c10d.ReduceOptions | None = None) -> dist.Work:
         opts = opts or c10d.ReduceOptions()
-        g = self._tandem("reduce")
+        g = self._usable()
         t = one_tensor(tensors, "reduce")
         root_tensor_zero(opts, "reduce")
         op, factor = reduce_op(opts.reduceOp, "reduce")
@@ -90,7 +86,7 @@ class Collectives:
                        input_tensors: Sequence[Sequence[torch.Tensor]],
                        opts: c10d.ReduceScatterOptions | None = None) -> dist.Work:
         opts = opts or c10d.ReduceScatterOptions()
-        g = self._tandem("reduce_scatter")
+        g = self._usable()
         out = one_tensor(output_tensors, "reduce_scatter", "output_tensors")
         if len(input_tensors) != 1:
             raise ArgumentError(f"reduce_scatter: input_tensors must hold one list of tensors, "
@@ -112,7 +108,7 @@ class Collectives:
                                         opts: c10d.ReduceScatterOptions | None = None
                                         ) -> dist.Work:
         opts = opts or c10d.ReduceScatterOptions()
-        g = self._tandem("reduce_scatter_tensor")
+        g = self._usable()
         _pairs(outputs, inputs, "reduce_scatter_tensor")
         op, factor = reduce_op(opts.reduceOp, "reduce_scatter_tensor")
         pairs = [(o, premultiplied(i, factor, in_place=False)) for o, i in zip(outputs, inputs)]
@@ -126,7 +122,7 @@ class Collectives:
     def broadcast(self, tensors: Sequence[torch.Tensor],
                   opts: c10d.BroadcastOptions | None = None) -> dist.Work:
         opts = opts or c10d.BroadcastOptions()
-        g = self._tandem("broadcast")
+        g = self._usable()
         t = one_tensor(tensors, "broadcast")
         root_tensor_zero(opts, "broadcast")
         root = opts.rootRank
@@ -142,7 +138,7 @@ class Collectives:
                             input_tensors: Sequence[torch.Tensor],
                             opts: c10d.AllgatherOptions | None = None) -> dist.Work:
         opts = opts or c10d.AllgatherOptions()
-        g = self._tandem("allgather")
+        g = self._usable()
         _pairs(output_lists, input_tensors, "allgather")
         for outs in output_lists:
             cpu_tensors(outs, "allgather", "output_tensors")
@@ -161,7 +157,7 @@ class Collectives:
                                     inputs: Sequence[torch.Tensor],
                                     opts: c10d.AllgatherOptions | None = None) -> dist.Work:
         opts = opts or c10d.AllgatherOptions()
-        g = self._tandem("all_gather_into_tensor")
+        g = self._usable()
         _pairs(outputs, inputs, "all_gather_into_tensor")
         pairs = list(zip(outputs, inputs))
         return self._call("all_gather_into_tensor", opts,
@@ -174,7 +170,7 @@ class Collectives:
                input_tensors: Sequence[torch.Tensor],
                opts: c10d.GatherOptions | None = None) -> dist.Work:
         opts = opts or c10d.GatherOptions()
-        g = self._tandem("gather")
+        g = self._usable()
         t = one_tensor(input_tensors, "gather", "input_tensors")
         root = opts.rootRank
         outs = _at_root(g, root, output_tensors, "gather", "output_tensors")
@@ -186,7 +182,7 @@ class Collectives:
                 input_tensors: Sequence[Sequence[torch.Tensor]],
                 opts: c10d.ScatterOptions | None = None) -> dist.Work:
         opts = opts or c10d.ScatterOptions()
-        g = self._tandem("scatter")
+        g = self._usable()
         t = one_tensor(output_tensors, "scatter", "output_tensors")
         root = opts.rootRank
         ins = _at_root(g, root, input_tensors, "scatter", "input_tensors")
@@ -198,7 +194,7 @@ class Collectives:
                  input_tensors: Sequence[torch.Tensor],
                  opts: c10d.AllToAllOptions | None = None) -> dist.Work:
         opts = opts or c10d.AllToAllOptions()
-        g = self._tandem("alltoall")
+        g = self._usable()
         cpu_tensors(output_tensors, "alltoall", "output_tensors")
         cpu_tensors(input_tensors, "alltoall", "input_tensors")
         outs, ins = list(output_tensors), list(input_tensors)
@@ -209,7 +205,7 @@ class Collectives:
                           input_split_sizes: Sequence[int] | None,
                           opts: c10d.AllToAllOptions | None = None) -> dist.Work:
         opts = opts or c10d.AllToAllOptions()
-        g = self._tandem("all_to_all_single")
+        g = self._usable()
         cpu_tensors([output, input], "all_to_all_single", "tensors")
         return self._call("all_to_all_single", opts,
                           lambda a: api.all_to_all_single(output, input, output_split_sizes,

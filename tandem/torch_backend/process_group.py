@@ -107,7 +107,8 @@ class TandemProcessGroup(Collectives, dist.ProcessGroup):  # type: ignore[misc]
         self.shutdown()
 
     # -- one call --------------------------------------------------------------------------
-    def _tandem(self, what: str) -> ProcessGroup:
+    def _usable(self) -> ProcessGroup:
+        """The tandem group, once this group's backend configuration has been checked."""
         if not self._config_checked:
             self._check_config()
         return self._group
@@ -184,7 +185,7 @@ class TandemProcessGroup(Collectives, dist.ProcessGroup):  # type: ignore[misc]
     def barrier(self, opts: c10d.BarrierOptions | None = None  # type: ignore[override]
                 ) -> dist.Work:
         opts = opts or c10d.BarrierOptions()
-        g = self._tandem("barrier")
+        g = self._usable()
         if opts.device_ids:
             raise ArgumentError(f"barrier: device_ids={list(opts.device_ids)} select GPUs; the "
                                 f"'tandem' backend synchronises CPU processes, drop device_ids")
@@ -196,25 +197,25 @@ class TandemProcessGroup(Collectives, dist.ProcessGroup):  # type: ignore[misc]
     def monitored_barrier(self, timeout: datetime.timedelta | None = None,
                           wait_all_ranks: bool = False) -> None:
         """A barrier whose rank 0 names the ranks that did not arrive within ``timeout``."""
-        g = self._tandem("monitored_barrier")
+        g = self._usable()
         seconds = seconds_or_none(timeout)
         translated(lambda: api.monitored_barrier(g, seconds, wait_all_ranks), self._to_global)
 
     # -- point-to-point ------------------------------------------------------------------------
     def send(self, tensors: Sequence[torch.Tensor], dstRank: int, tag: int) -> dist.Work:
-        g = self._tandem("send")
+        g = self._usable()
         t = one_tensor(tensors, "send")
         work = translated(lambda: p2p.isend(t, None, g, tag, group_dst=dstRank), self._to_global)
         return TorchWork([work], [t], self._to_global)
 
     def recv(self, tensors: Sequence[torch.Tensor], srcRank: int, tag: int) -> dist.Work:
-        g = self._tandem("recv")
+        g = self._usable()
         t = one_tensor(tensors, "recv")
         work = translated(lambda: p2p.irecv(t, None, g, tag, group_src=srcRank), self._to_global)
         return TorchWork([work], [t], self._to_global)
 
     def recv_anysource(self, tensors: Sequence[torch.Tensor], tag: int) -> dist.Work:
-        g = self._tandem("recv_anysource")
+        g = self._usable()
         t = one_tensor(tensors, "recv_anysource")
         work = translated(lambda: p2p.irecv(t, None, g, tag), self._to_global)
         return TorchWork([work], [t], self._to_global)
