@@ -179,8 +179,10 @@ class ProcessGroup:
     def _engine_loop(self) -> None:
         while True:
             with self._cv:
-                while not self._queue or self._busy:
+                while (not self._queue or self._busy) and not self._closed:
                     self._cv.wait()
+                if not self._queue:
+                    return  # closed, and nothing left to run: the thread goes with its group
                 op, fn, work = self._queue.popleft()
                 self._busy = True
             try:
@@ -278,7 +280,10 @@ class ProcessGroup:
 
     # -- lifetime --------------------------------------------------------------------
     def close(self) -> None:
-        self._closed = True
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self.completions.close()
 
 
 class NonMemberGroup:

@@ -34,11 +34,29 @@ class Completions:
                 self._thread = threading.Thread(target=self._loop, daemon=True,
                                                 name="tandem-futures")
                 self._thread.start()
-        self._queue.put(fn)
+            self._queue.put(fn)
+
+    def close(self) -> None:
+        """Stop the thread once every callback submitted, before or after, has run."""
+        with self._lock:
+            if self._thread is not None:
+                self._queue.put(_STOP)
 
     def _loop(self) -> None:
         while True:
-            self._queue.get()()
+            fn = self._queue.get()
+            if fn is _STOP:
+                with self._lock:
+                    if self._queue.empty():
+                        self._thread = None  # a later submit starts a new one
+                        return
+                    self._queue.put(_STOP)  # callbacks came in after close: run them first
+                continue
+            fn()
+
+
+def _STOP() -> None:
+    """The sentinel that ends a Completions thread."""
 
 
 

@@ -42,6 +42,8 @@ def _shared_transport(rank: int, world: int) -> Any:
     pair = dist.new_group([0, 2])
     tcp = dist.new_group([0, 1, 2], pg_options=Options(transport="tcp"))
     out = {"world": _sum_of_ranks(), "tcp": _sum_of_ranks(tcp)}
+    for group in [None, tcp] + ([pair] if rank in (0, 2) else []):  # engines, future threads
+        dist.all_reduce(torch.ones(1), group=group, async_op=True).get_future().wait()
     if rank in (0, 2):
         out["pair"] = _sum_of_ranks(pair)
         out["pair_shares_world_transport"] = (pair.tandem_group.transport is
@@ -52,9 +54,10 @@ def _shared_transport(rank: int, world: int) -> Any:
     return out
 
 
-def _transport_threads() -> list[str]:
-    """tandem's connection threads still running, after a grace period to finish."""
-    prefixes = ("tandem-read", "tandem-write", "tandem-accept", "tandem-shm")
+def _tandem_threads() -> list[str]:
+    """tandem's threads still running, after a grace period to finish."""
+    prefixes = ("tandem-read", "tandem-write", "tandem-accept", "tandem-shm", "tandem-engine",
+                "tandem-futures")
     deadline = time.monotonic() + 3.0
     while True:
         alive = [t.name for t in threading.enumerate() if t.name.startswith(prefixes)]
@@ -67,7 +70,7 @@ def _rejoin(rank: int, world: int, store_dir: str) -> Any:
     from tandem.torch_backend import _fabric
 
     dist.destroy_process_group()
-    closed = {"fabrics": len(_fabric._fabrics), "threads": _transport_threads()}
+    closed = {"fabrics": len(_fabric._fabrics), "threads": _tandem_threads()}
     init(rank, world, store_dir, store="again")
     return {"closed": closed, "sum_after_rejoin": _sum_of_ranks()}
 
