@@ -152,7 +152,7 @@ def _trainers(model: nn.Module, wrap: Callable[[nn.Module], nn.Module], data: An
 
 
 def _steps_part(part: str, gloo: Any, rank: int, world: int, warmup: int, steps: int,
-                rounds: int) -> list[dict[str, Any]]:
+                rounds: int, small: bool) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
     if part == "ddp":
@@ -160,11 +160,12 @@ def _steps_part(part: str, gloo: Any, rank: int, world: int, warmup: int, steps:
 
         from tandem.bench.ddp import build
 
-        model, x, y = build("mlp")
+        model, x, y = build("cnn" if small else "mlp")
         wraps: dict[str, Callable[[nn.Module], nn.Module]] = {
             "tandem": lambda m: DDP(m), "gloo": lambda m: DDP(m, process_group=gloo)}
         data: Any = (x, y)
-        what = f"mlp, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params"
+        params = sum(p.numel() for p in model.parameters())
+        what = f"{'cnn' if small else 'mlp'}, {params / 1e6:.1f} M params"
 
         def loss(m: nn.Module, d: Any) -> torch.Tensor:
             return F.mse_loss(m(d[0]), d[1])
@@ -176,7 +177,7 @@ def _steps_part(part: str, gloo: Any, rank: int, world: int, warmup: int, steps:
         from torch.distributed.fsdp import fully_shard
 
         torch.manual_seed(0)
-        model = TinyTransformer()
+        model = TinyTransformer(width=64, layers=1) if small else TinyTransformer()
         meshes = {"tandem": init_device_mesh("cpu", (world,)),
                   "gloo": DeviceMesh.from_group(gloo, "cpu")}
 
@@ -211,7 +212,8 @@ def _steps_part(part: str, gloo: Any, rank: int, world: int, warmup: int, steps:
 
 
 def _rank_main(rank: int, world: int, tmp: str, parts: Sequence[str], sizes: Sequence[int],
-               rounds: int, round_s: float, warmup: int, steps: int) -> list[dict[str, Any]]:
+               rounds: int, round_s: float, warmup: int, steps: int,
+               small: bool) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -226,7 +228,7 @@ def _rank_main(rank: int, world: int, tmp: str, parts: Sequence[str], sizes: Seq
             rows += _all_reduce_part(gloo, rank, world, sizes, rounds, round_s)
         for part in ("ddp", "fsdp"):
             if part in parts:
-                rows += _steps_part(part, gloo, rank, world, warmup, steps, rounds)
+                rows += _steps_part(part, gloo, rank, world, warmup, steps, rounds, small)
         return rows
     finally:
         dist.destroy_process_group()
@@ -267,15 +269,20 @@ def layer_cost_seconds(numel: int = 1024, number: int = 2000, repeat: int = 15) 
 
 
 def run(world: int, parts: Sequence[str], sizes: Sequence[int], *, rounds: int = 7,
-        round_s: float = 0.07, warmup: int = 2, steps: int = 5,
+        round_s: float = 0.07, warmup: int = 2, steps: int = 5, small: bool = False,
         timeout: float = 900.0) -> list[dict[str, Any]]:
-    """One row per (part, size or model): each contender's best seconds per op or step."""
+    """One row per (part, size or model): each contender's best seconds per op or step.
+
+    ``small`` swaps the models for tiny ones (the CNN of the ddp benchmark, a one-layer
+    transformer): a smoke run of the code, not a measurement.
+    """
     from tandem.testing import spawn
 
     env = {"GLOO_SOCKET_IFNAME": "lo"} if any(
         name == "lo" for _, name in socket.if_nameindex()) else {}
     with tempfile.TemporaryDirectory(prefix="tandem-bench-torch-") as tmp:
-        per_rank = spawn(world, _rank_main, (tmp, parts, sizes, rounds, round_s, warmup, steps),
+        per_rank = spawn(world, _rank_main,
+                         (tmp, parts, sizes, rounds, round_s, warmup, steps, small),
                          init=False, timeout=timeout, env=env)
     rows = []
     for i, row in enumerate(per_rank[0]):
@@ -333,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="deadline, seconds")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 4 KB, 2 short rounds, 1 step per round")
+                        help="smoke run: 4 KB, tiny models, 2 short rounds, 1 step per round")
     args = parser.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(parts) - set(PARTS))
@@ -347,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sizes, rounds, round_s, warmup, steps = [4 << 10], 2, 0.02, 1, 1
     start = time.monotonic()
     rows = run(args.world_size, parts, sizes, rounds=rounds, round_s=round_s, warmup=warmup,
-               steps=steps, timeout=args.timeout)
+               steps=steps, small=args.quick, timeout=args.timeout)
     print(f"machine: {machine()}")
     print(f"torch.distributed with backend 'tandem' vs 'gloo', {args.world_size} ranks on one "
           f"host, 1 thread/rank; best of {rounds} rounds; speed-up = gloo/tandem time; torch "
