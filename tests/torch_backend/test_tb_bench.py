@@ -17,11 +17,13 @@ from tandem.bench import torch_backend as bench
 
 def test_table_shows_speed_up_and_the_torch_layers_cost() -> None:
     rows = [{"part": "all_reduce", "what": "4 KB", "world": 2,
-             "best": {"tandem": 110e-6, "gloo": 440e-6, "tandem direct": 100e-6}},
-            {"part": "ddp", "what": "mlp", "world": 2, "best": {"tandem": 0.05, "gloo": 0.1}}]
+             "wall": {"tandem": 110e-6, "gloo": 440e-6, "tandem direct": 100e-6},
+             "cpu": {"tandem": 84e-6, "gloo": 300e-6, "tandem direct": 80e-6}},
+            {"part": "ddp", "what": "mlp", "world": 2, "wall": {"tandem": 0.05, "gloo": 0.1},
+             "cpu": {"tandem": 0.04, "gloo": 0.09}}]
     lines = bench.format_table(rows).splitlines()
     assert lines[0].split()[:3] == ["ranks", "measure", "size"]
-    assert "4.00" in lines[1] and "+10.0%" in lines[1], lines[1]
+    assert "4.00" in lines[1] and "+10.0% (CPU +5.0%)" in lines[1], lines[1]
     assert "2.00" in lines[2] and lines[2].rstrip().endswith("-"), lines[2]
     assert bench.format_table(rows, markdown=True).startswith("| ranks | measure |")
 
