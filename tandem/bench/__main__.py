@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "ddp": "tandem.bench.ddp",
     "signature": "tandem.bench.signature",
     "startup": "tandem.bench.startup",
+    "torch-backend": "tandem.bench.torch_backend",
 }
 
 

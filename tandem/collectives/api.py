@@ -34,19 +34,22 @@ __all__ = [
 ]
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# torch's frames are skipped as well: under tandem's torch backend (and in autograd hooks)
+# torch.distributed, DDP or the autograd engine sit between the user's line and tandem
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
-_INSIDE: dict[str, bool] = {}  # file name -> part of the tandem package
+_INSIDE: dict[str, bool] = {}  # file name -> part of the tandem or torch package
 
 
 def call_site() -> str:
-    """``file:line`` of the first caller outside the tandem package."""
+    """``file:line`` of the first caller outside the tandem and torch packages."""
     f = sys._getframe(1)
     while f is not None:
         name = f.f_code.co_filename
         inside = _INSIDE.get(name)
         if inside is None:
-            inside = _INSIDE[name] = name.startswith(_PKG)
+            inside = _INSIDE[name] = name.startswith((_PKG, _TORCH))
         if not inside:
             return f"{os.path.basename(name)}:{f.f_lineno}"
         f = f.f_back  # type: ignore[assignment]

@@ -62,7 +62,6 @@ class Completions:
             thread.join(timeout)
 
 
-
 class Work:
     """Completion handle. ``wait()`` blocks and re-raises the operation's error."""
 

@@ -1,0 +1,226 @@
+"""The collective methods torch calls on a process group, mapped onto tandem's functions.
+
+torch's Python API (``torch.distributed.all_reduce`` and friends), its C++ code (DDP's
+reducer, functional collectives through pybind11) and object collectives all land
+on these methods, with group ranks for roots and one options object per call. Each
+method checks what tandem cannot serve, then runs the matching function of
+:mod:`tandem.collectives.api` on the group's tandem ``ProcessGroup``, so signatures,
+mismatch detection, deadlines and algorithm choice are tandem's own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from tandem.collectives import api
+from tandem.collectives.group import ProcessGroup
+from tandem.errors import ArgumentError
+from tandem.torch_backend._options import (cpu_tensors, one_tensor, premultiplied, reduce_op,
+                                           root_tensor_zero)
+
+__all__ = ["Collectives"]
+
+def _pairs(outputs: Sequence[Any], inputs: Sequence[Any], what: str) -> None:
+    if len(outputs) != len(inputs):
+        raise ArgumentError(f"{what}: {len(outputs)} output tensors for {len(inputs)} inputs")
+    cpu_tensors(outputs, what, "outputs")
+    cpu_tensors(inputs, what, "inputs")
+
+
+def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Tensors grouped by dtype, in order of first appearance (alike on every rank)."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return list(groups.values())
+
+
+class Collectives:
+    """Collective methods of :class:`~tandem.torch_backend.TandemProcessGroup`."""
+
+    _call: Callable[..., dist.Work]
+
+    def _usable(self) -> ProcessGroup:
+        raise NotImplementedError  # the process group's tandem group, checked on first use
+
+    # -- all-reduce family -------------------------------------------------------------
+    def allreduce(self, tensors: Sequence[torch.Tensor],
+                  opts: c10d.AllreduceOptions | None = None) -> dist.Work:
+        opts = opts or c10d.AllreduceOptions()
+        g = self._usable()
+        t = one_tensor(tensors, "allreduce")
+        op, factor = reduce_op(opts.reduceOp, "allreduce")
+        premultiplied(t, factor, in_place=True)
+        return self._call("allreduce", opts, lambda a: api.all_reduce(t, op, g, a), [t])
+
+    def allreduce_coalesced(self, tensors: Sequence[torch.Tensor],
+                            opts: c10d.AllreduceCoalescedOptions | None = None) -> dist.Work:
+        opts = opts or c10d.AllreduceCoalescedOptions()
+        g = self._usable()
+        cpu_tensors(tensors, "allreduce_coalesced", "tensors")
+        op, factor = reduce_op(opts.reduceOp, "allreduce_coalesced")
+        for t in tensors:
+            premultiplied(t, factor, in_place=True)
+        same = _by_dtype(tensors)  # tandem's coalesced call takes one dtype
+        return self._call("allreduce_coalesced", opts,
+                          lambda a: [api.all_reduce_coalesced(ts, op, g, a) for ts in same],
+                          list(tensors))
+
+    def reduce(self, tensors: Sequence[torch.Tensor],
+               opts: c10d.ReduceOptions | None = None) -> dist.Work:
+        opts = opts or c10d.ReduceOptions()
+        g = self._usable()
+        t = one_tensor(tensors, "reduce")
+        root_tensor_zero(opts, "reduce")
+        op, factor = reduce_op(opts.reduceOp, "reduce")
+        premultiplied(t, factor, in_place=True)
+        root = opts.rootRank
+        return self._call("reduce", opts,
+                          lambda a: api.reduce(t, None, op, g, a, group_dst=root), [t])
+
+    def reduce_scatter(self, output_tensors: Sequence[torch.Tensor],
+                       input_tensors: Sequence[Sequence[torch.Tensor]],
+                       opts: c10d.ReduceScatterOptions | None = None) -> dist.Work:
+        opts = opts or c10d.ReduceScatterOptions()
+        g = self._usable()
+        out = one_tensor(output_tensors, "reduce_scatter", "output_tensors")
+        if len(input_tensors) != 1:
+            raise ArgumentError(f"reduce_scatter: input_tensors must hold one list of tensors, "
+                                f"got {len(input_tensors)}")
+        cpu_tensors(input_tensors[0], "reduce_scatter", "input_tensors[0]")
+        op, factor = reduce_op(opts.reduceOp, "reduce_scatter")
+        ins = [premultiplied(t, factor, in_place=False) for t in input_tensors[0]]
+        return self._call("reduce_scatter", opts,
+                          lambda a: api.reduce_scatter(out, ins, op, g, a), [out])
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: c10d.ReduceScatterOptions | None = None) -> dist.Work:
+        return self.reduce_scatter_single_coalesced([output], [input], opts)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: Sequence[torch.Tensor],
+                                        inputs: Sequence[torch.Tensor],
+                                        opts: c10d.ReduceScatterOptions | None = None
+                                        ) -> dist.Work:
+        opts = opts or c10d.ReduceScatterOptions()
+        g = self._usable()
+        _pairs(outputs, inputs, "reduce_scatter_tensor")
+        op, factor = reduce_op(opts.reduceOp, "reduce_scatter_tensor")
+        pairs = [(o, premultiplied(i, factor, in_place=False)) for o, i in zip(outputs, inputs)]
+        return self._call("reduce_scatter_tensor", opts,
+                          lambda a: [api.reduce_scatter_tensor(o, i, op, g, a) for o, i in pairs],
+                          list(outputs))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # -- broadcast and gathers -----------------------------------------------------------
+    def broadcast(self, tensors: Sequence[torch.Tensor],
+                  opts: c10d.BroadcastOptions | None = None) -> dist.Work:
+        opts = opts or c10d.BroadcastOptions()
+        g = self._usable()
+        t = one_tensor(tensors, "broadcast")
+        root_tensor_zero(opts, "broadcast")
+        root = opts.rootRank
+        return self._call("broadcast", opts,
+                          lambda a: api.broadcast(t, None, g, a, group_src=root), [t])
+
+    def allgather(self, output_tensors: Sequence[Sequence[torch.Tensor]],
+                  input_tensors: Sequence[torch.Tensor],
+                  opts: c10d.AllgatherOptions | None = None) -> dist.Work:
+        return self.allgather_coalesced(output_tensors, input_tensors, opts)
+
+    def allgather_coalesced(self, output_lists: Sequence[Sequence[torch.Tensor]],
+                            input_tensors: Sequence[torch.Tensor],
+                            opts: c10d.AllgatherOptions | None = None) -> dist.Work:
+        opts = opts or c10d.AllgatherOptions()
+        g = self._usable()
+        _pairs(output_lists, input_tensors, "allgather")
+        for outs in output_lists:
+            cpu_tensors(outs, "allgather", "output_tensors")
+        pairs = [(list(outs), t) for outs, t in zip(output_lists, input_tensors)]
+        return self._call("allgather", opts,
+                          lambda a: [api.all_gather(outs, t, g, a) for outs, t in pairs],
+                          [list(outs) for outs in output_lists])
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
+                          opts: c10d.AllgatherOptions | None = None) -> dist.Work:
+        return self.all_gather_single_coalesced([output], [input], opts)
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: Sequence[torch.Tensor],
+                                    inputs: Sequence[torch.Tensor],
+                                    opts: c10d.AllgatherOptions | None = None) -> dist.Work:
+        opts = opts or c10d.AllgatherOptions()
+        g = self._usable()
+        _pairs(outputs, inputs, "all_gather_into_tensor")
+        pairs = list(zip(outputs, inputs))
+        return self._call("all_gather_into_tensor", opts,
+                          lambda a: [api.all_gather_into_tensor(o, i, g, a) for o, i in pairs],
+                          list(outputs))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def gather(self, output_tensors: Sequence[Sequence[torch.Tensor]],
+               input_tensors: Sequence[torch.Tensor],
+               opts: c10d.GatherOptions | None = None) -> dist.Work:
+        opts = opts or c10d.GatherOptions()
+        g = self._usable()
+        t = one_tensor(input_tensors, "gather", "input_tensors")
+        root = opts.rootRank
+        outs = _at_root(g, root, output_tensors, "gather", "output_tensors")
+        return self._call("gather", opts,
+                          lambda a: api.gather(t, outs, None, g, a, group_dst=root),
+                          [outs or []])
+
+    def scatter(self, output_tensors: Sequence[torch.Tensor],
+                input_tensors: Sequence[Sequence[torch.Tensor]],
+                opts: c10d.ScatterOptions | None = None) -> dist.Work:
+        opts = opts or c10d.ScatterOptions()
+        g = self._usable()
+        t = one_tensor(output_tensors, "scatter", "output_tensors")
+        root = opts.rootRank
+        ins = _at_root(g, root, input_tensors, "scatter", "input_tensors")
+        return self._call("scatter", opts,
+                          lambda a: api.scatter(t, ins, None, g, a, group_src=root), [t])
+
+    # -- all-to-all ------------------------------------------------------------------------
+    def alltoall(self, output_tensors: Sequence[torch.Tensor],
+                 input_tensors: Sequence[torch.Tensor],
+                 opts: c10d.AllToAllOptions | None = None) -> dist.Work:
+        opts = opts or c10d.AllToAllOptions()
+        g = self._usable()
+        cpu_tensors(output_tensors, "alltoall", "output_tensors")
+        cpu_tensors(input_tensors, "alltoall", "input_tensors")
+        outs, ins = list(output_tensors), list(input_tensors)
+        return self._call("alltoall", opts, lambda a: api.all_to_all(outs, ins, g, a), outs)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: Sequence[int] | None,
+                          input_split_sizes: Sequence[int] | None,
+                          opts: c10d.AllToAllOptions | None = None) -> dist.Work:
+        opts = opts or c10d.AllToAllOptions()
+        g = self._usable()
+        cpu_tensors([output, input], "all_to_all_single", "tensors")
+        return self._call("all_to_all_single", opts,
+                          lambda a: api.all_to_all_single(output, input, output_split_sizes,
+                                                          input_split_sizes, g, a), [output])
+
+    alltoall_base = all_to_all_single
+
+
+def _at_root(g: ProcessGroup, root: int, lists: Sequence[Sequence[torch.Tensor]], what: str,
+             name: str) -> list[torch.Tensor] | None:
+    """At the root, the single list of torch's one-list-per-process argument; else None."""
+    if g.group_rank != root:
+        return None
+    if len(lists) != 1:
+        raise ArgumentError(f"{what}: the root's {name} must hold one list of tensors, got "
+                            f"{len(lists)}")
+    cpu_tensors(lists[0], what, f"{name}[0]")
+    return list(lists[0])
