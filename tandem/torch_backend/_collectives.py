@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from tandem.collectives import api
+from tandem.collectives import alltoall, api
 from tandem.collectives.group import ProcessGroup
 from tandem.errors import ArgumentError
 from tandem.torch_backend._options import (cpu_tensors, one_tensor, premultiplied, reduce_op,
@@ -198,7 +198,7 @@ class Collectives:
         cpu_tensors(output_tensors, "alltoall", "output_tensors")
         cpu_tensors(input_tensors, "alltoall", "input_tensors")
         outs, ins = list(output_tensors), list(input_tensors)
-        return self._call("alltoall", opts, lambda a: api.all_to_all(outs, ins, g, a), outs)
+        return self._call("alltoall", opts, lambda a: alltoall.all_to_all(outs, ins, g, a), outs)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_split_sizes: Sequence[int] | None,
@@ -208,7 +208,7 @@ class Collectives:
         g = self._usable()
         cpu_tensors([output, input], "all_to_all_single", "tensors")
         return self._call("all_to_all_single", opts,
-                          lambda a: api.all_to_all_single(output, input, output_split_sizes,
+                          lambda a: alltoall.all_to_all_single(output, input, output_split_sizes,
                                                           input_split_sizes, g, a), [output])
 
     alltoall_base = all_to_all_single

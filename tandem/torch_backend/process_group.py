@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from tandem.collectives import api, p2p
+from tandem.collectives import api, barriers, p2p
 from tandem.collectives.group import ProcessGroup
 from tandem.collectives.work import Work
 from tandem.errors import ArgumentError, CollectiveTimeoutError, StateError, TandemError
@@ -190,7 +190,7 @@ class TandemProcessGroup(Collectives, dist.ProcessGroup):  # type: ignore[misc]
             raise ArgumentError(f"barrier: device_ids={list(opts.device_ids)} select GPUs; the "
                                 f"'tandem' backend synchronises CPU processes, drop device_ids")
         timeout = seconds_or_none(opts.timeout)
-        issued = translated(lambda: api.barrier(g, bool(opts.asyncOp), timeout=timeout),
+        issued = translated(lambda: barriers.barrier(g, bool(opts.asyncOp), timeout=timeout),
                             self._to_global)
         return TorchWork([issued] if issued is not None else [], None, self._to_global)
 
@@ -199,7 +199,7 @@ class TandemProcessGroup(Collectives, dist.ProcessGroup):  # type: ignore[misc]
         """A barrier whose rank 0 names the ranks that did not arrive within ``timeout``."""
         g = self._usable()
         seconds = seconds_or_none(timeout)
-        translated(lambda: api.monitored_barrier(g, seconds, wait_all_ranks), self._to_global)
+        translated(lambda: barriers.monitored_barrier(g, seconds, wait_all_ranks), self._to_global)
 
     # -- point-to-point ------------------------------------------------------------------------
     def send(self, tensors: Sequence[torch.Tensor], dstRank: int, tag: int) -> dist.Work:
