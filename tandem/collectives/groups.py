@@ -46,6 +46,8 @@ def new_group(ranks: Sequence[int] | None = None,
         group = ProcessGroup(w.transport, members, group_id, name,
                              timeout_seconds(timeout, w.default.timeout), w.settings,
                              w.default.backend)
+        if w.monitor is not None:  # [observability hook]
+            w.monitor.adopt(group)
     else:
         group = NonMemberGroup(members, name, me)
     w.groups.append(group)

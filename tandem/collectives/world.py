@@ -19,6 +19,7 @@ from tandem import _wire
 from tandem.collectives.backend import Backend, BackendOptions, resolve_backend
 from tandem.collectives.cluster_env import cluster_env
 from tandem.collectives.group import NonMemberGroup, ProcessGroup, timeout_seconds
+from tandem.collectives.monitor import Monitor
 from tandem.config import Settings, load_secret, load_settings
 from tandem.errors import ArgumentError, StateError
 from tandem.store.base import Store
@@ -54,6 +55,11 @@ class World:
     owns_store: bool
     groups: list[AnyGroup] = dataclasses.field(default_factory=list)
     groups_made: int = 0
+    monitor: Monitor | None = None  # watchdog, flight-recorder dumps, timeline
+
+    def process_groups(self) -> list[ProcessGroup]:
+        """The groups this rank is a member of, the default group first."""
+        return [self.default] + [g for g in self.groups if isinstance(g, ProcessGroup)]
 
 
 _world: World | None = None
@@ -180,6 +186,10 @@ def init_process_group(
     default = ProcessGroup(transport, list(range(world_size)), 0, group_name or "default",
                            seconds, settings, backend_name)
     _world = World(default, store, transport, settings, backend_name, generation, owns_store)
+    # [observability hook] stall warnings, flight-recorder dumps, timeline (monitor.py)
+    _world.monitor = Monitor(rank, world_size, settings, transport.mailbox,
+                             PrefixStore("watch", scoped), _world.process_groups)
+    _world.monitor.adopt(default)
 
 
 def destroy_process_group(group: ProcessGroup | NonMemberGroup | None = None) -> None:
@@ -193,6 +203,8 @@ def destroy_process_group(group: ProcessGroup | NonMemberGroup | None = None) ->
             w.groups.remove(group)
         return
     _world = None
+    if w.monitor is not None:  # [observability hook] before the groups go
+        w.monitor.close()
     for g in w.groups:
         if isinstance(g, ProcessGroup):
             g.close()
