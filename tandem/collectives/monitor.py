@@ -69,17 +69,20 @@ class Monitor:
     def adopt(self, group: ProcessGroup) -> None:
         """Watch ``group``: dump when its calls fail, draw them while a timeline runs."""
         gid = group.group_id
-        group.recorder.on_failure = lambda reason: self.dump(reason, ("abort", gid))
+        # a failed call always dumps (its record is the freshest); the watchdog then
+        # need not dump for the group's abort
+        group.recorder.on_failure = lambda reason: self.dump(reason, ("abort", gid), again=True)
         group.recorder.timeline = self.timeline
 
     # -- dumps ---------------------------------------------------------------------------
-    def dump(self, reason: str, once: Hashable | None = None) -> str | None:
-        """Write this rank's flight recorder; ``once``: skip if that key was dumped."""
+    def dump(self, reason: str, once: Hashable | None = None, again: bool = False) -> str | None:
+        """Write this rank's flight recorder; ``once``: skip if that key was dumped (unless
+        ``again``), and remember it."""
         if not self._lock.acquire(timeout=DUMP_LOCK_TIMEOUT):
             return None
         try:
             if once is not None:
-                if once in self._dumped:
+                if once in self._dumped and not again:
                     return None
                 self._dumped.add(once)
             self._reasons = (self._reasons + [reason])[-MAX_REASONS:]

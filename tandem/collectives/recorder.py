@@ -41,40 +41,37 @@ QUEUED, STARTED, COMPLETED, FAILED = 0, 1, 2, 3
 STATE_NAMES = ("queued", "started", "completed", "failed")
 clock = time.perf_counter  # the clock of every timestamp here (and of DDP's own timings)
 _profiling = torch._C._autograd._profiler_enabled  # per thread, as record_function records
+_new = object.__new__
 
 
 class Call:
     """One call as recorded: what it was, where it was called, and how far it got.
 
-    ``seq`` is the group's sequence number of a collective, or for point-to-point the
-    per-(peer, tag) message count; ``peer`` is the other side's global rank for
-    point-to-point (-1 for a receive from any rank) and -1 for collectives.
+    ``seq`` is the group's sequence number of a collective (-1 for point-to-point);
+    ``peer`` is the other side's global rank for point-to-point (-1 for a receive from
+    any rank, and for collectives). Made by :meth:`Recorder.begin`, which stores only
+    what differs from the defaults below: recording runs on every call's latency path,
+    and an ``__init__`` with every field cost more than the rest of it (measured).
     """
 
-    __slots__ = ("index", "op", "seq", "sig", "site", "nbytes", "peer", "tag", "state", "t_queued",
-                 "t_start", "t_end", "deadline", "error", "warned", "phases", "profile",
-                 "thread")
-
-    def __init__(self, op: str, seq: int, sig: bytes, site: bytes, nbytes: int, peer: int,
-                 tag: int, now: float) -> None:
-        self.index = 0  # position in its recorder's order of calls
-        self.op = op
-        self.seq = seq
-        self.sig = sig
-        self.site = site
-        self.nbytes = nbytes
-        self.peer = peer
-        self.tag = tag
-        self.state = QUEUED
-        self.t_queued = now
-        self.t_start = 0.0
-        self.t_end = 0.0
-        self.deadline = 0.0  # time.monotonic() at which the call fails, once started
-        self.error = ""
-        self.warned = 0  # stall warnings logged so far
-        self.phases: list[tuple[float, float]] | None = None  # waits, while a timeline runs
-        self.profile: Any = None  # the open torch.profiler range
-        self.thread = 0
+    index: int  # position in its recorder's order of calls
+    op: str
+    seq: int
+    sig: bytes
+    site: bytes
+    nbytes: int
+    t_queued: float
+    peer = -1
+    tag = 0
+    state = QUEUED
+    t_start = 0.0
+    t_end = 0.0
+    deadline = 0.0  # time.monotonic() at which the call fails, once started
+    error = ""
+    warned = 0  # stall warnings logged so far
+    phases: list[tuple[float, float]] | None = None  # waits, while a timeline runs
+    profile: Any = None  # the open torch.profiler range
+    thread = 0  # the thread that ran it, while a timeline runs
 
     @property
     def is_p2p(self) -> bool:
@@ -141,19 +138,28 @@ class Recorder:
         if not self.capacity:
             return None
         self.issued = seq + 1
-        return self._add(Call(op, seq, sig, site, payload_bytes(result), -1, 0, clock()))
+        return self._add(op, seq, sig, site, payload_bytes(result))
 
     def begin_p2p(self, op: str, peer: int, tag: int, nbytes: int, site: str) -> Call | None:
         """Record a send or receive as posted (it runs from then on)."""
         if not self.capacity:
             return None
-        call = Call(op, -1, b"", site.encode(), nbytes, peer, tag, clock())
+        call = self._add(op, -1, b"", site.encode(), nbytes)
+        call.peer = peer
+        call.tag = tag
         call.state = STARTED
         call.t_start = call.t_queued
-        return self._add(call)
+        return call
 
-    def _add(self, call: Call) -> Call:
+    def _add(self, op: str, seq: int, sig: bytes, site: bytes, nbytes: int) -> Call:
+        call = _new(Call)
         call.index = i = next(self._count)
+        call.op = op
+        call.seq = seq
+        call.sig = sig
+        call.site = site
+        call.nbytes = nbytes
+        call.t_queued = clock()
         self._ring[i % self.capacity] = call
         return call
 
@@ -182,7 +188,7 @@ class Recorder:
         if error is not None:
             call.error = f"{type(error).__name__}: {error}"
         call.state = FAILED if error is not None else COMPLETED
-        if call.is_p2p:
+        if call.seq < 0:  # point-to-point: completes on transport threads, concurrently
             with self._lock:
                 self._count_call(call, end)
         else:

@@ -125,11 +125,14 @@ def _group_verdict(gid: int, entries: dict[int, Dump], dumps: dict[int, Dump]
                 lines.append(f"  {who(ranks)}: {_call_text(have[ranks[0]])}")
         else:
             ranks = next(iter(kinds.values()))
-            c = have[ranks[0]]
+            # the furthest state among them: a failure says the most
+            order = {"failed": 0, "completed": 1, "started": 2, "queued": 3}
+            first = min(ranks, key=lambda r: order.get(have[r]["state"], 4))
+            c = have[first]
             lines = [f"{title}, call #{seq}: {who(behind)} "
                      f"{'is' if len(behind) == 1 else 'are'} behind",
                      f"  {who(ranks)} {'is' if len(ranks) == 1 else 'are'} in {_call_text(c)} "
-                     f"({_progress(c, dumps[ranks[0]]['time'])})"]
+                     f"({_progress(c, dumps[first]['time'])})"]
         for r in behind:
             last = calls[r].get(issued[r] - 1)
             prior = (f"last call #{issued[r] - 1} {last['op']} at {last['site']} "
@@ -141,19 +144,20 @@ def _group_verdict(gid: int, entries: dict[int, Dump], dumps: dict[int, Dump]
 
 
 def _died(dumps: dict[int, Dump], world_size: int) -> list[str]:
+    """Ranks without a dump: died (their peers lost them) or never wrote one.
+
+    A rank that dumped and exited afterwards (ranks exit after a failed call) is no news.
+    """
     lost: dict[int, dict[int, str]] = {}
     for r, d in dumps.items():
         for peer, why in d.get("lost", {}).items():
             lost.setdefault(int(peer), {})[r] = why
     lines = []
     for r in range(world_size):
-        if r in dumps and r not in lost:
+        if r in dumps:
             continue
         by = lost.get(r, {})
-        if r in dumps:
-            lines.append(f"rank {r} exited after its dump; {who(by)} lost it: "
-                         f"{_first_line(next(iter(by.values())), 160)}")
-        elif by:
+        if by:
             lines.append(f"rank {r} died: no dump; {who(by)} lost it: "
                          f"{_first_line(next(iter(by.values())), 160)}")
         else:
