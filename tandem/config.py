@@ -37,8 +37,9 @@ TANDEM_STALL_WARN              seconds a collective or p2p call may wait before 
                                doubling intervals until the deadline; 0 turns the
                                warnings and their watchdog off (30)
 TANDEM_FLIGHT_RECORDER         calls each process group remembers (its flight recorder,
-                               dumped on failures and on SIGUSR1); 0 turns recording,
-                               dumps and ``tandem.stats()`` off (2000)
+                               dumped on failures and on SIGUSR1); 0 turns recording
+                               off, and with it stall warnings, dumps, the timeline's
+                               call spans and ``tandem.stats()`` (2000)
 TANDEM_TRACE_DIR               where flight-recorder dumps go, one ``rank<N>.json`` per
                                rank; ``tandemrun --log-dir`` sets it under the log dir
                                (``./tandem-trace``)

@@ -1,10 +1,11 @@
 """Flight-recorder dumps: one JSON file per rank with every group's recent calls.
 
 A dump is written to ``TANDEM_TRACE_DIR/rank<N>.json`` (replacing the rank's earlier
-dump) when a call fails (timeout, mismatch, lost peer), when a group is aborted or a
-peer is lost while this rank is elsewhere, on ``SIGUSR1``, before ``tandemrun`` stops
-a failed job, and on :func:`tandem.dump_flight_recorder`. ``python -m tandem.trace
-DIR`` reads the files of every rank and says where the ranks diverged.
+dump) when a call fails (timeout, mismatch, lost peer), when a group is aborted by a
+failure elsewhere or a peer lost while calls are pending, on ``SIGUSR1``, before
+``tandemrun`` stops a failed job, and on :func:`tandem.dump_flight_recorder`.
+``python -m tandem.trace DIR`` reads every rank's file and says where the ranks
+diverged.
 
 The file::
 

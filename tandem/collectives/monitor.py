@@ -5,7 +5,7 @@ each new group (:meth:`Monitor.adopt`) and ``destroy_process_group`` closes it, 
 stops its threads, writes the timeline and gives ``SIGUSR1`` back. It
 
 * runs the :class:`~tandem.collectives.watchdog.Watchdog` (stall warnings, dumps when
-  a group is aborted or a peer lost while this rank was elsewhere);
+  a group is aborted by a failure elsewhere, or a peer lost while calls are pending);
 * dumps every group's flight recorder (:mod:`tandem.collectives.dump`) when a call
   fails, and on ``SIGUSR1`` if the signal was not already taken by the program (the
   handler only writes the file, from the main thread between two bytecodes; a

@@ -63,6 +63,7 @@ class Timeline:
         # | ("b" or "e", name, cat, t, id, args, tid)
         self._events: list[tuple[Any, ...]] = []
         self._threads: dict[int, tuple[int, str]] = {}  # thread ident -> (tid, name)
+        self._lock = threading.Lock()
         self._offset_us = (time.time() - clock()) * 1e6
         self._steps = 0
         self._opt_started: dict[int, float] = {}
@@ -80,7 +81,8 @@ class Timeline:
         known = self._threads.get(ident)
         if known is None:
             label = name or threading.current_thread().name
-            known = self._threads.setdefault(ident, (len(self._threads), label))
+            with self._lock:  # two new threads at once must not get one number
+                known = self._threads.setdefault(ident, (len(self._threads), label))
         return known[0]
 
     def call(self, call: Call, group: str) -> None:

@@ -5,8 +5,9 @@ Two daemon threads per process, stopped by :meth:`Watchdog.close`:
 * ``tandem-watchdog`` looks at this process only. Every tick it checks each group's
   flight recorder for calls running longer than ``TANDEM_STALL_WARN`` and logs a
   stall warning for each (then at 2x, 4x, ... the threshold, until the call's
-  deadline); and it dumps the flight recorders when a group was aborted or a peer
-  lost while this rank was not in a call (a failing call dumps by itself).
+  deadline); and it dumps the flight recorders when a group was aborted (a failure
+  elsewhere) or a peer lost while this rank has calls in flight that have not failed
+  yet (a failing call dumps by itself).
 * ``tandem-watchdog-store`` talks to the store, so a store that stops answering
   (its host stopped) delays only the peers' part of a warning, never the warning,
   the dumps, or this rank's own calls. It answers other ranks' questions ("what
@@ -151,10 +152,15 @@ class Watchdog:
                 LOGGER.debug("tandem watchdog: %s: %s", type(exc).__name__, exc)
 
     def _check_failures(self) -> None:
-        for g in self.groups():
+        groups = self.groups()
+        for g in groups:
             failure = self.mailbox.aborted.get(g.group_id)
             if failure is not None:
                 self._dump(f"group '{g.group_name}' was aborted: {failure}", ("abort", g.group_id))
+        if not self.mailbox.dead or not any(g.recorder.in_flight() for g in groups):
+            # an idle rank's peer that exits without destroy_process_group looks lost too,
+            # at the end of every such job; a call that needs the peer fails and dumps
+            return
         for peer, error in list(self.mailbox.dead.items()):
             self._dump(f"lost rank {peer}: {error}", ("lost", peer))
 

@@ -43,8 +43,11 @@ def _run(fn: Any, world_size: int, directory: Path, backend: str = "tcp") -> lis
 def _skips_a_call(rank: int, world_size: int) -> Any:
     dist.all_reduce(torch.ones(4))  # first-call
     if rank == 2:
-        deadline = time.monotonic() + OP_TIMEOUT + 3.0
-        while time.monotonic() < deadline:  # alive, but never calls the second all_reduce
+        # alive, but never calls the second all_reduce; it stays until the others' timeout
+        # has reached it and its watchdog dumped (bounded: the test fails without a dump)
+        mine = os.path.join(os.environ["TANDEM_TRACE_DIR"], "rank2.json")
+        deadline = time.monotonic() + 30.0
+        while not os.path.exists(mine) and time.monotonic() < deadline:
             time.sleep(0.05)  # skipper
         return "skipped"
     return attempt(dist.all_reduce, torch.ones(4))  # second
@@ -104,23 +107,28 @@ def test_a_killed_rank_died(tmp_path: Path) -> None:
 
 def _signalled(rank: int, world_size: int) -> Any:
     directory = os.environ["TANDEM_TRACE_DIR"]
+    ready = os.path.join(os.path.dirname(directory), "rank0-waits")
     dist.all_reduce(torch.ones(4))
     pids = [0, 0]
     dist.all_gather_object(pids, os.getpid())
+    deadline = time.monotonic() + 20
     if rank == 0:
-        deadline = time.monotonic() + 20
+        Path(ready).touch()
         while not os.path.exists(os.path.join(directory, "rank0.json")):  # waiting-loop
             assert time.monotonic() < deadline, "no dump within 20 s of SIGUSR1"
             time.sleep(0.01)  # signalled-here
         return None
+    while not os.path.exists(ready):  # signal rank 0 once it is in its loop
+        assert time.monotonic() < deadline, "rank 0 did not reach its loop"
+        time.sleep(0.01)
     os.kill(pids[0], signal.SIGUSR1)
     return None
 
 
 def test_sigusr1_dumps_the_rank_with_where_its_main_thread_is(tmp_path: Path) -> None:
-    values(_run(_signalled, 2, tmp_path, "tcp"), [0, 1])
-    # ranks go on after a dump; a later one of rank 0 would replace it, so read this one
-    data = json.loads((tmp_path / "rank0.json").read_text())
+    dumps = tmp_path / "trace"
+    values(_run(_signalled, 2, dumps, "tcp"), [0, 1])
+    data = json.loads((dumps / "rank0.json").read_text())
     assert data["reason"] == "SIGUSR1" and data["rank"] == 0 and data["world_size"] == 2
     # the signal lands somewhere in rank 0's waiting loop
     lines = range(line_of(__file__, "waiting-loop"), line_of(__file__, "signalled-here") + 1)

@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,20 +23,35 @@ from tandem.testing import launch
 pytestmark = pytest.mark.timeout(120)
 
 STALL = 1.0  # TANDEM_STALL_WARN in these tests
-SLEEP = 5.0  # how long the late rank stays in user code
 # the first report may come STALL + the peers' answer time (~1.3 s here) + a tick late;
 # the rest is headroom for a loaded 2-core machine
 FIRST_REPORT_BY = STALL + 4.0
+LATE_FOR = 30.0  # a late rank returns once the waiting rank reported, or after this
 ENV = {"TANDEM_STALL_WARN": str(STALL)}
 
 
 class _Capture(logging.Handler):
+    """Keeps the reports; tells the late rank how many there are (files in a directory)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.records: list[tuple[float, str]] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append((time.monotonic(), record.getMessage()))
+        if "has waited" in record.getMessage():
+            Path(_sync(f"report{len(self.records)}")).touch()
+
+
+def _sync(name: str) -> str:
+    return os.path.join(os.path.dirname(os.environ["TANDEM_TRACE_DIR"]), name)
+
+
+def _stay_late(reports: int) -> None:
+    """Keep the late rank away until the waiting rank has logged ``reports`` reports."""
+    deadline = time.monotonic() + LATE_FOR
+    while not os.path.exists(_sync(f"report{reports}")) and time.monotonic() < deadline:
+        time.sleep(0.02)  # late-rank
 
 
 def _capture() -> _Capture:
@@ -52,9 +68,9 @@ def _late_sleeper(rank: int, world_size: int) -> Any:
     handler = _capture()
     dist.all_reduce(torch.ones(4))  # everyone is connected
     if rank == 1:
-        time.sleep(SLEEP)  # stall-sleep
+        _stay_late(reports=3)
     start = time.monotonic()
-    dist.all_reduce(torch.ones(4))
+    dist.all_reduce(torch.ones(4))  # late-call
     return _reports(handler, start)
 
 
@@ -69,13 +85,13 @@ def test_the_waiting_rank_names_the_late_rank_and_its_sleep_line(late_sleeper: A
     assert reports, "rank 0 waited 5 s without a stall report"
     took, first = reports[0]
     assert took < FIRST_REPORT_BY, f"first report after {took:.1f}s:\n{first}"
-    line = line_of(__file__, "stall-sleep")
+    line = line_of(__file__, "late-rank")
     expected = [
         "tandem: rank 0 has waited 1 s in all_reduce #1 on group 'default' "
-        f"(test_fault_stall_report.py:{line + 2})",
+        f"(test_fault_stall_report.py:{line_of(__file__, 'late-call')})",
         "  arrived: rank 0 (1 of 2)",
-        "  rank 1 has not arrived: not in a collective; main thread at "
-        f"test_fault_stall_report.py:{line} in _late_sleeper"]
+        f"  rank 1 has not arrived: not in a collective; main thread at "
+        f"test_fault_stall_report.py:{line} in _stay_late"]
     assert first.splitlines()[:3] == expected, first
     assert re.search(r"next report at 2 s; the call times out in \d+ s$", first), first
 
@@ -83,10 +99,10 @@ def test_the_waiting_rank_names_the_late_rank_and_its_sleep_line(late_sleeper: A
 def test_reports_repeat_at_doubling_intervals(late_sleeper: Any) -> None:
     waited = [int(re.search(r"has waited (\d+) s", m).group(1))  # type: ignore[union-attr]
               for _, m in late_sleeper[0]]
-    assert len(waited) >= 2 and waited[:2] == sorted(waited[:2]), late_sleeper[0]
-    thresholds = [1, 2, 4]
-    for i, w in enumerate(waited):
-        assert w >= thresholds[i], (i, waited)
+    assert len(waited) == 3, late_sleeper[0]  # the late rank came after the third
+    for threshold, w in zip([1, 2, 4], waited):
+        assert w >= threshold, waited
+    assert waited == sorted(waited), waited
 
 
 def test_a_rank_that_is_not_waiting_reports_nothing(late_sleeper: Any) -> None:
@@ -129,7 +145,7 @@ def _p2p_sleeper(rank: int, world_size: int) -> Any:
     dist.barrier()
     t = torch.zeros(4)
     if rank == 1:
-        time.sleep(3.0)  # p2p-sleep
+        _stay_late(reports=1)
         dist.send(t, dst=0)
         return []
     start = time.monotonic()
@@ -142,11 +158,11 @@ def test_a_receive_that_waits_names_the_sender_and_what_it_does() -> None:
     out = values(launch(2, _p2p_sleeper, backend="tcp", timeout=60, env=ENV), [0])
     assert out[0], "the receiving rank reported nothing"
     _, text = out[0][0]
-    line = line_of(__file__, "p2p-sleep")
+    line = line_of(__file__, "late-rank")
     assert text.startswith("tandem: rank 0 has waited 1 s in recv from rank 1 (tag 0) on group "
                            "'default'"), text
     assert (f"  rank 1: not in a collective; main thread at test_fault_stall_report.py:{line} "
-            f"in _p2p_sleeper") in text, text
+            f"in _stay_late") in text, text
 
 
 def _stopped(rank: int, world_size: int) -> Any:

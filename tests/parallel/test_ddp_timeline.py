@@ -33,7 +33,10 @@ def _train(rank: int, world_size: int) -> int:
         opt.zero_grad()
         model(torch.randn(8, 32)).square().mean().backward()
         opt.step()
-    return len(model.reducer.buckets)
+    buckets = len(model.reducer.buckets)
+    # writes this rank's timeline; the harness kills the ranks once both have returned
+    tandem.destroy_process_group()
+    return buckets
 
 
 @pytest.fixture(scope="module")
