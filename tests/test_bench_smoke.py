@@ -85,3 +85,4 @@ def test_the_recorder_benchmark_prints_both_modes_and_the_share() -> None:
         assert re.search(rf"{unit}: recording +\d+\.\d us .*, off +\d+\.\d us .*, overhead "
                          rf"[+-]\d+\.\d%", out), out
     assert re.search(r"recording work per call .*: \d+\.\d\d us = \d+\.\d\d% of the 4096 B", out)
+    assert re.search(r"whole call path .*: [+-]\d+\.\d\d us per call .* of the 4096 B", out)

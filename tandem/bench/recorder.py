@@ -15,7 +15,9 @@ alternate, and each reports its best round in wall time and CPU time per call. T
 table gives the median over runs and the spread. As with ``signature``, run-to-run
 noise on a shared machine is larger than the effect, so the command also times the
 recording work itself in one process (``timeit``: what one call records) and states
-it as a share of the measured latency: that share is the figure to trust.
+it as a share of the measured latency, and times the whole call path (every hook
+included) on a one-rank group with recording on and off, where no communication adds
+noise: those shares are the figures to trust.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from tandem.bench._latency import all_reduce_latency, alternate
 __all__ = ["main", "recording_seconds"]
 
 OFF = {"TANDEM_FLIGHT_RECORDER": "0", "TANDEM_STALL_WARN": "0"}
+PATH_REPEATS = 5
 
 
 def _rank(rank: int, world_size: int, numel: int, iters: int, rounds: int) -> tuple[float, float]:
@@ -58,8 +61,32 @@ def recording_seconds(numel: int = 1024) -> float:
     return min(timeit.repeat(record, number=20000, repeat=7, timer=time.process_time)) / 20000
 
 
+def call_path_seconds(numel: int = 1024, number: int = 3000, repeat: int = 7
+                      ) -> tuple[float, float]:
+    """CPU seconds per ``all_reduce`` call through the whole API on a one-rank group, with
+    recording on and off, in this process (batches alternate): every hook included, no
+    communication to add noise."""
+    from tandem.collectives import api
+    from tandem.collectives.group import ProcessGroup
+    from tandem.config import Settings
+    from tandem.transport.loopback import LoopbackHub
+
+    groups = {on: ProcessGroup(LoopbackHub(1).transports[0], [0], 0, "bench", 60.0,
+                               Settings(flight_recorder=2000 if on else 0), "loopback")
+              for on in (True, False)}
+    tensor = torch.ones(numel)
+    best = {True: float("inf"), False: float("inf")}
+    for _ in range(repeat):
+        for on, g in groups.items():
+            start = time.process_time()
+            for _ in range(number):
+                api.all_reduce(tensor, group=g)
+            best[on] = min(best[on], (time.process_time() - start) / number)
+    return best[True], best[False]
+
+
 def _spread(values: list[float]) -> str:
-    return f"{min(values) * 1e6:.1f}-{max(values) * 1e6:.1f} us"
+    return f"{min(values) * 1e6:.2f} to {max(values) * 1e6:.2f} us"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -89,4 +116,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     latency = statistics.median(f[0] for f in figures[False])
     print(f"  recording work per call (timeit, CPU time of one process): {work * 1e6:.2f} us = "
           f"{work / latency * 100:.2f}% of the {args.bytes} B latency above")
+    paths = [call_path_seconds(args.bytes // 4) for _ in range(PATH_REPEATS)]
+    extra = [with_path - without_path for with_path, without_path in paths]
+    cost = statistics.median(extra)
+    print(f"  whole call path on a 1-rank group (CPU time, one process, median of "
+          f"{PATH_REPEATS}): recording {statistics.median(p[0] for p in paths) * 1e6:.2f} us, "
+          f"off {statistics.median(p[1] for p in paths) * 1e6:.2f} us: {cost * 1e6:+.2f} us "
+          f"per call ({_spread(extra)}) = {cost / latency * 100:+.2f}% of the {args.bytes} B "
+          f"latency above")
     return 0
