@@ -125,10 +125,6 @@ class Recorder:
         self.timeline: Timeline | None = None
         self.on_failure: Callable[[str], object] | None = None
 
-    @property
-    def enabled(self) -> bool:
-        return self.capacity > 0
-
     # -- the call path ---------------------------------------------------------------
     def begin(self, op: str, seq: int, sig: bytes, site: bytes, result: Any) -> Call | None:
         """Record a collective as issued (queued); None when recording is off.
