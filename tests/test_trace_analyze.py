@@ -110,3 +110,14 @@ def test_reading_dumps_and_timelines_does_not_import_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_when_all_agree_each_rank_says_where_it_was(tmp_path: Path) -> None:
+    # e.g. dumps taken with SIGUSR1 of a job hung outside tandem's calls
+    dump(tmp_path, 0, [call(0)], 1, world=2, main="train.py:9 in wait_for_file")
+    dump(tmp_path, 1, [call(0)], 1, world=2, main="train.py:9 in wait_for_file")
+    lines = report(str(tmp_path))
+    assert lines[1:] == [
+        "the ranks' recorded calls agree on every group",
+        "ranks 0-1: last call all_reduce at train.py:42 (completed); not in a collective; "
+        "main thread at train.py:9 in wait_for_file"], lines

@@ -7,6 +7,8 @@
   **called something different** (the signatures differ: op, dtype, shape, reduce
   op, root), or some ranks **are behind** (they never issued the call the others
   wait in), with where the late ranks are instead;
+* when the calls agree (dumps taken with ``SIGUSR1`` of a job stuck outside tandem's
+  calls), where each rank was: its last call and its main thread's line;
 * who **died**: ranks without a dump whose peers lost their connection;
 * point-to-point calls still waiting, and calls that failed, once each.
 
@@ -166,6 +168,19 @@ def _died(dumps: dict[int, Dump], world_size: int) -> list[str]:
     return lines
 
 
+def _whereabouts(dumps: dict[int, Dump]) -> list[str]:
+    """Where each rank was at its dump, ranks with the same story together."""
+    stories: dict[str, list[int]] = {}
+    for r, d in sorted(dumps.items()):
+        last = max((c for g in d.get("groups", []) for c in g.get("calls", [])),
+                   key=lambda c: c.get("queued") or 0.0, default=None)
+        did = ("no call yet" if last is None else
+               f"last call {last['op']} at {last['site']} ({last['state']})")
+        story = f"{did}; {_elsewhere(d, -1)}main thread at {d.get('main_thread', '?')}"
+        stories.setdefault(story, []).append(r)
+    return [f"{who(ranks)}: {story}" for story, ranks in stories.items()]
+
+
 def _waiting_p2p(dumps: dict[int, Dump]) -> list[str]:
     lines = []
     for r, d in sorted(dumps.items()):
@@ -219,6 +234,7 @@ def report(directory: str) -> list[str]:
         lines += block
     if not verdicts:
         lines.append("the ranks' recorded calls agree on every group")
+        lines += _whereabouts(dumps)
     lines += _died(dumps, world_size)
     lines += _waiting_p2p(dumps)
     lines += _failures(dumps, {(gid, v[1]) for gid, v in verdicts.items()})
