@@ -36,6 +36,10 @@ _EXPORTS: dict[str, str] = {
     "reduce_scatter": "tandem.collectives.api",
     "reduce_scatter_tensor": "tandem.collectives.api",
     "scatter": "tandem.collectives.api",
+    "OpStats": "tandem.collectives.observe",
+    "dump_flight_recorder": "tandem.collectives.observe",
+    "stats": "tandem.collectives.observe",
+    "timeline": "tandem.collectives.observe",
     "Backend": "tandem.collectives.backend",
     "BackendOptions": "tandem.collectives.backend",
     "NonMemberGroup": "tandem.collectives.group",
@@ -117,6 +121,7 @@ if _TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eager
         new_subgroups,
         new_subgroups_by_enumeration,
     )
+    from tandem.collectives.observe import OpStats, dump_flight_recorder, stats, timeline
     from tandem.collectives.objects import (
         all_gather_object,
         broadcast_object_list,

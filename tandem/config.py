@@ -38,6 +38,22 @@ TANDEM_HOST_ID                 this rank's host identity, for topology decisions
                                the host name); set it to simulate hosts on one machine
 LOCAL_WORLD_SIZE               ranks per node (set by the launcher); the default
                                ``group_size`` of ``new_subgroups``
+TANDEM_STALL_WARN              seconds a collective or p2p call may wait before every
+                               waiting rank logs a stall warning naming the ranks that
+                               have not arrived and what they are doing; repeated at
+                               doubling intervals until the deadline; 0 turns the
+                               warnings and their watchdog off (30)
+TANDEM_FLIGHT_RECORDER         calls each process group remembers (its flight recorder,
+                               dumped on failures and on SIGUSR1); 0 turns recording
+                               off, and with it stall warnings, dumps, the timeline's
+                               call spans and ``tandem.stats()`` (2000)
+TANDEM_TRACE_DIR               where flight-recorder dumps go, one ``rank<N>.json`` per
+                               rank; ``tandemrun --log-dir`` sets it under the log dir
+                               (``./tandem-trace``)
+TANDEM_TIMELINE                write a Chrome/Perfetto trace of this rank's calls to
+                               ``<path stem>.rank<N>.json``; ``tandemrun`` or
+                               ``python -m tandem.trace --timeline PATH`` merges the
+                               ranks' files into PATH (unset: no timeline)
 =============================  =========================================================
 
 Flags take ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``; anything else
@@ -79,6 +95,10 @@ class Settings:
     debug: bool = False
     host_id: str | None = None
     local_world_size: int | None = None
+    stall_warn: float = 30.0
+    flight_recorder: int = 2000
+    trace_dir: str = "tandem-trace"
+    timeline: str | None = None
 
     def __post_init__(self) -> None:
         timeout_seconds(self.timeout, 0.0, "TANDEM_TIMEOUT")
@@ -97,6 +117,14 @@ class Settings:
                 f"TANDEM_SHM_CHUNK must be 0 or a power of two >= 4096, got {self.shm_chunk}")
         if self.max_frame < 1024:
             raise ArgumentError(f"TANDEM_MAX_FRAME must be >= 1024, got {self.max_frame}")
+        if not self.stall_warn >= 0:
+            raise ArgumentError(
+                f"TANDEM_STALL_WARN must be >= 0 seconds (0: off), got {self.stall_warn}")
+        if self.flight_recorder < 0:
+            raise ArgumentError(
+                f"TANDEM_FLIGHT_RECORDER must be >= 0 calls (0: off), got {self.flight_recorder}")
+        if not self.trace_dir:
+            raise ArgumentError("TANDEM_TRACE_DIR must name a directory")
 
 
 def _number(env: Mapping[str, str], name: str, kind: Callable[[str], N], default: N) -> N:
@@ -143,6 +171,10 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         host_id=env.get("TANDEM_HOST_ID") or None,
         local_world_size=(_number(env, "LOCAL_WORLD_SIZE", int, 0)
                           if env.get("LOCAL_WORLD_SIZE") else None),
+        stall_warn=_number(env, "TANDEM_STALL_WARN", float, base.stall_warn),
+        flight_recorder=_number(env, "TANDEM_FLIGHT_RECORDER", int, base.flight_recorder),
+        trace_dir=env.get("TANDEM_TRACE_DIR") or base.trace_dir,
+        timeline=env.get("TANDEM_TIMELINE") or None,
     )
 
 

@@ -121,7 +121,9 @@ def launch(world_size: int, fn: Callable[..., Any], args: Sequence[Any] = (), *,
                 spec["store_port"] = server.port
             else:
                 spec["init_method"] = f"file://{tmp}/store"
-        child_env = {"TANDEM_SECRET": _TEST_SECRET, **(env or {})}
+        # flight-recorder dumps of failing ranks stay in the test's temporary directory
+        child_env = {"TANDEM_SECRET": _TEST_SECRET, "TANDEM_TRACE_DIR": f"{tmp}/trace",
+                     **(env or {})}
         procs = [ctx.Process(target=_child, args=(fn, r, world_size, tuple(args), spec,
                                                   child_env, results), daemon=True)
                  for r in range(world_size)]

@@ -73,3 +73,16 @@ def test_bench_without_a_command_exits_with_usage() -> None:
                           text=True, timeout=60)
     assert proc.returncode == 2
     assert "collectives" in proc.stderr
+
+
+def test_the_recorder_benchmark_prints_both_modes_and_the_share() -> None:
+    proc = subprocess.run([sys.executable, "-m", "tandem.bench", "recorder", "--iters", "20",
+                           "--rounds", "1", "--runs", "1"],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"bench failed:\n{proc.stdout}\n{proc.stderr}"
+    out = proc.stdout
+    for unit in ("wall time", "CPU time "):
+        assert re.search(rf"{unit}: recording +\d+\.\d us .*, off +\d+\.\d us .*, overhead "
+                         rf"[+-]\d+\.\d%", out), out
+    assert re.search(r"recording work per call .*: \d+\.\d\d us = \d+\.\d\d% of the 4096 B", out)
+    assert re.search(r"whole call path .*: [+-]\d+\.\d\d us per call .* of the 4096 B", out)

@@ -23,34 +23,23 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Sequence
 
 import torch
+
+from tandem.bench._latency import all_reduce_latency, alternate
 
 __all__ = ["main"]
 
 
 def _rank(rank: int, world_size: int, numel: int, iters: int, rounds: int,
           plain: bool) -> tuple[float, float]:
-    import tandem
     from tandem.collectives import api
 
     if plain:
         api._sig = lambda *a, **k: "x"
         api.call_site = lambda: "?"
-    tensor = torch.ones(numel)
-    for _ in range(iters // 4):  # warm-up
-        tandem.all_reduce(tensor)
-    wall = cpu = float("inf")
-    for _ in range(rounds):
-        tandem.barrier()
-        start, used = time.perf_counter(), time.process_time()
-        for _ in range(iters):
-            tandem.all_reduce(tensor)
-        wall = min(wall, (time.perf_counter() - start) / iters)
-        cpu = min(cpu, (time.process_time() - used) / iters)
-    return wall, cpu
+    return all_reduce_latency(numel, iters, rounds)
 
 
 def signature_work_seconds() -> float:
@@ -78,12 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from tandem.testing import spawn
 
-    figures: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
-    for run in range(args.runs):
-        for plain in ((False, True) if run % 2 == 0 else (True, False)):
-            per_rank = spawn(2, _rank, (args.bytes // 4, args.iters, args.rounds, plain),
-                             timeout=600, op_timeout=120)
-            figures[plain].append((max(w for w, _ in per_rank), max(c for _, c in per_rank)))
+    figures = alternate(args.runs, lambda plain: spawn(
+        2, _rank, (args.bytes // 4, args.iters, args.rounds, plain), timeout=600, op_timeout=120))
     print(f"all_reduce {args.bytes} B, 2 ranks, median of {args.runs} runs per mode "
           f"(each the best of {args.rounds} rounds x {args.iters})")
     for index, unit in ((0, "wall time"), (1, "CPU time")):

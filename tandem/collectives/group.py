@@ -18,15 +18,19 @@ import collections
 import hashlib
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
 from tandem.config import Settings
 from tandem.errors import (CollectiveError, CollectiveTimeoutError, StateError,
                            TandemError)
+from tandem.collectives.recorder import Recorder, clock
 from tandem.collectives.work import Completions, Work
 from tandem.transport import Arena, Header, Kind, Slot, Transport
+
+if TYPE_CHECKING:
+    from tandem.collectives.recorder import Call
 
 __all__ = ["ProcessGroup", "NonMemberGroup", "Op", "as_bytes", "bounded"]
 
@@ -68,7 +72,7 @@ class Op:
     call so each (peer, step) pair is unique within the call.
     """
 
-    __slots__ = ("group", "name", "seq", "sig", "site", "deadline", "algorithm")
+    __slots__ = ("group", "name", "seq", "sig", "site", "deadline", "algorithm", "call")
 
     def __init__(self, group: "ProcessGroup", name: str, seq: int, sig: bytes, site: bytes) -> None:
         self.group = group
@@ -78,6 +82,7 @@ class Op:
         self.site = site
         self.deadline = 0.0
         self.algorithm = ""
+        self.call: Call | None = None  # its flight-recorder entry
 
     def send(self, to: int, step: int, view: memoryview) -> Slot:
         g = self.group
@@ -93,7 +98,12 @@ class Op:
         if all(s.event.is_set() and s.error is None for s in slots):
             return  # the common case in pipelined loops: nothing to wait for
         g = self.group
+        # [timeline hook] while a timeline runs, each wait becomes a phase of the call's span
+        phases = None if self.call is None else self.call.phases
+        t0 = clock() if phases is not None else 0.0
         g.transport.wait(slots, self.deadline, self.describe, g.ranks)
+        if phases is not None:
+            phases.append((t0, clock()))
 
     def wait_list(self, slots: Iterable[Slot]) -> None:
         self.wait(*slots)
@@ -136,6 +146,8 @@ class ProcessGroup:
         self.shares_memory = (self.group_size > 1 and settings.shm_arena
                               and transport.shares_memory_with(self.ranks))
         self.arena: Arena | None = None
+        # [flight recorder hook] this group's last calls (tandem/collectives/recorder.py)
+        self.recorder = Recorder(settings.flight_recorder, group_name)
 
     # -- torch-compatible accessors -----------------------------------------------
     def rank(self) -> int:
@@ -165,6 +177,7 @@ class ProcessGroup:
         if failure is not None:
             raise StateError(f"process group '{self.group_name}' was aborted earlier: "
                              f"{failure}") from failure
+        op.call = self.recorder.begin(op.name, op.seq, op.sig, op.site, result)  # [recorder]
         if not async_op:
             with self._cv:
                 inline = not self._queue and not self._busy
@@ -232,6 +245,8 @@ class ProcessGroup:
 
     def _execute(self, op: Op, fn: Callable[[Op], Any]) -> None:
         op.deadline = time.monotonic() + self.timeout
+        recorder = self.recorder  # [recorder] start, then end with the outcome, below
+        recorder.start(op.call, op.deadline)
         try:
             if self.shares_memory:
                 if self.arena is None:
@@ -243,12 +258,18 @@ class ProcessGroup:
             self.transport.finished(self.group_id, op.seq, op.sig, op.site)
         except CollectiveError as exc:
             self.abort(exc)
+            recorder.end(op.call, exc)
             raise
         except Exception as exc:
             # e.g. a custom reduce op raised: the peers must not wait for us until the deadline
             self.abort(StateError(f"{op.describe()} failed on rank {self.ranks[self.group_rank]}: "
                                   f"{type(exc).__name__}: {exc}"))
+            recorder.end(op.call, exc)
             raise
+        except BaseException as exc:  # KeyboardInterrupt: the call did not finish
+            recorder.end(op.call, exc)
+            raise
+        recorder.end(op.call)
 
     def _make_arena(self, op: Op) -> Arena:
         try:

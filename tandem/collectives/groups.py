@@ -70,6 +70,8 @@ def new_group(ranks: Sequence[int] | None = None,
         group_id = _agree(w, members, me)
         group = ProcessGroup(w.transport, members, group_id, group_desc or f"group{group_id}",
                              seconds, w.settings, w.default.backend)
+        if w.monitor is not None:  # [observability hook]
+            w.monitor.adopt(group)
     w.groups.append(group)
     return group
 

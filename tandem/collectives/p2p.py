@@ -15,6 +15,7 @@ import torch
 from tandem.collectives.api import call_site
 from tandem.collectives.checks import output_arg, root_rank, tag_arg, tensor_arg
 from tandem.collectives.group import ProcessGroup, as_bytes
+from tandem.collectives.recorder import Call
 from tandem.collectives.work import Work
 from tandem.collectives.world import AnyGroup, resolve_group
 from tandem.errors import ArgumentError
@@ -39,11 +40,14 @@ def _contiguous(t: torch.Tensor, what: str, output: bool = False) -> torch.Tenso
     return t
 
 
-def _work(g: ProcessGroup, slot: Slot, what: str, result: Any) -> Work:
+def _work(g: ProcessGroup, slot: Slot, what: str, result: Any, call: Call | None) -> Work:
     work = Work(f"{what} on group '{g.group_name}'", result, g.completions)
 
     def done(s: Slot) -> None:
         work._source = g.ranks.index(s.peer) if s.peer in g.ranks else -1
+        if call is not None:  # [recorder] the send or receive finished
+            call.peer = s.peer if s.peer >= 0 else call.peer
+            g.recorder.end(call, s.error)
         work._complete(error=s.error)
 
     def drive(timeout: float | None) -> None:
@@ -66,8 +70,10 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group: AnyGroup | None =
     g = resolve_group(group, "isend")
     tag_arg(tag, "isend")
     peer = _peer(g, "isend", dst, group_dst, "dst")
-    slot = g.p2p_send(peer, tag, as_bytes(_contiguous(tensor, "isend")), call_site())
-    return _work(g, slot, f"isend to rank {g.ranks[peer]} (tag {tag})", [tensor])
+    view, site = as_bytes(_contiguous(tensor, "isend")), call_site()
+    call = g.recorder.begin_p2p("send", g.ranks[peer], tag, len(view), site)  # [recorder]
+    slot = g.p2p_send(peer, tag, view, site)
+    return _work(g, slot, f"isend to rank {g.ranks[peer]} (tag {tag})", [tensor], call)
 
 
 def irecv(tensor: torch.Tensor, src: int | None = None, group: AnyGroup | None = None,
@@ -75,9 +81,12 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group: AnyGroup | None =
     g = resolve_group(group, "irecv")
     tag_arg(tag, "irecv")
     peer = None if src is None and group_src is None else _peer(g, "irecv", src, group_src, "src")
-    slot = g.p2p_recv(peer, tag, as_bytes(_contiguous(tensor, "irecv", output=True)))
+    view = as_bytes(_contiguous(tensor, "irecv", output=True))
+    call = g.recorder.begin_p2p("recv", -1 if peer is None else g.ranks[peer], tag,  # [recorder]
+                                len(view), call_site())
+    slot = g.p2p_recv(peer, tag, view)
     who = "any rank" if peer is None else f"rank {g.ranks[peer]}"
-    return _work(g, slot, f"irecv from {who} (tag {tag})", [tensor])
+    return _work(g, slot, f"irecv from {who} (tag {tag})", [tensor], call)
 
 
 def send(tensor: torch.Tensor, dst: int | None = None, group: AnyGroup | None = None,

@@ -19,6 +19,7 @@ from tandem.collectives.backend import Backend, BackendOptions, resolve_backend
 from tandem.collectives.checks import check_cpu_device, refuse_pg_options
 from tandem.collectives.group import NonMemberGroup, ProcessGroup
 from tandem.collectives.init_method import check_rank, open_store
+from tandem.collectives.monitor import Monitor
 from tandem.config import Settings, load_secret, load_settings, timeout_seconds
 from tandem.errors import ArgumentError, StateError, StoreTimeoutError
 from tandem.store.base import Store
@@ -54,6 +55,11 @@ class World:
     groups: list[AnyGroup] = dataclasses.field(default_factory=list)
     # groups this rank created per set of members (see groups.new_group)
     created: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    monitor: Monitor | None = None  # watchdog, flight-recorder dumps, timeline
+
+    def process_groups(self) -> list[ProcessGroup]:
+        """The groups this rank is a member of, the default group first."""
+        return [self.default] + [g for g in self.groups if isinstance(g, ProcessGroup)]
 
 
 _world: World | None = None
@@ -132,6 +138,10 @@ def init_process_group(
     scoped.set_timeout(seconds)  # later store use (new_group) is bounded by the op timeout
     _world = World(default, store, transport, settings, backend_name, generation, owns_store,
                    scoped)
+    # [observability hook] stall warnings, flight-recorder dumps, timeline (monitor.py)
+    _world.monitor = Monitor(rank, world_size, settings, transport,
+                             PrefixStore("watch", scoped), _world.process_groups)
+    _world.monitor.adopt(default)
 
 
 def _connect(store: Store, rank: int, world_size: int, backend: str, settings: Settings,
@@ -167,6 +177,8 @@ def destroy_process_group(group: ProcessGroup | NonMemberGroup | None = None) ->
         return
     _world = None
     try:
+        if w.monitor is not None:  # [observability hook] before the groups go
+            w.monitor.close()
         for g in w.groups:
             if isinstance(g, ProcessGroup):
                 g.close()

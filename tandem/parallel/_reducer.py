@@ -441,6 +441,11 @@ class Reducer:
             buckets=len(self.buckets),
             bytes=sum(b.nbytes for b in self.buckets),
         ))
+        timeline = self.group.recorder.timeline  # [timeline hook] buckets against backward
+        if timeline is not None:
+            timeline.ddp_backward(self._t_backward, t_compute_end, t_waited, t_end,
+                                  [(b.index, b.nbytes, b.t_launch, b.t_done or t_waited)
+                                   for b in self.buckets])
 
     def _unused_error(self, missing: list[int]) -> StateError:
         names = [self.names[i] for i in missing]

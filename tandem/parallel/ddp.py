@@ -131,7 +131,11 @@ class DistributedDataParallel(nn.Module):
             self._buffers_sync()
         output = self.module(*inputs, **kwargs)
         self.reducer.prepare(output, sync)
-        self.stats.pending_forward_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.stats.pending_forward_s = t1 - t0
+        timeline = self.process_group.recorder.timeline  # [timeline hook]
+        if timeline is not None:
+            timeline.span("DDP forward", t0, t1, "ddp")
         return output
 
     @contextlib.contextmanager

@@ -30,6 +30,7 @@ from tandem.errors import ArgumentError
 from tandem.run._supervisor import KILL_REQUEST
 from tandem.run.config import LaunchConfig
 from tandem.run.containment import Containment, make_scratch
+from tandem.run.dumps import DUMP_WAIT, fresh_dumps, merge_job_timeline, request_dumps
 from tandem.run.rendezvous import Assignment, LocalRendezvous, Rendezvous
 from tandem.run.rootcause import Failure, format_summary, load_record, pick_root_cause
 from tandem.run.streams import Console
@@ -145,6 +146,12 @@ class Agent:
         except _Interrupted:
             return self._signaled()
         finally:
+            try:
+                merged = merge_job_timeline(os.environ)  # [timeline hook] TANDEM_TIMELINE
+            except OSError as exc:
+                merged = f"could not merge the timeline: {exc}"
+            if merged:
+                self._say(merged)
             if self.group is not None:
                 self.group.close()
             self.containment.close()
@@ -210,6 +217,7 @@ class Agent:
                              keep_logs=cfg.keeps_files, supervisor=self._supervisor_options(),
                              cgroup=self.containment.cgroup)
         group = self.group = WorkerGroup(specs, self.out, self.err)
+        started = time.time()
         group.start()
         try:
             while True:
@@ -222,6 +230,7 @@ class Agent:
                 if group.failed():
                     rdzv.publish_failure(a.attempt, self._collect(group, a, None))
                     since = time.time()
+                    self._dump_recorders(group, started)  # [flight recorder hook]
                     self.stopped = group.stop(signal.SIGTERM, cfg.shutdown_timeout)
                     self.failures = self._collect(group, a, since)
                     rdzv.publish_failure(a.attempt, self.failures)
@@ -233,6 +242,7 @@ class Agent:
                         Outcome.SIGNALED if self.ending else Outcome.REMOTE_FAILED)
                 if rdzv.remote_failed(a.attempt):
                     since = time.time()
+                    self._dump_recorders(group, started)  # [flight recorder hook]
                     self.stopped = group.stop(signal.SIGTERM, cfg.shutdown_timeout)
                     self.failures = self._collect(group, a, since)
                     if self.failures:
@@ -245,6 +255,13 @@ class Agent:
                 group.stop(signal.SIGTERM, cfg.shutdown_timeout)
             group.close()
             self.group = None
+
+    def _dump_recorders(self, group: WorkerGroup, started: float) -> None:
+        """Let the live workers dump their flight recorders before they are stopped."""
+        request_dumps(group.alive(), min(DUMP_WAIT, self.cfg.shutdown_timeout))
+        line = fresh_dumps(group.workers, started)
+        if line:
+            self._say(line)
 
     def _collect(self, group: WorkerGroup, a: Assignment, since: float | None) -> list[Failure]:
         """Failed workers, leaving out those that only died of our stop signal."""

@@ -6,6 +6,7 @@ The environment is the launcher's own plus, for every worker::
     ROLE_RANK ROLE_WORLD_SIZE ROLE_NAME MASTER_ADDR MASTER_PORT
     TANDEM_RESTART_COUNT TANDEM_MAX_RESTARTS TANDEM_RUN_ID TANDEM_ERROR_FILE
     TANDEM_SECRET      (a fresh per-job secret, unless TANDEM_SECRET/_FILE is set)
+    TANDEM_TRACE_DIR   (with per-rank log files and unless set: <attempt dir>/trace)
     OMP_NUM_THREADS=1  (only if unset and more than one worker per node, as torchrun)
 
 No ``TORCHELASTIC_*`` variable is ever set.
@@ -71,9 +72,12 @@ def worker_specs(cfg: LaunchConfig, a: Assignment, *, base: Mapping[str, str],
         error_file = os.path.join(rank_dir, "error.json")
         if os.path.exists(error_file):
             os.unlink(error_file)  # a record left by an earlier launch with the same run id
+        env = worker_env(cfg, a, local_rank, base, extra, error_file)
+        if keep_logs and not env.get("TANDEM_TRACE_DIR"):  # flight recorders beside the logs
+            env["TANDEM_TRACE_DIR"] = os.path.join(attempt_dir(files_root, a), "trace")
         specs.append(WorkerSpec(
             rank=rank, local_rank=local_rank, argv=argv,
-            env=worker_env(cfg, a, local_rank, base, extra, error_file),
+            env=env,
             error_file=error_file, log_dir=rank_dir if keep_logs else None,
             stdout_console=cfg.console_for(local_rank, Std.OUT),
             stderr_console=cfg.console_for(local_rank, Std.ERR), cgroup=cgroup))

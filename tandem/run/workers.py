@@ -54,7 +54,7 @@ class Worker:
         self.returncode: int | None = None
         self.exit_time: float | None = None
         self.start_time = time.time()
-        self.worker_pid = 0  # the worker's own pid, once its supervisor has exited
+        self.worker_pid = 0  # the worker's own pid, as soon as its supervisor reports it
         files = {name: os.path.join(spec.log_dir, f"{name}.log") if spec.log_dir else None
                  for name in ("stdout", "stderr")}
         wanted = {"stdout": spec.stdout_console or files["stdout"] is not None,
@@ -87,15 +87,17 @@ class Worker:
         self._reaper.start()
 
     def _reap(self, on_exit: threading.Event) -> None:
+        # the supervisor writes the worker's pid and closes the pipe at once (or exits
+        # first, having failed): known from the start, e.g. to ask it for a dump
+        with os.fdopen(self._pid_pipe, "rb") as pipe:
+            text = pipe.read(32)
+        self.worker_pid = int(text) if text.isdigit() else 0
         if hasattr(os, "waitid"):
             try:  # wait without reaping: the zombie keeps the pid (and group id) ours
                 os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
             except ChildProcessError:
                 pass
         self.exit_time = time.time()
-        with os.fdopen(self._pid_pipe, "rb") as pipe:  # at EOF: the supervisor is gone
-            text = pipe.read(32)
-        self.worker_pid = int(text) if text.isdigit() else 0
         if self.spec.cgroup:  # what a supervisor killed from outside could not clean up
             cgroup_remove(os.path.join(self.spec.cgroup, f"worker-{self.pid}"), KILL_GRACE)
         self.returncode = self.proc.wait()

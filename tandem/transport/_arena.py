@@ -107,6 +107,8 @@ class Arena:
         self.posted = self._ctl[index][_POSTED]
         self._sleep_words = [_ASLEEP + q for q in range(self.size) if q != index]
         self.target = 0
+        # [timeline hook] while set, every wait that blocks appends (start, end) here
+        self.wait_log: list[tuple[float, float]] | None = None
         self._round = 0
         self._first = [0, 0]  # the value posted first in each of the last two rounds
 
@@ -176,6 +178,17 @@ class Arena:
             self._wait(q, target, check)
 
     def _wait(self, q: int, target: int, check: Callable[[], None]) -> None:
+        log = self.wait_log
+        if log is None:
+            self._block(q, target, check)
+            return
+        start = time.perf_counter()
+        try:
+            self._block(q, target, check)
+        finally:
+            log.append((start, time.perf_counter()))
+
+    def _block(self, q: int, target: int, check: Callable[[], None]) -> None:
         ctl = self._ctl[q]
         now = time.perf_counter()
         hot, end = now + min(_HOT_S, self.spin), now + self.spin

@@ -102,6 +102,10 @@ class Transport(abc.ABC):
         """Why ``peer`` is gone if its connection closed without a goodbye, else None."""
         return self.mailbox.failures.lost(peer)
 
+    def lost_peers(self) -> dict[int, PeerLostError]:
+        """Every peer whose connection closed without a goodbye, in the order noticed."""
+        return self.mailbox.failures.all_lost()
+
     def left(self, peer: int) -> PeerLostError | None:
         """Why ``peer``, which closed its process group on purpose, can send no more."""
         return self.mailbox.failures.left(peer)

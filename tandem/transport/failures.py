@@ -97,6 +97,10 @@ class Failures:
         wanted = set(peers)
         return next((e for p, e in list(self._dead.items()) if p in wanted), None)
 
+    def all_lost(self) -> dict[int, PeerLostError]:
+        """Every peer that died, in the order noticed, with why (a copy)."""
+        return dict(self._dead)
+
     def left(self, peer: int) -> PeerLostError | None:
         """Why a receive from ``peer``, which closed its group on purpose, cannot complete."""
         return self._left.get(peer)

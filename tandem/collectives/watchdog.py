@@ -1,0 +1,244 @@
+"""The per-process watchdog: stall warnings, and dumps when something failed elsewhere.
+
+Two daemon threads per process, stopped by :meth:`Watchdog.close`:
+
+* ``tandem-watchdog`` looks at this process only. Every tick it checks each group's
+  flight recorder for calls running longer than ``TANDEM_STALL_WARN`` and logs a
+  stall warning for each (then at 2x, 4x, ... the threshold, until the call's
+  deadline); and it dumps the flight recorders when a group was aborted (a failure
+  elsewhere) or a peer lost while this rank has calls in flight that have not failed
+  yet (a failing call dumps by itself).
+* ``tandem-watchdog-store`` talks to the store, so a store that stops answering
+  (its host stopped) delays only the peers' part of a warning, never the warning,
+  the dumps, or this rank's own calls. It answers other ranks' questions ("what
+  are you doing?") and asks them on behalf of a stalled call.
+
+The exchange through the store, under the group's private prefix::
+
+    asks          a counter; a stalled rank adds 1 to it
+    state/<rank>  each rank's latest answer (:func:`stall.process_state`, JSON),
+                  rewritten when it sees the counter move, with the count it answers
+
+Every rank reads ``asks`` once per poll (one store round trip a second by default;
+jobs of more than 128 ranks poll less often, so the store's host serves at most ~128
+polls a second), and the store holds one answer per rank, whatever the number of
+stalls. Warnings go to the ``tandem`` logger (stderr unless configured).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import Any, Callable, Hashable
+
+from tandem.collectives.group import ProcessGroup
+from tandem.collectives.recorder import STARTED, Call, clock
+from tandem.collectives.stall import process_state, stall_warning
+from tandem.errors import TandemError
+from tandem.store.base import Store
+from tandem.transport import Transport
+
+__all__ = ["Watchdog", "LOGGER"]
+
+LOGGER = logging.getLogger("tandem")
+POLL_SHARE = 128  # ranks polling the store per second, at most (see the module doc)
+CLOSE_TIMEOUT = 5.0
+
+
+def tick_for(stall_warn: float) -> float:
+    """Seconds between the watchdog's looks: 1 s, or less for thresholds below 8 s."""
+    return min(1.0, max(0.05, stall_warn / 8)) if stall_warn > 0 else 1.0
+
+
+class _Exchange:
+    """The store side: answer peers' questions, ask peers on behalf of a stalled call."""
+
+    def __init__(self, store: Store, rank: int, world_size: int, poll: float,
+                 state: Callable[[int], dict[str, Any]]) -> None:
+        self.store = store
+        self.rank = rank
+        self.poll = poll * max(1.0, world_size / POLL_SHARE)
+        self.answer_wait = min(10.0, 2 * self.poll + 1.0)
+        self._state = state
+        self._answered = 0
+        self.job = ""
+        self.failed = ""  # why the store is no longer used
+
+    def start(self) -> None:
+        self.store.add("asks", 0)  # the counter exists before anyone polls it
+        # one id for the whole job, whoever sets it first: dumps of other jobs in the
+        # same directory are told apart by it
+        self.job = self.store.compare_set("job", "", uuid.uuid4().hex[:12]).decode()
+
+    def answer(self) -> None:
+        asks = int(self.store.get("asks"))
+        if asks > self._answered:
+            self.store.set(f"state/{self.rank}", json.dumps(self._state(asks)))
+            self._answered = asks
+
+    def ask(self, peers: list[int], stop: threading.Event) -> dict[int, Any]:
+        """The answers of ``peers`` given after this question (missing: no answer)."""
+        asks = self.store.add("asks", 1)
+        got: dict[int, Any] = {}
+        deadline = time.monotonic() + self.answer_wait
+        delay = min(0.1, self.poll)
+        while not stop.wait(delay):
+            self.answer()  # peers stalled at the same time are asking us too
+            for r in peers:
+                if r in got or not self.store.check([f"state/{r}"]):
+                    continue
+                state = json.loads(self.store.get(f"state/{r}"))
+                if state.get("ask", 0) >= asks:
+                    got[r] = state
+            if len(got) == len(peers) or time.monotonic() > deadline:
+                break
+        return got
+
+
+class Watchdog:
+    """See the module docstring. ``groups()`` lists this process's groups right now."""
+
+    def __init__(self, rank: int, world_size: int, groups: Callable[[], list[ProcessGroup]],
+                 transport: Transport, store: Store | None, stall_warn: float,
+                 dump: Callable[[str, Hashable], object]) -> None:
+        self.rank = rank
+        self.groups = groups
+        self.transport = transport
+        self.stall_warn = stall_warn
+        self.tick = tick_for(stall_warn)
+        self._dump = dump
+        self._stop = threading.Event()
+        self.exchange = None
+        if store is not None and stall_warn > 0:
+            self.exchange = _Exchange(store, rank, world_size, self.tick,
+                                      lambda ask: process_state(rank, self.groups(), ask))
+        # the local thread hands questions to the store thread through these; a question
+        # is numbered so that a late answer never passes for the next question's
+        self._question: tuple[int, list[int]] | None = None
+        self._answers: tuple[int, dict[int, Any]] | None = None
+        self._asked = 0
+        self._cv = threading.Condition()
+        self._threads = [threading.Thread(target=self._watch, name="tandem-watchdog",
+                                          daemon=True)]
+        if self.exchange is not None:
+            self._threads.append(threading.Thread(target=self._serve, daemon=True,
+                                                  name="tandem-watchdog-store"))
+        for t in self._threads:
+            t.start()
+
+    @property
+    def job(self) -> str:
+        return self.exchange.job if self.exchange is not None else ""
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._cv:
+            self._cv.notify_all()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(CLOSE_TIMEOUT)
+
+    # -- the local thread ----------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stop.wait(self.tick):
+            try:
+                self._check_failures()
+                if self.stall_warn > 0:
+                    self._check_stalls()
+            except Exception as exc:  # noqa: BLE001 - the watchdog must outlive its bugs
+                LOGGER.debug("tandem watchdog: %s: %s", type(exc).__name__, exc)
+
+    def _check_failures(self) -> None:
+        groups = self.groups()
+        for g in groups:
+            failure = self.transport.aborted(g.group_id)
+            if failure is not None:
+                self._dump(f"group '{g.group_name}' was aborted: {failure}", ("abort", g.group_id))
+        lost = self.transport.lost_peers()
+        if not lost or not any(g.recorder.in_flight() for g in groups):
+            # an idle rank's peer that exits without destroy_process_group looks lost too,
+            # at the end of every such job; a call that needs the peer fails and dumps
+            return
+        for peer, error in lost.items():
+            self._dump(f"lost rank {peer}: {error}", ("lost", peer))
+
+    def _due(self) -> list[tuple[ProcessGroup, Call]]:
+        now, out = clock(), []
+        for g in self.groups():
+            for c in g.recorder.in_flight():
+                if c.state == STARTED and now - c.t_start >= self.stall_warn * 2 ** c.warned:
+                    out.append((g, c))
+        return out
+
+    def _check_stalls(self) -> None:
+        due = self._due()
+        if not due:
+            return
+        peers = sorted({r for g, c in due for r in ([c.peer] if c.peer >= 0 else g.ranks)}
+                       - {self.rank})
+        states, note = self._ask(peers)
+        lost = {r: str(e) for r, e in self.transport.lost_peers().items()}
+        now = clock()
+        for g, c in due:
+            if c.state != STARTED:
+                continue  # it finished while we asked
+            waited = now - c.t_start
+            while self.stall_warn * 2 ** c.warned <= waited:
+                c.warned += 1
+            next_at = self.stall_warn * 2 ** c.warned
+            if c.deadline and time.monotonic() + (next_at - waited) >= c.deadline:
+                next_at = None
+            answer_wait = self.exchange.answer_wait if self.exchange is not None else 0.0
+            LOGGER.warning(stall_warning(self.rank, g, c, states, lost, answer_wait, next_at,
+                                         note))
+
+    def _ask(self, peers: list[int]) -> tuple[dict[int, Any], str]:
+        """Peers' states through the store thread, waiting a bounded time for it."""
+        if self.exchange is None or not peers:
+            return {}, "" if not peers else "(peers' states unavailable: no store)"
+        if self.exchange.failed:
+            return {}, f"(peers' states unavailable: {self.exchange.failed})"
+        with self._cv:
+            self._asked += 1
+            token = self._asked
+            self._question, self._answers = (token, peers), None
+            self._cv.notify_all()
+            end = time.monotonic() + self.exchange.answer_wait + 2 * self.exchange.poll + 1.0
+            while not self._stop.is_set():
+                if self._answers is not None and self._answers[0] == token:
+                    return self._answers[1], ""
+                left = end - time.monotonic()
+                if left <= 0:
+                    self._question = None
+                    return {}, "(peers' states unavailable: the store did not answer in time)"
+                self._cv.wait(left)
+            return {}, ""
+
+    # -- the store thread ----------------------------------------------------------------
+    def _serve(self) -> None:
+        ex = self.exchange
+        assert ex is not None
+        try:
+            ex.start()
+            while not self._stop.is_set():
+                ex.answer()
+                with self._cv:
+                    if self._question is None:
+                        self._cv.wait(ex.poll)
+                    question = self._question
+                if question is not None and not self._stop.is_set():
+                    token, peers = question
+                    answers = ex.ask(peers, self._stop)
+                    with self._cv:
+                        if self._question == question:
+                            self._question = None
+                        self._answers = (token, answers)
+                        self._cv.notify_all()
+        except (TandemError, OSError, ValueError) as exc:
+            ex.failed = f"the store failed: {type(exc).__name__}: {exc}"
+            with self._cv:
+                self._answers = (self._asked, {})
+                self._cv.notify_all()

@@ -1,0 +1,134 @@
+"""The flight recorder keeps each group's last calls with what, where, how big and how far.
+
+Ranks run as threads over the loopback transport (``run_threads``): milliseconds each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+import tandem
+from tandem.collectives import api, p2p
+from tandem.collectives.group import ProcessGroup
+from tandem.collectives.recorder import COMPLETED, FAILED, Call
+from tandem.config import Settings
+from tandem.errors import CollectiveMismatchError
+from tandem.testing import run_threads
+
+
+def _calls(g: ProcessGroup) -> list[Call]:
+    return g.recorder.calls()
+
+
+def test_every_collective_is_recorded_with_its_signature_site_size_and_times() -> None:
+    def body(g: ProcessGroup) -> list[Call]:
+        api.all_reduce(torch.ones(1024), group=g)  # 4 KB
+        api.broadcast(torch.ones(8, dtype=torch.float64), src=0, group=g)
+        api.barrier(group=g)
+        return _calls(g)
+
+    for calls in run_threads(2, body):
+        assert [(c.seq, c.op, c.state) for c in calls] == [
+            (0, "all_reduce", COMPLETED), (1, "broadcast", COMPLETED), (2, "barrier", COMPLETED)]
+        reduce, bcast, barrier = calls
+        assert reduce.sig.startswith(b"all_reduce float32[1024] op=SUM"), reduce.sig
+        assert reduce.site.decode().startswith("test_coll_recorder.py:"), reduce.site
+        assert (reduce.nbytes, bcast.nbytes, barrier.nbytes) == (4096, 64, 0)
+        for c in calls:
+            assert 0 < c.t_queued <= c.t_start <= c.t_end, c.what()
+            assert c.error == "" and c.peer == -1
+
+
+def test_the_ring_keeps_the_last_n_calls_of_a_group() -> None:
+    def body(g: ProcessGroup) -> list[int]:
+        for _ in range(7):
+            api.all_reduce(torch.ones(2), group=g)
+        return [c.seq for c in _calls(g)]
+
+    assert run_threads(2, body, settings=Settings(flight_recorder=3)) == [[4, 5, 6]] * 2
+
+
+def test_recording_off_keeps_nothing_and_counts_nothing() -> None:
+    def body(g: ProcessGroup) -> Any:
+        api.all_reduce(torch.ones(2), group=g)
+        return _calls(g), g.recorder.totals(), g.recorder.issued
+
+    assert run_threads(2, body, settings=Settings(flight_recorder=0)) == [([], {}, 0)] * 2
+
+
+def test_an_async_call_is_queued_then_started_then_completed() -> None:
+    def body(g: ProcessGroup) -> Call:
+        work = api.all_reduce(torch.ones(4), group=g, async_op=True)
+        assert work is not None
+        work.wait()
+        return _calls(g)[-1]
+
+    for call in run_threads(2, body):
+        assert call.state == COMPLETED and call.t_queued <= call.t_start <= call.t_end
+
+
+def test_a_mismatched_call_is_recorded_as_failed_with_its_error() -> None:
+    def body(g: ProcessGroup) -> Call:
+        with pytest.raises(CollectiveMismatchError):
+            if g.group_rank == 0:
+                api.all_reduce(torch.ones(4), group=g)
+            else:
+                api.broadcast(torch.ones(4), src=0, group=g)
+        return _calls(g)[-1]
+
+    for rank, call in enumerate(run_threads(2, body)):
+        assert call.state == FAILED, call.what()
+        assert call.op == ("all_reduce" if rank == 0 else "broadcast")
+        assert call.error.startswith("CollectiveMismatchError: "), call.error
+        assert "collective mismatch" in call.error, call.error
+
+
+def test_sends_and_receives_are_recorded_with_peer_and_tag() -> None:
+    def body(g: ProcessGroup) -> list[tuple[str, int, int, int, int]]:
+        t = torch.ones(16)
+        if g.group_rank == 0:
+            p2p.send(t, dst=1, group=g, tag=3)
+        else:
+            p2p.recv(t, src=None, group=g, tag=3)  # from any rank: the sender is filled in
+        return [(c.op, c.peer, c.tag, c.nbytes, c.state) for c in _calls(g)]
+
+    assert run_threads(2, body) == [[("send", 1, 3, 64, COMPLETED)],
+                                    [("recv", 0, 3, 64, COMPLETED)]]
+
+
+def test_totals_count_calls_bytes_seconds_and_failures_per_op() -> None:
+    def body(g: ProcessGroup) -> dict[str, Any]:
+        for _ in range(5):
+            api.all_reduce(torch.ones(1024), group=g)
+        api.all_gather([torch.empty(3) for _ in range(2)], torch.ones(3), group=g)
+        return {op: dataclasses.astuple(s) for op, s in g.recorder.totals().items()}
+
+    for totals in run_threads(2, body):
+        count, nbytes, seconds, failed = totals["all_reduce"]
+        assert (count, nbytes, failed) == (5, 5 * 4096, 0) and seconds > 0, totals
+        assert totals["all_gather"][:2] == (1, 2 * 3 * 4), totals  # the whole output
+
+
+def test_the_public_stats_are_per_group_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    # tandem.stats() reads the groups of the initialised world
+    from tandem.testing import spawn
+
+    assert spawn(2, _stats_rank, timeout=60) == [True, True]
+
+
+def _stats_rank(rank: int, world_size: int) -> bool:
+    sub = tandem.new_group([0, 1], group_desc="pair")
+    for _ in range(3):
+        tandem.all_reduce(torch.ones(256))
+    tandem.all_reduce(torch.ones(2), group=sub)
+    stats = tandem.stats()
+    assert set(stats) == {"default", "pair"}, stats
+    assert stats["default"]["all_reduce"].count == 3, stats
+    assert stats["default"]["all_reduce"].bytes == 3 * 1024, stats
+    assert tandem.stats(sub) == {"pair": stats["pair"]}
+    assert stats["pair"]["all_reduce"].count == 1, stats
+    return True
