@@ -30,6 +30,7 @@ import zlib
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
+from tandem import _wire
 from tandem.collectives.backend import Backend, BackendOptions, resolve_backend
 from tandem.collectives.group import ProcessGroup
 from tandem.collectives.world import bind_address
@@ -103,9 +104,11 @@ def _connect(store: dist.Store, rank: int, size: int, members: list[int],
     # a re-created group on the same store must not read the previous one's addresses
     generation = (tandem_store.add("tandem/inits", 1) - 1) // size
     master = master_address(store) or os.environ.get("MASTER_ADDR")
+    host = bind_address(settings, master)
     options = BackendOptions(store=PrefixStore(f"tandem/{generation}", tandem_store), rank=rank,
-                             world_size=size, host=bind_address(settings, master),
-                             hostname=os.environ.get("TANDEM_HOST_ID") or socket.gethostname(),
+                             world_size=size, host=host,
+                             advertise=_wire.advertised_address(host, master),
+                             hostname=settings.host_id or socket.gethostname(),
                              secret=load_secret(), settings=settings)
     name = resolve_backend(transport_name)
     return Fabric(Backend.factory(name)(options), members, settings, transport_name)

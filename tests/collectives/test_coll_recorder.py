@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tandem
-from tandem.collectives import api, p2p
+from tandem.collectives import api, barriers, p2p
 from tandem.collectives.group import ProcessGroup
 from tandem.collectives.recorder import COMPLETED, FAILED, Call
 from tandem.config import Settings
@@ -28,7 +28,7 @@ def test_every_collective_is_recorded_with_its_signature_site_size_and_times() -
     def body(g: ProcessGroup) -> list[Call]:
         api.all_reduce(torch.ones(1024), group=g)  # 4 KB
         api.broadcast(torch.ones(8, dtype=torch.float64), src=0, group=g)
-        api.barrier(group=g)
+        barriers.barrier(group=g)
         return _calls(g)
 
     for calls in run_threads(2, body):
