@@ -48,6 +48,7 @@ class Kind:
     P2P = 2  # point-to-point: key is (group, per-pair counter, tag)
     ABORT = 3  # a rank aborted a group; payload is the UTF-8 reason
     BYE = 4  # the sender is closing its transport on purpose (destroy_process_group)
+    RPC = 5  # an RPC message: consumed by the handler registered for it (Mailbox.handle)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +91,7 @@ def decode_error(code: int, data: bytes) -> TandemError:
         return PeerLostError(text, int(lost_text) if lost_text.lstrip("-").isdigit() else -1)
     return error_type(text)
 Reader = Callable[[memoryview], None]
+Handler = Callable[[int, "Header", Reader], None]
 
 
 class Flag:
@@ -193,10 +195,26 @@ class Mailbox:
         self.reports: dict[int, list[TandemError]] = collections.defaultdict(list)
         # set by the transport: tell ``peer`` that ``group`` failed with ``error``
         self.reply: Callable[[int, int, TandemError], None] | None = None
+        self._handlers: dict[int, Handler] = {}
+
+    def handle(self, kind: int, handler: Handler | None) -> None:
+        """Hand every message of ``kind`` to ``handler(peer, header, read)`` instead of
+        matching it with a posted receive (for messages that arrive unsolicited, of sizes
+        nobody can post for: RPC). The handler runs on the reader's thread, must consume
+        exactly ``header.nbytes`` through ``read`` (each call fills a view with the next
+        bytes) and must not raise. ``None`` removes it."""
+        if handler is None:
+            self._handlers.pop(kind, None)
+        else:
+            self._handlers[kind] = handler
 
     # -- receiving side (called by the transport's reader for ``peer``) ----------------
     def arrive(self, peer: int, header: Header, read: Reader) -> None:
         """Deliver one message; ``read(view)`` fills ``view`` with the payload."""
+        handler = self._handlers.get(header.kind)
+        if handler is not None:
+            handler(peer, header, read)
+            return
         if header.kind == Kind.BYE:
             read(memoryview(bytearray(header.nbytes)))
             with self._lock:
@@ -447,15 +465,23 @@ class Transport(abc.ABC):
     def isend(self, peer: int, header: Header, payload: memoryview) -> Slot:
         """Queue ``payload`` for ``peer``; the handle completes when it was written."""
 
+    def isendv(self, peer: int, header: Header, parts: Sequence[memoryview]) -> Slot:
+        """Like ``isend`` with the payload in pieces (byte views), sent as one message;
+        tcp and shm write the pieces without joining them."""
+        return self.isend(peer, header, memoryview(b"".join(parts)))
+
     def _send_slot(self, peer: int, header: Header) -> Slot:
         return Slot(peer, (peer, header.kind, header.group, header.seq, header.step), None, b"")
 
     def _send_to_self(self, header: Header, payload: memoryview) -> Slot:
         """A message to this very rank: copied now, delivered through the mailbox."""
         data = bytes(payload)
+        done = 0
 
         def read(view: memoryview) -> None:
-            view[:] = data
+            nonlocal done
+            view[:] = data[done:done + len(view)]
+            done += len(view)
 
         self.mailbox.arrive(self.rank, header, read)
         slot = self._send_slot(self.rank, header)

@@ -33,9 +33,12 @@ class LoopbackTransport(Transport):
         if target.closed:
             raise PeerLostError(f"rank {peer} closed its loopback transport", peer)
         data = payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload
+        done = 0
 
         def read(view: memoryview) -> None:
-            view[:] = data[: len(view)]
+            nonlocal done
+            view[:] = data[done:done + len(view)]
+            done += len(view)
 
         target.mailbox.arrive(self.rank, header, read)
         slot.finish(header)

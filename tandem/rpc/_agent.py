@@ -1,0 +1,300 @@
+"""The RPC agent: one per worker, between the public API and a transport.
+
+Messages (``Kind.RPC`` frames, see ``_codec``) have a type in the header's ``step``:
+
+    CALL    run a function, reply with its result        seq = call id
+    REMOTE  run a function, keep the result in an RRef   seq = call id = the RRef's id
+    REPLY   the result of call ``seq``
+    ERROR   the exception of call ``seq``
+    NOTE    a one-way bookkeeping message (RRef forks and deletes, autograd contexts)
+
+The hot path has no thread hand-off on the caller's side: the caller encodes and writes
+the frame itself. On the callee, the transport's reader thread reads the frame straight
+into freshly allocated tensors, unpickles it (so RRef bookkeeping happens in arrival
+order) and queues the call for the server pool; the pool thread runs it and writes the
+reply itself. The caller's reader thread completes the call, which wakes the caller.
+NOTEs are handled on the reader thread: they are short and never wait.
+
+Messages to this very worker skip the transport but not the codec, so a call to
+oneself behaves like any other (arguments are copies; it runs on the pool).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from tandem.autograd._context import Contexts
+from tandem.errors import ArgumentError, PeerLostError, ProtocolError, StateError, TandemError
+from tandem.rpc import _codec
+from tandem.rpc._calls import (Call, RpcFuture, describe, rebuild_error, remote_error_fields,
+                               timeout_error, wait_flag)
+from tandem.rpc._pool import ServerPool, role
+from tandem.rpc._rrefs import RRefTable
+from tandem.rpc.functions import ASYNC_ATTR
+from tandem.rpc.worker import Directory
+from tandem.store.base import Store
+from tandem.transport.base import Header, Kind, Reader, Transport
+
+if TYPE_CHECKING:
+    from tandem.rpc._monitor import Monitor
+
+__all__ = ["Agent"]
+
+CALL, REMOTE, REPLY, ERROR, NOTE = 0, 1, 2, 3, 4
+MAX_EXTRA_THREADS = 128  # threads beyond num_worker_threads, for calls blocked in nested RPCs
+MAX_QUEUED = 1 << 16  # calls waiting for a server thread before the reader stops reading
+
+
+class Agent:
+    """Everything one worker's RPC needs; built by ``init_rpc``, closed by ``shutdown``."""
+
+    def __init__(self, transport: Transport, workers: Directory, store: Store, timeout: float,
+                 threads: int) -> None:
+        self.rank = transport.rank
+        self.transport = transport
+        self.workers = workers
+        self.store = store  # this RPC session's namespace of the rendezvous store
+        self.base_store: Store | None = None  # closed at shutdown when init_rpc made it
+        self.monitor: Monitor | None = None
+        self.timeout = timeout
+        self.pool = ServerPool(threads, f"tandem-rpc-{self.rank}", threads + MAX_EXTRA_THREADS,
+                               MAX_QUEUED)
+        self.pending: dict[int, Call] = {}
+        self.next_deadline = float("inf")  # no async call expires before this (monitor)
+        self._ids = itertools.count(1)
+        self._count_lock = threading.Lock()
+        self.sent = 0  # messages sent, and messages fully handled: shutdown compares sums
+        self.handled = 0
+        self.closed = False
+        self.rrefs = RRefTable(self)
+        self.autograd = Contexts(self.rank)
+        transport.mailbox.handle(Kind.RPC, self._on_message)
+
+    # -- identity --------------------------------------------------------------------
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def label(self, rank: int) -> str:
+        return self.workers.label(rank)
+
+    def check_open(self, what: str) -> None:
+        if self.closed:
+            raise StateError(f"{what}: RPC was shut down on this worker")
+
+    # -- calling ---------------------------------------------------------------------
+    def timeout_of(self, timeout: float) -> float:
+        if timeout is None or timeout == -1.0:
+            return self.timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+            raise ArgumentError(f"timeout must be seconds >= 0 (0: none, -1: the default "
+                                f"rpc_timeout), got {timeout!r}")
+        return float(timeout)
+
+    def start(self, dest: int, func: Any, args: Any, kwargs: Any, timeout: float,
+              future: bool, kind: str = "rpc_async", remote: bool = False,
+              call_id: int = 0) -> tuple[int, Call]:
+        """Send one call (``call_id``: one from :meth:`new_id`, or 0 for a new one); return
+        its id and its record, which the reply completes."""
+        self.check_open(kind)
+        if not callable(func):
+            raise ArgumentError(f"{kind}: func must be callable, got {func!r}")
+        args = () if args is None else tuple(args)
+        kwargs = {} if kwargs is None else dict(kwargs)
+        call_id = call_id or self.new_id()
+        call = Call(dest, f"{kind}({describe(func)})", self.timeout_of(timeout),
+                    RpcFuture() if future else None)
+        ctx = self.autograd.current_id()
+        out = self.encode((func, args, kwargs), dest, call.what, ctx)
+        self.pending[call_id] = call
+        if call.deadline < self.next_deadline:
+            self.next_deadline = call.deadline
+        try:
+            self.send(dest, REMOTE if remote else CALL, call_id, out, wait=future)
+        except BaseException:
+            self.pending.pop(call_id, None)
+            raise
+        return call_id, call
+
+    def wait(self, call_id: int, call: Call) -> Any:
+        """Wait for a call started with ``future=False``; its result or its error."""
+        if not wait_flag(call.flag, call.deadline, call.what):
+            if self.pending.pop(call_id, None) is call:
+                call.complete(None, timeout_error(call, self.label(call.dest)))
+            else:
+                call.flag.wait(1.0)  # the reply won the race: it is being completed
+        return call.result()
+
+    def encode(self, obj: Any, dest: int, what: str, ctx: int = 0) -> _codec.Outgoing:
+        record = None
+        if ctx:
+            record = functools.partial(self.autograd.record_send, ctx, dest)
+        return _codec.encode(obj, what, functools.partial(self.rrefs.fork, dest), ctx, record)
+
+    def send(self, dest: int, msg: int, seq: int, out: _codec.Outgoing,
+             wait: bool = False) -> None:
+        """Write one message. ``wait``: return once the transport took every byte, so the
+        caller may modify the tensors it sent (a large message to a busy peer queues)."""
+        self.rrefs.commit(dest, out.rrefs)
+        header = Header(Kind.RPC, out.meta_bytes, seq, msg, out.nbytes)
+        with self._count_lock:
+            self.sent += 1
+        if dest == self.rank:
+            self._receive(dest, header, _codec.local_reader(out.parts))
+            return
+        try:
+            slot = self.transport.isendv(dest, header, out.parts)
+            if wait and not slot.done() and not role.reader:
+                deadline = time.monotonic() + (self.timeout or 3600.0)
+                wait_flag(slot.event, deadline, "sending")
+            if slot.error is not None:
+                raise slot.error
+        except TandemError as exc:
+            self.rrefs.undo(dest, out.rrefs)
+            raise self.lost(dest, exc) from exc
+
+    def lost(self, rank: int, cause: BaseException) -> PeerLostError:
+        return PeerLostError(f"worker {self.label(rank)} is gone: {cause}", rank)
+
+    def notify(self, dest: int, note: tuple[Any, ...]) -> None:
+        """Send a NOTE (best effort: a worker that is gone needs no bookkeeping)."""
+        try:
+            self.send(dest, NOTE, 0, _codec.encode(note, "a note"))
+        except TandemError:
+            pass
+
+    # -- receiving -------------------------------------------------------------------
+    def _on_message(self, src: int, header: Header, read: Reader) -> None:
+        role.reader = True
+        self._receive(src, header, read)
+
+    def _receive(self, src: int, header: Header, read: Reader) -> None:
+        msg = header.step
+        incoming = _codec.read_message(header, read, f"worker {self.label(src)}")
+        try:
+            if msg == CALL or msg == REMOTE:
+                self._on_call(src, header.seq, incoming, msg == REMOTE)
+            elif msg == REPLY or msg == ERROR:
+                self._on_reply(src, header.seq, incoming, msg == ERROR)
+            elif msg == NOTE:
+                self._on_note(src, incoming)
+            else:
+                raise ProtocolError(f"worker {self.label(src)} sent RPC message type {msg}")
+        except ProtocolError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a reader thread must survive any bug
+            print(f"[tandem rpc {self.label(self.rank)}] dropped a message from "
+                  f"{self.label(src)}: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+    def _decode(self, src: int, incoming: _codec.Incoming) -> Any:
+        if incoming.error is not None:
+            raise incoming.error
+        if incoming.ctx_id:
+            self.autograd.record_recv(incoming.ctx_id, src, incoming.amsg, incoming.grads)
+        return _codec.decode(incoming, functools.partial(self.rrefs.build, src))
+
+    def _on_call(self, src: int, call_id: int, incoming: _codec.Incoming, remote: bool) -> None:
+        entry = self.rrefs.owner_entry((src, call_id), src) if remote else None
+        try:
+            func, args, kwargs = self._decode(src, incoming)
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+            self._finish(src, call_id, 0, entry, None, exc)
+            return
+        self.pool.submit(functools.partial(self._execute, src, call_id, func, args, kwargs,
+                                           incoming.ctx_id, entry))
+
+    def _execute(self, src: int, call_id: int, func: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any], ctx: int, entry: Any) -> None:
+        token = self.autograd.enter(ctx)
+        try:
+            out = func(*args, **kwargs)
+            if getattr(func, ASYNC_ATTR, False):
+                if not isinstance(out, torch._C.Future):
+                    raise StateError(f"{describe(func)} is marked async_execution but returned "
+                                     f"{type(out).__name__}, not a torch.futures.Future")
+                out.add_done_callback(functools.partial(self._settled, src, call_id, ctx, entry))
+                return
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+            self._finish(src, call_id, ctx, entry, None, exc)
+            return
+        finally:
+            self.autograd.leave(token)
+        self._finish(src, call_id, ctx, entry, out, None)
+
+    def _settled(self, src: int, call_id: int, ctx: int, entry: Any,
+                 fut: torch.futures.Future[Any]) -> None:
+        try:
+            value = fut.wait()
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+            self._finish(src, call_id, ctx, entry, None, exc)
+            return
+        self._finish(src, call_id, ctx, entry, value, None)
+
+    def _finish(self, src: int, call_id: int, ctx: int, entry: Any, value: Any,
+                error: BaseException | None) -> None:
+        """Reply to call ``call_id`` of ``src`` (an REMOTE's value stays in its RRef)."""
+        if entry is not None:
+            entry.settle(value, error)
+            value = None
+        try:
+            msg = REPLY
+            if error is None:
+                try:
+                    out = self.encode(value, src, "the result", ctx)
+                except BaseException as exc:  # noqa: BLE001 - the caller gets it instead
+                    error = exc
+            if error is not None:
+                out = _codec.encode(remote_error_fields(error, self.label(self.rank)), "an error")
+                msg = ERROR
+            self.send(src, msg, call_id, out)
+        except TandemError:
+            pass  # the caller is gone: nobody to tell
+        finally:
+            with self._count_lock:
+                self.handled += 1
+
+    def _on_reply(self, src: int, call_id: int, incoming: _codec.Incoming, failed: bool) -> None:
+        call = self.pending.pop(call_id, None)
+        error: BaseException | None = None
+        value: Any = None
+        try:
+            value = self._decode(src, incoming)  # even if late: RRefs inside must be freed
+            if failed:
+                value, error = None, rebuild_error(*value)
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+            error = exc
+        try:
+            if call is not None:
+                call.complete(value, error)
+        finally:
+            with self._count_lock:
+                self.handled += 1
+
+    def _on_note(self, src: int, incoming: _codec.Incoming) -> None:
+        try:
+            note = _codec.decode(incoming)
+            if note[0] == "release":
+                self.autograd.released(note[1], src, self.notify)
+            else:
+                self.rrefs.on_note(src, note)
+        finally:
+            with self._count_lock:
+                self.handled += 1
+
+    # -- state -------------------------------------------------------------------------
+    def counts(self) -> tuple[int, int]:
+        with self._count_lock:
+            return self.sent, self.handled
+
+    def fail_pending(self, match: Callable[[Call], bool], error: Callable[[Call], BaseException]
+                     ) -> None:
+        """Complete every pending call that ``match``es with ``error(call)``."""
+        for call_id, call in list(self.pending.items()):
+            if match(call) and self.pending.pop(call_id, None) is call:
+                call.complete(None, error(call))

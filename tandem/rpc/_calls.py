@@ -1,0 +1,161 @@
+"""Outstanding calls: their records, how callers wait for them, and how they fail.
+
+A :class:`Call` is completed exactly once, by whoever removes it from the agent's table
+first: the reply (on a transport reader thread), the deadline (the caller, or the
+monitor for ``rpc_async``), or the loss of its worker (the monitor). ``rpc_sync`` waits
+on the call's flag; ``rpc_async`` hands out a :class:`RpcFuture` (a
+``torch.futures.Future``) that the completion sets.
+
+Remote exceptions come back as the same class when it can be rebuilt from a message
+(``ValueError``, ``KeyError``, tandem's errors...), otherwise as ``RpcError``; either
+way the message starts with the worker's name and ends with the remote traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+from tandem.errors import RpcError, RpcTimeoutError, StateError
+from tandem.rpc._pool import role
+from tandem.transport.base import Flag
+
+__all__ = ["Call", "RpcFuture", "wait_flag", "remote_error_fields", "rebuild_error",
+           "timeout_error", "describe"]
+
+_SPIN_S = 50e-6  # a waiter polls this long before sleeping: replies often come sooner
+
+
+def describe(func: Any) -> str:
+    """How errors name a called function: ``module.qualname``."""
+    module = getattr(func, "__module__", None) or "?"
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    return f"{module}.{name}"
+
+
+def _refuse_on_reader(what: str) -> None:
+    if role.reader:
+        raise StateError(
+            f"{what} was called on tandem's RPC receive thread (from a Future callback of "
+            f"an RPC, or an async_execution function's callback); waiting there would stop "
+            f"the replies it waits for; chain with fut.then(...) or use rpc_async")
+
+
+def wait_flag(flag: Flag, deadline: float | None, what: str) -> bool:
+    """Wait for ``flag`` until ``deadline`` (monotonic; None: no deadline); True if set.
+
+    Polls briefly first, then sleeps; a server-pool thread is marked as blocked meanwhile
+    so that nested calls get a thread of their own.
+    """
+    if flag.is_set():
+        return True
+    _refuse_on_reader(what)
+    end = time.perf_counter() + _SPIN_S
+    while time.perf_counter() < end:
+        os.sched_yield()
+        if flag.is_set():
+            return True
+    pool = role.pool
+    if pool is None:
+        return _sleep(flag, deadline)
+    with pool.blocked():
+        return _sleep(flag, deadline)
+
+
+def _sleep(flag: Flag, deadline: float | None) -> bool:
+    while True:
+        left = 1.0 if deadline is None else deadline - time.monotonic()
+        if left <= 0:
+            return flag.is_set()
+        if flag.wait(min(left, 1.0)):
+            return True
+
+
+class RpcFuture(torch.futures.Future):
+    """The ``torch.futures.Future`` that ``rpc_async`` returns; ``wait`` works inside
+    served functions without starving the server pool."""
+
+    def __init__(self) -> None:
+        torch._C.Future.__init__(self, [])
+        self._done = Flag()
+
+    def wait(self) -> Any:
+        wait_flag(self._done, None, "Future.wait()")
+        return super().wait()
+
+
+class Call:
+    """One outstanding request to worker ``dest``."""
+
+    __slots__ = ("dest", "what", "timeout", "deadline", "started", "flag", "value", "error",
+                 "future", "after")
+
+    def __init__(self, dest: int, what: str, timeout: float,
+                 future: RpcFuture | None = None) -> None:
+        self.dest = dest
+        self.what = what
+        self.timeout = timeout
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout if timeout > 0 else float("inf")
+        self.flag = Flag()
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.future = future
+        self.after: Callable[[Call], None] | None = None
+
+    def complete(self, value: Any, error: BaseException | None) -> None:
+        """Record the outcome and wake whoever waits (call once)."""
+        self.value, self.error = value, error
+        if self.after is not None:
+            self.after(self)
+        fut = self.future
+        if fut is not None:
+            fut._done.set()
+            if error is None:
+                fut.set_result(value)
+            else:
+                fut.set_exception(error)
+        self.flag.set()
+
+    def result(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def timeout_error(call: Call, worker: str) -> RpcTimeoutError:
+    waited = time.monotonic() - call.started
+    return RpcTimeoutError(f"{call.what} on worker {worker} timed out: no reply after "
+                           f"{waited:.3g} s (timeout {call.timeout:g} s)")
+
+
+def remote_error_fields(exc: BaseException, worker: str) -> tuple[str, str, str, str]:
+    """What crosses the wire for an exception raised by a served call."""
+    cls = type(exc)
+    text = "".join(traceback.format_exception(cls, exc, exc.__traceback__))
+    return cls.__module__, cls.__qualname__, str(exc), f"On worker {worker}:\n{text}"
+
+
+def rebuild_error(module: str, qualname: str, message: str, remote: str) -> BaseException:
+    """The caller's copy of a remote exception: the same class when it takes a message."""
+    cls: Any = None
+    try:
+        obj: Any = __import__(module, fromlist=["_"])
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        cls = obj
+    except Exception:  # noqa: BLE001 - class not importable here: fall back to RpcError
+        cls = None
+    text = remote.rstrip()
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        try:
+            error = cls(text)
+            if error.args == (text,):  # the class kept the message as given
+                return error
+        except Exception:  # noqa: BLE001 - constructor wants other arguments
+            pass
+    return RpcError(f"{module}.{qualname}: {message}\n{text}")
