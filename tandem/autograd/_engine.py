@@ -85,6 +85,20 @@ def _leaves(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return list(found.values())
 
 
+def _surrogate(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """A scalar whose gradient with respect to each output is its given gradient, exactly
+    (``sum(out * grad)``). Backward from it passes no gradient tensors to torch, whose
+    check of their shapes costs a second per process on first use (it imports sympy)."""
+    total: torch.Tensor | None = None
+    for out, grad in pairs:
+        if out.is_complex():
+            out, grad = torch.view_as_real(out), torch.view_as_real(grad)
+        term = (out * grad).sum()
+        total = term if total is None else total + term
+    assert total is not None
+    return total
+
+
 def _run_pass(ctx: Context, outputs: Sequence[torch.Tensor],
               grads: Sequence[torch.Tensor | None], retain_graph: bool) -> list[Any]:
     """One local pass; returns the futures of the gradient messages it sent."""
@@ -100,8 +114,7 @@ def _run_pass(ctx: Context, outputs: Sequence[torch.Tensor],
         for leaf in leaves:
             leaf.grad = None
         try:
-            torch.autograd.backward(outs, [g for _, g in pairs], retain_graph=retain_graph,
-                                    inputs=leaves)
+            _surrogate(pairs).backward(retain_graph=retain_graph)
             got = [leaf.grad for leaf in leaves]
         except RuntimeError as exc:
             if "second time" in str(exc):
@@ -143,13 +156,33 @@ def _send_grads(ctx: Context, src: int, msg: int, by_index: dict[int, torch.Tens
 
 
 def _all_done(futures: list[Any]) -> torch.futures.Future[Any]:
-    done: torch.futures.Future[Any] = torch.futures.collect_all(futures)
+    """A future completed when all ``futures`` are, with the first error if any failed
+    (the error keeps its class, unlike a ``then`` callback's)."""
+    done: torch.futures.Future[Any] = torch.futures.Future()
+    if not futures:
+        done.set_result(None)
+        return done
+    lock = threading.Lock()
+    state: dict[str, Any] = {"left": len(futures), "error": None}
 
-    def check(f: torch.futures.Future[Any]) -> None:
-        for each in f.wait():
-            each.wait()  # raises the first error
+    def one(f: torch.futures.Future[Any]) -> None:
+        try:
+            f.wait()
+        except BaseException as exc:  # noqa: BLE001 - the first one is reported
+            with lock:
+                state["error"] = state["error"] or exc
+        with lock:
+            state["left"] -= 1
+            last = state["left"] == 0
+        if last:
+            if state["error"] is not None:
+                done.set_exception(state["error"])
+            else:
+                done.set_result(None)
 
-    return done.then(check)
+    for f in futures:
+        f.add_done_callback(one)
+    return done
 
 
 @async_execution

@@ -35,7 +35,7 @@ from tandem.errors import ArgumentError, PeerLostError, ProtocolError, StateErro
 from tandem.rpc import _codec
 from tandem.rpc._calls import (Call, RpcFuture, describe, rebuild_error, remote_error_fields,
                                timeout_error, wait_flag)
-from tandem.rpc._pool import ServerPool, role
+from tandem.rpc._pool import ServerPool, adopt_thread_settings, role
 from tandem.rpc._rrefs import RRefTable
 from tandem.rpc.functions import ASYNC_ATTR
 from tandem.rpc.worker import Directory
@@ -171,7 +171,9 @@ class Agent:
 
     # -- receiving -------------------------------------------------------------------
     def _on_message(self, src: int, header: Header, read: Reader) -> None:
-        role.reader = True
+        if not role.reader:  # the first message on this transport reader thread
+            role.reader = True
+            adopt_thread_settings()
         self._receive(src, header, read)
 
     def _receive(self, src: int, header: Header, read: Reader) -> None:

@@ -51,6 +51,8 @@ def _check_timeout(value: object, what: str) -> float:
 
 
 def _check_cpu(device: Any, what: str) -> torch.device:
+    if isinstance(device, int) and not isinstance(device, bool):
+        device = f"cuda:{device}"  # torch's meaning of a bare index in device maps
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
