@@ -41,6 +41,7 @@ from tandem.rpc.functions import ASYNC_ATTR
 from tandem.rpc.worker import Directory
 from tandem.store.base import Store
 from tandem.transport.base import Header, Kind, Reader, Transport
+from tandem.transport.shm import default_spin
 
 if TYPE_CHECKING:
     from tandem.rpc._monitor import Monitor
@@ -50,6 +51,14 @@ __all__ = ["Agent"]
 CALL, REMOTE, REPLY, ERROR, NOTE = 0, 1, 2, 3, 4
 MAX_EXTRA_THREADS = 128  # threads beyond num_worker_threads, for calls blocked in nested RPCs
 MAX_QUEUED = 1 << 16  # calls waiting for a server thread before the reader stops reading
+
+
+def _spin(transport: Transport, world: int) -> float:
+    """How long waiters poll before sleeping: the transport's own policy (long only when
+    every worker on this host has a CPU of its own)."""
+    me = transport.host_of(transport.rank)
+    local = sum(1 for r in range(world) if transport.host_of(r) == me)
+    return default_spin(max(1, local))
 
 
 class Agent:
@@ -64,8 +73,9 @@ class Agent:
         self.base_store: Store | None = None  # closed at shutdown when init_rpc made it
         self.monitor: Monitor | None = None
         self.timeout = timeout
+        self.spin = _spin(transport, len(workers))
         self.pool = ServerPool(threads, f"tandem-rpc-{self.rank}", threads + MAX_EXTRA_THREADS,
-                               MAX_QUEUED)
+                               MAX_QUEUED, self.spin)
         self.pending: dict[int, Call] = {}
         self.next_deadline = float("inf")  # no async call expires before this (monitor)
         self._ids = itertools.count(1)
@@ -109,7 +119,7 @@ class Agent:
         kwargs = {} if kwargs is None else dict(kwargs)
         call_id = call_id or self.new_id()
         call = Call(dest, f"{kind}({describe(func)})", self.timeout_of(timeout),
-                    RpcFuture() if future else None)
+                    RpcFuture(self.spin) if future else None)
         ctx = self.autograd.current_id()
         out = self.encode((func, args, kwargs), dest, call.what, ctx)
         self.pending[call_id] = call
@@ -124,7 +134,7 @@ class Agent:
 
     def wait(self, call_id: int, call: Call) -> Any:
         """Wait for a call started with ``future=False``; its result or its error."""
-        if not wait_flag(call.flag, call.deadline, call.what):
+        if not wait_flag(call.flag, call.deadline, call.what, self.spin):
             if self.pending.pop(call_id, None) is call:
                 call.complete(None, timeout_error(call, self.label(call.dest)))
             else:

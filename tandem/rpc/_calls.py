@@ -27,8 +27,6 @@ from tandem.transport.base import Flag
 __all__ = ["Call", "RpcFuture", "wait_flag", "remote_error_fields", "rebuild_error",
            "timeout_error", "describe"]
 
-_SPIN_S = 50e-6  # a waiter polls this long before sleeping: replies often come sooner
-
 
 def describe(func: Any) -> str:
     """How errors name a called function: ``module.qualname``."""
@@ -45,16 +43,17 @@ def _refuse_on_reader(what: str) -> None:
             f"the replies it waits for; chain with fut.then(...) or use rpc_async")
 
 
-def wait_flag(flag: Flag, deadline: float | None, what: str) -> bool:
+def wait_flag(flag: Flag, deadline: float | None, what: str, spin: float = 0.0) -> bool:
     """Wait for ``flag`` until ``deadline`` (monotonic; None: no deadline); True if set.
 
-    Polls briefly first, then sleeps; a server-pool thread is marked as blocked meanwhile
-    so that nested calls get a thread of their own.
+    Polls for ``spin`` seconds first (a reply often comes sooner than a sleeping thread
+    wakes), then sleeps; a server-pool thread is marked as blocked meanwhile so that
+    nested calls get a thread of their own.
     """
     if flag.is_set():
         return True
     _refuse_on_reader(what)
-    end = time.perf_counter() + _SPIN_S
+    end = time.perf_counter() + spin
     while time.perf_counter() < end:
         os.sched_yield()
         if flag.is_set():
@@ -79,12 +78,13 @@ class RpcFuture(torch.futures.Future):
     """The ``torch.futures.Future`` that ``rpc_async`` returns; ``wait`` works inside
     served functions without starving the server pool."""
 
-    def __init__(self) -> None:
+    def __init__(self, spin: float = 0.0) -> None:
         torch._C.Future.__init__(self, [])
         self._done = Flag()
+        self._spin = spin
 
     def wait(self) -> Any:
-        wait_flag(self._done, None, "Future.wait()")
+        wait_flag(self._done, None, "Future.wait()", self._spin)
         return super().wait()
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import threading
 import time
 from typing import Callable, Iterator
@@ -52,7 +53,8 @@ def adopt_thread_settings() -> None:
 class ServerPool:
     """Runs jobs on up to ``size`` threads at once (see the module docstring)."""
 
-    def __init__(self, size: int, name: str, max_threads: int, max_queued: int) -> None:
+    def __init__(self, size: int, name: str, max_threads: int, max_queued: int,
+                 spin: float = 0.0) -> None:
         self._size = size
         self._name = name
         self._max_threads = max(size, max_threads)
@@ -66,6 +68,7 @@ class ServerPool:
         self._running = 0
         self._closed = False
         self._made = 0
+        self.spin = spin
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; blocks while ``max_queued`` jobs already wait (back-pressure)."""
@@ -120,6 +123,14 @@ class ServerPool:
             finally:
                 with self._lock:
                     self._running -= 1
+            self._linger()
+
+    def _linger(self) -> None:
+        """Poll ``spin`` seconds for the next job before parking: a thread that is awake
+        takes it sooner than one woken from sleep (back-to-back calls, mostly)."""
+        end = time.perf_counter() + self.spin
+        while not self._queue and time.perf_counter() < end:
+            os.sched_yield()
 
     @contextlib.contextmanager
     def blocked(self) -> Iterator[None]:
