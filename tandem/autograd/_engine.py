@@ -152,7 +152,7 @@ def _send_grads(ctx: Context, src: int, msg: int, by_index: dict[int, torch.Tens
                               future=True, kind="backward")
     finally:
         agent.autograd.leave(previous)
-    return call.future
+    return call
 
 
 def _all_done(futures: list[Any]) -> torch.futures.Future[Any]:

@@ -33,8 +33,8 @@ import torch
 from tandem.autograd._context import Contexts
 from tandem.errors import ArgumentError, PeerLostError, ProtocolError, StateError, TandemError
 from tandem.rpc import _codec
-from tandem.rpc._calls import (Call, RpcFuture, describe, rebuild_error, remote_error_fields,
-                               timeout_error, wait_flag)
+from tandem.rpc._calls import (Call, Pending, RpcFuture, describe, rebuild_error,
+                               remote_error_fields, timeout_error, wait_flag)
 from tandem.rpc._pool import ServerPool, adopt_thread_settings, role
 from tandem.rpc._rrefs import RRefTable
 from tandem.rpc.functions import ASYNC_ATTR
@@ -51,6 +51,11 @@ __all__ = ["Agent"]
 CALL, REMOTE, REPLY, ERROR, NOTE = 0, 1, 2, 3, 4
 MAX_EXTRA_THREADS = 128  # threads beyond num_worker_threads, for calls blocked in nested RPCs
 MAX_QUEUED = 1 << 16  # calls waiting for a server thread before the reader stops reading
+
+
+def _value(counter: "itertools.count[int]") -> int:
+    """The next value of ``counter`` without taking it (its repr is ``count(n)``)."""
+    return int(repr(counter)[6:-1])
 
 
 def _spin(transport: Transport, world: int) -> float:
@@ -76,12 +81,14 @@ class Agent:
         self.spin = _spin(transport, len(workers))
         self.pool = ServerPool(threads, f"tandem-rpc-{self.rank}", threads + MAX_EXTRA_THREADS,
                                MAX_QUEUED, self.spin)
-        self.pending: dict[int, Call] = {}
+        self.pending: dict[int, Pending] = {}
         self.next_deadline = float("inf")  # no async call expires before this (monitor)
+        self.deadline_lock = threading.Lock()  # orders lowering next_deadline with scans
         self._ids = itertools.count(1)
-        self._count_lock = threading.Lock()
-        self.sent = 0  # messages sent, and messages fully handled: shutdown compares sums
-        self.handled = 0
+        # messages sent, and messages fully handled (shutdown compares the sums); next() on
+        # a count is atomic, so the hot path takes no lock for them
+        self._sent = itertools.count()
+        self._handled = itertools.count()
         self.closed = False
         self.rrefs = RRefTable(self)
         self.autograd = Contexts(self.rank)
@@ -109,22 +116,27 @@ class Agent:
 
     def start(self, dest: int, func: Any, args: Any, kwargs: Any, timeout: float,
               future: bool, kind: str = "rpc_async", remote: bool = False,
-              call_id: int = 0) -> tuple[int, Call]:
+              call_id: int = 0) -> tuple[int, Pending]:
         """Send one call (``call_id``: one from :meth:`new_id`, or 0 for a new one); return
-        its id and its record, which the reply completes."""
-        self.check_open(kind)
+        its id and its record (an RpcFuture if ``future``), which the reply completes."""
+        if self.closed:
+            self.check_open(kind)
         if not callable(func):
             raise ArgumentError(f"{kind}: func must be callable, got {func!r}")
-        args = () if args is None else tuple(args)
-        kwargs = {} if kwargs is None else dict(kwargs)
-        call_id = call_id or self.new_id()
-        call = Call(dest, f"{kind}({describe(func)})", self.timeout_of(timeout),
-                    RpcFuture(self.spin) if future else None)
+        if type(args) is not tuple:
+            args = () if args is None else tuple(args)
+        if type(kwargs) is not dict:
+            kwargs = {} if kwargs is None else dict(kwargs)
+        call_id = call_id or next(self._ids)
+        seconds = self.timeout if timeout == -1.0 else self.timeout_of(timeout)
+        call: Pending = (RpcFuture(dest, kind, func, seconds, self.spin) if future
+                         else Call(dest, kind, func, seconds))
         ctx = self.autograd.current_id()
-        out = self.encode((func, args, kwargs), dest, call.what, ctx)
+        out = self.encode((func, args, kwargs), dest, kind, ctx)
         self.pending[call_id] = call
         if call.deadline < self.next_deadline:
-            self.next_deadline = call.deadline
+            with self.deadline_lock:
+                self.next_deadline = min(self.next_deadline, call.deadline)
         try:
             self.send(dest, REMOTE if remote else CALL, call_id, out, wait=future)
         except BaseException:
@@ -132,9 +144,10 @@ class Agent:
             raise
         return call_id, call
 
-    def wait(self, call_id: int, call: Call) -> Any:
+    def wait(self, call_id: int, call: Pending) -> Any:
         """Wait for a call started with ``future=False``; its result or its error."""
-        if not wait_flag(call.flag, call.deadline, call.what, self.spin):
+        assert isinstance(call, Call)
+        if not wait_flag(call.flag, call.deadline, call.kind, self.spin):
             if self.pending.pop(call_id, None) is call:
                 call.complete(None, timeout_error(call, self.label(call.dest)))
             else:
@@ -151,10 +164,10 @@ class Agent:
              wait: bool = False) -> None:
         """Write one message. ``wait``: return once the transport took every byte, so the
         caller may modify the tensors it sent (a large message to a busy peer queues)."""
-        self.rrefs.commit(dest, out.rrefs)
+        if out.rrefs:
+            self.rrefs.commit(dest, out.rrefs)
         header = Header(Kind.RPC, out.meta_bytes, seq, msg, out.nbytes)
-        with self._count_lock:
-            self.sent += 1
+        next(self._sent)
         if dest == self.rank:
             self._receive(dest, header, _codec.local_reader(out.parts))
             return
@@ -166,7 +179,8 @@ class Agent:
             if slot.error is not None:
                 raise slot.error
         except TandemError as exc:
-            self.rrefs.undo(dest, out.rrefs)
+            if out.rrefs:
+                self.rrefs.undo(dest, out.rrefs)
             raise self.lost(dest, exc) from exc
 
     def lost(self, rank: int, cause: BaseException) -> PeerLostError:
@@ -268,8 +282,7 @@ class Agent:
         except TandemError:
             pass  # the caller is gone: nobody to tell
         finally:
-            with self._count_lock:
-                self.handled += 1
+            next(self._handled)
 
     def _on_reply(self, src: int, call_id: int, incoming: _codec.Incoming, failed: bool) -> None:
         call = self.pending.pop(call_id, None)
@@ -285,8 +298,7 @@ class Agent:
             if call is not None:
                 call.complete(value, error)
         finally:
-            with self._count_lock:
-                self.handled += 1
+            next(self._handled)
 
     def _on_note(self, src: int, incoming: _codec.Incoming) -> None:
         try:
@@ -296,16 +308,15 @@ class Agent:
             else:
                 self.rrefs.on_note(src, note)
         finally:
-            with self._count_lock:
-                self.handled += 1
+            next(self._handled)
 
     # -- state -------------------------------------------------------------------------
     def counts(self) -> tuple[int, int]:
-        with self._count_lock:
-            return self.sent, self.handled
+        """(messages sent, messages handled) so far."""
+        return _value(self._sent), _value(self._handled)
 
-    def fail_pending(self, match: Callable[[Call], bool], error: Callable[[Call], BaseException]
-                     ) -> None:
+    def fail_pending(self, match: Callable[[Pending], bool],
+                     error: Callable[[Pending], BaseException]) -> None:
         """Complete every pending call that ``match``es with ``error(call)``."""
         for call_id, call in list(self.pending.items()):
             if match(call) and self.pending.pop(call_id, None) is call:

@@ -1,10 +1,9 @@
 """Outstanding calls: their records, how callers wait for them, and how they fail.
 
-A :class:`Call` is completed exactly once, by whoever removes it from the agent's table
-first: the reply (on a transport reader thread), the deadline (the caller, or the
-monitor for ``rpc_async``), or the loss of its worker (the monitor). ``rpc_sync`` waits
-on the call's flag; ``rpc_async`` hands out a :class:`RpcFuture` (a
-``torch.futures.Future``) that the completion sets.
+A call's record (a :class:`Call` for ``rpc_sync``, the :class:`RpcFuture` itself for
+``rpc_async`` and ``remote``) is completed exactly once, by whoever removes it from the
+agent's table first: the reply (on a transport reader thread), the deadline (the
+caller, or the monitor for futures), or the loss of its worker (the monitor).
 
 Remote exceptions come back as the same class when it can be rebuilt from a message
 (``ValueError``, ``KeyError``, tandem's errors...), otherwise as ``RpcError``; either
@@ -16,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -24,8 +23,8 @@ from tandem.errors import RpcError, RpcTimeoutError, StateError
 from tandem.rpc._pool import role
 from tandem.transport.base import Flag
 
-__all__ = ["Call", "RpcFuture", "wait_flag", "remote_error_fields", "rebuild_error",
-           "timeout_error", "describe"]
+__all__ = ["Call", "RpcFuture", "Pending", "wait_flag", "remote_error_fields",
+           "rebuild_error", "timeout_error", "describe"]
 
 
 def describe(func: Any) -> str:
@@ -74,51 +73,32 @@ def _sleep(flag: Flag, deadline: float | None) -> bool:
             return True
 
 
-class RpcFuture(torch.futures.Future):
-    """The ``torch.futures.Future`` that ``rpc_async`` returns; ``wait`` works inside
-    served functions without starving the server pool."""
-
-    def __init__(self, spin: float = 0.0) -> None:
-        torch._C.Future.__init__(self, [])
-        self._done = Flag()
-        self._spin = spin
-
-    def wait(self) -> Any:
-        wait_flag(self._done, None, "Future.wait()", self._spin)
-        return super().wait()
+def _window(timeout: float) -> tuple[float, float]:
+    started = time.monotonic()
+    return started, started + timeout if timeout > 0 else float("inf")
 
 
 class Call:
-    """One outstanding request to worker ``dest``."""
+    """One outstanding ``rpc_sync`` (or ``to_here``) to worker ``dest``; the caller waits
+    on ``flag``. ``what`` (for errors) is built only when needed."""
 
-    __slots__ = ("dest", "what", "timeout", "deadline", "started", "flag", "value", "error",
-                 "future", "after")
+    __slots__ = ("dest", "kind", "func", "timeout", "started", "deadline", "flag", "value",
+                 "error")
 
-    def __init__(self, dest: int, what: str, timeout: float,
-                 future: RpcFuture | None = None) -> None:
-        self.dest = dest
-        self.what = what
-        self.timeout = timeout
-        self.started = time.monotonic()
-        self.deadline = self.started + timeout if timeout > 0 else float("inf")
+    def __init__(self, dest: int, kind: str, func: Any, timeout: float) -> None:
+        self.dest, self.kind, self.func, self.timeout = dest, kind, func, timeout
+        self.started, self.deadline = _window(timeout)
         self.flag = Flag()
         self.value: Any = None
         self.error: BaseException | None = None
-        self.future = future
-        self.after: Callable[[Call], None] | None = None
+
+    @property
+    def what(self) -> str:
+        return f"{self.kind}({describe(self.func)})"
 
     def complete(self, value: Any, error: BaseException | None) -> None:
-        """Record the outcome and wake whoever waits (call once)."""
+        """Record the outcome and wake the caller (called once)."""
         self.value, self.error = value, error
-        if self.after is not None:
-            self.after(self)
-        fut = self.future
-        if fut is not None:
-            fut._done.set()
-            if error is None:
-                fut.set_result(value)
-            else:
-                fut.set_exception(error)
         self.flag.set()
 
     def result(self) -> Any:
@@ -127,7 +107,45 @@ class Call:
         return self.value
 
 
-def timeout_error(call: Call, worker: str) -> RpcTimeoutError:
+class RpcFuture(torch.futures.Future):
+    """What ``rpc_async`` and ``remote`` return: a ``torch.futures.Future`` that is also
+    the call's record (one object per call). ``wait`` polls briefly, and inside a served
+    function it does not starve the server pool."""
+
+    def __init__(self, dest: int, kind: str, func: Any, timeout: float, spin: float) -> None:
+        torch._C.Future.__init__(self, [])
+        self.dest, self.kind, self.func, self.timeout, self._spin = dest, kind, func, timeout, spin
+        self.started, self.deadline = _window(timeout)
+        self.error: BaseException | None = None
+
+    @property
+    def what(self) -> str:
+        return f"{self.kind}({describe(self.func)})"
+
+    def complete(self, value: Any, error: BaseException | None) -> None:
+        self.error = error
+        if error is None:
+            self.set_result(value)
+        else:
+            self.set_exception(error)
+
+    def wait(self) -> Any:
+        if not self.done():
+            _refuse_on_reader("Future.wait()")
+            end = time.perf_counter() + self._spin
+            while not self.done() and time.perf_counter() < end:
+                os.sched_yield()
+            pool = role.pool
+            if not self.done() and pool is not None:
+                with pool.blocked():  # the deadline is the monitor's: it fails the future
+                    return super().wait()
+        return super().wait()
+
+
+Pending = Call | RpcFuture
+
+
+def timeout_error(call: Pending, worker: str) -> RpcTimeoutError:
     waited = time.monotonic() - call.started
     return RpcTimeoutError(f"{call.what} on worker {worker} timed out: no reply after "
                            f"{waited:.3g} s (timeout {call.timeout:g} s)")

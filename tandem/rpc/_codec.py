@@ -2,7 +2,8 @@
 
 One message is one transport frame (``Kind.RPC``) whose payload is::
 
-    table    ctx id (u64), autograd message id (u64), tensor count (u32), then per tensor:
+    table    ctx id (u64), autograd message id (u64), tensor count (u32), flags (u8: RRefs
+             inside), then per tensor:
              dtype code (u8), flags (u8: requires grad, is a Parameter), ndim (u8), shape
     pickle   the structure; each tensor in it is a reference to its index in the table
     tensors  each tensor's raw bytes, in table order
@@ -22,11 +23,11 @@ Nothing here is unpickled unless the transport authenticated the peer.
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import math
 import pickle
 import struct
+import threading
 import types
 from typing import Any, Callable
 
@@ -42,10 +43,11 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
            torch.complex128]
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
-_HEAD = struct.Struct("<QQI")
+_HEAD = struct.Struct("<QQIB")  # ctx id, autograd message id, tensor count, flags
 _TENSOR = struct.Struct("<BBB")
 _SHAPES = [struct.Struct(f"<{n}q") for n in range(256)]
-_GRAD, _PARAM = 1, 2
+_GRAD, _PARAM = 1, 2  # per tensor
+_RREFS = 1  # per message: the pickle refers to RRefs
 _DRAIN = 1 << 20
 
 
@@ -66,22 +68,41 @@ def _payload(t: torch.Tensor) -> memoryview:
     return as_bytes(t)
 
 
-@dataclasses.dataclass
 class Outgoing:
     """An encoded message: ``parts`` go to ``Transport.isendv`` in order."""
 
-    parts: list[memoryview]
-    meta_bytes: int
-    nbytes: int
-    rrefs: list[tuple[Any, Any]]  # (RRef, fork id) for every RRef in the message
+    __slots__ = ("parts", "meta_bytes", "nbytes", "rrefs")
+
+    def __init__(self, parts: list[memoryview], meta_bytes: int, nbytes: int,
+                 rrefs: list[tuple[Any, Any]]) -> None:
+        self.parts = parts
+        self.meta_bytes = meta_bytes
+        self.nbytes = nbytes
+        self.rrefs = rrefs  # (RRef, fork id) for every RRef in the message
 
 
 class _Pickler(pickle.Pickler):
-    def __init__(self, file: io.BytesIO, fork: Callable[[Any], tuple[Any, ...]] | None) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+    def __init__(self) -> None:
+        self.buf = io.BytesIO()
+        super().__init__(self.buf, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors: list[torch.Tensor] = []
         self.rrefs: list[tuple[Any, Any]] = []
-        self._fork = fork
+        self._fork: Callable[[Any], tuple[Any, ...]] | None = None
+        self.busy = False
+
+    def run(self, obj: Any, fork: Callable[[Any], tuple[Any, ...]] | None
+            ) -> tuple[bytes, list[torch.Tensor], list[tuple[Any, Any]]]:
+        """Pickle ``obj``: the bytes, and the tensors and RRefs it referred to. Nothing of
+        ``obj`` stays referenced here afterwards (an RRef kept alive would never be freed)."""
+        self._fork, self.busy = fork, True
+        try:
+            self.dump(obj)
+            return self.buf.getvalue(), self.tensors, self.rrefs
+        finally:
+            self.clear_memo()
+            self.buf.seek(0)
+            self.buf.truncate()
+            self.tensors, self.rrefs, self._fork, self.busy = [], [], None, False
 
     def reducer_override(self, obj: Any) -> Any:  # noqa: C901 - one dispatch on type
         cls = type(obj)
@@ -106,24 +127,41 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
+class _Cache(threading.local):
+    pickler: _Pickler | None = None
+
+
+_cache = _Cache()  # one pickler per thread, reused: making one costs more than the pickling
+
+
+def _pickler() -> _Pickler:
+    p = _cache.pickler
+    if p is None:
+        p = _cache.pickler = _Pickler()
+    elif p.busy:  # pickling an argument sent something itself
+        return _Pickler()
+    return p
+
+
 def encode(obj: Any, what: str, fork: Callable[[Any], tuple[Any, ...]] | None = None,
            ctx_id: int = 0, record: Callable[[list[torch.Tensor]], int] | None = None) -> Outgoing:
     """Encode ``obj``; ``what`` names it in errors. With ``ctx_id`` set (distributed
     autograd), ``record(tensors requiring grad) -> message id`` records the send."""
-    buf = io.BytesIO()
-    pickler = _Pickler(buf, fork)
+    pickler = _pickler()
     try:
-        pickler.dump(obj)
+        pickled, tensors, rrefs = pickler.run(obj, fork)
     except ArgumentError:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever pickle raises, say what failed
         raise ArgumentError(f"cannot send {what}: {type(exc).__name__}: {exc}") from exc
-    tensors = pickler.tensors
     amsg = 0
     if ctx_id and record is not None:
-        grads = [t for t in tensors if t.requires_grad]
-        amsg = record(grads)
-    table = bytearray(_HEAD.pack(ctx_id, amsg, len(tensors)))
+        amsg = record([t for t in tensors if t.requires_grad])
+    head = _HEAD.pack(ctx_id, amsg, len(tensors), _RREFS if rrefs else 0)
+    if not tensors:
+        meta = len(head) + len(pickled)
+        return Outgoing([memoryview(head), memoryview(pickled)], meta, meta, rrefs)
+    table = bytearray(head)
     views: list[memoryview] = []
     for t in tensors:
         flags = (_GRAD if t.requires_grad else 0) | (_PARAM if type(t) is torch.nn.Parameter else 0)
@@ -131,22 +169,26 @@ def encode(obj: Any, what: str, fork: Callable[[Any], tuple[Any, ...]] | None = 
         table += _SHAPES[t.dim()].pack(*t.shape)
         if t.numel():
             views.append(_payload(t))
-    pickled = buf.getbuffer()
     meta = len(table) + len(pickled)
     nbytes = meta + sum(v.nbytes for v in views)
-    return Outgoing([memoryview(table), pickled, *views], meta, nbytes, pickler.rrefs)
+    return Outgoing([memoryview(table), memoryview(pickled), *views], meta, nbytes, rrefs)
 
 
-@dataclasses.dataclass
 class Incoming:
     """A message read off the wire, not yet unpickled."""
 
-    ctx_id: int
-    amsg: int
-    tensors: list[torch.Tensor]
-    grads: list[torch.Tensor]  # the tensors the sender marked as requiring grad
-    pickled: bytes
-    error: BaseException | None = None
+    __slots__ = ("ctx_id", "amsg", "tensors", "grads", "pickled", "rrefs", "error")
+
+    def __init__(self, ctx_id: int, amsg: int, tensors: list[torch.Tensor],
+                 grads: list[torch.Tensor], pickled: bytes, rrefs: bool,
+                 error: BaseException | None = None) -> None:
+        self.ctx_id = ctx_id
+        self.amsg = amsg
+        self.tensors = tensors
+        self.grads = grads  # the tensors the sender marked as requiring grad
+        self.pickled = pickled
+        self.rrefs = rrefs  # whether the pickle refers to RRefs
+        self.error = error
 
 
 def read_message(header: Header, read: Reader, src: str) -> Incoming:
@@ -157,7 +199,12 @@ def read_message(header: Header, read: Reader, src: str) -> Incoming:
                             f"{header.nbytes}-byte payload")
     meta = bytearray(meta_len)
     read(memoryview(meta))
-    ctx_id, amsg, count = _HEAD.unpack_from(meta)
+    ctx_id, amsg, count, mflags = _HEAD.unpack_from(meta)
+    if not count:
+        if meta_len != header.nbytes:
+            raise ProtocolError(f"{src} sent an RPC message of {header.nbytes} bytes whose "
+                                f"table and pickle take {meta_len}")
+        return Incoming(ctx_id, amsg, [], [], bytes(meta[_HEAD.size:]), bool(mflags & _RREFS))
     off, total, specs = _HEAD.size, meta_len, []
     try:
         for _ in range(count):
@@ -183,7 +230,7 @@ def read_message(header: Header, read: Reader, src: str) -> Incoming:
             tensors.append(t)
     except (MemoryError, RuntimeError) as exc:
         _drain(read, header.nbytes - done)
-        return Incoming(ctx_id, amsg, [], [], b"", StateError(
+        return Incoming(ctx_id, amsg, [], [], b"", False, StateError(
             f"could not allocate the tensors of a {header.nbytes}-byte message from {src}: "
             f"{exc}"))
     grads = []
@@ -195,7 +242,7 @@ def read_message(header: Header, read: Reader, src: str) -> Incoming:
             t.requires_grad_(True)
         if flags & _GRAD:
             grads.append(t)
-    return Incoming(ctx_id, amsg, tensors, grads, bytes(meta[off:]))
+    return Incoming(ctx_id, amsg, tensors, grads, bytes(meta[off:]), bool(mflags & _RREFS))
 
 
 def _drain(read: Reader, left: int) -> None:
@@ -224,6 +271,8 @@ class _Unpickler(pickle.Unpickler):
 
 def decode(message: Incoming, build_rref: Callable[..., Any] | None = None) -> Any:
     """Unpickle a message read by :func:`read_message`."""
+    if not message.tensors and not message.rrefs:
+        return pickle.loads(message.pickled)  # nothing to substitute: the C unpickler alone
     return _Unpickler(message.pickled, message.tensors, build_rref).load()
 
 

@@ -7,9 +7,8 @@ Ten times a second (sooner when woken) it:
   the worker, so a dead worker fails its callers within a fraction of a second, not at
   their deadline;
 * fails ``rpc_async`` calls past their deadline (``rpc_sync`` callers watch their own).
-  The agent keeps a lower bound of the pending deadlines, so the table is scanned only
-  when one may have passed (and at least once a second while calls are pending, which
-  covers a bound lowered concurrently with a scan).
+  The agent keeps the soonest pending deadline (under a lock shared with the scan), so
+  the table is scanned only when one has passed.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import time
 from typing import TYPE_CHECKING
 
 from tandem.errors import PeerLostError
-from tandem.rpc._calls import Call, timeout_error
+from tandem.rpc._calls import Pending, timeout_error
 from tandem.transport.base import Flag
 
 if TYPE_CHECKING:
@@ -29,7 +28,6 @@ if TYPE_CHECKING:
 __all__ = ["Monitor"]
 
 INTERVAL_S = 0.1
-RESCAN_S = 1.0
 
 
 class Monitor:
@@ -40,7 +38,6 @@ class Monitor:
         self._flag = Flag()
         self._stopping = False
         self._lost: set[int] = set()
-        self._scanned = time.monotonic()
         agent.rrefs.wake = self.wake
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"tandem-rpc-monitor-{agent.rank}")
@@ -73,7 +70,7 @@ class Monitor:
         agent.rrefs.flush()
         self._check_lost()
         now = time.monotonic()
-        if now >= agent.next_deadline or (agent.pending and now - self._scanned >= RESCAN_S):
+        if now >= agent.next_deadline:
             self._expire(now)
 
     def _check_lost(self) -> None:
@@ -85,7 +82,7 @@ class Monitor:
             why = str(cause) if cause is not None else "it shut down RPC before replying"
             label = agent.label(rank)
 
-            def error(call: Call, rank: int = rank, why: str = why,
+            def error(call: Pending, rank: int = rank, why: str = why,
                       label: str = label) -> BaseException:
                 return PeerLostError(f"{call.what} on worker {label} failed: the worker is "
                                      f"gone ({why})", rank)
@@ -95,17 +92,18 @@ class Monitor:
 
     def _expire(self, now: float) -> None:
         agent = self._agent
-        self._scanned = now
-        agent.next_deadline = float("inf")  # lowered again by calls started during the scan
-        soonest = float("inf")
-        for call_id, call in list(agent.pending.items()):
-            if call.deadline <= now:
-                if agent.pending.pop(call_id, None) is call:
-                    call.complete(None, timeout_error(call, agent.label(call.dest)))
-            elif call.deadline < soonest:
-                soonest = call.deadline
-        if soonest < agent.next_deadline:
+        expired = []
+        with agent.deadline_lock:  # a call started meanwhile lowers the bound after us
+            soonest = float("inf")
+            for call_id, call in list(agent.pending.items()):
+                if call.deadline <= now:
+                    expired.append((call_id, call))
+                elif call.deadline < soonest:
+                    soonest = call.deadline
             agent.next_deadline = soonest
+        for call_id, call in expired:
+            if agent.pending.pop(call_id, None) is call:
+                call.complete(None, timeout_error(call, agent.label(call.dest)))
 
     def lost(self) -> set[int]:
         return set(self._lost)

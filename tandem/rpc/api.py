@@ -25,6 +25,7 @@ from tandem.config import load_secret, load_settings
 from tandem.errors import ArgumentError
 from tandem.rpc import _shutdown, _state
 from tandem.rpc._agent import Agent
+from tandem.rpc._calls import RpcFuture
 from tandem.rpc._monitor import Monitor
 from tandem.rpc.options import (DEFAULT_NUM_WORKER_THREADS, BackendType, RpcBackendOptions,
                                 TensorPipeRpcBackendOptions, transport_backend)
@@ -128,8 +129,8 @@ def rpc_async(to: str | int | WorkerInfo, func: Callable[..., Any], args: Any = 
     agent = _state.require("rpc_async")
     _, call = agent.start(agent.workers.rank_of(to), func, args, kwargs, timeout,
                           future=True, kind="rpc_async")
-    assert call.future is not None
-    return call.future
+    assert isinstance(call, RpcFuture)
+    return call
 
 
 def remote(to: str | int | WorkerInfo, func: Callable[..., Any], args: Any = None,
@@ -146,6 +147,8 @@ def remote(to: str | int | WorkerInfo, func: Callable[..., Any], args: Any = Non
         rref = RRef._owned(agent, agent.rrefs.local_entry(rref_id))
     else:
         rref = RRef._user(agent, dest, rref_id, rref_id, confirmed=False)
-    _, rref._creation = agent.start(dest, func, args, kwargs, timeout, future=True,
-                                    kind="remote", remote=True, call_id=rref_id[1])
+    _, creation = agent.start(dest, func, args, kwargs, timeout, future=True, kind="remote",
+                              remote=True, call_id=rref_id[1])
+    assert isinstance(creation, RpcFuture)
+    rref._creation = creation
     return rref

@@ -24,7 +24,7 @@ from tandem.rpc.worker import WorkerInfo
 
 if TYPE_CHECKING:
     from tandem.rpc._agent import Agent
-    from tandem.rpc._calls import Call
+    from tandem.rpc._calls import RpcFuture
     from tandem.rpc._rrefs import Entry, RRefId
 
 __all__ = ["RRef"]
@@ -54,7 +54,7 @@ class RRef(Generic[T]):
         self._fork = fork
         self._entry = entry
         self._confirmed = confirmed
-        self._creation: Call | None = None
+        self._creation: RpcFuture | None = None
         self._type_hint = None
 
     @classmethod
@@ -85,7 +85,7 @@ class RRef(Generic[T]):
         if self._entry is not None:
             return True
         if self._creation is not None:
-            return self._creation.flag.is_set() and self._creation.error is None
+            return self._creation.done() and self._creation.error is None
         return bool(self._confirmed)
 
     def __repr__(self) -> str:
@@ -110,7 +110,7 @@ class RRef(Generic[T]):
         """The value: a copy fetched from the owner, or the value itself on the owner."""
         self._agent.check_open("RRef.to_here")
         creation = self._creation
-        if creation is not None and creation.flag.is_set() and creation.error is not None:
+        if creation is not None and creation.done() and creation.error is not None:
             raise creation.error
         if self._entry is not None:
             value: T = self._entry.get(self._deadline(timeout), "RRef.to_here()")
@@ -122,8 +122,8 @@ class RRef(Generic[T]):
 
     def _get_future(self) -> torch.futures.Future[Any]:
         """The future of this RRef's creation by ``remote()`` (completed for others)."""
-        if self._creation is not None and self._creation.future is not None:
-            return self._creation.future
+        if self._creation is not None:
+            return self._creation
         fut: torch.futures.Future[Any] = torch.futures.Future()
         fut.set_result(None)
         return fut

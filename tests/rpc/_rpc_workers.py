@@ -9,6 +9,7 @@ they travel by reference.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -96,17 +97,20 @@ class Batcher:
 
     def __init__(self, size: int) -> None:
         self.size = size
+        self.lock = threading.Lock()  # calls arrive on several server threads at once
         self.waiting: list[tuple[torch.futures.Future[Any], int]] = []
 
     @rpc.functions.async_execution
     def submit(self, value: int) -> torch.futures.Future[Any]:
         fut: torch.futures.Future[Any] = torch.futures.Future()
-        self.waiting.append((fut, value))
-        if len(self.waiting) == self.size:
-            total = sum(v for _, v in self.waiting)
-            done, self.waiting = self.waiting, []
-            for f, _ in done:
-                f.set_result(total)
+        with self.lock:
+            self.waiting.append((fut, value))
+            done: list[tuple[torch.futures.Future[Any], int]] = []
+            if len(self.waiting) == self.size:
+                done, self.waiting = self.waiting, []
+        total = sum(v for _, v in done)
+        for f, _ in done:
+            f.set_result(total)
         return fut
 
 
@@ -133,16 +137,19 @@ class Barrier:
 
     def __init__(self, parties: int) -> None:
         self.parties = parties
+        self.lock = threading.Lock()  # arrivals come in on several server threads at once
         self.waiting: list[torch.futures.Future[Any]] = []
 
     @rpc.functions.async_execution
     def arrive(self) -> torch.futures.Future[Any]:
         fut: torch.futures.Future[Any] = torch.futures.Future()
-        self.waiting.append(fut)
-        if len(self.waiting) == self.parties:
-            for f in self.waiting:
-                f.set_result(None)
-            self.waiting = []
+        with self.lock:
+            self.waiting.append(fut)
+            done: list[torch.futures.Future[Any]] = []
+            if len(self.waiting) == self.parties:
+                done, self.waiting = self.waiting, []
+        for f in done:
+            f.set_result(None)
         return fut
 
 
