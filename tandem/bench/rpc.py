@@ -7,7 +7,8 @@ Run from the repository root with the project's interpreter::
     python -m tandem.bench rpc --quick              # smoke run: tiny sizes, 2 rounds
 
 Measures, for each transport (``auto``: tandem picks shared memory on one host and
-TensorPipe its default shm transport; ``tcp``: ``_transports=["uv"]`` for both):
+TensorPipe its defaults, shared memory and CMA; ``tcp``: everything over TCP, for
+TensorPipe ``_transports=["uv"]`` and ``_channels=["basic"]``):
 
 * ``echo``: ``rpc_sync`` round trip of a small argument (a 16-float tensor), per call;
 * ``throughput``: ``--calls`` ``rpc_async`` calls put in flight at once, then waited
@@ -42,6 +43,10 @@ TARGETS = {("auto", "echo"): "<= 0.30", ("auto", "throughput"): ">= 2.00",
            ("auto", "16 MB"): "<= 0.50", ("tcp", "echo"): "<= 1.00",
            ("tcp", "throughput"): ">= 1.00", ("tcp", "16 MB"): "<= 1.00"}
 _TORCH_TRANSPORTS = {"auto": None, "tcp": ["uv"]}
+# TensorPipe moves tensor bytes on "channels" of their own: on one host its default picks
+# CMA (one copy between the processes' memories) even with the uv transport, so "tcp"
+# also asks for the channel that sends them through the transport's TCP connection
+_TORCH_CHANNELS = {"auto": None, "tcp": ["basic"]}
 _TANDEM_TRANSPORTS = {"auto": None, "tcp": ["uv"]}
 
 
@@ -64,7 +69,8 @@ def _join(tmp: str, transport: str, rank: int) -> dict[str, Any]:
     torch_rpc.init_rpc(f"w{rank}", rank=rank, world_size=2,
                        rpc_backend_options=torch_rpc.TensorPipeRpcBackendOptions(
                            init_method=f"file://{tmp}/torch-{transport}", rpc_timeout=300,
-                           _transports=_TORCH_TRANSPORTS[transport]))
+                           _transports=_TORCH_TRANSPORTS[transport],
+                           _channels=_TORCH_CHANNELS[transport]))
     return {"tandem": tandem_rpc, "torch": torch_rpc}
 
 

@@ -53,6 +53,18 @@ MAX_EXTRA_THREADS = 128  # threads beyond num_worker_threads, for calls blocked 
 MAX_QUEUED = 1 << 16  # calls waiting for a server thread before the reader stops reading
 
 
+class _Sender:
+    """Names a message's sender in codec errors; formatted only if one is raised."""
+
+    __slots__ = ("workers", "rank")
+
+    def __init__(self, workers: Directory, rank: int) -> None:
+        self.workers, self.rank = workers, rank
+
+    def __str__(self) -> str:
+        return f"worker {self.workers.label(self.rank)}"
+
+
 def _value(counter: "itertools.count[int]") -> int:
     """The next value of ``counter`` without taking it (its repr is ``count(n)``)."""
     return int(repr(counter)[6:-1])
@@ -202,7 +214,7 @@ class Agent:
 
     def _receive(self, src: int, header: Header, read: Reader) -> None:
         msg = header.step
-        incoming = _codec.read_message(header, read, f"worker {self.label(src)}")
+        incoming = _codec.read_message(header, read, _Sender(self.workers, src))
         try:
             if msg == CALL or msg == REMOTE:
                 self._on_call(src, header.seq, incoming, msg == REMOTE)

@@ -180,7 +180,7 @@ class Incoming:
     __slots__ = ("ctx_id", "amsg", "tensors", "grads", "pickled", "rrefs", "error")
 
     def __init__(self, ctx_id: int, amsg: int, tensors: list[torch.Tensor],
-                 grads: list[torch.Tensor], pickled: bytes, rrefs: bool,
+                 grads: list[torch.Tensor], pickled: memoryview | bytes, rrefs: bool,
                  error: BaseException | None = None) -> None:
         self.ctx_id = ctx_id
         self.amsg = amsg
@@ -191,8 +191,9 @@ class Incoming:
         self.error = error
 
 
-def read_message(header: Header, read: Reader, src: str) -> Incoming:
-    """Read one message's payload: exactly ``header.nbytes`` bytes, or ProtocolError."""
+def read_message(header: Header, read: Reader, src: object) -> Incoming:
+    """Read one message's payload: exactly ``header.nbytes`` bytes, or ProtocolError.
+    ``src`` names the sender in errors (formatted only then)."""
     meta_len = header.group
     if meta_len < _HEAD.size or meta_len > header.nbytes:
         raise ProtocolError(f"{src} sent an RPC message with a {meta_len}-byte table in a "
@@ -204,7 +205,8 @@ def read_message(header: Header, read: Reader, src: str) -> Incoming:
         if meta_len != header.nbytes:
             raise ProtocolError(f"{src} sent an RPC message of {header.nbytes} bytes whose "
                                 f"table and pickle take {meta_len}")
-        return Incoming(ctx_id, amsg, [], [], bytes(meta[_HEAD.size:]), bool(mflags & _RREFS))
+        return Incoming(ctx_id, amsg, [], [], memoryview(meta)[_HEAD.size:],
+                        bool(mflags & _RREFS))
     off, total, specs = _HEAD.size, meta_len, []
     try:
         for _ in range(count):
@@ -242,7 +244,7 @@ def read_message(header: Header, read: Reader, src: str) -> Incoming:
             t.requires_grad_(True)
         if flags & _GRAD:
             grads.append(t)
-    return Incoming(ctx_id, amsg, tensors, grads, bytes(meta[off:]), bool(mflags & _RREFS))
+    return Incoming(ctx_id, amsg, tensors, grads, memoryview(meta)[off:], bool(mflags & _RREFS))
 
 
 def _drain(read: Reader, left: int) -> None:
@@ -254,7 +256,7 @@ def _drain(read: Reader, left: int) -> None:
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, tensors: list[torch.Tensor],
+    def __init__(self, data: memoryview | bytes, tensors: list[torch.Tensor],
                  build_rref: Callable[..., Any] | None) -> None:
         super().__init__(io.BytesIO(data))
         self._tensors = tensors
