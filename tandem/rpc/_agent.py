@@ -137,8 +137,8 @@ class Agent:
             raise ArgumentError(f"{kind}: func must be callable, got {func!r}")
         if type(args) is not tuple:
             args = () if args is None else tuple(args)
-        if type(kwargs) is not dict:
-            kwargs = {} if kwargs is None else dict(kwargs)
+        if kwargs is not None:
+            kwargs = dict(kwargs) or None  # None on the wire: no empty dict on either side
         call_id = call_id or next(self._ids)
         seconds = self.timeout if timeout == -1.0 else self.timeout_of(timeout)
         call: Pending = (RpcFuture(dest, kind, func, seconds, self.spin) if future
@@ -248,10 +248,10 @@ class Agent:
                                            incoming.ctx_id, entry))
 
     def _execute(self, src: int, call_id: int, func: Callable[..., Any], args: tuple[Any, ...],
-                 kwargs: dict[str, Any], ctx: int, entry: Any) -> None:
+                 kwargs: dict[str, Any] | None, ctx: int, entry: Any) -> None:
         token = self.autograd.enter(ctx)
         try:
-            out = func(*args, **kwargs)
+            out = func(*args, **kwargs) if kwargs else func(*args)
             if getattr(func, ASYNC_ATTR, False):
                 if not isinstance(out, torch._C.Future):
                     raise StateError(f"{describe(func)} is marked async_execution but returned "
