@@ -11,7 +11,7 @@ Messages (``Kind.RPC`` frames, see ``_codec``) have a type in the header's ``ste
 The hot path has no thread hand-off on the caller's side: the caller encodes and writes
 the frame itself. On the callee, the transport's reader thread reads the frame straight
 into freshly allocated tensors, unpickles it (so RRef bookkeeping happens in arrival
-order) and queues the call for the server pool; the pool thread runs it and writes the
+order) and hands it to the server (``_serve``), whose pool thread runs it and writes the
 reply itself. The caller's reader thread completes the call, which wakes the caller.
 NOTEs are handled on the reader thread: they are short and never wait.
 
@@ -28,16 +28,14 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-import torch
-
 from tandem.autograd._context import Contexts
 from tandem.errors import ArgumentError, PeerLostError, ProtocolError, StateError, TandemError
 from tandem.rpc import _codec
-from tandem.rpc._calls import (Call, Pending, RpcFuture, describe, rebuild_error,
-                               remote_error_fields, timeout_error, wait_flag)
-from tandem.rpc._pool import ServerPool, adopt_thread_settings, role
+from tandem.rpc._codec import CALL, ERROR, NOTE, REMOTE, REPLY
+from tandem.rpc._calls import Call, Pending, RpcFuture, rebuild_error, timeout_error, wait_flag
+from tandem.rpc._pool import adopt_thread_settings, role
 from tandem.rpc._rrefs import RRefTable
-from tandem.rpc.functions import ASYNC_ATTR
+from tandem.rpc._serve import Server
 from tandem.rpc.worker import Directory
 from tandem.store.base import Store
 from tandem.transport.base import Header, Kind, Reader, Transport
@@ -48,9 +46,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Agent"]
 
-CALL, REMOTE, REPLY, ERROR, NOTE = 0, 1, 2, 3, 4
-MAX_EXTRA_THREADS = 128  # threads beyond num_worker_threads, for calls blocked in nested RPCs
-MAX_QUEUED = 1 << 16  # calls waiting for a server thread before the reader stops reading
 
 
 class _Sender:
@@ -91,8 +86,8 @@ class Agent:
         self.monitor: Monitor | None = None
         self.timeout = timeout
         self.spin = _spin(transport, len(workers))
-        self.pool = ServerPool(threads, f"tandem-rpc-{self.rank}", threads + MAX_EXTRA_THREADS,
-                               MAX_QUEUED, self.spin)
+        self.server = Server(self, threads)
+        self.pool = self.server.pool
         self.pending: dict[int, Pending] = {}
         self.next_deadline = float("inf")  # no async call expires before this (monitor)
         self.deadline_lock = threading.Lock()  # orders lowering next_deadline with scans
@@ -217,7 +212,7 @@ class Agent:
         incoming = _codec.read_message(header, read, _Sender(self.workers, src))
         try:
             if msg == CALL or msg == REMOTE:
-                self._on_call(src, header.seq, incoming, msg == REMOTE)
+                self.server.on_call(src, header.seq, incoming, msg == REMOTE)
             elif msg == REPLY or msg == ERROR:
                 self._on_reply(src, header.seq, incoming, msg == ERROR)
             elif msg == NOTE:
@@ -230,78 +225,20 @@ class Agent:
             print(f"[tandem rpc {self.label(self.rank)}] dropped a message from "
                   f"{self.label(src)}: {type(exc).__name__}: {exc}", file=sys.stderr)
 
-    def _decode(self, src: int, incoming: _codec.Incoming) -> Any:
+    def decode(self, src: int, incoming: _codec.Incoming) -> Any:
+        """Unpickle a message of ``src``, recording its autograd receive point if any."""
         if incoming.error is not None:
             raise incoming.error
         if incoming.ctx_id:
             self.autograd.record_recv(incoming.ctx_id, src, incoming.amsg, incoming.grads)
         return _codec.decode(incoming, functools.partial(self.rrefs.build, src))
 
-    def _on_call(self, src: int, call_id: int, incoming: _codec.Incoming, remote: bool) -> None:
-        entry = self.rrefs.owner_entry((src, call_id), src) if remote else None
-        try:
-            func, args, kwargs = self._decode(src, incoming)
-        except BaseException as exc:  # noqa: BLE001 - reported to the caller
-            self._finish(src, call_id, 0, entry, None, exc)
-            return
-        self.pool.submit(functools.partial(self._execute, src, call_id, func, args, kwargs,
-                                           incoming.ctx_id, entry))
-
-    def _execute(self, src: int, call_id: int, func: Callable[..., Any], args: tuple[Any, ...],
-                 kwargs: dict[str, Any] | None, ctx: int, entry: Any) -> None:
-        token = self.autograd.enter(ctx)
-        try:
-            out = func(*args, **kwargs) if kwargs else func(*args)
-            if getattr(func, ASYNC_ATTR, False):
-                if not isinstance(out, torch._C.Future):
-                    raise StateError(f"{describe(func)} is marked async_execution but returned "
-                                     f"{type(out).__name__}, not a torch.futures.Future")
-                out.add_done_callback(functools.partial(self._settled, src, call_id, ctx, entry))
-                return
-        except BaseException as exc:  # noqa: BLE001 - reported to the caller
-            self._finish(src, call_id, ctx, entry, None, exc)
-            return
-        finally:
-            self.autograd.leave(token)
-        self._finish(src, call_id, ctx, entry, out, None)
-
-    def _settled(self, src: int, call_id: int, ctx: int, entry: Any,
-                 fut: torch.futures.Future[Any]) -> None:
-        try:
-            value = fut.wait()
-        except BaseException as exc:  # noqa: BLE001 - reported to the caller
-            self._finish(src, call_id, ctx, entry, None, exc)
-            return
-        self._finish(src, call_id, ctx, entry, value, None)
-
-    def _finish(self, src: int, call_id: int, ctx: int, entry: Any, value: Any,
-                error: BaseException | None) -> None:
-        """Reply to call ``call_id`` of ``src`` (an REMOTE's value stays in its RRef)."""
-        if entry is not None:
-            entry.settle(value, error)
-            value = None
-        try:
-            msg = REPLY
-            if error is None:
-                try:
-                    out = self.encode(value, src, "the result", ctx)
-                except BaseException as exc:  # noqa: BLE001 - the caller gets it instead
-                    error = exc
-            if error is not None:
-                out = _codec.encode(remote_error_fields(error, self.label(self.rank)), "an error")
-                msg = ERROR
-            self.send(src, msg, call_id, out)
-        except TandemError:
-            pass  # the caller is gone: nobody to tell
-        finally:
-            next(self._handled)
-
     def _on_reply(self, src: int, call_id: int, incoming: _codec.Incoming, failed: bool) -> None:
         call = self.pending.pop(call_id, None)
         error: BaseException | None = None
         value: Any = None
         try:
-            value = self._decode(src, incoming)  # even if late: RRefs inside must be freed
+            value = self.decode(src, incoming)  # even if late: RRefs inside must be freed
             if failed:
                 value, error = None, rebuild_error(*value)
         except BaseException as exc:  # noqa: BLE001 - reported to the caller
@@ -310,7 +247,7 @@ class Agent:
             if call is not None:
                 call.complete(value, error)
         finally:
-            next(self._handled)
+            self.handled_one()
 
     def _on_note(self, src: int, incoming: _codec.Incoming) -> None:
         try:
@@ -320,9 +257,13 @@ class Agent:
             else:
                 self.rrefs.on_note(src, note)
         finally:
-            next(self._handled)
+            self.handled_one()
 
     # -- state -------------------------------------------------------------------------
+    def handled_one(self) -> None:
+        """Count a message as fully handled (a call: once its reply is sent)."""
+        next(self._handled)
+
     def counts(self) -> tuple[int, int]:
         """(messages sent, messages handled) so far."""
         return _value(self._sent), _value(self._handled)

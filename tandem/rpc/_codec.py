@@ -37,7 +37,11 @@ from tandem.collectives.group import as_bytes
 from tandem.errors import ArgumentError, ProtocolError, StateError
 from tandem.transport.base import Header, Reader
 
-__all__ = ["Outgoing", "Incoming", "encode", "read_message", "decode", "local_reader"]
+__all__ = ["Outgoing", "Incoming", "encode", "read_message", "decode", "local_reader",
+           "CALL", "REMOTE", "REPLY", "ERROR", "NOTE"]
+
+# message types, in the header's ``step`` (see ``_agent``)
+CALL, REMOTE, REPLY, ERROR, NOTE = 0, 1, 2, 3, 4
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
