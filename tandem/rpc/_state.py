@@ -7,6 +7,7 @@ find it here. ``init_rpc`` installs it and ``shutdown`` clears it.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from tandem.errors import StateError
@@ -41,6 +42,18 @@ def install(agent: "Agent") -> None:
     global _agent
     check_free()
     _agent = agent
+
+
+def _forget_in_child() -> None:
+    """A fork()ed child (a DataLoader worker, say) has none of the agent's threads or
+    connections: RPC there says it is not running instead of waiting forever."""
+    global _agent
+    if _agent is not None:
+        _agent.closed = True  # its RRefs must not queue deletes nobody sends
+        _agent = None
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def clear(agent: "Agent") -> None:

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import inspect
 import threading
+import warnings
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.autograd as torch_autograd
-import torch.distributed.nn as torch_nn
-import torch.distributed.optim as torch_optim
 import torch.distributed.rpc as torch_rpc
 
 import tandem.autograd
@@ -41,6 +40,10 @@ def test_rref_and_friends_have_torchs_public_methods() -> None:
     assert public <= set(dir(rpc.RRef)), public - set(dir(rpc.RRef))
     for name in ("context", "backward", "get_gradients", "is_available"):
         assert hasattr(torch_autograd, name) and hasattr(tandem.autograd, name), name
+    with warnings.catch_warnings():  # torch scripts its functional optimizers on import
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import torch.distributed.nn as torch_nn
+        import torch.distributed.optim as torch_optim
     theirs = list(inspect.signature(torch_optim.DistributedOptimizer.__init__).parameters)
     assert list(inspect.signature(tandem.optim.DistributedOptimizer.__init__).parameters) == theirs
     theirs = list(inspect.signature(torch_nn.RemoteModule.__init__).parameters)
@@ -91,6 +94,26 @@ def test_init_rpc_refuses_bad_names_and_backends_before_any_rendezvous() -> None
         rpc.init_rpc("has/slash", rank=0, world_size=1)
     with pytest.raises(ArgumentError, match="TENSORPIPE"):
         rpc.init_rpc("w0", backend="gloo", rank=0, world_size=1)  # type: ignore[arg-type]
+
+
+def test_a_forked_child_does_not_inherit_the_agent() -> None:
+    import os
+
+    from tandem.rpc import _state
+
+    class Fake:
+        closed = False
+
+    fake = Fake()
+    _state._agent = fake  # type: ignore[assignment]
+    try:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if _state.current() is None and fake.closed else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the child still saw the agent"
+    finally:
+        _state._agent = None
 
 
 def test_api_before_init_says_to_call_init_rpc() -> None:
