@@ -18,9 +18,14 @@ traceback::
     │   ├── AuthenticationError     a peer failed the HMAC challenge (wrong secret, stranger)
     │   ├── ProtocolError           malformed or over-sized frame
     │   └── PeerLostError           a peer rank died or closed its connection; ``.rank`` names it
-    └── CollectiveMismatchError     ranks called different collectives (op, sequence number,
-                                    dtype, shape, reduce op or root); the message names the
-                                    ranks, both signatures and both callers' file:line
+    ├── CollectiveMismatchError     ranks called different collectives (op, sequence number,
+    │                               dtype, shape, reduce op or root); the message names the
+    │                               ranks, both signatures and both callers' file:line
+    └── RpcError             (also a RuntimeError) a remote call failed; a remote exception
+        │                    whose own class cannot be rebuilt arrives as this, with the
+        │                    worker's name and the remote traceback in its message
+        └── RpcTimeoutError         (also a TimeoutError) a call did not complete in time;
+                                    the message names the function, the worker and the time
 
 A :class:`CollectiveError` base groups the errors raised by collective and p2p
 calls (timeouts are reported through ``CollectiveTimeoutError``).
@@ -44,6 +49,8 @@ __all__ = [
     "PeerLostError",
     "CollectiveError",
     "CollectiveMismatchError",
+    "RpcError",
+    "RpcTimeoutError",
 ]
 
 
@@ -111,3 +118,12 @@ class PeerLostError(NetworkError, CollectiveError):
 
 class CollectiveMismatchError(CollectiveError):
     """Ranks issued different collectives; nothing was combined."""
+
+
+class RpcError(TandemError, RuntimeError):
+    """A remote call failed (also raised for remote exceptions of classes that cannot be
+    rebuilt in the caller)."""
+
+
+class RpcTimeoutError(TimeoutError, RpcError):
+    """A remote call did not complete before its deadline."""

@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "collectives": "tandem.bench.collectives",
     "ddp": "tandem.bench.ddp",
     "recorder": "tandem.bench.recorder",
+    "rpc": "tandem.bench.rpc",
     "signature": "tandem.bench.signature",
     "startup": "tandem.bench.startup",
     "torch-backend": "tandem.bench.torch_backend",

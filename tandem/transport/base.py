@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence
 from tandem.errors import ArgumentError, PeerLostError, ProtocolError, StateError, TandemError
 from tandem.transport.failures import ABORT_CODES, decode_error, encode_error
 from tandem.transport.mailbox import Mailbox
-from tandem.transport.message import SIG_MAX, Flag, Header, Key, Kind, Reader, Slot, reader_of
+from tandem.transport.message import (SIG_MAX, Flag, Handler, Header, Key, Kind, Reader, Slot,
+                                      reader_of)
 from tandem.transport.wait import wait_all
 
 if TYPE_CHECKING:
@@ -84,6 +85,17 @@ class Transport(abc.ABC):
     def isend(self, peer: int, header: Header, payload: memoryview) -> Slot:
         """Queue ``payload`` for ``peer``; the handle completes when it was written."""
 
+    def isendv(self, peer: int, header: Header, parts: Sequence[memoryview]) -> Slot:
+        """Like ``isend`` with the payload in pieces (byte views), sent as one message;
+        tcp and shm write the pieces without joining them."""
+        return self.isend(peer, header, memoryview(b"".join(parts)))
+
+    def handle(self, kind: int, handler: Handler | None) -> None:
+        """Hand every arriving message of ``kind`` to ``handler(peer, header, read)``
+        instead of matching it with a posted receive: for messages that arrive
+        unsolicited, of sizes nobody can post for (RPC). See ``Mailbox.handle``."""
+        self.mailbox.handle(kind, handler)
+
     def cancel(self, slot: Slot) -> None:
         """Withdraw a posted receive."""
         self.mailbox.cancel(slot)
@@ -105,6 +117,10 @@ class Transport(abc.ABC):
     def lost_peers(self) -> dict[int, PeerLostError]:
         """Every peer whose connection closed without a goodbye, in the order noticed."""
         return self.mailbox.failures.all_lost()
+
+    def left_peers(self) -> dict[int, PeerLostError]:
+        """Every peer whose connection closed after its goodbye (it left on purpose)."""
+        return self.mailbox.failures.all_left()
 
     def left(self, peer: int) -> PeerLostError | None:
         """Why ``peer``, which closed its process group on purpose, can send no more."""

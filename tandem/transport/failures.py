@@ -101,6 +101,10 @@ class Failures:
         """Every peer that died, in the order noticed, with why (a copy)."""
         return dict(self._dead)
 
+    def all_left(self) -> dict[int, PeerLostError]:
+        """Every peer that closed after a goodbye, with why receives from it fail (a copy)."""
+        return dict(self._left)
+
     def left(self, peer: int) -> PeerLostError | None:
         """Why a receive from ``peer``, which closed its group on purpose, cannot complete."""
         return self._left.get(peer)

@@ -22,7 +22,7 @@ from typing import Callable, Iterable
 from tandem.errors import PeerLostError, StateError, TandemError
 from tandem.transport import mismatch as mm
 from tandem.transport.failures import Failures, decode_error
-from tandem.transport.message import Header, Key, Kind, Reader, Slot
+from tandem.transport.message import Handler, Header, Key, Kind, Reader, Slot
 
 __all__ = ["Mailbox", "DEFAULT_PARK_LIMIT"]
 
@@ -60,10 +60,27 @@ class Mailbox:
         self._wild: list[tuple[Callable[[int, Header], bool], Slot]] = []
         # set by the transport: tell ``peer`` that ``group`` failed with ``error``
         self.reply: Callable[[int, int, TandemError], None] | None = None
+        self._handlers: dict[int, Handler] = {}
+
+    def handle(self, kind: int, handler: Handler | None) -> None:
+        """Hand every message of ``kind`` to ``handler(peer, header, read)`` instead of
+        matching it with a posted receive (for messages that arrive unsolicited, of sizes
+        nobody can post for: RPC). The handler runs on the reader's thread, must consume
+        exactly ``header.nbytes`` through ``read`` (each call fills a view with the next
+        bytes) and must not raise. ``None`` removes it."""
+        if handler is None:
+            self._handlers.pop(kind, None)
+        else:
+            self._handlers[kind] = handler
 
     # -- receiving side (called by the transport's reader for ``peer``) ----------------
     def arrive(self, peer: int, header: Header, read: Reader) -> None:
         """Deliver one message; ``read(view)`` fills ``view`` with the next payload bytes."""
+        if self._handlers:
+            handler = self._handlers.get(header.kind)
+            if handler is not None:
+                handler(peer, header, read)
+                return
         if header.kind == _BYE:
             _drain(read, header.nbytes)
             self.failures.depart(peer)

@@ -15,7 +15,7 @@ import enum
 import threading
 from typing import Callable
 
-__all__ = ["Kind", "Header", "Flag", "Slot", "Key", "Reader", "SIG_MAX", "reader_of"]
+__all__ = ["Kind", "Header", "Flag", "Slot", "Key", "Reader", "Handler", "SIG_MAX", "reader_of"]
 
 # a frame carries the signature's and the call site's lengths in 16 bits each
 SIG_MAX = 0xFFFF
@@ -28,6 +28,7 @@ class Kind(enum.IntEnum):
     P2P = 2  # point-to-point: key is (group, per-pair counter, tag)
     ABORT = 3  # a rank aborted a group; payload says which error (see failures)
     BYE = 4  # the sender is closing its transport on purpose (destroy_process_group)
+    RPC = 5  # an RPC message: consumed by the handler registered for it (Mailbox.handle)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,7 @@ class Header:
 
 Key = tuple[int, int, int, int, int]  # (peer, kind, group, seq, step)
 Reader = Callable[[memoryview], None]  # fills its argument with the next payload bytes
+Handler = Callable[[int, "Header", Reader], None]  # (peer, header, read): see Mailbox.handle
 
 
 def reader_of(data: memoryview) -> Reader:

@@ -106,6 +106,9 @@ class MixedTransport(Transport):
     def isend(self, peer: int, header: Header, payload: memoryview) -> Slot:
         return self.route(peer).isend(peer, header, payload)
 
+    def isendv(self, peer: int, header: Header, pieces: Sequence[memoryview]) -> Slot:
+        return self.route(peer).isendv(peer, header, pieces)
+
     def host_of(self, rank: int) -> str:
         return self.route(rank).host_of(rank)
 

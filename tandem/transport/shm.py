@@ -308,12 +308,18 @@ class ShmTransport(BoundedSends, Transport):
         data = payload if payload.format == "B" and payload.ndim == 1 else payload.cast("B")
         if peer == self.rank:
             return self._send_to_self(header, data)
+        return self.isendv(peer, header, [data])
+
+    def isendv(self, peer: int, header: Header, pieces: Sequence[memoryview]) -> Slot:
+        if peer == self.rank:
+            return super().isendv(peer, header, pieces)
         p = self._peers.get(peer)
         self._check_peer(peer, p is not None, "shared-memory ring")
         assert p is not None
         check_header(header)
         slot = self._send_slot(peer, header)
-        p.send(frame(header, data), header, slot)
+        views = [b if b.format == "B" and b.ndim == 1 else b.cast("B") for b in pieces]
+        p.send(frame(header, views[0] if views else memoryview(b"")) + views[1:], header, slot)
         return slot
 
     def reaches(self, rank: int) -> bool:

@@ -43,6 +43,7 @@ _HDR = struct.Struct("!BIQiQHH")
 _HELLO = struct.Struct("!II")
 _INLINE_MAX = 256 << 10
 _PURPOSE = b"tandem-transport"
+_IOV_MAX = 1024  # the most buffers one sendmsg takes (Linux)
 _JOIN_S = 2.0  # how long close() waits for this transport's threads to end
 
 
@@ -53,7 +54,7 @@ def _sendall_vec(sock: socket.socket, parts: list[memoryview], flags: int = 0) -
     ``MSG_DONTWAIT``) it holds exactly what is left to send.
     """
     while parts:
-        sent = sock.sendmsg(parts, [], flags)
+        sent = sock.sendmsg(parts[:_IOV_MAX], [], flags)
         while sent:
             if sent >= len(parts[0]):
                 sent -= len(parts[0])
@@ -266,6 +267,11 @@ class TcpTransport(BoundedSends, Transport):
     def isend(self, peer: int, header: Header, payload: memoryview) -> Slot:
         if peer == self.rank:
             return self._send_to_self(header, payload)
+        return self.isendv(peer, header, [payload])
+
+    def isendv(self, peer: int, header: Header, pieces: Sequence[memoryview]) -> Slot:
+        if peer == self.rank:
+            return super().isendv(peer, header, pieces)
         p = self._peers.get(peer)
         self._check_peer(peer, p is not None, "connection")
         assert p is not None
@@ -273,8 +279,8 @@ class TcpTransport(BoundedSends, Transport):
         slot = self._send_slot(peer, header)
         head = _HDR.pack(header.kind, header.group, header.seq, header.step, header.nbytes,
                          len(header.sig), len(header.site)) + header.sig + header.site
-        body = payload if payload.ndim == 1 and payload.format == "B" else payload.cast("B")
-        parts = [memoryview(head), body]
+        parts = [memoryview(head)]
+        parts += [b if b.ndim == 1 and b.format == "B" else b.cast("B") for b in pieces]
         with p.cv:
             inline = not p.queue and not p.busy and header.nbytes <= _INLINE_MAX
             if inline:

@@ -1,0 +1,276 @@
+"""The RPC agent: one per worker, between the public API and a transport.
+
+Messages (``Kind.RPC`` frames, see ``_codec``) have a type in the header's ``step``:
+
+    CALL    run a function, reply with its result        seq = call id
+    REMOTE  run a function, keep the result in an RRef   seq = call id = the RRef's id
+    REPLY   the result of call ``seq``
+    ERROR   the exception of call ``seq``
+    NOTE    a one-way bookkeeping message (RRef forks and deletes, autograd contexts)
+
+The hot path has no thread hand-off on the caller's side: the caller encodes and writes
+the frame itself. On the callee, the transport's reader thread reads the frame straight
+into freshly allocated tensors, unpickles it (so RRef bookkeeping happens in arrival
+order) and hands it to the server (``_serve``), whose pool thread runs it and writes the
+reply itself. The caller's reader thread completes the call, which wakes the caller.
+NOTEs are handled on the reader thread: they are short and never wait.
+
+Messages to this very worker skip the transport but not the codec, so a call to
+oneself behaves like any other (arguments are copies; it runs on the pool).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from tandem.autograd._context import Contexts
+from tandem.errors import ArgumentError, PeerLostError, ProtocolError, StateError, TandemError
+from tandem.rpc import _codec
+from tandem.rpc._codec import CALL, ERROR, NOTE, REMOTE, REPLY
+from tandem.rpc._calls import Call, Pending, RpcFuture, rebuild_error, timeout_error, wait_flag
+from tandem.rpc._pool import adopt_thread_settings, role
+from tandem.rpc._rrefs import RRefTable
+from tandem.rpc._serve import Server
+from tandem.rpc.worker import Directory
+from tandem.store.base import Store
+from tandem.transport.base import Header, Kind, Reader, Transport
+from tandem.transport.shm import default_spin
+
+if TYPE_CHECKING:
+    from tandem.rpc._monitor import Monitor
+
+__all__ = ["Agent"]
+
+
+
+class _Sender:
+    """Names a message's sender in codec errors; formatted only if one is raised."""
+
+    __slots__ = ("workers", "rank")
+
+    def __init__(self, workers: Directory, rank: int) -> None:
+        self.workers, self.rank = workers, rank
+
+    def __str__(self) -> str:
+        return f"worker {self.workers.label(self.rank)}"
+
+
+def _value(counter: "itertools.count[int]") -> int:
+    """The next value of ``counter`` without taking it (its repr is ``count(n)``)."""
+    return int(repr(counter)[6:-1])
+
+
+def _spin(transport: Transport, world: int) -> float:
+    """How long waiters poll before sleeping: the transport's own policy (long only when
+    every worker on this host has a CPU of its own)."""
+    me = transport.host_of(transport.rank)
+    local = sum(1 for r in range(world) if transport.host_of(r) == me)
+    return default_spin(max(1, local))
+
+
+class Agent:
+    """Everything one worker's RPC needs; built by ``init_rpc``, closed by ``shutdown``."""
+
+    def __init__(self, transport: Transport, workers: Directory, store: Store, timeout: float,
+                 threads: int) -> None:
+        self.rank = transport.rank
+        self.transport = transport
+        self.workers = workers
+        self.store = store  # this RPC session's namespace of the rendezvous store
+        self.base_store: Store | None = None  # closed at shutdown when init_rpc made it
+        self.monitor: Monitor | None = None
+        self.timeout = timeout
+        self.spin = _spin(transport, len(workers))
+        self.server = Server(self, threads)
+        self.pool = self.server.pool
+        self.pending: dict[int, Pending] = {}
+        self.next_deadline = float("inf")  # no async call expires before this (monitor)
+        self.deadline_lock = threading.Lock()  # orders lowering next_deadline with scans
+        self._ids = itertools.count(1)
+        # messages sent, and messages fully handled (shutdown compares the sums); next() on
+        # a count is atomic, so the hot path takes no lock for them
+        self._sent = itertools.count()
+        self._handled = itertools.count()
+        self.closed = False
+        self.rrefs = RRefTable(self)
+        self.autograd = Contexts(self.rank)
+        transport.handle(Kind.RPC, self._on_message)
+
+    # -- identity --------------------------------------------------------------------
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def label(self, rank: int) -> str:
+        return self.workers.label(rank)
+
+    def check_open(self, what: str) -> None:
+        if self.closed:
+            raise StateError(f"{what}: RPC was shut down on this worker")
+
+    # -- calling ---------------------------------------------------------------------
+    def timeout_of(self, timeout: float) -> float:
+        if timeout is None or timeout == -1.0:
+            return self.timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+            raise ArgumentError(f"timeout must be seconds >= 0 (0: none, -1: the default "
+                                f"rpc_timeout), got {timeout!r}")
+        return float(timeout)
+
+    def start(self, dest: int, func: Any, args: Any, kwargs: Any, timeout: float,
+              future: bool, kind: str = "rpc_async", remote: bool = False,
+              call_id: int = 0) -> tuple[int, Pending]:
+        """Send one call (``call_id``: one from :meth:`new_id`, or 0 for a new one); return
+        its id and its record (an RpcFuture if ``future``), which the reply completes."""
+        if self.closed:
+            self.check_open(kind)
+        if not callable(func):
+            raise ArgumentError(f"{kind}: func must be callable, got {func!r}")
+        if type(args) is not tuple:
+            args = () if args is None else tuple(args)
+        if kwargs is not None:
+            kwargs = dict(kwargs) or None  # None on the wire: no empty dict on either side
+        call_id = call_id or next(self._ids)
+        seconds = self.timeout if timeout == -1.0 else self.timeout_of(timeout)
+        call: Pending = (RpcFuture(dest, kind, func, seconds, self.spin) if future
+                         else Call(dest, kind, func, seconds))
+        ctx = self.autograd.current_id()
+        out = self.encode((func, args, kwargs), dest, kind, ctx)
+        self.pending[call_id] = call
+        if call.deadline < self.next_deadline:
+            with self.deadline_lock:
+                self.next_deadline = min(self.next_deadline, call.deadline)
+        try:
+            self.send(dest, REMOTE if remote else CALL, call_id, out, wait=future)
+        except BaseException:
+            self.pending.pop(call_id, None)
+            raise
+        return call_id, call
+
+    def wait(self, call_id: int, call: Pending) -> Any:
+        """Wait for a call started with ``future=False``; its result or its error."""
+        assert isinstance(call, Call)
+        if not wait_flag(call.flag, call.deadline, call.kind, self.spin):
+            if self.pending.pop(call_id, None) is call:
+                call.complete(None, timeout_error(call, self.label(call.dest)))
+            else:
+                call.flag.wait(1.0)  # the reply won the race: it is being completed
+        return call.result()
+
+    def encode(self, obj: Any, dest: int, what: str, ctx: int = 0) -> _codec.Outgoing:
+        record = None
+        if ctx:
+            record = functools.partial(self.autograd.record_send, ctx, dest)
+        return _codec.encode(obj, what, functools.partial(self.rrefs.fork, dest), ctx, record)
+
+    def send(self, dest: int, msg: int, seq: int, out: _codec.Outgoing,
+             wait: bool = False) -> None:
+        """Write one message. ``wait``: return once the transport took every byte, so the
+        caller may modify the tensors it sent (a large message to a busy peer queues)."""
+        if out.rrefs:
+            self.rrefs.commit(dest, out.rrefs)
+        header = Header(Kind.RPC, out.meta_bytes, seq, msg, out.nbytes)
+        next(self._sent)
+        if dest == self.rank:
+            self._receive(dest, header, _codec.local_reader(out.parts))
+            return
+        try:
+            slot = self.transport.isendv(dest, header, out.parts)
+            if wait and not slot.done() and not role.reader:
+                deadline = time.monotonic() + (self.timeout or 3600.0)
+                wait_flag(slot.event, deadline, "sending")
+            if slot.error is not None:
+                raise slot.error
+        except TandemError as exc:
+            if out.rrefs:
+                self.rrefs.undo(dest, out.rrefs)
+            raise self.lost(dest, exc) from exc
+
+    def lost(self, rank: int, cause: BaseException) -> PeerLostError:
+        return PeerLostError(f"worker {self.label(rank)} is gone: {cause}", rank)
+
+    def notify(self, dest: int, note: tuple[Any, ...]) -> None:
+        """Send a NOTE (best effort: a worker that is gone needs no bookkeeping)."""
+        try:
+            self.send(dest, NOTE, 0, _codec.encode(note, "a note"))
+        except TandemError:
+            pass
+
+    # -- receiving -------------------------------------------------------------------
+    def _on_message(self, src: int, header: Header, read: Reader) -> None:
+        if not role.reader:  # the first message on this transport reader thread
+            role.reader = True
+            adopt_thread_settings()
+        self._receive(src, header, read)
+
+    def _receive(self, src: int, header: Header, read: Reader) -> None:
+        msg = header.step
+        incoming = _codec.read_message(header, read, _Sender(self.workers, src))
+        try:
+            if msg == CALL or msg == REMOTE:
+                self.server.on_call(src, header.seq, incoming, msg == REMOTE)
+            elif msg == REPLY or msg == ERROR:
+                self._on_reply(src, header.seq, incoming, msg == ERROR)
+            elif msg == NOTE:
+                self._on_note(src, incoming)
+            else:
+                raise ProtocolError(f"worker {self.label(src)} sent RPC message type {msg}")
+        except ProtocolError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a reader thread must survive any bug
+            print(f"[tandem rpc {self.label(self.rank)}] dropped a message from "
+                  f"{self.label(src)}: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+    def decode(self, src: int, incoming: _codec.Incoming) -> Any:
+        """Unpickle a message of ``src``, recording its autograd receive point if any."""
+        if incoming.error is not None:
+            raise incoming.error
+        if incoming.ctx_id:
+            self.autograd.record_recv(incoming.ctx_id, src, incoming.amsg, incoming.grads)
+        return _codec.decode(incoming, functools.partial(self.rrefs.build, src))
+
+    def _on_reply(self, src: int, call_id: int, incoming: _codec.Incoming, failed: bool) -> None:
+        call = self.pending.pop(call_id, None)
+        error: BaseException | None = None
+        value: Any = None
+        try:
+            value = self.decode(src, incoming)  # even if late: RRefs inside must be freed
+            if failed:
+                value, error = None, rebuild_error(*value)
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+            error = exc
+        try:
+            if call is not None:
+                call.complete(value, error)
+        finally:
+            self.handled_one()
+
+    def _on_note(self, src: int, incoming: _codec.Incoming) -> None:
+        try:
+            note = _codec.decode(incoming)
+            if note[0] == "release":
+                self.autograd.released(note[1], src, self.notify)
+            else:
+                self.rrefs.on_note(src, note)
+        finally:
+            self.handled_one()
+
+    # -- state -------------------------------------------------------------------------
+    def handled_one(self) -> None:
+        """Count a message as fully handled (a call: once its reply is sent)."""
+        next(self._handled)
+
+    def counts(self) -> tuple[int, int]:
+        """(messages sent, messages handled) so far."""
+        return _value(self._sent), _value(self._handled)
+
+    def fail_pending(self, match: Callable[[Pending], bool],
+                     error: Callable[[Pending], BaseException]) -> None:
+        """Complete every pending call that ``match``es with ``error(call)``."""
+        for call_id, call in list(self.pending.items()):
+            if match(call) and self.pending.pop(call_id, None) is call:
+                call.complete(None, error(call))

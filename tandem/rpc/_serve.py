@@ -1,0 +1,102 @@
+"""Serving calls: run each on the server pool and reply, or keep its value in an RRef.
+
+The transport's reader thread has unpickled the call (``Agent.decode``) and hands it to
+:meth:`Server.on_call`; a pool thread runs the function inside the caller's distributed
+autograd context, if any, and writes the reply itself. An ``async_execution`` function
+returns a Future at once and frees its thread; the reply goes out from whichever thread
+completes that Future. A REMOTE keeps its value in the owner's RRef entry (registered
+by the reader, in arrival order, with the creator's fork) and replies with an ack, or
+with the error, which the entry also keeps for later uses of the RRef.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from tandem.errors import StateError, TandemError
+from tandem.rpc import _codec
+from tandem.rpc._calls import describe, remote_error_fields
+from tandem.rpc._codec import ERROR, REPLY
+from tandem.rpc._pool import ServerPool
+from tandem.rpc.functions import ASYNC_ATTR
+
+if TYPE_CHECKING:
+    from tandem.rpc._agent import Agent
+
+__all__ = ["Server"]
+
+MAX_EXTRA_THREADS = 128  # threads beyond num_worker_threads, for calls blocked in nested RPCs
+MAX_QUEUED = 1 << 16  # calls waiting for a server thread before the reader stops reading
+
+
+class Server:
+    """The serving half of one worker's agent."""
+
+    def __init__(self, agent: "Agent", threads: int) -> None:
+        self.agent = agent
+        self.pool = ServerPool(threads, f"tandem-rpc-{agent.rank}", threads + MAX_EXTRA_THREADS,
+                               MAX_QUEUED, agent.spin)
+
+    def on_call(self, src: int, call_id: int, incoming: _codec.Incoming, remote: bool) -> None:
+        """On the reader thread: register a REMOTE's entry, unpickle, queue for the pool."""
+        entry = self.agent.rrefs.owner_entry((src, call_id), src) if remote else None
+        try:
+            func, args, kwargs = self.agent.decode(src, incoming)
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+            self.finish(src, call_id, 0, entry, None, exc)
+            return
+        self.pool.submit(functools.partial(self._execute, src, call_id, func, args, kwargs,
+                                           incoming.ctx_id, entry))
+
+    def _execute(self, src: int, call_id: int, func: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any] | None, ctx: int, entry: Any) -> None:
+        token = self.agent.autograd.enter(ctx)
+        try:
+            out = func(*args, **kwargs) if kwargs else func(*args)
+            if getattr(func, ASYNC_ATTR, False):
+                if not isinstance(out, torch._C.Future):
+                    raise StateError(f"{describe(func)} is marked async_execution but returned "
+                                     f"{type(out).__name__}, not a torch.futures.Future")
+                out.add_done_callback(functools.partial(self._settled, src, call_id, ctx, entry))
+                return
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+            self.finish(src, call_id, ctx, entry, None, exc)
+            return
+        finally:
+            self.agent.autograd.leave(token)
+        self.finish(src, call_id, ctx, entry, out, None)
+
+    def _settled(self, src: int, call_id: int, ctx: int, entry: Any,
+                 fut: torch.futures.Future[Any]) -> None:
+        try:
+            value = fut.wait()
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+            self.finish(src, call_id, ctx, entry, None, exc)
+            return
+        self.finish(src, call_id, ctx, entry, value, None)
+
+    def finish(self, src: int, call_id: int, ctx: int, entry: Any, value: Any,
+               error: BaseException | None) -> None:
+        """Reply to call ``call_id`` of ``src`` (a REMOTE's value stays in its RRef)."""
+        if entry is not None:
+            entry.settle(value, error)
+            value = None
+        try:
+            msg = REPLY
+            if error is None:
+                try:
+                    out = self.agent.encode(value, src, "the result", ctx)
+                except BaseException as exc:  # noqa: BLE001 - the caller gets it instead
+                    error = exc
+            if error is not None:
+                here = self.agent.label(self.agent.rank)
+                out = _codec.encode(remote_error_fields(error, here), "an error")
+                msg = ERROR
+            self.agent.send(src, msg, call_id, out)
+        except TandemError:
+            pass  # the caller is gone: nobody to tell
+        finally:
+            self.agent.handled_one()

@@ -1,0 +1,222 @@
+"""The RPC pieces that need no second process: options, names, the codec, the pool, and
+the public surface compared with torch's (porting is a changed import)."""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.autograd as torch_autograd
+import torch.distributed.rpc as torch_rpc
+
+import tandem.autograd
+import tandem.nn
+import tandem.optim
+import tandem.rpc as rpc
+from tandem.errors import ArgumentError, RpcError, StateError
+from tandem.nn.remote_module import parse_remote_device
+from tandem.rpc import _codec
+from tandem.rpc._calls import rebuild_error, remote_error_fields
+from tandem.rpc._pool import ServerPool
+from tandem.rpc.worker import Directory, WorkerInfo
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("name", ["init_rpc", "shutdown", "get_worker_info", "rpc_sync",
+                                  "rpc_async", "remote"])
+def test_rpc_functions_take_torchs_parameters(name: str) -> None:
+    theirs = list(inspect.signature(getattr(torch_rpc, name)).parameters)
+    ours = list(inspect.signature(getattr(rpc, name)).parameters)
+    assert ours[:len(theirs)] == theirs, f"{name}: {ours} vs torch's {theirs}"
+
+
+def test_rref_and_friends_have_torchs_public_methods() -> None:
+    public = {m for m in dir(torch_rpc.RRef) if not m.startswith("_")}
+    assert public <= set(dir(rpc.RRef)), public - set(dir(rpc.RRef))
+    for name in ("context", "backward", "get_gradients", "is_available"):
+        assert hasattr(torch_autograd, name) and hasattr(tandem.autograd, name), name
+    with warnings.catch_warnings():  # torch scripts its functional optimizers on import
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import torch.distributed.nn as torch_nn
+        import torch.distributed.optim as torch_optim
+    theirs = list(inspect.signature(torch_optim.DistributedOptimizer.__init__).parameters)
+    assert list(inspect.signature(tandem.optim.DistributedOptimizer.__init__).parameters) == theirs
+    theirs = list(inspect.signature(torch_nn.RemoteModule.__init__).parameters)
+    ours = list(inspect.signature(tandem.nn.RemoteModule.__init__).parameters)
+    assert ours[:len(theirs)] == theirs
+    for name in ("forward", "forward_async", "remote_parameters", "get_module_rref",
+                 "init_from_module_rref"):
+        assert hasattr(tandem.nn.RemoteModule, name), name
+    fields = inspect.signature(torch_rpc.TensorPipeRpcBackendOptions.__init__).parameters
+    ours_fields = inspect.signature(rpc.TensorPipeRpcBackendOptions.__init__).parameters
+    assert set(fields) <= set(ours_fields)
+
+
+def test_options_honour_the_cpu_and_refuse_accelerators() -> None:
+    opts = rpc.TensorPipeRpcBackendOptions(devices=["cpu"], device_maps={"w1": {"cpu": "cpu"}})
+    assert opts.devices == [torch.device("cpu")]
+    with pytest.raises(ArgumentError, match="CPU tensors only"):
+        rpc.TensorPipeRpcBackendOptions(devices=["cuda:0"])
+    with pytest.raises(ArgumentError, match="CPU tensors only"):
+        rpc.TensorPipeRpcBackendOptions(device_maps={"w1": {0: 1}})
+    with pytest.raises(ArgumentError, match="CPU tensors only"):
+        opts.set_device_map("w1", {"cpu": "cuda:1"})
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"num_worker_threads": 0}, "num_worker_threads"),
+    ({"rpc_timeout": -1}, "rpc_timeout"),
+    ({"init_method": "localhost:29500"}, "init_method"),
+    ({"_transports": ["ibv"]}, "'uv'"),
+    ({"_channels": ["cma"]}, "_channels"),
+])
+def test_options_refuse_what_tandem_cannot_do(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ArgumentError, match=message):
+        rpc.TensorPipeRpcBackendOptions(**kwargs)
+
+
+def test_transports_choose_the_wire() -> None:
+    from tandem.rpc.options import transport_backend
+
+    assert transport_backend(None) == "auto"
+    assert transport_backend(["uv"]) == "tcp"
+    assert transport_backend(["shm"]) == "shm"
+    assert transport_backend(["uv", "shm"]) == "auto"
+
+
+def test_init_rpc_refuses_bad_names_and_backends_before_any_rendezvous() -> None:
+    with pytest.raises(ArgumentError, match="worker name"):
+        rpc.init_rpc("has/slash", rank=0, world_size=1)
+    with pytest.raises(ArgumentError, match="TENSORPIPE"):
+        rpc.init_rpc("w0", backend="gloo", rank=0, world_size=1)  # type: ignore[arg-type]
+
+
+def test_a_forked_child_does_not_inherit_the_agent() -> None:
+    import os
+
+    from tandem.rpc import _state
+
+    class Fake:
+        closed = False
+
+    fake = Fake()
+    _state._agent = fake  # type: ignore[assignment]
+    try:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if _state.current() is None and fake.closed else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the child still saw the agent"
+    finally:
+        _state._agent = None
+
+
+def test_api_before_init_says_to_call_init_rpc() -> None:
+    for call in (lambda: rpc.get_worker_info(), lambda: rpc.RRef(1),
+                 lambda: rpc.remote("w1", len, args=("ab",)), lambda: rpc.shutdown(),
+                 lambda: tandem.autograd.context().__enter__()):
+        with pytest.raises(StateError, match="init_rpc"):
+            call()
+
+
+def test_directory_resolves_names_ranks_and_infos() -> None:
+    d = Directory(["ps", "trainer0", "trainer1"], 1)
+    assert d.rank_of("trainer1") == 2 and d.rank_of(0) == 0
+    assert d.rank_of(WorkerInfo("ps", 0)) == 0
+    with pytest.raises(ArgumentError, match="'ps', 'trainer0', 'trainer1'"):
+        d.rank_of("trainer7")
+    with pytest.raises(ArgumentError, match="not a worker of this job"):
+        d.rank_of(WorkerInfo("ps", 2))
+    with pytest.raises(ArgumentError, match="both called init_rpc with the name 'ps'"):
+        Directory(["ps", "ps"], 0)
+    assert repr(WorkerInfo("ps", 0)) == "WorkerInfo(id=0, name=ps)"
+    assert len({WorkerInfo("ps", 0), WorkerInfo("ps", 0)}) == 1
+
+
+def _roundtrip(obj: Any) -> tuple[Any, _codec.Outgoing]:
+    out = _codec.encode(obj, "a test message")
+    from tandem.transport.base import Header, Kind
+
+    header = Header(Kind.RPC, out.meta_bytes, 1, 0, out.nbytes)
+    message = _codec.read_message(header, _codec.local_reader(out.parts), "me")
+    return _codec.decode(message), out
+
+
+def test_tensors_travel_beside_the_pickle_not_inside_it() -> None:
+    big = torch.arange(1 << 20, dtype=torch.float32)
+    back, out = _roundtrip({"x": big, "n": 3})
+    assert torch.equal(back["x"], big) and back["n"] == 3
+    assert out.meta_bytes < 512, f"{out.meta_bytes}-byte table and pickle for a 4 MB tensor"
+    assert out.parts[2].obj is not None  # a view of the tensor's memory, not a copy
+    assert out.nbytes == out.meta_bytes + big.nbytes
+
+
+def test_a_truncated_or_inflated_table_is_a_protocol_error() -> None:
+    from tandem.errors import ProtocolError
+    from tandem.transport.base import Header, Kind
+
+    out = _codec.encode(torch.ones(4), "x")
+    bad = Header(Kind.RPC, out.meta_bytes, 1, 0, out.nbytes + 8)
+    with pytest.raises(ProtocolError, match="add up"):
+        _codec.read_message(bad, _codec.local_reader(out.parts), "worker 'w1' (rank 1)")
+
+
+def test_lambdas_and_accelerator_tensors_are_refused() -> None:
+    with pytest.raises(ArgumentError, match="module level"):
+        _codec.encode((lambda: 1,), "a call")
+    with pytest.raises(ArgumentError, match="cannot send"):
+        _codec.encode((threading.Lock(),), "a call")
+
+
+def test_remote_exceptions_are_rebuilt_with_their_class_when_possible() -> None:
+    try:
+        raise KeyError("missing key")
+    except KeyError as exc:
+        fields = remote_error_fields(exc, "'w1' (rank 1)")
+    error = rebuild_error(*fields)
+    assert isinstance(error, KeyError) and "On worker 'w1' (rank 1)" in error.args[0]
+    assert "missing key" in error.args[0] and "Traceback" in error.args[0]
+
+    class Odd(Exception):
+        def __init__(self, a: int, b: int) -> None:
+            super().__init__(a, b)
+
+    error = rebuild_error(*remote_error_fields(Odd(1, 2), "'w1' (rank 1)"))
+    assert isinstance(error, RpcError) and "Odd" in str(error)
+
+
+def test_a_blocked_pool_thread_lets_another_run_queued_work() -> None:
+    pool = ServerPool(1, "test-pool", max_threads=4, max_queued=16)
+    inner_ran = threading.Event()
+    outer_done = threading.Event()
+
+    def inner() -> None:
+        inner_ran.set()
+
+    def outer() -> None:
+        pool.submit(inner)
+        with pool.blocked():  # as a served call waiting on a nested RPC
+            inner_ran.wait(5)
+        outer_done.set()
+
+    try:
+        pool.submit(outer)
+        assert outer_done.wait(5), "one-thread pool starved: nested work never ran"
+    finally:
+        assert pool.close(2.0) == []
+
+
+def test_remote_devices_name_a_worker_and_the_cpu() -> None:
+    assert parse_remote_device("worker1/cpu") == ("worker1", "cpu")
+    assert parse_remote_device("rank:1/cpu") == (1, "cpu")
+    assert parse_remote_device("ps") == ("ps", "cpu")
+    with pytest.raises(ArgumentError, match="CPU tensors only"):
+        parse_remote_device("worker1/cuda:0")
+    for bad in ("a/b/c", "rank:x/cpu", "/cpu", ""):
+        with pytest.raises(ArgumentError):
+            parse_remote_device(bad)
