@@ -22,6 +22,13 @@ Communication hooks run one bucket at a time: a bucket's hook starts when the
 previous bucket's future has completed (from the thread that completed it). A
 hook may issue several collectives in a chain (PowerSGD does); serialising the
 hooks is what keeps every rank's sequence of collectives identical.
+
+Two attachments change step 3 and 4: gradient sharding (``_shard.GradShards``)
+reduce-scatters each bucket so that a rank keeps only the gradients it optimises, and
+an observer (``_observer.GradObserver``) hears about each bucket as ``_finalize``
+writes it back. A joined rank (``tandem.algorithms.join``) runs the same reductions
+with zero gradients in :meth:`Reducer.shadow_backward`; ``divisor`` makes them
+average over the ranks still training instead of the whole group.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ from tandem.collectives.reduce_op import ReduceOp
 from tandem.errors import ArgumentError, StateError
 from tandem.parallel._buckets import Bucket, GradBucket, assign_buckets
 from tandem.parallel._ddp_stats import DDPStats, StepTimes, interval_overlap, interval_union
+from tandem.parallel._observer import GradObserver
+from tandem.parallel._shard import GradShards
 
 __all__ = ["Reducer", "find_tensors", "reachable_parameters"]
 
@@ -113,6 +122,9 @@ class Reducer:
         self.hook_state: Any = None
         self.unused_error_aborts = True
         self.max_message_bytes = MAX_MESSAGE_BYTES
+        self.shards: GradShards | None = None
+        self.observer: GradObserver | None = None
+        self.divisor: int | None = None  # average over this many ranks (Join), not all
 
         n = len(self.params)
         self._expect = False       # a synchronising forward ran; its backward reduces
@@ -187,6 +199,42 @@ class Reducer:
 
     def close(self) -> None:
         self._finalizer()
+        if self.shards is not None:
+            self.shards.close()
+
+    def shard(self, owners: Sequence[int]) -> None:
+        """Reduce-scatter from now on: ``owners[i]`` is the group rank that keeps the
+        gradient of parameter ``i`` (see ``_shard``). Before the first backward."""
+        self.shards = GradShards(self.params, owners, self.group)
+        self.buckets = [Bucket(b.index, self.shards.order(b.members), self.params,
+                               transient=True) for b in self.buckets]
+        for b in self.buckets:
+            for pos, i in enumerate(b.members):
+                self.where[i] = (b, pos)
+
+    def shadow_backward(self, divisor: int | None) -> None:
+        """On a joined rank: take part in one backward's reductions with zero gradients.
+
+        The averages of the ranks still training land in ``.grad`` (so a sharded
+        optimizer steps its shard with them), and the observer runs as usual.
+        """
+        self.check_idle()
+        self.divisor = divisor
+        self._expect = True
+        self._predicted_unused = []
+        if self.shards is not None:
+            self.shards.forget()
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.zero_()
+        self._begin(in_backward=False)
+        try:
+            for i in reversed(range(len(self.params))):  # backward's order
+                self._mark_ready(i)
+            self._finalize(record=False)
+        finally:
+            self._reset()
 
     # -- the backward pass -------------------------------------------------------------
     def _on_grad(self, i: int) -> None:
@@ -194,7 +242,7 @@ class Reducer:
         if not self._expect:
             return
         if not self._started:
-            self._begin()
+            self._begin(in_backward=True)
         if self._ready[i] and i in self._predicted_unused:
             raise StateError(
                 f"DistributedDataParallel: parameter '{self.names[i]}' received a gradient "
@@ -203,16 +251,18 @@ class Reducer:
                 f"module's forward.")
         self._mark_ready(i)
 
-    def _begin(self) -> None:
+    def _begin(self, in_backward: bool) -> None:
         self._started = True
         # same-host groups reduce .grad tensors in place through shared memory: no bucket
-        # buffer, no copies in and out of it (hooks, views and unused parameters need
-        # the buckets, so they keep them)
+        # buffer, no copies in and out of it (hooks, views, unused parameters and
+        # sharding need the buckets, so they keep them)
         self._direct = (self.hook is None and not self.view_mode and not self.find_unused
-                        and not self.static_graph and self.group.shares_memory)
+                        and not self.static_graph and self.shards is None
+                        and self.group.shares_memory)
         if self._t_backward == 0.0:
             self._t_backward = _clock()
-        torch.autograd.Variable._execution_engine.queue_callback(self._finalize_callback)
+        if in_backward:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_callback)
         for i in self._predicted_unused:
             if not self._ready[i]:
                 self._mark_ready(i)
@@ -238,6 +288,9 @@ class Reducer:
         with torch.no_grad():
             if g is None:
                 view.zero_()
+            elif self.shards is not None:
+                view.copy_(g)
+                p.grad = None  # the bucket has it; only the owner gets a gradient back
             elif self.view_mode:
                 if not _is_view_of(g, view):
                     view.copy_(g)
@@ -262,6 +315,10 @@ class Reducer:
             grad_bucket = GradBucket(b, self.params, last)
             hook, state = self.hook, self.hook_state
             fut = self._chain(lambda: hook(state, grad_bucket))
+        elif self.shards is not None:
+            fut = self.shards.issue(b, inline=last and not self._needs_used_map())
+            if fut.done():
+                self._inline = (b.t_launch, _clock())
         elif self._direct:
             # every member has a .grad by now (see _mark_ready)
             grads = [g for i in b.members if (g := self.params[i].grad) is not None]
@@ -370,7 +427,7 @@ class Reducer:
         finally:
             self._reset()
 
-    def _finalize(self) -> None:
+    def _finalize(self, record: bool = True) -> None:
         t_compute_end = _clock()
         missing = [i for i, ready in enumerate(self._ready) if not ready]
         if missing:
@@ -379,10 +436,39 @@ class Reducer:
             for i in missing:
                 self._mark_ready(i)
         assert self._next == len(self.buckets)
+        t0 = _clock()
+        global_unused = self._global_unused()
+        waited = _clock() - t0
+        factor = None if self.divisor is None else self.group.group_size / self.divisor
+        observed = 0.0
         for b in self.buckets:
             assert b.future is not None
+            t0 = _clock()
             value = b.future.wait()
+            waited += _clock() - t0
             b.result = value[0] if isinstance(value, (list, tuple)) and value else value
+            if self.shards is not None:
+                self.shards.write_back(b, global_unused, factor)
+            elif not self._direct:
+                self._write_back(b, global_unused, factor)
+            elif factor is not None:
+                with torch.no_grad():
+                    for i in b.members:
+                        self.params[i].grad.mul_(factor)  # type: ignore[union-attr]
+            if self.observer is not None:
+                t0 = _clock()
+                self.observer.bucket_reduced(b.index, [self.params[i] for i in b.members])
+                observed += _clock() - t0
+        if self.observer is not None:
+            t0 = _clock()
+            self.observer.backward_done()
+            observed += _clock() - t0
+        t_end = _clock()
+        if record:
+            self._record(t_compute_end, t_compute_end + waited, t_end - observed)
+
+    def _global_unused(self) -> set[int]:
+        """Parameters no rank produced a gradient for (find_unused / static_graph)."""
         global_unused: set[int] = set()
         if self._used_future is not None:
             self._used_future.wait()
@@ -392,36 +478,33 @@ class Reducer:
                 self._static_global_unused = global_unused
         elif self.static_graph and self._static_global_unused is not None:
             global_unused = self._static_global_unused
-        t_waited = _clock()
-        if not self._direct:
-            self._write_back(global_unused)
-        t_end = _clock()
-        self._record(t_compute_end, t_waited, t_end)
+        return global_unused
 
-    def _write_back(self, global_unused: set[int]) -> None:
+    def _write_back(self, b: Bucket, global_unused: set[int], factor: float | None) -> None:
         with torch.no_grad():
-            for b in self.buckets:
-                res = b.result
-                if not isinstance(res, torch.Tensor):
-                    raise ArgumentError(f"the communication hook's future for bucket {b.index} "
-                                        f"returned {type(res).__name__}, not a tensor")
-                if res.data_ptr() != b.buffer.data_ptr():
-                    if res.numel() != b.buffer.numel():
-                        raise ArgumentError(
-                            f"the communication hook returned {res.numel()} elements for "
-                            f"bucket {b.index}, which holds {b.buffer.numel()}")
-                    b.buffer.copy_(res.reshape(-1))
-                for pos, i in enumerate(b.members):
-                    if i in global_unused:
-                        continue  # no rank produced a gradient: leave .grad as it is
-                    p, view = self.params[i], b.views[pos]
-                    if self.view_mode:
-                        if p.grad is None or not _is_view_of(p.grad, view):
-                            p.grad = view
-                    elif p.grad is None:
-                        p.grad = view.clone()
-                    else:
-                        p.grad.copy_(view)
+            res = b.result
+            if not isinstance(res, torch.Tensor):
+                raise ArgumentError(f"the communication hook's future for bucket {b.index} "
+                                    f"returned {type(res).__name__}, not a tensor")
+            if res.data_ptr() != b.buffer.data_ptr():
+                if res.numel() != b.buffer.numel():
+                    raise ArgumentError(
+                        f"the communication hook returned {res.numel()} elements for "
+                        f"bucket {b.index}, which holds {b.buffer.numel()}")
+                b.buffer.copy_(res.reshape(-1))
+            if factor is not None:
+                b.buffer.mul_(factor)
+            for pos, i in enumerate(b.members):
+                if i in global_unused:
+                    continue  # no rank produced a gradient: leave .grad as it is
+                p, view = self.params[i], b.views[pos]
+                if self.view_mode:
+                    if p.grad is None or not _is_view_of(p.grad, view):
+                        p.grad = view
+                elif p.grad is None:
+                    p.grad = view.clone()
+                else:
+                    p.grad.copy_(view)
 
     def _record(self, t_compute_end: float, t_waited: float, t_end: float) -> None:
         spans = [(b.t_launch, b.t_done or t_waited) for b in self.buckets]
@@ -469,6 +552,7 @@ class Reducer:
         self._used_future = None
         self._inline = (0.0, 0.0)
         self._direct = False
+        self.divisor = None
         for b in self.buckets:
             b.reset()
         self._local_used = [False] * len(self.params)

@@ -1,0 +1,28 @@
+"""What DDP tells an optimizer that works inside its gradient synchronisation.
+
+An observer set with ``DistributedDataParallel._observe(observer)`` hears, in the
+thread that finishes ``loss.backward()``, about each bucket once its reduced
+gradients are in ``.grad`` (in bucket order), then that backward has ended. The
+:class:`~tandem.optim.ZeroRedundancyOptimizer` with ``overlap_with_ddp=True`` steps
+its shard of each bucket there and starts sending the updated parameters while later
+buckets are still being reduced. A joined rank's shadow backward (see
+``tandem.algorithms.join``) calls the observer in the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["GradObserver"]
+
+
+class GradObserver:
+    """Base class: override either method; both do nothing by default."""
+
+    def bucket_reduced(self, index: int, params: Sequence[torch.nn.Parameter]) -> None:
+        """Bucket ``index`` (holding ``params``) is reduced and written back."""
+
+    def backward_done(self) -> None:
+        """Every bucket of this backward has been reported."""
