@@ -48,7 +48,8 @@ def _show(entry: Entry | None) -> str:
     return f"{kind} '{name}' {list(shape)} {dtype}"
 
 
-def verify_same_model(group: ProcessGroup, entries: list[Entry]) -> None:
+def verify_same_model(group: ProcessGroup, entries: list[Entry],
+                      what: str = "DistributedDataParallel") -> None:
     """Raise ArgumentError on every rank unless all ranks describe the same model."""
     digest = hashlib.sha256(repr(entries).encode()).hexdigest()
     digests: list[object] = [None] * group.group_size
@@ -69,7 +70,7 @@ def verify_same_model(group: ProcessGroup, entries: list[Entry]) -> None:
         first = next(e for e in at if e is not None)
         sides = "; ".join(f"{_show(e)} on rank(s) {ranks}" for e, ranks in groups.items())
         raise ArgumentError(
-            f"DistributedDataParallel: the model differs across ranks at {first[0]} #{i} "
+            f"{what}: the model differs across ranks at {first[0]} #{i} "
             f"'{first[1]}': {sides}. Every rank must build the same model "
             f"(same parameter names, shapes and dtypes, registered in the same order).")
 

@@ -11,11 +11,11 @@ buckets are still being reduced. A joined rank's shadow backward (see
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["GradObserver"]
+__all__ = ["GradObserver", "ObservingHook"]
 
 
 class GradObserver:
@@ -26,3 +26,23 @@ class GradObserver:
 
     def backward_done(self) -> None:
         """Every bucket of this backward has been reported."""
+
+
+class ObservingHook(GradObserver):
+    """A communication hook that also observes DDP's reduced buckets.
+
+    ``ddp.register_comm_hook(state, obj)`` with such an object calls ``obj.attach(ddp)``,
+    makes DDP reduce each bucket with ``obj.hook`` (None, or ``allreduce_hook`` on
+    DDP's own group: DDP's built-in average, which keeps the shared-memory in-place
+    path) and report every reduced bucket to ``obj``.
+    """
+
+    hook: Callable[[Any, Any], torch.futures.Future[Any]] | None = None
+
+    def attach(self, ddp: Any) -> None:
+        """Check that this observer fits ``ddp`` (called by ``register_comm_hook``)."""
+
+    def __call__(self, state: Any, bucket: Any) -> torch.futures.Future[Any]:
+        from tandem.parallel.comm_hooks import allreduce_hook
+
+        return (self.hook or allreduce_hook)(state, bucket)

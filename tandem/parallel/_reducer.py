@@ -205,6 +205,8 @@ class Reducer:
     def shard(self, owners: Sequence[int]) -> None:
         """Reduce-scatter from now on: ``owners[i]`` is the group rank that keeps the
         gradient of parameter ``i`` (see ``_shard``). Before the first backward."""
+        if self.shards is not None:
+            self.shards.close()
         self.shards = GradShards(self.params, owners, self.group)
         self.buckets = [Bucket(b.index, self.shards.order(b.members), self.params,
                                transient=True) for b in self.buckets]

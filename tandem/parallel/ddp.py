@@ -53,7 +53,9 @@ from tandem.parallel._module_sync import (
     describe_module,
     verify_same_model,
 )
+from tandem.parallel._observer import ObservingHook
 from tandem.parallel._reducer import Reducer
+from tandem.parallel.comm_hooks import allreduce_hook
 
 __all__ = ["DistributedDataParallel", "DDPStats", "StepTimes", "GradBucket"]
 
@@ -200,9 +202,23 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise StateError("register_comm_hook can only be called once")
         if self.stats.steps > 0 or self.reducer._started:
             raise StateError("register_comm_hook must be called before the first backward")
+        reduce: Callable[[Any, GradBucket], torch.futures.Future[Any]] | None = hook
+        if isinstance(hook, ObservingHook):  # e.g. tandem.optim.hook_with_zero_step
+            hook.attach(self)
+            reduce = hook.hook
+            if reduce is allreduce_hook and state in (None, self.process_group):
+                reduce = None  # the built-in average: same result, in place where it can
+        if reduce is not None and self.reducer.shards is not None:
+            raise ArgumentError(
+                "register_comm_hook: this DDP's gradients are sharded (shard_gradients), and "
+                "sharding reduce-scatters the buckets itself; a hook that reduces whole "
+                "buckets cannot be combined with it")
         self._comm_hook_set = True
-        self.reducer.hook = hook
-        self.reducer.hook_state = state
+        if isinstance(hook, ObservingHook):
+            self.reducer.observer = hook
+        if reduce is not None:
+            self.reducer.hook = reduce
+            self.reducer.hook_state = state
 
     def _set_static_graph(self) -> None:
         self.static_graph = True

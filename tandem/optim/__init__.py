@@ -1,0 +1,19 @@
+"""Distributed optimizers: the ``torch.distributed.optim`` names.
+
+``ZeroRedundancyOptimizer`` (ZeRO stage 1: each rank keeps the optimizer state of
+1/N of the parameters) with torch's signature and semantics, plus what tandem's DDP
+makes possible: ``hook_with_zero_step`` (the step inside DDP's backward, with
+``overlap_with_ddp=True``) and ``shard_gradients`` (ZeRO stage 2: each rank keeps
+only its shard's gradients)::
+
+    from tandem.optim import ZeroRedundancyOptimizer, shard_gradients
+    model = DistributedDataParallel(net)
+    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    shard_gradients(model, opt)             # optional: gradients reduce-scattered
+"""
+
+from tandem.optim._zero_ddp import hook_with_zero_step, hook_with_zero_step_interleaved, shard_gradients
+from tandem.optim.zero import ZeroRedundancyOptimizer
+
+__all__ = ["ZeroRedundancyOptimizer", "hook_with_zero_step", "hook_with_zero_step_interleaved",
+           "shard_gradients"]
