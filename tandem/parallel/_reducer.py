@@ -440,6 +440,12 @@ class Reducer:
         assert self._next == len(self.buckets)
         t0 = _clock()
         global_unused = self._global_unused()
+        if self.hook is not None and self.observer is not None:
+            # hooks issue their collectives from future callbacks: let them all be issued
+            # before the observer issues any, so every rank issues them in one order
+            for b in self.buckets:
+                assert b.future is not None
+                b.future.wait()
         waited = _clock() - t0
         factor = None if self.divisor is None else self.group.group_size / self.divisor
         observed = 0.0

@@ -12,7 +12,6 @@ Run: ``python -m pytest tests/parallel/test_ddp_join.py -q``.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,9 +21,8 @@ from torch.nn import functional as F
 
 import tandem
 from tandem.algorithms.join import Join
-from tandem.testing import spawn
 
-from test_ddp_torch_parity import _gloo_env, each_case_with_gloo, twins
+from test_ddp_torch_parity import each_case_with_gloo, spawn_with_gloo, twins
 from test_ddp_training import LOCAL_BATCH, PlainSGD, _inputs
 
 BATCHES = {2: [9, 5], 3: [5, 9, 6]}  # batches per rank: rank 0 leaves last or first
@@ -76,10 +74,7 @@ def compare_states(ours: torch.nn.Module, theirs: torch.nn.Module) -> dict[str, 
                 ids=lambda p: f"{p[0]}ranks-{p[1]}")
 def results(request: pytest.FixtureRequest,
             tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    world, backend = request.param
-    path: Path = tmp_path_factory.mktemp("gloo") / "rendezvous"
-    return spawn(world, compare, (f"file://{path}",), timeout=150, env=_gloo_env(),
-                 backend=backend)
+    return spawn_with_gloo(compare, request, tmp_path_factory, timeout=150)
 
 
 @pytest.mark.timeout(180)

@@ -99,14 +99,21 @@ def compare(rank: int, world: int, gloo_url: str) -> dict[str, Any]:
     return each_case_with_gloo(rank, world, gloo_url, list(CASES), run)
 
 
+def spawn_with_gloo(fn: Callable[..., Any], request: pytest.FixtureRequest,
+                    tmp_path_factory: pytest.TempPathFactory, timeout: float) -> list[Any]:
+    """``fn(rank, world, gloo_url)`` on ranks joined to tandem (``request.param`` is
+    (world size, tandem backend)) and able to join gloo at ``gloo_url``."""
+    world, backend = request.param
+    path: Path = tmp_path_factory.mktemp("gloo") / "rendezvous"
+    return spawn(world, fn, (f"file://{path}",), timeout=timeout, env=_gloo_env(),
+                 backend=backend)
+
+
 @pytest.fixture(scope="module", params=[(2, "tcp"), (3, "tcp"), (2, "shm")],
                 ids=lambda p: f"{p[0]}ranks-{p[1]}")
 def results(request: pytest.FixtureRequest,
             tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    world, backend = request.param
-    path: Path = tmp_path_factory.mktemp("gloo") / "rendezvous"
-    return spawn(world, compare, (f"file://{path}",), timeout=150, env=_gloo_env(),
-                 backend=backend)
+    return spawn_with_gloo(compare, request, tmp_path_factory, timeout=150)
 
 
 def _gloo_env() -> dict[str, str]:
