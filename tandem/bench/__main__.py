@@ -17,6 +17,7 @@ from typing import Sequence
 COMMANDS: dict[str, str] = {
     "collectives": "tandem.bench.collectives",
     "ddp": "tandem.bench.ddp",
+    "zero": "tandem.bench.zero",
     "signature": "tandem.bench.signature",
     "startup": "tandem.bench.startup",
 }

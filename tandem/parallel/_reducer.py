@@ -54,6 +54,7 @@ __all__ = ["Reducer", "find_tensors", "reachable_parameters"]
 Hook = Callable[[Any, GradBucket], torch.futures.Future[Any]]
 _clock = time.perf_counter
 MAX_MESSAGE_BYTES = 4 << 20  # see Reducer._pieces
+SHARDED_BUCKET_BYTES = 4 << 20  # see Reducer.shard
 
 
 def find_tensors(obj: Any) -> list[torch.Tensor]:
@@ -112,6 +113,8 @@ class Reducer:
         self.find_unused = find_unused_parameters
         self.static_graph = static_graph
         self.stats = stats
+        self.bucket_cap_bytes = bucket_cap_bytes
+        self.first_bucket_bytes = first_bucket_bytes
         layout = assign_buckets(self.params, bucket_cap_bytes, first_bucket_bytes)
         self.buckets = [Bucket(i, members, self.params) for i, members in enumerate(layout)]
         self.where: list[tuple[Bucket, int]] = [None] * len(self.params)  # type: ignore[list-item]
@@ -204,12 +207,19 @@ class Reducer:
 
     def shard(self, owners: Sequence[int]) -> None:
         """Reduce-scatter from now on: ``owners[i]`` is the group rank that keeps the
-        gradient of parameter ``i`` (see ``_shard``). Before the first backward."""
+        gradient of parameter ``i`` (see ``_shard``). Before the first backward.
+
+        Sharded buckets are transient buffers that hold their gradients until reduced,
+        so they are cut at :data:`SHARDED_BUCKET_BYTES` (or the smaller cap DDP was
+        given): the gradients in flight then stay a small part of the 1/N kept.
+        """
         if self.shards is not None:
             self.shards.close()
         self.shards = GradShards(self.params, owners, self.group)
-        self.buckets = [Bucket(b.index, self.shards.order(b.members), self.params,
-                               transient=True) for b in self.buckets]
+        cap = min(self.bucket_cap_bytes, SHARDED_BUCKET_BYTES)
+        layout = assign_buckets(self.params, cap, min(self.first_bucket_bytes, cap))
+        self.buckets = [Bucket(i, self.shards.order(members), self.params, transient=True)
+                        for i, members in enumerate(layout)]
         for b in self.buckets:
             for pos, i in enumerate(b.members):
                 self.where[i] = (b, pos)
