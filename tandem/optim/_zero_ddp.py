@@ -161,7 +161,7 @@ class ZeroStepHook(ObservingHook):
         for plan, started in pending:
             plan.finish(started)
         copy_hyperparameters(zero.optim.param_groups, zero.param_groups)
-        zero._steps += 1
+        zero._stepped()
 
 
 def hook_with_zero_step(hook: Hook, ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer,

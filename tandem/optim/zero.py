@@ -46,7 +46,7 @@ from torch.optim import Optimizer
 from tandem.algorithms.join import Join, Joinable, JoinHook
 from tandem.collectives.group import NonMemberGroup, ProcessGroup
 from tandem.collectives.world import resolve_group
-from tandem.errors import ArgumentError
+from tandem.errors import ArgumentError, StateError
 from tandem.optim import _zero_state
 from tandem.optim._exchange import Exchange
 from tandem.optim._layout import FlatParams, greedy_owners, locations
@@ -94,6 +94,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._consolidated_at = -1
         self._steps = 0
         self._grads_sharded = False
+        self._clip_now: tuple[float, float] | None = None  # clip_grad_norm_ of this step
+        self._clip_last: tuple[float, float] | None = None  # ... of the last step
         self._flat: FlatParams | None = None
         self.layout_version = 0  # bumped whenever the parameters move or change owner
         self._check_params(self.param_groups)
@@ -202,8 +204,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Join.notify_join_context(self)
         loss = self._local_step(closure, **kwargs)
         self._exchange.run()
-        self._steps += 1
+        self._stepped()
         return loss
+
+    def _stepped(self) -> None:
+        self._steps += 1
+        self._clip_last, self._clip_now = self._clip_now, None
 
     def _local_step(self, closure: Callable[[], float] | None = None,
                     **kwargs: Any) -> float | None:
@@ -226,7 +232,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the gradients so that their norm over all parameters (all ranks) is at
         most ``max_norm``; return that norm. Needed with sharded gradients, where no
-        rank holds them all (``torch.nn.utils.clip_grad_norm_`` would see 1/N of them)."""
+        rank holds them all (``torch.nn.utils.clip_grad_norm_`` would see 1/N of them).
+
+        Under ``Join`` a joined rank repeats the clipping of its last step (its shard of
+        the gradients counts in the norm).
+        """
+        if self._overlap_with_ddp:
+            raise StateError("ZeroRedundancyOptimizer.clip_grad_norm_: with overlap_with_ddp "
+                             "the step runs inside backward, before clipping could change the "
+                             "gradients; clip inside a communication hook, or do not overlap")
+        self._clip_now = (float(max_norm), float(norm_type))
         return _zero_state.clip_grad_norm(self, max_norm, norm_type)
 
     # -- Join -----------------------------------------------------------------------------
@@ -252,6 +267,8 @@ class _ZeroJoinHook(JoinHook):
         zero = self.zero
         if zero._overlap_with_ddp:
             return  # DDP's shadow backward ran the step (tandem.optim._zero_ddp)
+        if zero._clip_last is not None:  # the ranks still training clip: take part
+            zero.clip_grad_norm_(*zero._clip_last)
         zero._local_step()
         zero._exchange.run()
-        zero._steps += 1
+        zero._stepped()

@@ -132,9 +132,15 @@ def misuse(rank: int, world: int) -> list[str]:
         zero = ZeroRedundancyOptimizer(params, torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
         ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
 
+    def clip_with_overlap() -> None:
+        ddp, _ = _pair()
+        zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, overlap_with_ddp=True,
+                                       lr=0.1)
+        zero.clip_grad_norm_(1.0)
+
     out = []
     cases: list[Callable[[], None]] = [after_backward, hook_after_sharding, subset, no_overlap,
-                                       extra_params]
+                                       extra_params, clip_with_overlap]
     for case in cases:
         try:
             case()
@@ -202,3 +208,4 @@ def test_attaching_wrongly_is_refused_with_a_message(results: list[dict[str, Any
         assert "does not hold" in errors[2], errors[2]
         assert "overlap_with_ddp=True" in errors[3], errors[3]
         assert "does not train" in errors[4], errors[4]
+        assert errors[5].startswith("StateError") and "inside backward" in errors[5], errors[5]
