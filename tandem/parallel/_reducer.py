@@ -33,10 +33,9 @@ average over the ranks still training instead of the whole group.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import weakref
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -45,53 +44,17 @@ from tandem.collectives.group import ProcessGroup
 from tandem.collectives.reduce_op import ReduceOp
 from tandem.errors import ArgumentError, StateError
 from tandem.parallel._buckets import Bucket, GradBucket, assign_buckets
-from tandem.parallel._ddp_stats import DDPStats, StepTimes, interval_overlap, interval_union
+from tandem.parallel._ddp_stats import DDPStats, step_times
+from tandem.parallel._graph import find_tensors, reachable_parameters
 from tandem.parallel._observer import GradObserver
 from tandem.parallel._shard import GradShards
 
-__all__ = ["Reducer", "find_tensors", "reachable_parameters"]
+__all__ = ["Reducer"]
 
 Hook = Callable[[Any, GradBucket], torch.futures.Future[Any]]
 _clock = time.perf_counter
 MAX_MESSAGE_BYTES = 4 << 20  # see Reducer._pieces
 SHARDED_BUCKET_BYTES = 4 << 20  # see Reducer.shard
-
-
-def find_tensors(obj: Any) -> list[torch.Tensor]:
-    """Every tensor inside ``obj`` (nested lists, tuples, dicts, dataclasses)."""
-    out: list[torch.Tensor] = []
-    stack = [obj]
-    while stack:
-        o = stack.pop()
-        if isinstance(o, torch.Tensor):
-            out.append(o)
-        elif isinstance(o, (list, tuple, set)):
-            stack.extend(o)
-        elif isinstance(o, dict):
-            stack.extend(o.values())
-        elif dataclasses.is_dataclass(o) and not isinstance(o, type):
-            stack.extend(getattr(o, f.name) for f in dataclasses.fields(o))
-    return out
-
-
-def reachable_parameters(outputs: Iterable[torch.Tensor]) -> set[int]:
-    """``id()`` of every leaf tensor whose gradient backward from ``outputs`` can reach."""
-    seen: set[Any] = set()
-    leaves: set[int] = set()
-    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    leaves.update(id(t) for t in outputs if t.grad_fn is None and t.requires_grad)
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if variable is not None:  # AccumulateGrad
-            leaves.add(id(variable))
-        for nxt, _ in node.next_functions:
-            if nxt is not None and nxt not in seen:
-                stack.append(nxt)
-    return leaves
 
 
 def _is_view_of(grad: torch.Tensor, view: torch.Tensor) -> bool:
@@ -525,23 +488,10 @@ class Reducer:
                     p.grad.copy_(view)
 
     def _record(self, t_compute_end: float, t_waited: float, t_end: float) -> None:
-        spans = [(b.t_launch, b.t_done or t_waited) for b in self.buckets]
-        merged = interval_union(spans)
-        blocked_from, blocked_to = self._inline
-        if blocked_to == 0.0:
-            blocked_from = blocked_to = t_compute_end
-        # communication overlapped backward only while backward was computing
-        overlap = (interval_overlap(merged, self._t_backward, blocked_from)
-                   + interval_overlap(merged, blocked_to, t_compute_end))
-        self.stats.record(StepTimes(
-            forward_s=self.stats.pending_forward_s,
-            backward_s=t_end - self._t_backward,
-            comm_s=sum(b - a for a, b in merged),
-            overlap_s=overlap,
-            wait_s=t_waited - t_compute_end + (blocked_to - blocked_from),
-            buckets=len(self.buckets),
-            bytes=sum(b.nbytes for b in self.buckets),
-        ))
+        self.stats.record(step_times(
+            [(b.t_launch, b.t_done or t_waited) for b in self.buckets], self._inline,
+            self.stats.pending_forward_s, self._t_backward, t_compute_end, t_waited, t_end,
+            sum(b.nbytes for b in self.buckets)))
 
     def _unused_error(self, missing: list[int]) -> StateError:
         names = [self.names[i] for i in missing]

@@ -22,7 +22,7 @@ from torch import nn
 
 from tandem.config import load_settings
 from tandem.errors import ArgumentError, TimeoutError
-from tandem.parallel._reducer import find_tensors
+from tandem.parallel._graph import find_tensors
 from tandem.parallel.scatter_gather import DeviceLike, resolve_device
 
 __all__ = ["parallel_apply"]
