@@ -78,6 +78,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
             raise ArgumentError(f"ZeroRedundancyOptimizer: optimizer_class must be a "
                                 f"torch.optim.Optimizer subclass, got {optimizer_class!r}")
+        if overlap_with_ddp and issubclass(optimizer_class, torch.optim.LBFGS):
+            raise ArgumentError("ZeroRedundancyOptimizer(overlap_with_ddp=True) steps each DDP "
+                                "bucket on its own, which needs an optimizer that updates each "
+                                "parameter from its own gradient; LBFGS re-evaluates the whole "
+                                "model")
         self.initialized = False
         self.process_group = resolve_group(process_group, "ZeroRedundancyOptimizer")
         Optimizer.__init__(self, params, defaults)

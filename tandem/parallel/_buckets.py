@@ -57,18 +57,14 @@ class Bucket:
     """One flat gradient buffer and the parameters whose gradients live in it.
 
     The buffer is made on first use: when the group shares memory, gradients are
-    reduced where they are and the buffer is never needed. A ``transient`` bucket
-    (gradient sharding) is made uninitialised, every slot being written before use,
-    and released after each backward so that it holds no memory between steps.
+    reduced where they are and the buffer is never needed.
     """
 
     __slots__ = ("index", "members", "_shapes", "dtype", "numel", "_buffer", "_views",
-                 "pending", "future", "result", "t_launch", "t_done", "transient")
+                 "pending", "future", "result", "t_launch", "t_done")
 
-    def __init__(self, index: int, members: list[int], params: Sequence[torch.Tensor],
-                 transient: bool = False) -> None:
+    def __init__(self, index: int, members: list[int], params: Sequence[torch.Tensor]) -> None:
         self.index = index
-        self.transient = transient
         self.members = members  # parameter indices, in bucket order
         self.dtype = params[members[0]].dtype
         self._shapes = [params[i].shape for i in members]
@@ -84,8 +80,7 @@ class Bucket:
     @property
     def buffer(self) -> torch.Tensor:
         if self._buffer is None:
-            make = torch.empty if self.transient else torch.zeros
-            self._buffer = make(self.numel, dtype=self.dtype)
+            self._buffer = torch.zeros(self.numel, dtype=self.dtype)
             offset = 0
             for shape in self._shapes:
                 n = shape.numel()
@@ -107,9 +102,6 @@ class Bucket:
         self.future = None
         self.result = None
         self.t_launch = self.t_done = 0.0
-        if self.transient:
-            self._buffer = None
-            self._views = []
 
 
 class GradBucket:

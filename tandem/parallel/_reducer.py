@@ -172,17 +172,18 @@ class Reducer:
         """Reduce-scatter from now on: ``owners[i]`` is the group rank that keeps the
         gradient of parameter ``i`` (see ``_shard``). Before the first backward.
 
-        Sharded buckets are transient buffers that hold their gradients until reduced,
-        so they are cut at :data:`SHARDED_BUCKET_BYTES` (or the smaller cap DDP was
-        given): the gradients in flight then stay a small part of the 1/N kept.
+        Gradients stay alive until their bucket is reduced, so sharded buckets are cut
+        at :data:`SHARDED_BUCKET_BYTES` (or the smaller cap DDP was given): the
+        gradients in flight then stay a small part of the 1/N kept.
         """
         if self.shards is not None:
             self.shards.close()
         self.shards = GradShards(self.params, owners, self.group)
         cap = min(self.bucket_cap_bytes, SHARDED_BUCKET_BYTES)
         layout = assign_buckets(self.params, cap, min(self.first_bucket_bytes, cap))
-        self.buckets = [Bucket(i, self.shards.order(members), self.params, transient=True)
+        self.buckets = [Bucket(i, self.shards.order(members), self.params)
                         for i, members in enumerate(layout)]
+        self.shards.lay_out(self.buckets)
         for b in self.buckets:
             for pos, i in enumerate(b.members):
                 self.where[i] = (b, pos)
@@ -252,7 +253,7 @@ class Reducer:
         b, pos = self.where[i]
         p = self.params[i]
         g = p.grad
-        if self._direct:
+        if self._direct or self.shards is not None:  # no bucket buffer: .grad is reduced
             if g is None:  # it contributes zeros, as its bucket slot would
                 p.grad = torch.zeros_like(p)
             b.pending -= 1
@@ -263,9 +264,6 @@ class Reducer:
         with torch.no_grad():
             if g is None:
                 view.zero_()
-            elif self.shards is not None:
-                view.copy_(g)
-                p.grad = None  # the bucket has it; only the owner gets a gradient back
             elif self.view_mode:
                 if not _is_view_of(g, view):
                     view.copy_(g)
@@ -440,6 +438,8 @@ class Reducer:
                 t0 = _clock()
                 self.observer.bucket_reduced(b.index, [self.params[i] for i in b.members])
                 observed += _clock() - t0
+        if self.shards is not None:
+            self.shards.done()
         if self.observer is not None:
             t0 = _clock()
             self.observer.backward_done()

@@ -2,16 +2,16 @@
 
 With a :class:`~tandem.optim.ZeroRedundancyOptimizer` every rank updates only the
 parameters it owns, so it needs only their averaged gradients. DDP then
-*reduce-scatters* each bucket instead of all-reducing it: the bucket's parameters are
-laid out by owner (``[owned by rank 0 | owned by rank 1 | ...]``), each rank receives
-the average of its own part, and the other gradients are dropped as soon as they are
-copied into the bucket. Between steps a rank holds about 1/N of the gradients, and
-the reduction moves (N-1)/N of the bucket once instead of twice.
+*reduce-scatters* each bucket instead of all-reducing it: each rank contributes, for
+every rank, the gradients that rank owns in the bucket, and receives the average of
+its own part. The gradients are dropped as soon as the reduction has read them, so
+between steps a rank holds about 1/N of the gradients, and the reduction moves
+(N-1)/N of the bucket once instead of twice.
 
-The buckets are transient (made at the first gradient of a backward, released after
-it): a reduce-scatter needs each rank's share contiguous, which separate ``.grad``
-tensors are not, so this mode uses buckets even where the group shares memory.
-An owned parameter's ``.grad`` is a view of this backward's reduced shard.
+No bucket buffer: a rank's share of a bucket is usually one parameter, whose
+``.grad`` goes to the reduce-scatter as it is; only shares of several parameters are
+packed into one tensor (a reduce-scatter takes one tensor per rank). An owned
+parameter's ``.grad`` is a view of this backward's reduced shard.
 
 Gradient accumulation keeps DDP's meaning. A view handed out by the last
 synchronised backward that was never cleared (no ``zero_grad()`` between steps) is
@@ -44,6 +44,9 @@ class GradShards:
         self.group = group
         self.me = group.group_rank
         self._bounds: dict[int, list[tuple[int, int]]] = {}
+        self._offsets: dict[int, int] = {}  # bucket -> its place in this rank's shard
+        self._firsts: dict[int, int] = {}  # first bucket of a dtype -> the dtype's numel
+        self._shard: dict[torch.dtype, torch.Tensor] = {}  # this backward's reduced shard
         self._outputs: dict[int, torch.Tensor] = {}
         self._given: dict[int, weakref.ref[torch.Tensor]] = {}
         self._stash: dict[int, torch.Tensor] = {}
@@ -77,17 +80,37 @@ class GradShards:
             self._bounds[b.index] = out
         return out
 
-    def owned_numel(self) -> int:
-        return sum(p.numel() for p, o in zip(self.params, self.owners) if o == self.me)
+    def lay_out(self, buckets: Sequence[Bucket]) -> None:
+        """Place each bucket's part of this rank's shard in one tensor per dtype."""
+        self._bounds.clear()
+        self._offsets.clear()
+        totals: dict[torch.dtype, tuple[int, int]] = {}
+        for b in buckets:
+            lo, hi = self.bounds(b)[self.me]
+            first, total = totals.get(b.dtype, (b.index, 0))
+            self._offsets[b.index] = total
+            totals[b.dtype] = (first, total + hi - lo)
+        self._firsts = {first: total for first, total in totals.values()}
 
     def issue(self, b: Bucket, inline: bool) -> torch.futures.Future[Any]:
-        """Reduce-scatter ``b`` (average): in this thread when ``inline``, else queued."""
-        bounds = self.bounds(b)
-        lo, hi = bounds[self.me]
-        out = torch.empty(hi - lo, dtype=b.dtype)
+        """Reduce-scatter the gradients of ``b`` (average), in this thread when ``inline``,
+        else queued; every member must have a ``.grad``, which is released."""
+        lo, hi = self.bounds(b)[self.me]
+        if b.index in self._firsts:  # one allocation per backward and dtype, not per bucket
+            self._shard[b.dtype] = torch.empty(self._firsts[b.index], dtype=b.dtype)
+        at = self._offsets[b.index]
+        out = self._shard[b.dtype][at:at + hi - lo]
         self._outputs[b.index] = out
-        work = reduce_scatter(out, [b.buffer[x:y] for x, y in bounds], op=ReduceOp.AVG,
-                              group=self.group, async_op=not inline)
+        shares = []
+        for r in range(self.group.group_size):
+            grads = [self.params[i].grad for i in b.members if self.owners[i] == r]
+            flat = [g.reshape(-1) for g in grads if g is not None]
+            shares.append(flat[0] if len(flat) == 1 else torch.cat(flat) if flat
+                          else torch.empty(0, dtype=b.dtype))
+        for i in b.members:
+            self.params[i].grad = None  # alive in ``shares`` until the reduction has read it
+        work = reduce_scatter(out, shares, op=ReduceOp.AVG, group=self.group,
+                              async_op=not inline)
         if work is not None:
             return work.get_future()
         done: torch.futures.Future[Any] = torch.futures.Future()
@@ -117,6 +140,10 @@ class GradShards:
                     p.grad = view
                     self._given[i] = weakref.ref(view)
                 offset += n
+
+    def done(self) -> None:
+        """The backward is over: the shard lives on in the owned parameters' ``.grad``."""
+        self._shard.clear()
 
     def forget(self) -> None:
         """Drop accumulation state (a joined rank's shadow backward starts from zero)."""
