@@ -163,6 +163,6 @@ class Exchange:
                     p, piece = self.params[i].detach(), out[at:at + b - a]
                     if p.is_contiguous():
                         p.reshape(-1).view(torch.uint8)[a:b].copy_(piece)
-                    else:  # packed whole (see _shares)
-                        p.copy_(piece.view(p.dtype).view(p.shape))
+                    else:  # packed whole (see _shares); clone: the offset may not be aligned
+                        p.copy_(piece.clone().view(p.dtype).view(p.shape))
                     at += b - a

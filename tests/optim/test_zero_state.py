@@ -149,8 +149,44 @@ def misuse(rank: int, world: int) -> list[str]:
     return out
 
 
+class OddParams(nn.Module):
+    """Parameters the exchange must handle: not contiguous, float64, 0-dim, one large
+    enough to travel in place, and a frozen one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(5, 3).t())
+        self.b = nn.Parameter(torch.randn(3, dtype=torch.float64))
+        self.c = nn.Parameter(torch.tensor(0.5))
+        self.d = nn.Parameter(torch.randn(200, 100))
+        self.frozen = nn.Parameter(torch.randn(3), requires_grad=False)
+
+    def loss(self, x: torch.Tensor) -> torch.Tensor:
+        return (((x @ self.a) ** 2).sum() * self.c + (self.b * x[0]).sum().float() ** 2
+                + (self.d ** 2).mean() + self.frozen.sum())
+
+
+def odd_params(rank: int, world: int) -> dict[str, float]:
+    out = {}
+    for view in (False, True):
+        torch.manual_seed(6)
+        ours = OddParams()
+        ref = copy.deepcopy(ours)
+        zero = ZeroRedundancyOptimizer(ours.parameters(), torch.optim.SGD, lr=0.01,
+                                       momentum=0.9, parameters_as_bucket_view=view)
+        plain = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
+        for step in range(3):  # the same batch everywhere: no gradient averaging needed
+            x = torch.randn(7, 3, generator=torch.Generator().manual_seed(step))
+            for m, opt in ((ours, zero), (ref, plain)):
+                opt.zero_grad()
+                m.loss(x).backward()
+                opt.step()
+        out[f"bucket_view={view}"] = _max_diff(ours, ref)
+    return out
+
+
 CASES = {"consolidated": consolidated_loads_into_plain, "plain": plain_loads_into_zero,
-         "groups": groups_like_plain, "misuse": misuse}
+         "groups": groups_like_plain, "misuse": misuse, "odd": odd_params}
 
 
 def run_all(rank: int, world: int) -> dict[str, Any]:
@@ -210,3 +246,9 @@ def test_misuse_is_refused_with_a_message(results: list[dict[str, Any]]) -> None
         assert "not one tensor" in errors[1], (rank, errors)
         assert "differs across ranks" in errors[2], (rank, errors)
         assert "to=" in errors[3], (rank, errors)
+
+
+def test_odd_parameters_travel_intact(results: list[dict[str, Any]]) -> None:
+    for rank, r in enumerate(_ok(results, "odd")):
+        for layout, diff in r.items():
+            assert diff <= 1e-6, f"rank {rank}, {layout}: {diff}"
