@@ -23,6 +23,9 @@ them up, then runs rounds of ``--steps`` steps (zero_grad, forward, backward, st
 rotating which goes first, each round after a barrier, so all see the same machine
 noise. A round's time per step is its slowest rank's; the table shows each
 contender's best round and ratio = torch zero / that contender (> 1: tandem faster).
+"CPU / step" is the CPU time of all threads of all ranks per step (best round): on a
+shared machine it moves much less than wall time, and it is the work each library
+does (tandem's waits in shared memory spin briefly, and that counts).
 
 Memory: every contender trains ``warmup + steps`` steps in processes of its own.
 "state" is the bytes of the optimizer state tensors on a rank (the plain optimizer's
@@ -119,7 +122,8 @@ def _quiet() -> None:
 
 
 def _time_main(rank: int, world: int, urls: dict[str, str], warmup: int, steps: int,
-               rounds: int, bucket_view: bool, width: int) -> dict[str, list[float]]:
+               rounds: int, bucket_view: bool,
+               width: int) -> dict[str, list[tuple[float, float]]]:
     torch.set_num_threads(1)
     _quiet()
     libs, trainers = {}, {}
@@ -131,15 +135,16 @@ def _time_main(rank: int, world: int, urls: dict[str, str], warmup: int, steps: 
         for t in trainers.values():
             for _ in range(warmup):
                 t.step()
-        times: dict[str, list[float]] = {c: [] for c in TIMED}
+        times: dict[str, list[tuple[float, float]]] = {c: [] for c in TIMED}
         for r in range(rounds):
             order = TIMED[r % len(TIMED):] + TIMED[:r % len(TIMED)]
             for c in order:
                 libs[_lib(c)].barrier()
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()  # all threads
                 for _ in range(steps):
                     trainers[c].step()
-                times[c].append((time.perf_counter() - start) / steps)
+                times[c].append(((time.perf_counter() - start) / steps,
+                                 (time.process_time() - cpu) / steps))
         return times
     finally:
         for lib in libs.values():
@@ -173,13 +178,15 @@ def _memory_main(rank: int, world: int, contender: str, url: str, steps: int,
 
 def run_time(world: int, *, warmup: int = 3, steps: int = 10, rounds: int = 6,
              bucket_view: bool = False, width: int = 1024,
-             timeout: float = 900.0) -> dict[str, float]:
-    """Best step time (seconds) of each timed contender at ``world`` ranks."""
+             timeout: float = 900.0) -> dict[str, tuple[float, float]]:
+    """Per timed contender at ``world`` ranks: (best round's step time, best round's CPU
+    seconds per step summed over the ranks)."""
     with tempfile.TemporaryDirectory(prefix="tandem-bench-zero-") as tmp:
         urls = {lib: f"file://{tmp}/{lib}" for lib in ("tandem", "torch")}
         per_rank = _spawn(world, _time_main, (urls, warmup, steps, rounds, bucket_view, width),
                           timeout)
-    return {c: min(max(r[c][i] for r in per_rank) for i in range(rounds)) for c in TIMED}
+    return {c: (min(max(r[c][i][0] for r in per_rank) for i in range(rounds)),
+                min(sum(r[c][i][1] for r in per_rank) for i in range(rounds))) for c in TIMED}
 
 
 def run_memory(world: int, *, steps: int = 13, bucket_view: bool = False, width: int = 1024,
@@ -205,15 +212,15 @@ def _table(header: Sequence[str], rows: list[list[str]], markdown: bool) -> str:
                      for cells in [list(header), *rows])
 
 
-def format_time(results: dict[int, dict[str, float]], markdown: bool = False) -> str:
-    header = ["ranks", "torch zero step"] + [f"{c} {k}" for c in TIMED[1:]
-                                              for k in ("step", "ratio")]
+def format_time(results: dict[int, dict[str, tuple[float, float]]],
+                markdown: bool = False) -> str:
+    header = ["ranks", "contender", "step", "ratio", "CPU / step", "CPU ratio"]
     rows = []
     for world, t in sorted(results.items()):
-        row = [str(world), _ms(t["torch zero"])]
-        for c in TIMED[1:]:
-            row += [_ms(t[c]), f"{t['torch zero'] / t[c]:.2f}"]
-        rows.append(row)
+        wall, cpu = t["torch zero"]
+        for c in TIMED:
+            rows.append([str(world), c, _ms(t[c][0]), f"{wall / t[c][0]:.2f}", _ms(t[c][1]),
+                         f"{cpu / t[c][1]:.2f}"])
     return _table(header, rows, markdown)
 
 

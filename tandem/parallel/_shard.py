@@ -8,10 +8,12 @@ its own part. The gradients are dropped as soon as the reduction has read them, 
 between steps a rank holds about 1/N of the gradients, and the reduction moves
 (N-1)/N of the bucket once instead of twice.
 
-No bucket buffer: a rank's share of a bucket is usually one parameter, whose
-``.grad`` goes to the reduce-scatter as it is; only shares of several parameters are
-packed into one tensor (a reduce-scatter takes one tensor per rank). An owned
-parameter's ``.grad`` is a view of this backward's reduced shard.
+No bucket buffer: a reduce-scatter takes one tensor per rank, so a bucket goes in
+*calls*: call k takes the k-th item of every rank's share, where an item is one
+large gradient as it is, or all the share's small ones (below :data:`PACK_BYTES`)
+packed together; usually one or two calls per bucket, and no large gradient is ever
+copied. An owned parameter's ``.grad`` is a view of this backward's reduced shard (one
+tensor per dtype, laid out bucket by bucket, item by item).
 
 Gradient accumulation keeps DDP's meaning. A view handed out by the last
 synchronised backward that was never cleared (no ``zero_grad()`` between steps) is
@@ -31,7 +33,9 @@ from tandem.collectives.group import ProcessGroup
 from tandem.collectives.reduce_op import ReduceOp
 from tandem.parallel._buckets import Bucket
 
-__all__ = ["GradShards"]
+__all__ = ["GradShards", "PACK_BYTES"]
+
+PACK_BYTES = 64 << 10  # smaller gradients travel packed: a call costs more than their copy
 
 
 class GradShards:
@@ -48,6 +52,7 @@ class GradShards:
         self._firsts: dict[int, int] = {}  # first bucket of a dtype -> the dtype's numel
         self._shard: dict[torch.dtype, torch.Tensor] = {}  # this backward's reduced shard
         self._outputs: dict[int, torch.Tensor] = {}
+        self._calls: dict[int, list[list[list[int]]]] = {}
         self._given: dict[int, weakref.ref[torch.Tensor]] = {}
         self._stash: dict[int, torch.Tensor] = {}
         ref = weakref.ref(self)
@@ -62,9 +67,27 @@ class GradShards:
         handles = [p.register_hook(make_hook(i)) for i, p in enumerate(self.params)]
         self._finalizer = weakref.finalize(self, _remove, handles)
 
+    def _small(self, i: int) -> bool:
+        p = self.params[i]
+        return p.numel() * p.element_size() < PACK_BYTES
+
     def order(self, members: list[int]) -> list[int]:
-        """A bucket's members grouped by owner (stable: backward order within a rank)."""
-        return sorted(members, key=lambda i: self.owners[i])
+        """A bucket's members grouped by owner, each rank's small ones first (stable)."""
+        return sorted(members, key=lambda i: (self.owners[i], not self._small(i)))
+
+    def calls(self, b: Bucket) -> list[list[list[int]]]:
+        """``calls[k][r]``: the parameters whose gradients go to rank ``r`` in call ``k``."""
+        out = self._calls.get(b.index)
+        if out is None:
+            items: list[list[list[int]]] = []
+            for r in range(self.group.group_size):
+                share = [i for i in b.members if self.owners[i] == r]
+                small = [i for i in share if self._small(i)]
+                items.append(([small] if small else []) + [[i] for i in share if i not in small])
+            depth = max(len(x) for x in items)
+            out = [[x[k] if k < len(x) else [] for x in items] for k in range(depth)]
+            self._calls[b.index] = out
+        return out
 
     def bounds(self, b: Bucket) -> list[tuple[int, int]]:
         """Element range of each group rank's part of bucket ``b``."""
@@ -84,6 +107,7 @@ class GradShards:
         """Place each bucket's part of this rank's shard in one tensor per dtype."""
         self._bounds.clear()
         self._offsets.clear()
+        self._calls.clear()
         totals: dict[torch.dtype, tuple[int, int]] = {}
         for b in buckets:
             lo, hi = self.bounds(b)[self.me]
@@ -101,21 +125,29 @@ class GradShards:
         at = self._offsets[b.index]
         out = self._shard[b.dtype][at:at + hi - lo]
         self._outputs[b.index] = out
-        shares = []
-        for r in range(self.group.group_size):
-            grads = [self.params[i].grad for i in b.members if self.owners[i] == r]
-            flat = [g.reshape(-1) for g in grads if g is not None]
-            shares.append(flat[0] if len(flat) == 1 else torch.cat(flat) if flat
-                          else torch.empty(0, dtype=b.dtype))
+        calls = self.calls(b)
+        work = None
+        for k, call in enumerate(calls):
+            shares = [self._flat(members, b.dtype) for members in call]
+            n = shares[self.me].numel()
+            # calls run in issue order: the last one completing means the bucket is done
+            work = reduce_scatter(out[:n], shares, op=ReduceOp.AVG, group=self.group,
+                                  async_op=not (inline and k == len(calls) - 1))
+            out = out[n:]
         for i in b.members:
-            self.params[i].grad = None  # alive in ``shares`` until the reduction has read it
-        work = reduce_scatter(out, shares, op=ReduceOp.AVG, group=self.group,
-                              async_op=not inline)
+            self.params[i].grad = None  # alive in the calls until the reduction has read it
         if work is not None:
             return work.get_future()
         done: torch.futures.Future[Any] = torch.futures.Future()
-        done.set_result([out])
+        done.set_result(None)
         return done
+
+    def _flat(self, members: list[int], dtype: torch.dtype) -> torch.Tensor:
+        grads = [self.params[i].grad for i in members]
+        flat = [g.reshape(-1) for g in grads if g is not None]
+        if len(flat) == 1:
+            return flat[0]
+        return torch.cat(flat) if flat else torch.empty(0, dtype=dtype)
 
     def write_back(self, b: Bucket, unused: set[int], factor: float | None) -> None:
         """Point each owned parameter's ``.grad`` at its slice of the reduced shard."""

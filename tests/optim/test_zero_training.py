@@ -53,7 +53,16 @@ CASES.update({
     "adamw-overlap-balanced": ("adamw", {"overlap": True, "shard_buckets": True}),
     "adam-overlap_sharded-bucket_view": ("adam", {"overlap": True, "shard": True,
                                                   "bucket_view": True}),
+    # weights of 100 KB: sharded buckets send them as they are, the biases packed
+    "adam-sharded-wide": ("adam", {"shard": True, "wide": True}),
+    "sgd-overlap_sharded-wide": ("sgd", {"overlap": True, "shard": True, "wide": True}),
 })
+
+
+def wide() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(12, 160), torch.nn.Tanh(),
+                               torch.nn.Linear(160, 160), torch.nn.Tanh(),
+                               torch.nn.Linear(160, 5))
 
 
 def zero_for(ddp: DDP, opt_name: str, spec: dict[str, Any]) -> ZeroRedundancyOptimizer:
@@ -73,9 +82,10 @@ def zero_for(ddp: DDP, opt_name: str, spec: dict[str, Any]) -> ZeroRedundancyOpt
 def _run(case: str, rank: int, world: int) -> dict[str, Any]:
     opt_name, spec = CASES[case]
     torch.manual_seed(11)
-    model = mlp()
-    ours = DDP(model, bucket_cap_mb=BUCKET_MB)
-    ref = DDP(copy.deepcopy(model), bucket_cap_mb=BUCKET_MB)
+    model = wide() if spec.get("wide") else mlp()
+    cap = 25 if spec.get("wide") else BUCKET_MB
+    ours = DDP(model, bucket_cap_mb=cap)
+    ref = DDP(copy.deepcopy(model), bucket_cap_mb=cap)
     zero = zero_for(ours, opt_name, spec)
     cls, kwargs = OPTIMIZERS[opt_name]
     plain = cls(ref.parameters(), **kwargs)
