@@ -47,7 +47,7 @@ from tandem.collectives.work import Work
 from tandem.collectives.world import resolve_group
 from tandem.errors import ArgumentError, StateError
 
-__all__ = ["Join", "Joinable", "JoinHook"]
+__all__ = ["Join", "Joinable", "JoinHook", "GroupJoinable"]
 
 # shadowed iterations after which a joined rank warns that the inputs are very uneven
 SKEW_WARNING = 1000
@@ -107,6 +107,21 @@ class Joinable(abc.ABC):
     @abc.abstractmethod
     def join_process_group(self) -> Any:
         """The process group whose ranks join (None: the default group)."""
+
+
+class GroupJoinable(Joinable):
+    """A Joinable whose collectives run on CPU tensors over ``self.process_group``
+    (tandem's DDP and ZeroRedundancyOptimizer)."""
+
+    process_group: Any
+
+    @property
+    def join_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group
 
 
 def _config(joinable: Joinable) -> _JoinConfig:

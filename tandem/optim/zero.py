@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.optim import Optimizer
 
-from tandem.algorithms.join import Join, Joinable, JoinHook
+from tandem.algorithms.join import GroupJoinable, Join, Joinable, JoinHook
 from tandem.collectives.group import NonMemberGroup, ProcessGroup
 from tandem.collectives.world import resolve_group
 from tandem.errors import ArgumentError, StateError
@@ -63,7 +63,7 @@ def copy_hyperparameters(src: list[dict[str, Any]], dst: list[dict[str, Any]]) -
                 b[key] = value
 
 
-class ZeroRedundancyOptimizer(Optimizer, Joinable):
+class ZeroRedundancyOptimizer(Optimizer, GroupJoinable):
     """Wrap ``optimizer_class`` so that each rank steps and stores only its shard."""
 
     join_kwargs = frozenset[str]()
@@ -254,14 +254,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """A joined rank steps its shard with the gradients DDP's shadow gave it, and sends
         its parameters like the others (nothing more with ``overlap_with_ddp``)."""
         return _ZeroJoinHook(self)
-
-    @property
-    def join_device(self) -> torch.device:
-        return torch.device("cpu")
-
-    @property
-    def join_process_group(self) -> ProcessGroup:
-        return self.process_group
 
 
 class _ZeroJoinHook(JoinHook):

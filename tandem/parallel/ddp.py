@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from tandem.algorithms.join import Join, Joinable, JoinHook
+from tandem.algorithms.join import GroupJoinable, Join, Joinable, JoinHook
 from tandem.collectives.group import NonMemberGroup, ProcessGroup
 from tandem.collectives.world import resolve_group
 from tandem.errors import ArgumentError, StateError
@@ -65,7 +65,7 @@ def _ignored(module: nn.Module) -> set[str]:
     return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()) or ())
 
 
-class DistributedDataParallel(nn.Module, Joinable):
+class DistributedDataParallel(nn.Module, GroupJoinable):
     """Wrap ``module`` so that ``backward()`` averages its gradients over the group."""
 
     join_kwargs = frozenset({"divide_by_initial_world_size"})
@@ -180,14 +180,6 @@ class DistributedDataParallel(nn.Module, Joinable):
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """The hook a joined rank runs (``divide_by_initial_world_size``, default True)."""
         return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
-
-    @property
-    def join_device(self) -> torch.device:
-        return torch.device("cpu")
-
-    @property
-    def join_process_group(self) -> ProcessGroup:
-        return self.process_group
 
     # -- communication hooks -------------------------------------------------------------
     def register_comm_hook(self, state: object,
