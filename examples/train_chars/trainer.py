@@ -7,10 +7,19 @@ batches already done), the learning rate is a function of the step, the optimize
 is checkpointed, and the global RNG is re-seeded from (seed, rank, step) before every
 step, so no RNG state needs saving. On CPU with one thread per rank torch's kernels are
 deterministic.
+
+``zero`` shards the AdamW state over the ranks (``tandem.optim.ZeroRedundancyOptimizer``;
+the checkpoint still holds the plain AdamW state dict, so a run may resume with or
+without it), ``shard_grads`` also keeps only each rank's shard of the gradients, and
+``uneven`` gives rank r ``uneven * r`` steps fewer than rank 0, inside ``Join``: the
+ranks that finish first shadow the others' collectives until rank 0 is done. In that
+mode the per-step loss is the rank's own (a per-step all-reduce of it is a collective
+that no joined rank would shadow) and checkpoints are written at the end only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -24,6 +33,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset
 
 import tandem as dist
+from tandem.algorithms.join import Join
+from tandem.optim import ZeroRedundancyOptimizer, shard_gradients
 from tandem.parallel import DistributedDataParallel, DistributedSampler
 
 from train_chars import checkpoint
@@ -51,6 +62,9 @@ class RunConfig:
     seed: int
     save_every: int
     sample_chars: int
+    zero: bool = False
+    shard_grads: bool = False
+    uneven: int = 0
 
 
 def _lr(cfg: RunConfig, step: int) -> float:
@@ -104,6 +118,28 @@ def _step_seed(seed: int, rank: int, step: int) -> int:
     return (seed * 1_000_003 + step) * 1_009 + rank
 
 
+def _optimizer(cfg: RunConfig, model: CharTransformer) -> torch.optim.Optimizer:
+    kwargs: dict[str, Any] = {"lr": cfg.lr, "betas": (0.9, 0.95), "weight_decay": 0.01}
+    if cfg.zero or cfg.shard_grads:
+        return ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **kwargs)
+    return torch.optim.AdamW(model.parameters(), **kwargs)
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer, lead: bool) -> dict[str, Any]:
+    """The plain AdamW state dict on rank 0 (every rank calls this)."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.consolidate_state_dict(to=0)
+        return optimizer.state_dict() if lead else {}
+    return optimizer.state_dict()
+
+
+def _describe(cfg: RunConfig) -> str:
+    opt = "AdamW"
+    if cfg.zero or cfg.shard_grads:
+        opt = f"ZeroRedundancyOptimizer(AdamW){', sharded gradients' if cfg.shard_grads else ''}"
+    return opt + (f", Join with rank r training {cfg.uneven} x r steps fewer" if cfg.uneven else "")
+
+
 def train(cfg: RunConfig) -> dict[str, Any]:
     """Train, evaluate, checkpoint; rank 0 also plots, samples and writes metrics.json."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -112,8 +148,10 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     train_ids, val_ids, n_files = load_corpus(int(cfg.corpus_mb * 1e6))
     mcfg = ModelConfig(len(VOCAB), cfg.seq_len, cfg.dim, cfg.layers, cfg.heads)
     model = CharTransformer(mcfg)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                                  weight_decay=0.01)
+    if cfg.uneven and cfg.uneven * (world - 1) >= cfg.steps:
+        raise ValueError(f"--uneven {cfg.uneven}: rank {world - 1} would train no step of "
+                         f"{cfg.steps}; use a smaller value")
+    optimizer = _optimizer(cfg, model)
     ckpt = os.path.join(cfg.out, "checkpoint.pt")
     step, history, val_history = 0, [], []
     resume, why = checkpoint.resume_from(ckpt, cfg.resume)
@@ -126,12 +164,15 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         optimizer.load_state_dict(state["optimizer"])
         step, history, val_history = state["step"], state["history"], state["val_history"]
     ddp = DistributedDataParallel(model)
+    if cfg.shard_grads:
+        shard_gradients(ddp, optimizer)  # type: ignore[arg-type]
     n_params = sum(p.numel() for p in model.parameters())
     if lead:
         print(f"train_chars: {world} ranks, {n_files} stdlib files ({len(train_ids) / 1e6:.2f}M "
               f"train / {len(val_ids) / 1e6:.2f}M val chars), {n_params / 1e6:.2f}M params, "
               f"global batch {cfg.batch_size * world} x {cfg.seq_len}, "
-              f"{f'resuming at step {step} ({why})' if resume else 'from scratch'}", flush=True)
+              f"{f'resuming at step {step} ({why})' if resume else 'from scratch'}; "
+              f"{_describe(cfg)}", flush=True)
         if why and not resume:
             print(f"train_chars: {why}", flush=True)
 
@@ -143,32 +184,43 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     val_start = val_history[-1][1]
 
     def save() -> None:  # every rank calls it; rank 0 writes
-        checkpoint.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        checkpoint.save({"model": model.state_dict(),
+                         "optimizer": _optimizer_state(optimizer, lead),
                          "step": step, "history": history, "val_history": val_history,
                          "model_config": dataclasses.asdict(mcfg)}, ckpt)
 
     progress = Progress(cfg.steps, step, enabled=lead)
     first_step, started = step, time.monotonic()
-    while step < cfg.steps:
-        epoch, skip = divmod(step, len(loader))
-        sampler.set_epoch(epoch)
-        for x, y in itertools.islice(loader, skip, None):
-            torch.manual_seed(_step_seed(cfg.seed, rank, step))  # dropout, if enabled
-            for group in optimizer.param_groups:
-                group["lr"] = _lr(cfg, step)
-            loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            step += 1
-            history.append((step, _mean_over_ranks(loss)))
-            rate = (step - first_step) * cfg.batch_size * world / (time.monotonic() - started)
-            progress.update(step, history[-1][1], rate)
-            if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
-                save()
-            if step >= cfg.steps:
-                break
+    my_steps = cfg.steps - cfg.uneven * rank  # rank 0 trains them all
+    joinables: list[Any] = [ddp]  # DDP first: its collectives come first in a step
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        joinables.append(optimizer)  # a joined rank still steps its shard and sends it
+    with Join(joinables) if cfg.uneven else contextlib.nullcontext():
+        while step < my_steps:
+            epoch, skip = divmod(step, len(loader))
+            sampler.set_epoch(epoch)
+            for x, y in itertools.islice(loader, skip, None):
+                torch.manual_seed(_step_seed(cfg.seed, rank, step))  # dropout, if enabled
+                for group in optimizer.param_groups:
+                    group["lr"] = _lr(cfg, step)
+                loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                if isinstance(optimizer, ZeroRedundancyOptimizer):
+                    optimizer.clip_grad_norm_(1.0)  # the norm over every rank's shard
+                else:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                step += 1
+                history.append((step, loss.item() if cfg.uneven else _mean_over_ranks(loss)))
+                rate = (step - first_step) * cfg.batch_size * world / (time.monotonic() - started)
+                progress.update(step, history[-1][1], rate)
+                if (cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps
+                        and not cfg.uneven):
+                    save()
+                if step >= my_steps:
+                    break
+    step = cfg.steps  # under Join every rank now holds rank 0's model, trained this far
     progress.close()
     elapsed = time.monotonic() - started
     val_end = evaluate(model, val_ids, cfg)

@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "ddp": "tandem.bench.ddp",
     "recorder": "tandem.bench.recorder",
     "rpc": "tandem.bench.rpc",
+    "zero": "tandem.bench.zero",
     "signature": "tandem.bench.signature",
     "startup": "tandem.bench.startup",
     "torch-backend": "tandem.bench.torch_backend",

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["StepTimes", "DDPStats", "interval_union", "interval_overlap"]
+__all__ = ["StepTimes", "DDPStats", "interval_union", "interval_overlap", "step_times"]
 
 
 @dataclasses.dataclass
@@ -86,3 +86,30 @@ def interval_union(spans: list[tuple[float, float]]) -> list[tuple[float, float]
 def interval_overlap(spans: list[tuple[float, float]], start: float, end: float) -> float:
     """Seconds of the (merged) ``spans`` that fall inside ``[start, end]``."""
     return sum(max(0.0, min(b, end) - max(a, start)) for a, b in spans)
+
+
+def step_times(spans: list[tuple[float, float]], inline: tuple[float, float], forward_s: float,
+               t_backward: float, t_compute_end: float, t_waited: float, t_end: float,
+               nbytes: int) -> StepTimes:
+    """One backward's figures from its buckets' ``(launch, done)`` spans.
+
+    ``inline`` is when backward itself was blocked reducing the last bucket ((0, 0):
+    never); backward computed from ``t_backward`` to ``t_compute_end``, waited for
+    the reductions until ``t_waited`` and wrote the results back until ``t_end``.
+    """
+    merged = interval_union(spans)
+    blocked_from, blocked_to = inline
+    if blocked_to == 0.0:
+        blocked_from = blocked_to = t_compute_end
+    # communication overlapped backward only while backward was computing
+    overlap = (interval_overlap(merged, t_backward, blocked_from)
+               + interval_overlap(merged, blocked_to, t_compute_end))
+    return StepTimes(
+        forward_s=forward_s,
+        backward_s=t_end - t_backward,
+        comm_s=sum(b - a for a, b in merged),
+        overlap_s=overlap,
+        wait_s=t_waited - t_compute_end + (blocked_to - blocked_from),
+        buckets=len(spans),
+        bytes=nbytes,
+    )

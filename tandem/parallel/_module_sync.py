@@ -4,8 +4,9 @@
   (names, shapes, dtypes) and raises :class:`~tandem.errors.ArgumentError` naming the
   first difference and the ranks on each side. It sends one short digest per rank;
   the full description travels only when the digests differ.
-* :func:`broadcast_tensors` copies rank 0's values into every rank's tensors:
-  large ones in place, small ones packed into a few byte buffers.
+* :func:`broadcast_tensors` copies one rank's values (rank 0's unless told otherwise)
+  into every rank's tensors: large ones in place, small ones packed into a few byte
+  buffers.
 * :class:`BufferBroadcaster` does that for the module's buffers before every
   training forward, reusing one preallocated byte buffer.
 """
@@ -47,7 +48,8 @@ def _show(entry: Entry | None) -> str:
     return f"{kind} '{name}' {list(shape)} {dtype}"
 
 
-def verify_same_model(group: ProcessGroup, entries: list[Entry]) -> None:
+def verify_same_model(group: ProcessGroup, entries: list[Entry],
+                      what: str = "DistributedDataParallel") -> None:
     """Raise ArgumentError on every rank unless all ranks describe the same model."""
     digest = hashlib.sha256(repr(entries).encode()).hexdigest()
     digests: list[object] = [None] * group.group_size
@@ -68,7 +70,7 @@ def verify_same_model(group: ProcessGroup, entries: list[Entry]) -> None:
         first = next(e for e in at if e is not None)
         sides = "; ".join(f"{_show(e)} on rank(s) {ranks}" for e, ranks in groups.items())
         raise ArgumentError(
-            f"DistributedDataParallel: the model differs across ranks at {first[0]} #{i} "
+            f"{what}: the model differs across ranks at {first[0]} #{i} "
             f"'{first[1]}': {sides}. Every rank must build the same model "
             f"(same parameter names, shapes and dtypes, registered in the same order).")
 
@@ -105,8 +107,8 @@ def _unpack(tensors: Sequence[torch.Tensor], offsets: list[int], src: torch.Tens
             t.copy_(piece)
 
 
-def broadcast_tensors(group: ProcessGroup, tensors: Sequence[torch.Tensor]) -> None:
-    """Overwrite ``tensors`` on every rank with group rank 0's values.
+def broadcast_tensors(group: ProcessGroup, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+    """Overwrite ``tensors`` on every rank with group rank ``src``'s values.
 
     Large contiguous tensors travel on their own, in place (no copy); small ones are
     packed together so a model with hundreds of biases costs a few messages.
@@ -115,30 +117,31 @@ def broadcast_tensors(group: ProcessGroup, tensors: Sequence[torch.Tensor]) -> N
     size = 0
     for t in [t for t in tensors if t.numel() > 0]:
         if _nbytes(t) >= _ALONE_BYTES and t.is_contiguous():
-            broadcast(t.detach(), group=group, group_src=0)
+            broadcast(t.detach(), group=group, group_src=src)
             continue
         if chunk and size + _padded(_nbytes(t)) > _CHUNK_BYTES:
-            _broadcast_chunk(group, chunk)
+            _broadcast_chunk(group, chunk, src)
             chunk, size = [], 0
         chunk.append(t)
         size += _padded(_nbytes(t))
     if chunk:
-        _broadcast_chunk(group, chunk)
+        _broadcast_chunk(group, chunk, src)
 
 
-def _broadcast_chunk(group: ProcessGroup, tensors: list[torch.Tensor]) -> None:
+def _broadcast_chunk(group: ProcessGroup, tensors: list[torch.Tensor], src: int) -> None:
     offsets, total = _layout(tensors)
     buf = torch.zeros(total, dtype=torch.uint8)
-    root = group.group_rank == 0
+    root = group.group_rank == src
     if root:
         _pack(tensors, offsets, buf)
-    broadcast(buf, group=group, group_src=0)
+    broadcast(buf, group=group, group_src=src)
     if not root:
         _unpack(tensors, offsets, buf)
 
 
 class BufferBroadcaster:
-    """Broadcast a fixed list of buffers from group rank 0, one message per call."""
+    """Broadcast a fixed list of buffers from one group rank (0 by default), one message
+    per call."""
 
     def __init__(self, group: ProcessGroup, buffers: Sequence[torch.Tensor]) -> None:
         self.group = group
@@ -146,12 +149,12 @@ class BufferBroadcaster:
         self.offsets, total = _layout(self.buffers)
         self.buf = torch.zeros(total, dtype=torch.uint8)
 
-    def __call__(self) -> None:
+    def __call__(self, src: int = 0) -> None:
         if not self.buffers:
             return
-        root = self.group.group_rank == 0
+        root = self.group.group_rank == src
         if root:
             _pack(self.buffers, self.offsets, self.buf)
-        broadcast(self.buf, group=self.group, group_src=0)
+        broadcast(self.buf, group=self.group, group_src=src)
         if not root:
             _unpack(self.buffers, self.offsets, self.buf)

@@ -22,14 +22,20 @@ Communication hooks run one bucket at a time: a bucket's hook starts when the
 previous bucket's future has completed (from the thread that completed it). A
 hook may issue several collectives in a chain (PowerSGD does); serialising the
 hooks is what keeps every rank's sequence of collectives identical.
+
+Two attachments change step 3 and 4: gradient sharding (``_shard.GradShards``)
+reduce-scatters each bucket so that a rank keeps only the gradients it optimises, and
+an observer (``_observer.GradObserver``) hears about each bucket as ``_finalize``
+writes it back. A joined rank (``tandem.algorithms.join``) runs the same reductions
+with zero gradients in :meth:`Reducer.shadow_backward`; ``divisor`` makes them
+average over the ranks still training instead of the whole group.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import weakref
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -38,50 +44,17 @@ from tandem.collectives.group import ProcessGroup
 from tandem.collectives.reduce_op import ReduceOp
 from tandem.errors import ArgumentError, StateError
 from tandem.parallel._buckets import Bucket, GradBucket, assign_buckets
-from tandem.parallel._ddp_stats import DDPStats, StepTimes, interval_overlap, interval_union
+from tandem.parallel._ddp_stats import DDPStats, step_times
+from tandem.parallel._graph import find_tensors, reachable_parameters
+from tandem.parallel._observer import GradObserver
+from tandem.parallel._shard import GradShards
 
-__all__ = ["Reducer", "find_tensors", "reachable_parameters"]
+__all__ = ["Reducer"]
 
 Hook = Callable[[Any, GradBucket], torch.futures.Future[Any]]
 _clock = time.perf_counter
 MAX_MESSAGE_BYTES = 4 << 20  # see Reducer._pieces
-
-
-def find_tensors(obj: Any) -> list[torch.Tensor]:
-    """Every tensor inside ``obj`` (nested lists, tuples, dicts, dataclasses)."""
-    out: list[torch.Tensor] = []
-    stack = [obj]
-    while stack:
-        o = stack.pop()
-        if isinstance(o, torch.Tensor):
-            out.append(o)
-        elif isinstance(o, (list, tuple, set)):
-            stack.extend(o)
-        elif isinstance(o, dict):
-            stack.extend(o.values())
-        elif dataclasses.is_dataclass(o) and not isinstance(o, type):
-            stack.extend(getattr(o, f.name) for f in dataclasses.fields(o))
-    return out
-
-
-def reachable_parameters(outputs: Iterable[torch.Tensor]) -> set[int]:
-    """``id()`` of every leaf tensor whose gradient backward from ``outputs`` can reach."""
-    seen: set[Any] = set()
-    leaves: set[int] = set()
-    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    leaves.update(id(t) for t in outputs if t.grad_fn is None and t.requires_grad)
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if variable is not None:  # AccumulateGrad
-            leaves.add(id(variable))
-        for nxt, _ in node.next_functions:
-            if nxt is not None and nxt not in seen:
-                stack.append(nxt)
-    return leaves
+SHARDED_BUCKET_BYTES = 4 << 20  # see Reducer.shard
 
 
 def _is_view_of(grad: torch.Tensor, view: torch.Tensor) -> bool:
@@ -103,6 +76,8 @@ class Reducer:
         self.find_unused = find_unused_parameters
         self.static_graph = static_graph
         self.stats = stats
+        self.bucket_cap_bytes = bucket_cap_bytes
+        self.first_bucket_bytes = first_bucket_bytes
         layout = assign_buckets(self.params, bucket_cap_bytes, first_bucket_bytes)
         self.buckets = [Bucket(i, members, self.params) for i, members in enumerate(layout)]
         self.where: list[tuple[Bucket, int]] = [None] * len(self.params)  # type: ignore[list-item]
@@ -113,6 +88,9 @@ class Reducer:
         self.hook_state: Any = None
         self.unused_error_aborts = True
         self.max_message_bytes = MAX_MESSAGE_BYTES
+        self.shards: GradShards | None = None
+        self.observer: GradObserver | None = None
+        self.divisor: int | None = None  # average over this many ranks (Join), not all
 
         n = len(self.params)
         self._expect = False       # a synchronising forward ran; its backward reduces
@@ -187,6 +165,52 @@ class Reducer:
 
     def close(self) -> None:
         self._finalizer()
+        if self.shards is not None:
+            self.shards.close()
+
+    def shard(self, owners: Sequence[int]) -> None:
+        """Reduce-scatter from now on: ``owners[i]`` is the group rank that keeps the
+        gradient of parameter ``i`` (see ``_shard``). Before the first backward.
+
+        Gradients stay alive until their bucket is reduced, so sharded buckets are cut
+        at :data:`SHARDED_BUCKET_BYTES` (or the smaller cap DDP was given): the
+        gradients in flight then stay a small part of the 1/N kept.
+        """
+        if self.shards is not None:
+            self.shards.close()
+        self.shards = GradShards(self.params, owners, self.group)
+        cap = min(self.bucket_cap_bytes, SHARDED_BUCKET_BYTES)
+        layout = assign_buckets(self.params, cap, min(self.first_bucket_bytes, cap))
+        self.buckets = [Bucket(i, self.shards.order(members), self.params)
+                        for i, members in enumerate(layout)]
+        self.shards.lay_out(self.buckets)
+        for b in self.buckets:
+            for pos, i in enumerate(b.members):
+                self.where[i] = (b, pos)
+
+    def shadow_backward(self, divisor: int | None) -> None:
+        """On a joined rank: take part in one backward's reductions with zero gradients.
+
+        The averages of the ranks still training land in ``.grad`` (so a sharded
+        optimizer steps its shard with them), and the observer runs as usual.
+        """
+        self.check_idle()
+        self.divisor = divisor
+        self._expect = True
+        self._predicted_unused = []
+        if self.shards is not None:
+            self.shards.forget()
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.zero_()
+        self._begin(in_backward=False)
+        try:
+            for i in reversed(range(len(self.params))):  # backward's order
+                self._mark_ready(i)
+            self._finalize(record=False)
+        finally:
+            self._reset()
 
     # -- the backward pass -------------------------------------------------------------
     def _on_grad(self, i: int) -> None:
@@ -194,7 +218,7 @@ class Reducer:
         if not self._expect:
             return
         if not self._started:
-            self._begin()
+            self._begin(in_backward=True)
         if self._ready[i] and i in self._predicted_unused:
             raise StateError(
                 f"DistributedDataParallel: parameter '{self.names[i]}' received a gradient "
@@ -203,16 +227,18 @@ class Reducer:
                 f"module's forward.")
         self._mark_ready(i)
 
-    def _begin(self) -> None:
+    def _begin(self, in_backward: bool) -> None:
         self._started = True
         # same-host groups reduce .grad tensors in place through shared memory: no bucket
-        # buffer, no copies in and out of it (hooks, views and unused parameters need
-        # the buckets, so they keep them)
+        # buffer, no copies in and out of it (hooks, views, unused parameters and
+        # sharding need the buckets, so they keep them)
         self._direct = (self.hook is None and not self.view_mode and not self.find_unused
-                        and not self.static_graph and self.group.shares_memory)
+                        and not self.static_graph and self.shards is None
+                        and self.group.shares_memory)
         if self._t_backward == 0.0:
             self._t_backward = _clock()
-        torch.autograd.Variable._execution_engine.queue_callback(self._finalize_callback)
+        if in_backward:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_callback)
         for i in self._predicted_unused:
             if not self._ready[i]:
                 self._mark_ready(i)
@@ -227,7 +253,7 @@ class Reducer:
         b, pos = self.where[i]
         p = self.params[i]
         g = p.grad
-        if self._direct:
+        if self._direct or self.shards is not None:  # no bucket buffer: .grad is reduced
             if g is None:  # it contributes zeros, as its bucket slot would
                 p.grad = torch.zeros_like(p)
             b.pending -= 1
@@ -262,6 +288,10 @@ class Reducer:
             grad_bucket = GradBucket(b, self.params, last)
             hook, state = self.hook, self.hook_state
             fut = self._chain(lambda: hook(state, grad_bucket))
+        elif self.shards is not None:
+            fut = self.shards.issue(b, inline=last and not self._needs_used_map())
+            if fut.done():
+                self._inline = (b.t_launch, _clock())
         elif self._direct:
             # every member has a .grad by now (see _mark_ready)
             grads = [g for i in b.members if (g := self.params[i].grad) is not None]
@@ -370,7 +400,7 @@ class Reducer:
         finally:
             self._reset()
 
-    def _finalize(self) -> None:
+    def _finalize(self, record: bool = True) -> None:
         t_compute_end = _clock()
         missing = [i for i, ready in enumerate(self._ready) if not ready]
         if missing:
@@ -379,10 +409,47 @@ class Reducer:
             for i in missing:
                 self._mark_ready(i)
         assert self._next == len(self.buckets)
+        t0 = _clock()
+        global_unused = self._global_unused()
+        if self.hook is not None and self.observer is not None:
+            # hooks issue their collectives from future callbacks: let them all be issued
+            # before the observer issues any, so every rank issues them in one order
+            for b in self.buckets:
+                assert b.future is not None
+                b.future.wait()
+        waited = _clock() - t0
+        factor = None if self.divisor is None else self.group.group_size / self.divisor
+        observed = 0.0
         for b in self.buckets:
             assert b.future is not None
+            t0 = _clock()
             value = b.future.wait()
+            waited += _clock() - t0
             b.result = value[0] if isinstance(value, (list, tuple)) and value else value
+            if self.shards is not None:
+                self.shards.write_back(b, global_unused, factor)
+            elif not self._direct:
+                self._write_back(b, global_unused, factor)
+            elif factor is not None:
+                with torch.no_grad():
+                    for i in b.members:
+                        self.params[i].grad.mul_(factor)  # type: ignore[union-attr]
+            if self.observer is not None:
+                t0 = _clock()
+                self.observer.bucket_reduced(b.index, [self.params[i] for i in b.members])
+                observed += _clock() - t0
+        if self.shards is not None:
+            self.shards.done()
+        if self.observer is not None:
+            t0 = _clock()
+            self.observer.backward_done()
+            observed += _clock() - t0
+        t_end = _clock()
+        if record:
+            self._record(t_compute_end, t_compute_end + waited, t_end - observed)
+
+    def _global_unused(self) -> set[int]:
+        """Parameters no rank produced a gradient for (find_unused / static_graph)."""
         global_unused: set[int] = set()
         if self._used_future is not None:
             self._used_future.wait()
@@ -392,55 +459,39 @@ class Reducer:
                 self._static_global_unused = global_unused
         elif self.static_graph and self._static_global_unused is not None:
             global_unused = self._static_global_unused
-        t_waited = _clock()
-        if not self._direct:
-            self._write_back(global_unused)
-        t_end = _clock()
-        self._record(t_compute_end, t_waited, t_end)
+        return global_unused
 
-    def _write_back(self, global_unused: set[int]) -> None:
+    def _write_back(self, b: Bucket, global_unused: set[int], factor: float | None) -> None:
         with torch.no_grad():
-            for b in self.buckets:
-                res = b.result
-                if not isinstance(res, torch.Tensor):
-                    raise ArgumentError(f"the communication hook's future for bucket {b.index} "
-                                        f"returned {type(res).__name__}, not a tensor")
-                if res.data_ptr() != b.buffer.data_ptr():
-                    if res.numel() != b.buffer.numel():
-                        raise ArgumentError(
-                            f"the communication hook returned {res.numel()} elements for "
-                            f"bucket {b.index}, which holds {b.buffer.numel()}")
-                    b.buffer.copy_(res.reshape(-1))
-                for pos, i in enumerate(b.members):
-                    if i in global_unused:
-                        continue  # no rank produced a gradient: leave .grad as it is
-                    p, view = self.params[i], b.views[pos]
-                    if self.view_mode:
-                        if p.grad is None or not _is_view_of(p.grad, view):
-                            p.grad = view
-                    elif p.grad is None:
-                        p.grad = view.clone()
-                    else:
-                        p.grad.copy_(view)
+            res = b.result
+            if not isinstance(res, torch.Tensor):
+                raise ArgumentError(f"the communication hook's future for bucket {b.index} "
+                                    f"returned {type(res).__name__}, not a tensor")
+            if res.data_ptr() != b.buffer.data_ptr():
+                if res.numel() != b.buffer.numel():
+                    raise ArgumentError(
+                        f"the communication hook returned {res.numel()} elements for "
+                        f"bucket {b.index}, which holds {b.buffer.numel()}")
+                b.buffer.copy_(res.reshape(-1))
+            if factor is not None:
+                b.buffer.mul_(factor)
+            for pos, i in enumerate(b.members):
+                if i in global_unused:
+                    continue  # no rank produced a gradient: leave .grad as it is
+                p, view = self.params[i], b.views[pos]
+                if self.view_mode:
+                    if p.grad is None or not _is_view_of(p.grad, view):
+                        p.grad = view
+                elif p.grad is None:
+                    p.grad = view.clone()
+                else:
+                    p.grad.copy_(view)
 
     def _record(self, t_compute_end: float, t_waited: float, t_end: float) -> None:
-        spans = [(b.t_launch, b.t_done or t_waited) for b in self.buckets]
-        merged = interval_union(spans)
-        blocked_from, blocked_to = self._inline
-        if blocked_to == 0.0:
-            blocked_from = blocked_to = t_compute_end
-        # communication overlapped backward only while backward was computing
-        overlap = (interval_overlap(merged, self._t_backward, blocked_from)
-                   + interval_overlap(merged, blocked_to, t_compute_end))
-        self.stats.record(StepTimes(
-            forward_s=self.stats.pending_forward_s,
-            backward_s=t_end - self._t_backward,
-            comm_s=sum(b - a for a, b in merged),
-            overlap_s=overlap,
-            wait_s=t_waited - t_compute_end + (blocked_to - blocked_from),
-            buckets=len(self.buckets),
-            bytes=sum(b.nbytes for b in self.buckets),
-        ))
+        self.stats.record(step_times(
+            [(b.t_launch, b.t_done or t_waited) for b in self.buckets], self._inline,
+            self.stats.pending_forward_s, self._t_backward, t_compute_end, t_waited, t_end,
+            sum(b.nbytes for b in self.buckets)))
         timeline = self.group.recorder.timeline  # [timeline hook] buckets against backward
         if timeline is not None:
             timeline.ddp_backward(self._t_backward, t_compute_end, t_waited, t_end,
@@ -474,6 +525,7 @@ class Reducer:
         self._used_future = None
         self._inline = (0.0, 0.0)
         self._direct = False
+        self.divisor = None
         for b in self.buckets:
             b.reset()
         self._local_used = [False] * len(self.params)

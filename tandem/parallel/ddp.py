@@ -21,6 +21,10 @@ naming the parameter and the ranks), and a parameter that got no gradient withou
 ``find_unused_parameters=True`` (:class:`~tandem.errors.StateError` naming it, raised
 by ``backward()`` on every rank instead of a hang).
 
+Uneven inputs: DDP is a :class:`~tandem.algorithms.join.Joinable`; ``with
+ddp.join():`` (or ``Join([ddp, optimizer])``) lets ranks run out of batches at
+different iterations (see ``tandem.parallel._ddp_join``).
+
 Differences from torch, on purpose: buffers are broadcast before a forward only in
 training mode (an eval-mode forward run by one rank alone cannot hang), and the
 module must live on the CPU (``device_ids`` must be None), as tandem's collectives do.
@@ -36,10 +40,12 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from tandem.algorithms.join import GroupJoinable, Join, Joinable, JoinHook
 from tandem.collectives.group import NonMemberGroup, ProcessGroup
 from tandem.collectives.world import resolve_group
 from tandem.errors import ArgumentError, StateError
 from tandem.parallel._buckets import FIRST_BUCKET_BYTES, GradBucket
+from tandem.parallel._ddp_join import BUFFERS, SYNC, TRAINING, DDPJoinHook, join_round
 from tandem.parallel._ddp_stats import DDPStats, StepTimes
 from tandem.parallel._module_sync import (
     BufferBroadcaster,
@@ -47,7 +53,9 @@ from tandem.parallel._module_sync import (
     describe_module,
     verify_same_model,
 )
+from tandem.parallel._observer import ObservingHook
 from tandem.parallel._reducer import Reducer
+from tandem.parallel.comm_hooks import allreduce_hook
 
 __all__ = ["DistributedDataParallel", "DDPStats", "StepTimes", "GradBucket"]
 
@@ -57,8 +65,10 @@ def _ignored(module: nn.Module) -> set[str]:
     return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()) or ())
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, GroupJoinable):
     """Wrap ``module`` so that ``backward()`` averages its gradients over the group."""
+
+    join_kwargs = frozenset({"divide_by_initial_world_size"})
 
     def __init__(self, module: nn.Module, device_ids: Any = None, output_device: Any = None,
                  dim: int = 0, broadcast_buffers: bool = True,
@@ -67,6 +77,7 @@ class DistributedDataParallel(nn.Module):
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False,
                  static_graph: bool = False, *, init_sync: bool = True) -> None:
         super().__init__()
+        Joinable.__init__(self)
         if not isinstance(module, nn.Module):
             raise ArgumentError(f"DistributedDataParallel wraps an nn.Module, got "
                                 f"{type(module).__name__}")
@@ -104,6 +115,8 @@ class DistributedDataParallel(nn.Module):
         self.require_forward_param_sync = True
         self.stats = DDPStats()
         self._comm_hook_set = False
+        self._divide_by_initial_world_size = True
+        self._synced_params = [p for _, p in named_params]
 
         if init_sync:
             verify_same_model(group, describe_module(named_params, named_buffers))
@@ -127,7 +140,13 @@ class DistributedDataParallel(nn.Module):
         self.reducer.check_idle()
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         self.require_forward_param_sync = sync
-        if sync and self.training and self.broadcast_buffers and self._buffers_sync.buffers:
+        buffers = (sync and self.training and self.broadcast_buffers
+                   and bool(self._buffers_sync.buffers))
+        if self._join_config.enable:
+            Join.notify_join_context(self)
+            flags = TRAINING | (SYNC if sync else 0) | (BUFFERS if buffers else 0)
+            _, self.reducer.divisor = join_round(self, flags)
+        elif buffers:
             self._buffers_sync()
         output = self.module(*inputs, **kwargs)
         self.reducer.prepare(output, sync)
@@ -151,6 +170,21 @@ class DistributedDataParallel(nn.Module):
         finally:
             self.require_backward_grad_sync = old
 
+    # -- uneven inputs ---------------------------------------------------------------------
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """``with ddp.join():`` lets ranks leave the training loop at different iterations.
+
+        ``divide_by_initial_world_size=False`` averages over the ranks still training
+        instead of the whole group; see :class:`~tandem.algorithms.join.Join`.
+        """
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook a joined rank runs (``divide_by_initial_world_size``, default True)."""
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
     # -- communication hooks -------------------------------------------------------------
     def register_comm_hook(self, state: object,
                            hook: Callable[[Any, GradBucket], torch.futures.Future[Any]]) -> None:
@@ -164,9 +198,23 @@ class DistributedDataParallel(nn.Module):
             raise StateError("register_comm_hook can only be called once")
         if self.stats.steps > 0 or self.reducer._started:
             raise StateError("register_comm_hook must be called before the first backward")
+        reduce: Callable[[Any, GradBucket], torch.futures.Future[Any]] | None = hook
+        if isinstance(hook, ObservingHook):  # e.g. tandem.optim.hook_with_zero_step
+            hook.attach(self)
+            reduce = hook.hook
+            if reduce is allreduce_hook and state in (None, self.process_group):
+                reduce = None  # the built-in average: same result, in place where it can
+        if reduce is not None and self.reducer.shards is not None:
+            raise ArgumentError(
+                "register_comm_hook: this DDP's gradients are sharded (shard_gradients), and "
+                "sharding reduce-scatters the buckets itself; a hook that reduces whole "
+                "buckets cannot be combined with it")
         self._comm_hook_set = True
-        self.reducer.hook = hook
-        self.reducer.hook_state = state
+        if isinstance(hook, ObservingHook):
+            self.reducer.observer = hook
+        if reduce is not None:
+            self.reducer.hook = reduce
+            self.reducer.hook_state = state
 
     def _set_static_graph(self) -> None:
         self.static_graph = True

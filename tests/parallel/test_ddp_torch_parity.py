@@ -14,7 +14,7 @@ import datetime
 import socket
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -60,24 +60,16 @@ def _train(ddp: nn.Module, mode: str, model: str, rank: int, world: int) -> None
         opt.step()
 
 
-def compare(rank: int, world: int, gloo_url: str) -> dict[str, Any]:
+def each_case_with_gloo(rank: int, world: int, gloo_url: str, cases: list[str],
+                        run: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
+    """``run(case)`` for every case inside one gloo process group; errors per case."""
     tdist.init_process_group("gloo", init_method=gloo_url, rank=rank, world_size=world,
                              timeout=datetime.timedelta(seconds=60))
     out: dict[str, Any] = {}
     try:
-        for case, (model_name, kwargs, mode) in CASES.items():
+        for case in cases:
             try:
-                torch.manual_seed(3)
-                model = BUILDERS[model_name]()
-                _scramble(model, rank)
-                theirs = copy.deepcopy(model)
-                ours = DDP(model, **kwargs)
-                ref = TorchDDP(theirs, **kwargs)
-                _train(ours, mode, model_name, rank, world)
-                _train(ref, mode, model_name, rank, world)
-                a = dict(ours.module.state_dict())
-                b = dict(ref.module.state_dict())
-                out[case] = {n: (a[n].double() - b[n].double()).abs().max().item() for n in b}
+                out[case] = run(case)
             except Exception:  # noqa: BLE001 - reported per case to the test
                 out[case] = {"error": traceback.format_exc()}
     finally:
@@ -85,14 +77,43 @@ def compare(rank: int, world: int, gloo_url: str) -> dict[str, Any]:
     return out
 
 
+def twins(model_name: str, rank: int, kwargs: dict[str, Any]) -> tuple[DDP, TorchDDP]:
+    """One model (scrambled off rank 0) wrapped in tandem's DDP and a copy in torch's."""
+    torch.manual_seed(3)
+    model = BUILDERS[model_name]()
+    _scramble(model, rank)
+    theirs = copy.deepcopy(model)
+    return DDP(model, **kwargs), TorchDDP(theirs, **kwargs)
+
+
+def compare(rank: int, world: int, gloo_url: str) -> dict[str, Any]:
+    def run(case: str) -> dict[str, Any]:
+        model_name, kwargs, mode = CASES[case]
+        ours, ref = twins(model_name, rank, kwargs)
+        _train(ours, mode, model_name, rank, world)
+        _train(ref, mode, model_name, rank, world)
+        a = dict(ours.module.state_dict())
+        b = dict(ref.module.state_dict())
+        return {n: (a[n].double() - b[n].double()).abs().max().item() for n in b}
+
+    return each_case_with_gloo(rank, world, gloo_url, list(CASES), run)
+
+
+def spawn_with_gloo(fn: Callable[..., Any], request: pytest.FixtureRequest,
+                    tmp_path_factory: pytest.TempPathFactory, timeout: float) -> list[Any]:
+    """``fn(rank, world, gloo_url)`` on ranks joined to tandem (``request.param`` is
+    (world size, tandem backend)) and able to join gloo at ``gloo_url``."""
+    world, backend = request.param
+    path: Path = tmp_path_factory.mktemp("gloo") / "rendezvous"
+    return spawn(world, fn, (f"file://{path}",), timeout=timeout, env=_gloo_env(),
+                 backend=backend)
+
+
 @pytest.fixture(scope="module", params=[(2, "tcp"), (3, "tcp"), (2, "shm")],
                 ids=lambda p: f"{p[0]}ranks-{p[1]}")
 def results(request: pytest.FixtureRequest,
             tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    world, backend = request.param
-    path: Path = tmp_path_factory.mktemp("gloo") / "rendezvous"
-    return spawn(world, compare, (f"file://{path}",), timeout=150, env=_gloo_env(),
-                 backend=backend)
+    return spawn_with_gloo(compare, request, tmp_path_factory, timeout=150)
 
 
 def _gloo_env() -> dict[str, str]:

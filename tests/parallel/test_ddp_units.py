@@ -12,7 +12,7 @@ from torch import nn
 
 from tandem.parallel._buckets import assign_buckets
 from tandem.parallel._ddp_stats import DDPStats, StepTimes, interval_overlap, interval_union
-from tandem.parallel._reducer import find_tensors, reachable_parameters
+from tandem.parallel._graph import find_tensors, reachable_parameters
 
 KB = 1024
 
