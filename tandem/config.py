@@ -54,6 +54,25 @@ TANDEM_TIMELINE                write a Chrome/Perfetto trace of this rank's call
                                ``<path stem>.rank<N>.json``; ``tandemrun`` or
                                ``python -m tandem.trace --timeline PATH`` merges the
                                ranks' files into PATH (unset: no timeline)
+TANDEM_ELASTIC_STORE           where the workers of an elastic job (``tandem.elastic``)
+                               agree on membership: ``tcp://HOST:PORT`` or
+                               ``file:///PATH``, optionally ``?prefix=NAME``; tandemrun
+                               sets it to a store its agent serves (unset: the store of
+                               the process group, which must outlive every rank)
+TANDEM_ELASTIC_ID              this worker's name in an elastic job, unique per process
+                               (set by tandemrun; default: host, pid and a random tag)
+TANDEM_ELASTIC_JOIN            1: this worker joins a running elastic job (a replacement
+                               or a spare started by tandemrun); it trains alone until
+                               ``run_elastic`` admits it (0)
+TANDEM_ELASTIC_MAX_RANKS       most ranks an elastic job admits; joiners beyond it wait
+                               as spares (tandemrun: MAX nodes x nproc; 0: no limit)
+TANDEM_ELASTIC_MIN_NODES       fewest nodes an elastic job goes on with (tandemrun: MIN
+                               of --nnodes; 1)
+TANDEM_ELASTIC_NODE            this worker's node in an elastic job (tandemrun: the node
+                               rank; default: the host identity)
+TANDEM_ELASTIC_BACKOFF         tandemrun, elastic jobs: seconds before the second
+                               replacement of a worker slot whose workers keep dying,
+                               doubling with every further death, at most 64 times (1)
 =============================  =========================================================
 
 Flags take ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``; anything else
@@ -99,6 +118,13 @@ class Settings:
     flight_recorder: int = 2000
     trace_dir: str = "tandem-trace"
     timeline: str | None = None
+    elastic_store: str | None = None
+    elastic_id: str | None = None
+    elastic_join: bool = False
+    elastic_max_ranks: int = 0
+    elastic_min_nodes: int = 1
+    elastic_node: str | None = None
+    elastic_backoff: float = 1.0
 
     def __post_init__(self) -> None:
         timeout_seconds(self.timeout, 0.0, "TANDEM_TIMEOUT")
@@ -125,6 +151,19 @@ class Settings:
                 f"TANDEM_FLIGHT_RECORDER must be >= 0 calls (0: off), got {self.flight_recorder}")
         if not self.trace_dir:
             raise ArgumentError("TANDEM_TRACE_DIR must name a directory")
+        if self.elastic_max_ranks < 0:
+            raise ArgumentError(f"TANDEM_ELASTIC_MAX_RANKS must be >= 0 (0: no limit), got "
+                                f"{self.elastic_max_ranks}")
+        if self.elastic_min_nodes < 1:
+            raise ArgumentError(f"TANDEM_ELASTIC_MIN_NODES must be >= 1, got "
+                                f"{self.elastic_min_nodes}")
+        if not (math.isfinite(self.elastic_backoff) and self.elastic_backoff >= 0):
+            raise ArgumentError(f"TANDEM_ELASTIC_BACKOFF must be a finite number of seconds "
+                                f">= 0, got {self.elastic_backoff}")
+        if self.elastic_store is not None and not self.elastic_store.startswith(
+                ("tcp://", "file://")):
+            raise ArgumentError(f"TANDEM_ELASTIC_STORE={self.elastic_store!r}: expected "
+                                f"tcp://HOST:PORT or file:///PATH")
 
 
 def _number(env: Mapping[str, str], name: str, kind: Callable[[str], N], default: N) -> N:
@@ -175,6 +214,13 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         flight_recorder=_number(env, "TANDEM_FLIGHT_RECORDER", int, base.flight_recorder),
         trace_dir=env.get("TANDEM_TRACE_DIR") or base.trace_dir,
         timeline=env.get("TANDEM_TIMELINE") or None,
+        elastic_store=env.get("TANDEM_ELASTIC_STORE") or None,
+        elastic_id=env.get("TANDEM_ELASTIC_ID") or None,
+        elastic_join=_flag(env, "TANDEM_ELASTIC_JOIN", base.elastic_join),
+        elastic_max_ranks=_number(env, "TANDEM_ELASTIC_MAX_RANKS", int, base.elastic_max_ranks),
+        elastic_min_nodes=_number(env, "TANDEM_ELASTIC_MIN_NODES", int, base.elastic_min_nodes),
+        elastic_node=env.get("TANDEM_ELASTIC_NODE") or None,
+        elastic_backoff=_number(env, "TANDEM_ELASTIC_BACKOFF", float, base.elastic_backoff),
     )
 
 

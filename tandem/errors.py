@@ -8,7 +8,10 @@ traceback::
     TandemError
     ├── ArgumentError        (also a ValueError) bad input: wrong rank, dtype, shape, op...
     ├── StateError           (also a RuntimeError) misuse: no default group, rank outside group,
-    │                        a process group that was destroyed or aborted
+    │   │                    a process group that was destroyed or aborted
+    │   └── ElasticError            an elastic job (``tandem.elastic``) cannot go on: fewer
+    │                               ranks or nodes than its minimum, no live rank holds the
+    │                               training state, or this worker was left out of the job
     ├── TimeoutError         (also the builtin TimeoutError) a deadline passed
     │   ├── StoreTimeoutError       store get/wait/connect ran out of time
     │   └── CollectiveTimeoutError  a collective or p2p op ran out of time;
@@ -39,6 +42,7 @@ __all__ = [
     "TandemError",
     "ArgumentError",
     "StateError",
+    "ElasticError",
     "TimeoutError",
     "StoreTimeoutError",
     "CollectiveTimeoutError",
@@ -64,6 +68,10 @@ class ArgumentError(TandemError, ValueError):
 
 class StateError(TandemError, RuntimeError):
     """An operation is not allowed in the current state (not initialised, not a member...)."""
+
+
+class ElasticError(StateError):
+    """An elastic job cannot go on in place; the message says why and what the minimum is."""
 
 
 class TimeoutError(TandemError, builtins.TimeoutError):  # noqa: A001 - deliberate shadow

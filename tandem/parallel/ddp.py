@@ -216,6 +216,35 @@ class DistributedDataParallel(nn.Module, GroupJoinable):
             self.reducer.hook = reduce
             self.reducer.hook_state = state
 
+    def _regroup(self, group: ProcessGroup) -> None:
+        """Go on training on ``group`` (``tandem.elastic``, after the membership changed).
+
+        The reducer and the buffer broadcaster are rebuilt on ``group``; parameters are
+        not synchronised here (the caller has made them equal on every member). A comm
+        hook moves along when its state is None or the old group; other hook states,
+        observers (``hook_with_zero_step``) and sharded gradients cannot be re-bound.
+        """
+        old = self.reducer
+        why = ("sharded gradients" if old.shards is not None else
+               "an observing comm hook (hook_with_zero_step)" if old.observer is not None else
+               "a comm hook with a state of its own" if old.hook is not None
+               and old.hook_state not in (None, self.process_group) else "")
+        if why:
+            raise StateError(f"DistributedDataParallel cannot move to a new process group "
+                             f"with {why}")
+        hook, moves = old.hook, old.hook_state is self.process_group
+        old.close()
+        self.process_group = group
+        self._buffers_sync = BufferBroadcaster(group, self._buffers_sync.buffers)
+        self.reducer = Reducer(
+            old.names, old.params, group, bucket_cap_bytes=old.bucket_cap_bytes,
+            first_bucket_bytes=old.first_bucket_bytes, gradient_as_bucket_view=old.view_mode,
+            find_unused_parameters=old.find_unused, static_graph=self.static_graph,
+            stats=self.stats)
+        if hook is not None:
+            self.reducer.hook = hook
+            self.reducer.hook_state = group if moves else None
+
     def _set_static_graph(self) -> None:
         self.static_graph = True
         self.reducer.static_graph = True
