@@ -27,7 +27,7 @@ import torch
 from tandem.collectives.group import ProcessGroup
 from tandem.collectives.p2p import recv, send
 from tandem.elastic._snapshot import Snapshot
-from tandem.errors import ProtocolError
+from tandem.errors import CollectiveMismatchError, ProtocolError
 
 __all__ = ["pack", "unpack", "send_snapshot", "recv_snapshot", "HEADER_BYTES"]
 
@@ -102,5 +102,9 @@ def recv_snapshot(group: ProcessGroup, src: int, limit: int) -> Snapshot:
     length, _, _ = read_header(header, sender, limit)
     body = torch.empty(length, dtype=torch.uint8)
     if length:
-        recv(body, group_src=src, group=group, tag=_TAG)
+        try:
+            recv(body, group_src=src, group=group, tag=_TAG)
+        except CollectiveMismatchError as exc:  # the payload's size is not the announced one
+            raise ProtocolError(f"live checkpoint from rank {sender} does not have the "
+                                f"{length} bytes its header announced; refused: {exc}") from exc
     return unpack(header, body.numpy().tobytes(), sender, limit)

@@ -161,7 +161,7 @@ class Session:
 
     def grow(self) -> None:
         """Every member stopped at the same commit: admit the joiners."""
-        self._enter(self._round(set()))
+        self._enter(self._round(self._lost(None)))
 
     def recoverable(self, exc: BaseException) -> bool:
         """Whether ``exc`` comes from a lost member (so the job can go on without it)."""
@@ -181,7 +181,7 @@ class Session:
         self.recoveries += 1
         self._enter(self._round(self._lost(exc)))
 
-    def _lost(self, exc: BaseException) -> set[str]:
+    def _lost(self, exc: BaseException | None) -> set[str]:
         """Members this worker knows died: connections closed without a goodbye, and
         goodbyes from members that did not arrive at the round (they left for good:
         a member arrives before it leaves its group)."""
@@ -189,23 +189,38 @@ class Session:
             return set()
         t, members = world().transport, self.gen.members
         ranks = set(t.lost_peers())
-        ranks |= {e.rank for e in _chain(exc) if isinstance(e, PeerLostError)
-                  and e.rank in t.lost_peers()}
+        if exc is not None:
+            ranks |= {e.rank for e in _chain(exc) if isinstance(e, PeerLostError)
+                      and e.rank in t.lost_peers()}
         left = {members[r] for r in t.left_peers() if 0 <= r < len(members)}
         arrived = set(self.roster.arrived(self.gen.number, sorted(left)))
         return {members[r] for r in ranks if 0 <= r < len(members)} | (left - arrived)
 
     def _round(self, lost: set[str]) -> Generation:
-        """Leave the current generation; the next one, once its round closes."""
-        gen = self.gen
+        """Leave the current generation; the next one, once its round closes.
+
+        The old process group stays open until then: a member that dies while the round
+        is open is noticed by its closed connections and reported, whoever else saw it.
+        """
+        gen, reported = self.gen, set(lost)
         if lost:
             self.roster.report_lost(gen.number, sorted(lost))
         self.roster.arrive(gen.number, self.me)
-        leave(self.store)  # after arriving: peers that see us leave know we go on
-        self._world = -1
-        return self.roster.close_round(
-            gen, self._deadline(), max_ranks=self.settings.elastic_max_ranks,
-            min_ranks=self.state.min_ranks, min_nodes=self.settings.elastic_min_nodes)
+
+        def watch() -> None:
+            new = self._lost(None) - reported
+            if new:
+                self.roster.report_lost(gen.number, sorted(new))
+                reported.update(new)
+
+        try:
+            return self.roster.close_round(
+                gen, self._deadline(), max_ranks=self.settings.elastic_max_ranks,
+                min_ranks=self.state.min_ranks, min_nodes=self.settings.elastic_min_nodes,
+                watch=watch)
+        finally:
+            leave(self.store)  # after arriving: peers that see us leave know we go on
+            self._world = -1
 
     def _enter(self, gen: Generation) -> None:
         """Become a member of ``gen`` and agree on the state; rounds until one holds."""

@@ -220,17 +220,20 @@ class Roster:
         return [m for m in members if self.store.check([self._k(f"round/{number}/{m}")])]
 
     def close_round(self, gen: Generation, deadline: float, *, max_ranks: int,
-                    min_ranks: int, min_nodes: int) -> Generation:
+                    min_ranks: int, min_nodes: int,
+                    watch: Callable[[], None] = lambda: None) -> Generation:
         """Wait until round ``gen.number`` can close, propose the next generation, return it.
 
         The round closes once every member of ``gen`` has arrived or is known gone. If
         fewer ranks or nodes than the minimum would go on, it waits for the joiners that
         agents are starting; with none coming, the next generation records why the job
-        ends (``ended``).
+        ends (``ended``). ``watch()`` runs before each look: the caller reports there
+        the members it notices gone meanwhile.
         """
         following = gen.number + 1
         counter = self._k(f"round/{gen.number}")
         while True:
+            watch()
             decided = self.generation(following)
             if decided is not None:
                 return decided

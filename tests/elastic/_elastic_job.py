@@ -51,6 +51,10 @@ class Spec:
     where: str = "backward"
     rejoin_step: int = -1  # members wait here until the joiner is queued
     hook: bool = False  # run DDP with the all-reduce comm hook (always for "allreduce")
+    victim2: int = -1  # a second victim (by launch rank), killed at its kill_step2
+    kill_step2: int = -1  # before its commit (after the step was applied everywhere)
+    max_ranks: int = 0  # TANDEM_ELASTIC_MAX_RANKS (joiners beyond it wait as spares)
+    min_ranks: int = 1
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,6 +86,7 @@ def job(rank: int, world_size: int, spec: Spec) -> dict[str, Any]:
     joiner = rank >= spec.members
     os.environ["TANDEM_ELASTIC_STORE"] = f"tcp://127.0.0.1:{spec.store_port}?prefix={PREFIX}"
     os.environ["TANDEM_ELASTIC_ID"] = f"w{rank}"
+    os.environ["TANDEM_ELASTIC_MAX_RANKS"] = str(spec.max_ranks)
     signals = _store(spec)
     if joiner:
         os.environ["TANDEM_ELASTIC_JOIN"] = "1"
@@ -99,7 +104,7 @@ def job(rank: int, world_size: int, spec: Spec) -> dict[str, Any]:
     victim = rank == spec.victim and not joiner
     if spec.hook or spec.where == "allreduce":
         ddp.register_comm_hook(None, _killing_hook if victim else allreduce_hook)
-    state = ElasticState(model=ddp, optimizer=opt, step=0, history=[])
+    state = ElasticState(model=ddp, optimizer=opt, step=0, history=[], min_ranks=spec.min_ranks)
     sampler = ElasticSampler(N, state, BATCH, seed=SEED)
     if victim:
         _arm(spec, net, opt, state)
@@ -117,6 +122,8 @@ def job(rank: int, world_size: int, spec: Spec) -> dict[str, Any]:
             state.step += 1
             if state.step == spec.rejoin_step and state.world_size < spec.members:
                 _await_joiner(signals)  # so that this commit lets it in
+            if rank == spec.victim2 and state.step == spec.kill_step2:
+                _kill("before its commit")
             state.commit()
 
     train()

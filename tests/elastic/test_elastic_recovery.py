@@ -88,3 +88,54 @@ def test_a_joiner_brings_the_group_back_at_a_commit(tmp_path: Path, store_port: 
     history = _check_against_oracle(results)
     assert _sizes(history) == [3] * 7 + [2] * 5 + [3] * 4
     assert sorted(r["rank"] for r in results) == [0, 1, 2]
+
+
+@pytest.mark.timeout(120)
+def test_a_spare_takes_the_place_of_a_killed_rank_in_the_same_round(tmp_path: Path,
+                                                                     store_port: int) -> None:
+    spec = Spec(steps=14, members=3, pg_url=f"file://{tmp_path}/pg", store_port=store_port,
+                backend="shm", victim=1, kill_step=7, max_ranks=3)
+    results = _survivors(_run(4, spec), victim=1)
+    assert len(results) == 3 and results[-1]["joiner"], "the spare did not join"
+    history = _check_against_oracle(results)
+    assert _sizes(history) == [3] * 14  # step 7 runs again, with the spare's share
+
+
+@pytest.mark.timeout(120)
+def test_a_joiner_admitted_while_another_rank_dies_gets_the_state(tmp_path: Path,
+                                                                  store_port: int) -> None:
+    # rank 1 dies at step 7; at step 12 a joiner is queued and rank 2 dies before the
+    # commit that would let it in: the round that loses rank 2 admits the joiner
+    spec = Spec(steps=16, members=3, pg_url=f"file://{tmp_path}/pg", store_port=store_port,
+                backend="tcp", victim=1, kill_step=7, rejoin_step=12, victim2=2, kill_step2=12)
+    outcomes = _run(4, spec)
+    assert outcomes[2].exitcode == -9, outcomes[2]
+    results = _survivors([o for o in outcomes if o.rank != 2], victim=1)
+    assert len(results) == 2 and results[-1]["joiner"]
+    history = _check_against_oracle(results)
+    assert _sizes(history) == [3] * 7 + [2] * 9
+
+
+@pytest.mark.timeout(120)
+def test_two_failures_in_a_row(tmp_path: Path, store_port: int) -> None:
+    spec = Spec(steps=14, members=4, pg_url=f"file://{tmp_path}/pg", store_port=store_port,
+                backend="auto", victim=1, kill_step=5, victim2=3, kill_step2=9)
+    outcomes = _run(4, spec)
+    assert outcomes[3].exitcode == -9, outcomes[3]
+    results = _survivors([o for o in outcomes if o.rank != 3], victim=1)
+    history = _check_against_oracle(results)
+    assert _sizes(history) == [4] * 5 + [3] * 4 + [2] * 5
+    assert sorted(r["rank"] for r in results) == [0, 1]
+
+
+@pytest.mark.timeout(120)
+def test_fewer_ranks_than_the_minimum_stop_with_a_clear_error(tmp_path: Path,
+                                                              store_port: int) -> None:
+    spec = Spec(steps=14, members=3, pg_url=f"file://{tmp_path}/pg", store_port=store_port,
+                backend="shm", victim=1, kill_step=7, min_ranks=3)
+    outcomes = _run(3, spec)
+    assert outcomes[1].exitcode == -9
+    for o in (outcomes[0], outcomes[2]):
+        assert not o.ok and o.error_type == "ElasticError", o.error
+        assert "2 rank(s) remain and the job needs at least 3" in o.error, o.error
+        assert "lost: w1" in o.error, o.error

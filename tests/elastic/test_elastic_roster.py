@@ -1,0 +1,102 @@
+"""Membership in the store (``tandem.elastic.roster``), on a HashStore: who is in the next
+generation, when a round closes, spares, and the end of the job."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tandem.elastic.roster import Generation, Roster
+from tandem.errors import ElasticError, TimeoutError
+from tandem.store.hash import HashStore
+
+
+def _roster(*workers: str, node: str = "n0") -> Roster:
+    roster = Roster(HashStore(), "job")
+    for w in workers:
+        roster.register(w, node, "host", 1)
+    return roster
+
+
+def _close(roster: Roster, gen: Generation, seconds: float = 2.0, max_ranks: int = 0,
+           min_ranks: int = 1, min_nodes: int = 1) -> Generation:
+    return roster.close_round(gen, time.monotonic() + seconds, max_ranks=max_ranks,
+                              min_ranks=min_ranks, min_nodes=min_nodes)
+
+
+def test_generation_zero_turns_the_job_elastic_and_the_first_proposal_wins() -> None:
+    roster = _roster("a", "b")
+    assert not roster.is_on() and roster.latest() == -1
+    assert roster.propose(Generation(0, ("a", "b"))).members == ("a", "b")
+    assert roster.propose(Generation(0, ("b", "a"))).members == ("a", "b")
+    assert roster.is_on() and roster.latest() == 0
+
+
+def test_a_round_waits_for_every_member_that_is_not_known_gone() -> None:
+    roster = _roster("a", "b", "c")
+    gen = roster.propose(Generation(0, ("a", "b", "c")))
+    roster.arrive(0, "a")
+    roster.report_lost(0, ["b"])
+    with pytest.raises(TimeoutError, match="c neither arrived nor were known gone"):
+        _close(roster, gen, seconds=0.2)
+    roster.arrive(0, "c")
+    assert _close(roster, gen) == Generation(1, ("a", "c"), 0)
+
+
+def test_an_exit_reported_by_an_agent_counts_as_gone() -> None:
+    roster = _roster("a", "b")
+    gen = roster.propose(Generation(0, ("a", "b")))
+    roster.arrive(0, "b")
+    closing = threading.Timer(0.1, roster.report_exit, ("a",))
+    closing.start()
+    assert _close(roster, gen).members == ("b",)
+    closing.join()
+
+
+def test_joiners_fill_the_room_in_queue_order_and_the_rest_wait_as_spares() -> None:
+    roster = _roster("a", "b", "j1", "j2", "j3")
+    gen = roster.propose(Generation(0, ("a", "b")))
+    for j in ("j1", "j2", "j3"):
+        roster.enqueue_joiner(j)
+    roster.report_exit("j1")
+    assert roster.joiners_waiting(gen, max_ranks=3)
+    assert not roster.joiners_waiting(Generation(0, ("a", "b", "c")), max_ranks=3)
+    roster.arrive(0, "a")
+    roster.arrive(0, "b")
+    nxt = _close(roster, gen, max_ranks=3)
+    assert nxt.members == ("a", "b", "j2") and nxt.upto == 2  # j3 waits, j1 is gone
+    assert not roster.joiners_waiting(nxt, max_ranks=3)
+    assert roster.joiners_waiting(nxt, max_ranks=4)
+
+
+def test_below_the_minimum_the_round_waits_for_coming_joiners_then_ends_the_job() -> None:
+    roster = _roster("a", "b", "c")
+    gen = roster.propose(Generation(0, ("a", "b", "c")))
+    roster.arrive(0, "a")
+    roster.report_lost(0, ["b", "c"])
+    roster.expect(+1)  # an agent started a replacement
+    late = threading.Timer(0.2, lambda: (roster.register("r", "n0", "host", 2),
+                                         roster.enqueue_joiner("r"), roster.expect(-1)))
+    late.start()
+    assert _close(roster, gen, min_ranks=2).members == ("a", "r")
+    late.join()
+    roster.arrive(1, "a")
+    roster.report_lost(1, ["r"])
+    ended = _close(roster, Generation(1, ("a", "r"), 1), min_ranks=2)
+    assert ended.members == () and "1 rank(s) remain and the job needs at least 2" in ended.ended
+    roster.end(ended.ended)
+    with pytest.raises(ElasticError, match="lost: r"):
+        roster.raise_if_ended()
+
+
+def test_the_minimum_number_of_nodes() -> None:
+    roster = _roster("a", "b", node="n0")
+    roster.register("c", "n1", "host", 3)
+    gen = roster.propose(Generation(0, ("a", "b", "c")))
+    roster.arrive(0, "a")
+    roster.arrive(0, "b")
+    roster.report_exit("c")
+    ended = _close(roster, gen, min_nodes=2)
+    assert "on 1 node(s) remain and the job needs at least 2 nodes" in ended.ended
