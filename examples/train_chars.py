@@ -86,13 +86,16 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[RunConfig, argparse.N
                    help="also keep only each rank's shard of the gradients (implies --zero)")
     p.add_argument("--uneven", type=int, default=0, metavar="N",
                    help="rank r trains N x r steps fewer; Join lets the others finish (0: off)")
+    p.add_argument("--elastic", action="store_true",
+                   help="survive a lost rank in place (tandem.elastic; under tandemrun, e.g. "
+                        "scripts/train.sh --elastic)")
     ns = p.parse_args(argv)
     preset = QUICK if ns.quick else FULL
     values: dict[str, Any] = {k: (getattr(ns, k) if getattr(ns, k, None) is not None else v)
               for k, v in preset.items()}
     cfg = RunConfig(**values, lr=ns.lr, out=ns.out, resume=ns.resume, seed=ns.seed,
                     save_every=ns.save_every, zero=ns.zero or ns.shard_grads,
-                    shard_grads=ns.shard_grads, uneven=ns.uneven)
+                    shard_grads=ns.shard_grads, uneven=ns.uneven, elastic=ns.elastic)
     for name in ("steps", "batch_size", "seq_len", "dim", "layers", "eval_windows"):
         if getattr(cfg, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
@@ -102,6 +105,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[RunConfig, argparse.N
         p.error("--nproc and --threads must be positive")
     if ns.uneven < 0:
         p.error("--uneven must be 0 (off) or positive")
+    if ns.elastic and (cfg.zero or cfg.uneven):
+        p.error("--elastic needs every rank to hold the whole optimizer state and train every "
+                "step: drop --zero, --shard-grads and --uneven")
     return cfg, ns
 
 
@@ -171,6 +177,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by a launcher
         run_rank(cfg, ns.threads)
         return 0
+    if ns.elastic:
+        sys.exit("train_chars: --elastic needs tandemrun, which replaces lost ranks: "
+                 "bash scripts/train.sh --elastic, or python -m tandem.run --standalone "
+                 "--nproc-per-node 2 --max-restarts 3 examples/train_chars.py --elastic")
     return launch_local(cfg, ns.nproc, ns.threads)
 
 

@@ -3,15 +3,20 @@
 #   bash scripts/train.sh [--steps N] [--quick] ...   (flags go to examples/train_chars.py;
 #                                                       --help lists them)
 #   bash scripts/train.sh --nproc 4                   (ranks; default 2, or $NPROC)
+#   bash scripts/train.sh --elastic                   (a killed rank is replaced in place;
+#                                                       the launcher gets --max-restarts 3,
+#                                                       or $MAX_RESTARTS)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nproc=${NPROC:-2}
 args=()
+launcher=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --nproc) [ $# -ge 2 ] || { echo "train.sh: --nproc needs a number" >&2; exit 2; }
              nproc=$2; shift 2;;
     --nproc=*) nproc=${1#--nproc=}; shift;;
+    --elastic) args+=("$1"); launcher=(--max-restarts "${MAX_RESTARTS:-3}"); shift;;
     *) args+=("$1"); shift;;
   esac
 done
@@ -21,4 +26,4 @@ case "$nproc" in
 esac
 bash scripts/setup.sh
 exec .venv/bin/python -m tandem.run --standalone --nproc-per-node "$nproc" \
-  examples/train_chars.py "${args[@]+"${args[@]}"}"
+  "${launcher[@]+"${launcher[@]}"}" examples/train_chars.py "${args[@]+"${args[@]}"}"

@@ -38,6 +38,7 @@ from tandem.optim import ZeroRedundancyOptimizer, shard_gradients
 from tandem.parallel import DistributedDataParallel, DistributedSampler
 
 from train_chars import checkpoint
+from train_chars.elastic import joining, train_elastic
 from train_chars.data import VOCAB, CharWindows, decode, encode, load_corpus
 from train_chars.model import CharTransformer, ModelConfig
 from train_chars.plot import write_loss_png
@@ -65,6 +66,7 @@ class RunConfig:
     zero: bool = False
     shard_grads: bool = False
     uneven: int = 0
+    elastic: bool = False
 
 
 def _lr(cfg: RunConfig, step: int) -> float:
@@ -167,7 +169,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     if cfg.shard_grads:
         shard_gradients(ddp, optimizer)  # type: ignore[arg-type]
     n_params = sum(p.numel() for p in model.parameters())
-    if lead:
+    if lead and not joining():  # a joining worker is alone until admitted
         print(f"train_chars: {world} ranks, {n_files} stdlib files ({len(train_ids) / 1e6:.2f}M "
               f"train / {len(val_ids) / 1e6:.2f}M val chars), {n_params / 1e6:.2f}M params, "
               f"global batch {cfg.batch_size * world} x {cfg.seq_len}, "
@@ -192,6 +194,17 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     progress = Progress(cfg.steps, step, enabled=lead)
     first_step, started = step, time.monotonic()
     my_steps = cfg.steps - cfg.uneven * rank  # rank 0 trains them all
+    if cfg.elastic:  # survive a lost rank in place (train_chars/elastic.py)
+        def save_at(at: int, losses: list[Any]) -> None:
+            nonlocal step, history
+            step, history = at, losses
+            save()
+
+        step, history = train_elastic(
+            cfg, ddp, optimizer, windows, step, history, progress, lambda s: _lr(cfg, s),
+            lambda r, s: _step_seed(cfg.seed, r, s), _mean_over_ranks, save_at)
+        rank, world = dist.get_rank(), dist.get_world_size()  # the membership may differ
+        lead = rank == 0
     joinables: list[Any] = [ddp]  # DDP first: its collectives come first in a step
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         joinables.append(optimizer)  # a joined rank still steps its shard and sends it

@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "collectives": "tandem.bench.collectives",
     "ddp": "tandem.bench.ddp",
     "recorder": "tandem.bench.recorder",
+    "recovery": "tandem.bench.recovery",
     "rpc": "tandem.bench.rpc",
     "zero": "tandem.bench.zero",
     "signature": "tandem.bench.signature",

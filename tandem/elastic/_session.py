@@ -294,7 +294,6 @@ class Session:
                 if snap.commit != target:
                     raise ElasticError(f"the live checkpoint from rank {sender} holds commit "
                                        f"{snap.commit}, not {target}")
-                self.state._slots[:] = [snap]
                 self.state._roll_back(snap)
 
     def _deadline(self) -> float:

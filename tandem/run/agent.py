@@ -23,19 +23,23 @@ import threading
 import time
 import uuid
 from types import FrameType
-from typing import Callable, ParamSpec, TypeVar
+from typing import Callable, ParamSpec, Sequence, TypeVar
 
-from tandem.config import load_secret
+from tandem.config import load_secret, load_settings
+from tandem.elastic.roster import Roster
 from tandem.errors import ArgumentError
 from tandem.run._supervisor import KILL_REQUEST
 from tandem.run.config import LaunchConfig
 from tandem.run.containment import Containment, make_scratch
 from tandem.run.dumps import DUMP_WAIT, fresh_dumps, merge_job_timeline, request_dumps
+from tandem.run.inplace import InPlace, elastic_prefix
 from tandem.run.rendezvous import Assignment, LocalRendezvous, Rendezvous
 from tandem.run.rootcause import Failure, format_summary, load_record, pick_root_cause
 from tandem.run.streams import Console
 from tandem.run.workerenv import worker_specs
-from tandem.run.workers import WorkerGroup
+from tandem.run.workers import Worker, WorkerGroup
+from tandem.store.base import Store
+from tandem.store.tcp import TCPStore
 
 __all__ = ["Agent", "Outcome"]
 
@@ -76,6 +80,9 @@ class Agent:
         self.stopped: list[int] = []
         self.containment = Containment()  # made by run()
         self.scratch = ""  # the launch's private directory, removed at the end
+        self.inplace: InPlace | None = None  # the attempt's in-place recovery (elastic jobs)
+        self._secret = b""
+        self._own_store: TCPStore | None = None  # one node: the store elastic workers share
 
     def _say(self, text: str) -> None:
         self.err.message(f"tandemrun: {text}")
@@ -130,6 +137,7 @@ class Agent:
 
     def run(self) -> int:
         extra, secret = self._env_extra()
+        self._secret = secret
         files_root, self.scratch = self.cfg.log_dir, ""
         if files_root is None and self.cfg.keeps_files:
             files_root = tempfile.mkdtemp(prefix="tandemrun_logs_")  # kept: never swept
@@ -154,6 +162,8 @@ class Agent:
                 self._say(merged)
             if self.group is not None:
                 self.group.close()
+            if self._own_store is not None:
+                self._own_store.close()
             self.containment.close()
             if rdzv is not None:
                 rdzv.close()
@@ -185,7 +195,11 @@ class Agent:
             a: Assignment = self._blocking(rdzv.next_round, attempt, restarts)
             attempt, restarts = a.attempt, a.restart_count
             outcome = self._attempt(rdzv, a, extra, files_root)
+            if self.inplace is not None:  # workers replaced in place used restarts
+                restarts += self.inplace.replaced
             if outcome is Outcome.SUCCEEDED:
+                if self.inplace is not None and self.inplace.report():
+                    self.err.message(self.inplace.report())
                 return 0
             if outcome is Outcome.SIGNALED:
                 return self._signaled()
@@ -216,6 +230,8 @@ class Agent:
         specs = worker_specs(cfg, a, base=os.environ, extra=extra, files_root=files_root,
                              keep_logs=cfg.keeps_files, supervisor=self._supervisor_options(),
                              cgroup=self.containment.cgroup)
+        inplace = self.inplace = self._in_place(rdzv, a)
+        specs = [inplace.prepare(spec) for spec in specs]
         group = self.group = WorkerGroup(specs, self.out, self.err)
         started = time.time()
         group.start()
@@ -227,20 +243,25 @@ class Agent:
                 if rdzv.membership_changed(a.attempt):  # before failures: ours may follow
                     group.stop(signal.SIGTERM, cfg.shutdown_timeout)
                     return Outcome.MEMBERSHIP
+                if group.failed() and inplace.recover(group, lambda ws: self._failures(ws, a)):
+                    continue  # the others go on without it (tandem.elastic)
                 if group.failed():
                     rdzv.publish_failure(a.attempt, self._collect(group, a, None))
                     since = time.time()
                     self._dump_recorders(group, started)  # [flight recorder hook]
                     self.stopped = group.stop(signal.SIGTERM, cfg.shutdown_timeout)
-                    self.failures = self._collect(group, a, since)
+                    self.failures = inplace.failures + self._collect(group, a, since)
                     rdzv.publish_failure(a.attempt, self.failures)
                     return Outcome.FAILED
+                inplace.tick(group)
+                if inplace.finished_without_us(group):
+                    return Outcome.SUCCEEDED  # this node's workers were lost; the job went on
                 if group.all_succeeded():
                     ok = self._blocking(rdzv.finish, a.attempt, cfg.monitor_interval,
                                         lambda: self.ending is not None)
                     return Outcome.SUCCEEDED if ok else (
                         Outcome.SIGNALED if self.ending else Outcome.REMOTE_FAILED)
-                if rdzv.remote_failed(a.attempt):
+                if rdzv.remote_failed(a.attempt) and not inplace.running():
                     since = time.time()
                     self._dump_recorders(group, started)  # [flight recorder hook]
                     self.stopped = group.stop(signal.SIGTERM, cfg.shutdown_timeout)
@@ -263,11 +284,33 @@ class Agent:
         if line:
             self._say(line)
 
+    def _in_place(self, rdzv: Rendezvous, a: Assignment) -> InPlace:
+        """The attempt's in-place recovery, on the store every node shares (one node: a
+        store of our own, made once and kept for every attempt)."""
+        shared = rdzv.shared_store()
+        if shared is None:
+            if self._own_store is None:
+                self._own_store = TCPStore(self.cfg.master_addr, 0, is_master=True,
+                                           wait_for_workers=False, secret=self._secret)
+            store: Store = self._own_store
+            where = f"{self.cfg.master_addr}:{self._own_store.port}"
+        else:
+            store, where = shared
+        prefix = elastic_prefix("tandemrun", a.attempt)
+        return InPlace(self.cfg, a, Roster(store, prefix), f"tcp://{where}?prefix={prefix}",
+                       budget=self.cfg.max_restarts - a.restart_count,
+                       backoff=load_settings().elastic_backoff, say=self._say)
+
     def _collect(self, group: WorkerGroup, a: Assignment, since: float | None) -> list[Failure]:
-        """Failed workers, leaving out those that only died of our stop signal."""
+        """Failed workers, leaving out those that only died of our stop signal and those
+        recovered in place (``self.inplace`` has them)."""
+        return self._failures([w for w in group.workers if not w.retired], a, since)
+
+    def _failures(self, workers: Sequence[Worker], a: Assignment,
+                  since: float | None = None) -> list[Failure]:
         out = []
         host = socket.gethostname()
-        for w in group.workers:
+        for w in workers:
             if w.returncode in (None, 0):
                 continue
             record = load_record(w.spec.error_file)

@@ -89,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="key=value,...: join_timeout (600 s)")
     add(*_both("max-restarts"), action=_Env, type=int, default=0,
         help="restart the worker group this many times on failure (default 0)")
+    add("--spares", action=_Env, type=int, default=0,
+        help="tandem only, for scripts that train under tandem.elastic.run_elastic: workers "
+             "per node started once the job runs, each ready to take a lost worker's place "
+             "at once (default 0); a lost worker is otherwise replaced by a new one "
+             "(each replacement counts against --max-restarts)")
     add(*_both("monitor-interval"), action=_Env, type=float, default=0.1,
         help="seconds between worker health checks (default 0.1)")
     add(*_both("shutdown-timeout"), action=_Env, type=float, default=5.0,
@@ -140,6 +145,7 @@ def parse(argv: Sequence[str] | None = None) -> LaunchConfig:
         rdzv_id=str(ns.rdzv_id or ""),
         rdzv_conf=parse_rdzv_conf(ns.rdzv_conf),
         max_restarts=int(ns.max_restarts),
+        spares=int(ns.spares),
         monitor_interval=float(ns.monitor_interval),
         shutdown_timeout=float(ns.shutdown_timeout),
         role=str(ns.role),

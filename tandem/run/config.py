@@ -69,6 +69,7 @@ class LaunchConfig:
     rdzv_id: str = ""
     rdzv_conf: tuple[tuple[str, str], ...] = ()
     max_restarts: int = 0
+    spares: int = 0  # elastic jobs: workers per node kept ready to take a lost one's place
     monitor_interval: float = 0.1
     shutdown_timeout: float = 5.0
     role: str = "default"
@@ -104,6 +105,8 @@ class LaunchConfig:
             raise ArgumentError(f"--master-port must be 0..65535, got {self.master_port}")
         if self.max_restarts < 0:
             raise ArgumentError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.spares < 0:
+            raise ArgumentError(f"--spares must be >= 0, got {self.spares}")
         if self.monitor_interval <= 0 or self.shutdown_timeout < 0:
             raise ArgumentError("--monitor-interval must be > 0 and --shutdown-timeout >= 0")
         if self.module and self.no_python:

@@ -34,6 +34,7 @@ from tandem.run.config import LaunchConfig
 from tandem.run.heartbeat import Heartbeat, Watch
 from tandem.run.rendezvous import Assignment, Rendezvous, reserve_port, wait_until
 from tandem.run.rootcause import Failure
+from tandem.store.base import Store
 from tandem.store.tcp import TCPStore
 
 __all__ = ["StoreRendezvous", "local_address"]
@@ -166,6 +167,10 @@ class StoreRendezvous(Rendezvous):
             role_rank_offset=sum(nodes[k]["nproc"] for k in same_role if k < me),
             role_world_size=sum(nodes[k]["nproc"] for k in same_role),
             master_addr=str(master["addr"]), master_port=int(master["port"]))
+
+    def shared_store(self) -> tuple[Store, str]:
+        host, port = self._where
+        return self.store, f"{host}:{port}"
 
     def publish_failure(self, attempt: int, failures: list[Failure]) -> None:
         text = json.dumps([json.loads(f.to_json()) for f in failures])

@@ -22,6 +22,7 @@ from tandem import _wire
 from tandem.errors import ArgumentError
 from tandem.run.config import LaunchConfig
 from tandem.run.rootcause import Failure
+from tandem.store.base import Store
 
 __all__ = ["Assignment", "Rendezvous", "LocalRendezvous", "reserve_port"]
 
@@ -82,6 +83,10 @@ class Rendezvous:
     def finish(self, attempt: int, interval: float, abort: Callable[[], bool]) -> bool:
         """After local success: True once every node succeeded, False if one failed."""
         return True
+
+    def shared_store(self) -> tuple[Store, str] | None:
+        """The store every node reaches and its ``host:port``, or None (one node)."""
+        return None
 
     def close(self) -> None:
         """Leave the job; the node hosting the store waits (briefly) for the others."""

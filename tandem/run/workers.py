@@ -43,6 +43,7 @@ class WorkerSpec:
     stdout_console: bool = True
     stderr_console: bool = True
     cgroup: str = ""  # the job's cgroup, where the supervisor puts the worker
+    label: str = ""  # how its output lines are prefixed (default ``rank<rank>``)
 
 
 class Worker:
@@ -53,6 +54,7 @@ class Worker:
         self.spec = spec
         self.returncode: int | None = None
         self.exit_time: float | None = None
+        self.retired = False  # failed, and the job went on without it (tandem.elastic)
         self.start_time = time.time()
         self.worker_pid = 0  # the worker's own pid, as soon as its supervisor reports it
         files = {name: os.path.join(spec.log_dir, f"{name}.log") if spec.log_dir else None
@@ -72,7 +74,7 @@ class Worker:
         finally:
             os.close(report)
         self.pid = self.proc.pid  # the supervisor's
-        prefix = f"[rank{spec.rank}]: "
+        prefix = f"[{spec.label or f'rank{spec.rank}'}]: "
         self._pumps = []
         if self.proc.stdout is not None:
             self._pumps.append(start_pump(self.proc.stdout, prefix,
@@ -144,13 +146,22 @@ class WorkerGroup:
     def start(self) -> None:
         """Start every worker; call from the main thread (PR_SET_PDEATHSIG follows it)."""
         for spec in self.specs:
-            self.workers.append(Worker(spec, self._out, self._err, self.changed))
+            self.add(spec)
+
+    def add(self, spec: WorkerSpec) -> Worker:
+        """Start one more worker (a replacement or a spare); from the main thread."""
+        worker = Worker(spec, self._out, self._err, self.changed)
+        self.workers.append(worker)
+        return worker
 
     def failed(self) -> list[Worker]:
-        return [w for w in self.workers if w.returncode not in (None, 0)]
+        """Workers that failed, leaving out the retired ones the job went on without."""
+        return [w for w in self.workers if not w.retired and w.returncode not in (None, 0)]
 
     def all_succeeded(self) -> bool:
-        return bool(self.workers) and all(w.returncode == 0 for w in self.workers)
+        """Every worker that is not retired exited with status 0."""
+        current = [w for w in self.workers if not w.retired]
+        return bool(current) and all(w.returncode == 0 for w in current)
 
     def alive(self) -> list[Worker]:
         return [w for w in self.workers if w.alive]

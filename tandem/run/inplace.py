@@ -1,0 +1,189 @@
+"""In-place recovery, the launcher's half: keep the survivors, replace what died.
+
+A job opts in by training under ``tandem.elastic.run_elastic``: its workers say so in
+the store once they formed generation 0 (:mod:`tandem.elastic.roster`). From then on a
+worker that fails does not stop the others. The agent
+
+* retires it (its failure is kept for the summary) and tells the store that it exited,
+  so the survivors' round closes without waiting any longer;
+* starts a new worker for its slot while ``--max-restarts`` allows (each one counts as a
+  restart): at once for a slot's first death, then after ``TANDEM_ELASTIC_BACKOFF``
+  seconds, doubling with every further death of the slot, at most 64 times that;
+* keeps ``--spares`` extra workers per node waiting to join, started once the job runs
+  elastic, so that a lost worker's place is taken in the survivors' own round (the new
+  worker started for the lost slot then waits as the next spare);
+* falls back to stopping every worker (and the usual restart) when the workers decided
+  the job cannot go on (fewer ranks or nodes than the minimum) or no member is alive.
+
+New workers join in a world of their own (``RANK=0 WORLD_SIZE=1`` and a free
+``MASTER_PORT``, with ``TANDEM_ELASTIC_JOIN=1``): the script's code before
+``run_elastic`` runs alone, then the worker waits to be let in. Each worker has a name
+in the job (``TANDEM_ELASTIC_ID``: node, slot, and the how-many-th of the slot), its own
+directory for logs and error file (``rank_<r>``, then ``rank_<r>.<k>``; spares
+``spare_<i>.<k>``) and output label (``[rank1.1]``, ``[spare0.0]``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import time
+from typing import Callable, Sequence
+
+from tandem.elastic.roster import Roster
+from tandem.run.config import LaunchConfig
+from tandem.run.rendezvous import Assignment
+from tandem.run.rootcause import Failure
+from tandem.run.workers import Worker, WorkerGroup, WorkerSpec
+
+__all__ = ["InPlace", "elastic_prefix"]
+
+MAX_BACKOFF_FACTOR = 64
+
+
+def elastic_prefix(base: str, attempt: int) -> str:
+    """The store namespace of one attempt's elastic job."""
+    return f"{base}/{attempt}/elastic"
+
+
+def _name(w: Worker) -> str:
+    return w.spec.env.get("TANDEM_ELASTIC_ID", "")
+
+
+class InPlace:
+    """One attempt's in-place recovery on this node; see the module docstring.
+
+    ``store_url`` is how workers reach ``roster``'s store; ``budget`` the replacements
+    still allowed; ``say`` prints a launcher line.
+    """
+
+    def __init__(self, cfg: LaunchConfig, a: Assignment, roster: Roster, store_url: str,
+                 budget: int, backoff: float, say: Callable[[str], None]) -> None:
+        self._cfg, self._a = cfg, a
+        self.roster = roster
+        self._url = store_url
+        self.budget = budget
+        self._backoff = backoff
+        self._say = say
+        self.replaced = 0  # new workers started for lost ones (restarts used)
+        self.failures: list[Failure] = []  # recovered in place
+        self._deaths: collections.Counter[int] = collections.Counter()  # per slot
+        self._starts: collections.Counter[int] = collections.Counter()  # per slot
+        self._due: list[tuple[float, int]] = []  # (when, slot) of new workers to start
+        self._coming: dict[str, Worker] = {}  # joiners started, not yet in the queue
+        self._templates: dict[int, WorkerSpec] = {}
+        self._spares_started = False
+
+    # -- the workers' environment ------------------------------------------------------
+    def prepare(self, spec: WorkerSpec) -> WorkerSpec:
+        """``spec`` with what its worker needs to run elastic (if the script does)."""
+        self._templates[spec.local_rank] = spec
+        self._starts[spec.local_rank] = 1
+        return dataclasses.replace(spec, env={**spec.env, **self._env(spec.local_rank, 0)})
+
+    def _env(self, slot: int, k: int) -> dict[str, str]:
+        cfg = self._cfg
+        return {"TANDEM_ELASTIC_STORE": self._url,
+                "TANDEM_ELASTIC_ID": f"n{self._a.node_rank}.s{slot}.{k}",
+                "TANDEM_ELASTIC_MAX_RANKS": str(cfg.max_nodes * cfg.nproc_per_node),
+                "TANDEM_ELASTIC_MIN_NODES": str(cfg.min_nodes),
+                "TANDEM_ELASTIC_NODE": f"node{self._a.node_rank}"}
+
+    def _joiner_spec(self, slot: int) -> WorkerSpec:
+        nproc = self._cfg.nproc_per_node
+        base = self._templates.get(slot) or self._templates[0]
+        k = self._starts[slot]
+        self._starts[slot] += 1
+        label = f"rank{base.rank}.{k}" if slot < nproc else f"spare{slot - nproc}.{k}"
+        where = os.path.join(os.path.dirname(os.path.dirname(base.error_file)),
+                             label.replace("rank", "rank_").replace("spare", "spare_"))
+        os.makedirs(where, exist_ok=True)
+        error_file = os.path.join(where, "error.json")
+        env = {**base.env, **self._env(slot, k), "TANDEM_ELASTIC_JOIN": "1",
+               "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": str(slot), "MASTER_PORT": "0",
+               "MASTER_ADDR": "127.0.0.1", "TANDEM_ERROR_FILE": error_file}
+        return dataclasses.replace(base, local_rank=slot, env=env, error_file=error_file,
+                                   log_dir=where if base.log_dir else None, label=label)
+
+    # -- failures ---------------------------------------------------------------------------
+    def recover(self, group: WorkerGroup,
+                describe: Callable[[Sequence[Worker]], list[Failure]]) -> bool:
+        """Handle ``group``'s failed workers in place; False when the job cannot go on so
+        (not elastic, ended by its workers, or no member alive): then stop as before."""
+        failed = group.failed()
+        if not failed or not self.roster.is_on() or self.roster.ended():
+            return False
+        for w in failed:  # first of all: a survivors' round may wait for these
+            self.roster.report_exit(_name(w))
+        latest = self.roster.generation(self.roster.latest())
+        exited = self.roster.exited()
+        if latest is None or not [m for m in latest.members if m not in exited]:
+            return False
+        for w in failed:
+            w.retired = True
+            found = describe([w])
+            self.failures += found
+            self._forget(_name(w))
+            what = found[0].brief() if found else f"rank {w.spec.rank} failed"
+            self._say(f"{what}; the other workers go on without it (in-place recovery); "
+                      f"{self._plan(w.spec.local_rank)}")
+        return True
+
+    def _plan(self, slot: int) -> str:
+        """Schedule a new worker for ``slot``; what the launcher will do, in words."""
+        self._deaths[slot] += 1
+        if self.replaced >= self.budget:
+            return f"no new worker (--max-restarts {self._cfg.max_restarts} used up)"
+        self.replaced += 1
+        deaths = self._deaths[slot]
+        delay = 0.0 if deaths == 1 else self._backoff * min(2 ** (deaths - 2),
+                                                            MAX_BACKOFF_FACTOR)
+        self._due.append((time.monotonic() + delay, slot))
+        role = "spare" if self._cfg.spares else "replacement"
+        when = "now" if not delay else f"in {delay:g}s (death {deaths} of this slot)"
+        used = self._a.restart_count + self.replaced
+        return f"a {role} starts {when} (restart {used} of {self._cfg.max_restarts})"
+
+    def _forget(self, name: str) -> None:
+        if self._coming.pop(name, None) is not None:
+            self.roster.expect(-1)
+
+    # -- every look at the workers ----------------------------------------------------------
+    def tick(self, group: WorkerGroup) -> None:
+        """Start due workers and spares; note joiners that arrived in the queue or died."""
+        if self._cfg.spares and not self._spares_started and self.roster.is_on():
+            self._spares_started = True
+            for i in range(self._cfg.spares):
+                self._start(group, self._cfg.nproc_per_node + i)
+        now = time.monotonic()
+        for when, slot in [d for d in self._due if d[0] <= now]:
+            self._due.remove((when, slot))
+            self._start(group, slot)
+        if self._coming:
+            queued = set(self.roster.joiners())
+            for name, w in list(self._coming.items()):
+                if name in queued or not w.alive:
+                    self._forget(name)
+
+    def _start(self, group: WorkerGroup, slot: int) -> None:
+        spec = self._joiner_spec(slot)
+        self.roster.expect(+1)  # before it exists: a round below the minimum waits for it
+        self._coming[spec.env["TANDEM_ELASTIC_ID"]] = group.add(spec)
+
+    def running(self) -> bool:
+        """Whether the job runs elastic and has not been ended by its workers."""
+        return self.roster.is_on() and not self.roster.ended()
+
+    def finished_without_us(self, group: WorkerGroup) -> bool:
+        """This node has no worker left in the job, and the job finished elsewhere."""
+        return (not any(w.alive for w in group.workers if not w.retired)
+                and self.roster.finished())
+
+    def report(self) -> str:
+        """The failures recovered in place, one per line (empty if none)."""
+        if not self.failures:
+            return ""
+        lines = [f"tandemrun: recovered in place from {len(self.failures)} failure(s):"]
+        lines += [f"  {f.brief()}" for f in sorted(self.failures, key=lambda f: f.time)]
+        return "\n".join(lines)

@@ -1,0 +1,113 @@
+"""An elastic training job for the launcher tests (the model and data of
+tests/elastic/_elastic_job.py), run by tandemrun on every worker.
+
+    elastic_train.py OUT STEPS [--kill RANK:STEP] [--wait-full STEP] [--sleep S]
+                     [--die-slot SLOT] [--min-ranks N] [--full N] [--wait-spare STEP]
+
+Each worker writes OUT/pid_<pid> and OUT/name_<name> (holding its pid) when it starts
+(<name>: its TANDEM_ELASTIC_ID) and, at
+the end, OUT/result_<name>.pt (parameters, the steps applied as (step, world size,
+sample position), its final rank and pid). ``--kill`` makes the worker that started
+as RANK SIGKILL itself in backward at that step; ``--wait-full`` holds the training
+at that step (committing) until the job is back to ``--full`` ranks; ``--die-slot``
+makes every replacement started for that slot fail at once; ``--wait-spare`` holds
+every worker at that step until a joiner waits in the queue.
+"""
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "elastic"))
+
+import tandem  # noqa: E402
+from tandem.config import load_settings  # noqa: E402
+from tandem.elastic import ElasticSampler, ElasticState, run_elastic  # noqa: E402
+from tandem.elastic._regroup import open_elastic_store  # noqa: E402
+from tandem.elastic.roster import Roster  # noqa: E402
+from tandem.parallel import DistributedDataParallel  # noqa: E402
+
+from _elastic_job import BATCH, N, SEED, data, model, optimizer  # noqa: E402
+
+p = argparse.ArgumentParser()
+p.add_argument("out")
+p.add_argument("steps", type=int)
+p.add_argument("--kill", default="")
+p.add_argument("--wait-full", type=int, default=-1)
+p.add_argument("--full", type=int, default=0)
+p.add_argument("--sleep", type=float, default=0.0)
+p.add_argument("--die-slot", type=int, default=-1)
+p.add_argument("--min-ranks", type=int, default=1)
+p.add_argument("--wait-spare", type=int, default=-1)
+ns = p.parse_args()
+
+out = Path(ns.out)
+name = os.environ["TANDEM_ELASTIC_ID"]
+slot = int(name.split(".")[1][1:])
+joiner = os.environ.get("TANDEM_ELASTIC_JOIN") == "1"
+for note in (f"pid_{os.getpid()}", f"name_{name}"):  # pid_*: the test kit kills leftovers
+    (out / f".{note}").write_text(str(os.getpid()))
+    os.replace(out / f".{note}", out / note)
+if joiner and slot == ns.die_slot:
+    raise RuntimeError(f"worker {name} fails at start, as told")
+
+torch.set_num_threads(1)
+tandem.init_process_group()
+x, y = data()
+net = model()
+ddp = DistributedDataParallel(net)
+opt = optimizer(net)
+state = ElasticState(model=ddp, optimizer=opt, step=0, history=[], min_ranks=ns.min_ranks)
+sampler = ElasticSampler(N, state, BATCH, seed=SEED)
+kill_rank, kill_step = (int(v) for v in ns.kill.split(":")) if ns.kill else (-1, -1)
+if not joiner and int(os.environ["RANK"]) == kill_rank:
+    def _die(grad: torch.Tensor) -> None:
+        if state.step == kill_step:
+            print(f"worker {name}: SIGKILL in backward at step {kill_step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    next(net.parameters()).register_hook(_die)
+
+
+def _await_spare() -> None:
+    """Until a joiner waits in the queue (a spare that will take a lost worker's place)."""
+    store, prefix = open_elastic_store(os.environ["TANDEM_ELASTIC_STORE"], load_settings())
+    deadline = time.monotonic() + 60
+    while not Roster(store, prefix).joiners() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    store.close()
+
+
+@run_elastic(state)
+def train(state: ElasticState) -> None:
+    for idx in sampler:
+        if state.step >= ns.steps:
+            return
+        loss = F.mse_loss(ddp(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        state.history.append((state.step, state.world_size, sampler.position_at(state.step)))
+        state.step += 1
+        time.sleep(ns.sleep)
+        if state.step == ns.wait_spare:
+            _await_spare()
+        deadline = time.monotonic() + 60
+        while (state.step == ns.wait_full and state.world_size < ns.full
+               and time.monotonic() < deadline):
+            state.commit()  # where a waiting joiner is let in
+            time.sleep(0.05)
+        state.commit()
+
+
+train()
+torch.save({"params": [p.detach().clone() for p in net.parameters()],
+            "history": list(state.history), "rank": tandem.get_rank(),
+            "world_size": tandem.get_world_size(), "pid": os.getpid()},
+           out / f"result_{name}.pt")
+tandem.destroy_process_group()

@@ -1,0 +1,106 @@
+"""The launcher's in-place recovery for jobs under ``tandem.elastic.run_elastic``: a
+SIGKILLed worker is replaced while the survivors go on in the same processes; spares;
+a slot that keeps failing gets a back-off and a limit; the minimum; no orphans; the
+summary names every failure."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from runkit import SCRIPTS, Result, process_alive, wait_dead
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "elastic"))
+from _elastic_job import oracle  # noqa: E402
+
+Run = Callable[..., Result]
+TRAIN = SCRIPTS / "elastic_train.py"
+
+
+def _names(out: Path) -> dict[str, int]:
+    return {p.name[5:]: int(p.read_text()) for p in out.glob("name_*")}
+
+
+def _results(out: Path) -> dict[str, dict[str, Any]]:
+    return {p.name[7:-3]: torch.load(p, weights_only=True) for p in out.glob("result_*.pt")}
+
+
+def _check(results: dict[str, dict[str, Any]], steps: int) -> list[int]:
+    """Every finisher applied the same steps, once each, to the oracle's parameters."""
+    histories = {tuple(r["history"]) for r in results.values()}
+    assert len(histories) == 1, "workers applied different steps"
+    history = list(next(iter(histories)))
+    assert [s for s, _, _ in history] == list(range(steps)), history
+    want = oracle(history)
+    for name, r in results.items():
+        for got, expected in zip(r["params"], want):
+            assert torch.allclose(got, expected, rtol=0, atol=1e-6), name
+    return [w for _, w, _ in history]
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_worker_is_replaced_while_the_others_go_on(run: Run, tmp_path: Path) -> None:
+    res = run("--standalone", "--nproc-per-node", "3", "--max-restarts", "2", TRAIN, tmp_path,
+              30, "--kill", "1:7", "--wait-full", "20", "--full", "3", timeout=150)
+    assert res.code == 0, res.err
+    names, results = _names(tmp_path), _results(tmp_path)
+    assert set(names) == {"n0.s0.0", "n0.s1.0", "n0.s2.0", "n0.s1.1"}, names
+    assert set(results) == {"n0.s0.0", "n0.s2.0", "n0.s1.1"}, "the survivors or the joiner"
+    for survivor in ("n0.s0.0", "n0.s2.0"):  # the same processes from start to end
+        assert results[survivor]["pid"] == names[survivor]
+    sizes = _check(results, 30)
+    back = sizes.index(3, 7)
+    assert sizes == [3] * 7 + [2] * (back - 7) + [3] * (30 - back) and back <= 20, sizes
+    assert "in-place recovery" in res.err and "a replacement starts now (restart 1 of 2)" in res.err
+    assert "recovered in place from 1 failure(s):" in res.err
+    assert "rank 1 (local_rank 1, host" in res.err and "signal 9 (SIGKILL)" in res.err
+    assert not wait_dead(list(names.values()), 10), "a worker outlived the launcher"
+
+
+@pytest.mark.timeout(180)
+def test_a_spare_takes_the_lost_place_in_the_same_round(run: Run, tmp_path: Path) -> None:
+    res = run("--standalone", "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "1",
+              TRAIN, tmp_path, 24, "--kill", "1:12", "--wait-spare", "6", timeout=150)
+    assert res.code == 0, res.err
+    names, results = _names(tmp_path), _results(tmp_path)
+    # the spare (slot 2) replaced rank 1 at once; a new spare for slot 1 waited, then left
+    assert {"n0.s0.0", "n0.s1.0", "n0.s2.0", "n0.s1.1"} == set(names), names
+    assert set(results) == {"n0.s0.0", "n0.s2.0"}, results.keys()
+    assert _check(results, 24) == [2] * 24
+    assert "a spare starts now" in res.err
+    assert "the job finished before worker n0.s1.1 was admitted" in res.err, res.err
+    assert not wait_dead(list(names.values()), 10), "a worker outlived the launcher"
+
+
+@pytest.mark.timeout(180)
+def test_a_slot_that_keeps_failing_backs_off_and_runs_out(run: Run, tmp_path: Path) -> None:
+    res = run("--standalone", "--nproc-per-node", "2", "--max-restarts", "3", TRAIN, tmp_path,
+              100, "--kill", "1:5", "--die-slot", "1", "--sleep", "0.1", timeout=150,
+              env={"TANDEM_ELASTIC_BACKOFF": "0.5"})
+    assert res.code == 0, res.err
+    assert "a replacement starts now (restart 1 of 3)" in res.err
+    assert "a replacement starts in 0.5s (death 2 of this slot) (restart 2 of 3)" in res.err
+    assert "starts in 1s (death 3 of this slot) (restart 3 of 3)" in res.err, res.err
+    assert "no new worker (--max-restarts 3 used up)" in res.err
+    assert "recovered in place from 4 failure(s):" in res.err
+    assert res.err.count("RuntimeError: worker n0.s1.") >= 3, res.err
+    results = _results(tmp_path)
+    assert set(results) == {"n0.s0.0"} and _check(results, 100) == [2] * 5 + [1] * 95
+
+
+@pytest.mark.timeout(180)
+def test_below_the_minimum_the_job_stops_naming_every_failure(run: Run, tmp_path: Path) -> None:
+    res = run("--standalone", "--nproc-per-node", "3", TRAIN, tmp_path, 30, "--kill", "1:7",
+              "--min-ranks", "3", timeout=150)
+    assert res.code == 1, res.err
+    assert "no new worker (--max-restarts 0 used up)" in res.err
+    summary = res.err[res.err.index("Root cause"):]
+    assert "rank       : 1 (local_rank 1" in summary and "signal 9 (SIGKILL)" in summary
+    assert summary.count("ElasticError") == 2, summary
+    assert "2 rank(s) remain and the job needs at least 3" in summary
+    names = _names(tmp_path)
+    assert not [p for p in names.values() if process_alive(p)]
