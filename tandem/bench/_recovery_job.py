@@ -32,7 +32,7 @@ def _log_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
     w = world()
     if not any(w is seen for seen in _worlds):
         _worlds.append(w)
-    state = next(iter(optimizer.state.values()), {})
+    state: dict[str, Any] = next(iter(optimizer.state.values()), {})
     step = int(state.get("step", 0))
     group = next(i for i, seen in enumerate(_worlds) if seen is w)
     _out.write(f"{time.time():.6f} {step} {w.default.group_size} {group}\n")
@@ -55,7 +55,7 @@ if os.environ.get("TANDEM_ELASTIC_JOIN") == "1":
         Path(os.environ["TANDEM_BENCH_QUEUED"], str(os.getpid())).touch()
         return index
 
-    Roster.enqueue_joiner = _enqueue_and_tell  # type: ignore[method-assign]
+    Roster.enqueue_joiner = _enqueue_and_tell  # type: ignore[method-assign,assignment]
 sys.path.insert(0, str(EXAMPLE.parent))
 sys.argv = [str(EXAMPLE), *sys.argv[1:]]
 runpy.run_path(str(EXAMPLE), run_name="__main__")
