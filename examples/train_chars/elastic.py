@@ -56,6 +56,12 @@ def train_elastic(cfg: Any, ddp: torch.nn.Module, optimizer: torch.optim.Optimiz
     def loop(state: ElasticState) -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
         progress.enabled = rank == 0  # rank 0 may be another worker after a change
+        pids: list[Any] = [None] * world
+        dist.all_gather_object(pids, os.getpid())  # for whoever wants to try a kill -9
+        if rank == 0:
+            print(f"train_chars: elastic, {world} ranks at step {state.step}: "
+                  + ", ".join(f"rank {r} pid {p}" for r, p in enumerate(pids))
+                  + " (kill -9 one: the others go on)", flush=True)
         first, started = state.step, time.monotonic()
         for x, y in loader:
             if state.step >= cfg.steps:

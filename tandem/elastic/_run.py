@@ -56,6 +56,10 @@ def run_elastic(state: ElasticState) -> Callable[[Callable[Concatenate[ElasticSt
             object.__setattr__(state, "_session", session)
             try:
                 session.start()
+                if session.joining:
+                    note(f"worker {session.me} admitted: generation {session.number}, rank "
+                         f"{state.rank} of {state.world_size}, {_where(state)} received from "
+                         f"a live rank")
                 return _loop(session, fn, state, args, kwargs)
             except Finished:
                 note(f"the job finished before worker {session.me} was admitted; it leaves")
@@ -78,14 +82,22 @@ def _loop(session: Session, fn: Callable[..., R], state: ElasticState, args: tup
             return result
         except Regroup:
             session.grow()
+            if state.rank == 0:
+                note(f"generation {session.number}: {state.world_size} ranks, joiners let in "
+                     f"at {_where(state)}")
         except Exception as exc:  # noqa: BLE001 - a lost peer is recovered, the rest re-raised
             if not session.recoverable(exc):
                 raise
             note(f"{_brief(exc)}; going on without the lost rank(s)")
             session.recover(exc)
-            where = f" (step {state.step})" if "step" in state._values else ""
             note(f"generation {session.number}: rank {state.rank} of {state.world_size}, rolled "
-                 f"back to commit {state._commits}{where}")
+                 f"back to {_where(state)}")
+
+
+def _where(state: ElasticState) -> str:
+    """The commit the state holds, in words (with its step, if the state has one)."""
+    return f"commit {state._commits}" + (f" (step {state.step})" if "step" in state._values
+                                         else "")
 
 
 def _brief(exc: BaseException) -> str:
