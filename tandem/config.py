@@ -70,6 +70,8 @@ TANDEM_ELASTIC_MIN_NODES       fewest nodes an elastic job goes on with (tandemr
                                of --nnodes; 1)
 TANDEM_ELASTIC_NODE            this worker's node in an elastic job (tandemrun: the node
                                rank; default: the host identity)
+TANDEM_ELASTIC_MASTER_ADDR     a joining worker's MASTER_ADDR once admitted (tandemrun:
+                               the job's; its own world before admission is on loopback)
 TANDEM_ELASTIC_BACKOFF         tandemrun, elastic jobs: seconds before the second
                                replacement of a worker slot whose workers keep dying,
                                doubling with every further death, at most 64 times (1)
@@ -124,6 +126,7 @@ class Settings:
     elastic_max_ranks: int = 0
     elastic_min_nodes: int = 1
     elastic_node: str | None = None
+    elastic_master_addr: str | None = None
     elastic_backoff: float = 1.0
 
     def __post_init__(self) -> None:
@@ -220,6 +223,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         elastic_max_ranks=_number(env, "TANDEM_ELASTIC_MAX_RANKS", int, base.elastic_max_ranks),
         elastic_min_nodes=_number(env, "TANDEM_ELASTIC_MIN_NODES", int, base.elastic_min_nodes),
         elastic_node=env.get("TANDEM_ELASTIC_NODE") or None,
+        elastic_master_addr=env.get("TANDEM_ELASTIC_MASTER_ADDR") or None,
         elastic_backoff=_number(env, "TANDEM_ELASTIC_BACKOFF", float, base.elastic_backoff),
     )
 

@@ -4,7 +4,6 @@ Run::
 
     python -m tandem.bench recovery                          # 2 and 4 ranks, 3 repeats
     python -m tandem.bench recovery --world-sizes 2 --repeats 5 --markdown
-    python -m tandem.bench recovery --hosts 2                # 2 simulated hosts (root)
     python -m tandem.bench recovery --quick                  # 2 ranks, one repeat
 
 How it measures. Each run launches the main example (``examples/train_chars.py``,
@@ -15,8 +14,13 @@ whatever point of its step it is. Every worker logs each completed optimizer ste
 kill, the columns give
 
     resume  the first step completed by a re-formed group (or a restarted job)
-    full    the first step completed at full size again: the time lost
+    full    the first step completed at full size again: the time lost, as issue 15
+            defines it
     redone  steps trained again (from the commit or checkpoint back to the step killed)
+    work    an estimate of the training time really lost: ``full`` plus the redone
+            steps, less the progress made meanwhile at a smaller size (the steps of a
+            smaller group count for their share of the full batch), both at the
+            full-size step time measured before the kill
 
 for three ways to take the kill, rotated within each repeat so all see the same noise:
 
@@ -59,6 +63,7 @@ class Lost:
     resume: float  # seconds from the kill
     full: float
     redone: int
+    work: float  # seconds of full-size training lost (see the module docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +115,7 @@ def measure(mode: str, ranks: int, warmup: int) -> Lost:
         steps.mkdir()
         queued.mkdir()
         env = {**os.environ, "TANDEM_BENCH_STEPS": str(steps), "TANDEM_BENCH_QUEUED": str(queued),
-               "PYTHONUNBUFFERED": "1"}
+               "PYTHONUNBUFFERED": "1", "TANDEM_TRACE_DIR": str(Path(tmp) / "trace")}
         with _job(_command(mode, ranks, Path(tmp)), env, Path(tmp) / "job.log") as proc:
             def warm() -> bool:
                 logs = _read(steps)
@@ -136,8 +141,21 @@ def measure(mode: str, ranks: int, warmup: int) -> Lost:
     before = max(s.step for rows in logs.values() for s in rows if s.time <= killed)
     after = sorted((s for rows in logs.values() for s in rows if new(s)), key=lambda s: s.time)
     full = next(s for s in after if s.world == ranks)
-    return Lost(resume=after[0].time - killed, full=full.time - killed,
-                redone=max(0, before - after[0].step + 1))
+    redone = max(0, before - after[0].step + 1)
+    # each worker logs each step of its group: a row is 1/ranks of a full-size step
+    meanwhile = sum(1 for s in after if s.time < full.time and s.step > before) / ranks
+    work = full.time - killed + (redone - meanwhile) * _step_time(logs, killed, ranks)
+    return Lost(resume=after[0].time - killed, full=full.time - killed, redone=redone,
+                work=max(0.0, work))
+
+
+def _step_time(logs: dict[str, list[Step]], killed: float, ranks: int) -> float:
+    """The median full-size step time of the last 20 steps before the kill."""
+    for rows in logs.values():
+        times = [s.time for s in rows if s.time <= killed and s.world == ranks][-21:]
+        if len(times) >= 2:
+            return statistics.median(b - a for a, b in zip(times, times[1:]))
+    return 0.0
 
 
 @contextlib.contextmanager
@@ -166,7 +184,8 @@ def _fmt(values: Sequence[float]) -> str:
 
 
 def table(results: dict[tuple[int, str], list[Lost]], markdown: bool) -> str:
-    rows = [("ranks", "mode", "resume", "time lost (full size)", "redone steps", "ratio")]
+    rows = [("ranks", "mode", "resume", "time lost (full size)", "ratio", "redone steps",
+             "work lost")]
     for (ranks, mode), runs in sorted(results.items(), key=lambda kv: (kv[0][0],
                                                                        MODES.index(kv[0][1]))):
         base = results.get((ranks, "restart"))
@@ -174,8 +193,9 @@ def table(results: dict[tuple[int, str], list[Lost]], markdown: bool) -> str:
         if base and mode != "restart":
             ratio = f"{statistics.median(r.full for r in runs) / statistics.median(r.full for r in base):.2f}"
         rows.append((str(ranks), mode, _fmt([r.resume for r in runs]),
-                     _fmt([r.full for r in runs]),
-                     f"{statistics.median(r.redone for r in runs):.0f}", ratio))
+                     _fmt([r.full for r in runs]), ratio,
+                     f"{statistics.median(r.redone for r in runs):.0f}",
+                     _fmt([r.work for r in runs])))
     if markdown:
         lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
         return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows[1:]])
@@ -206,6 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 lost = measure(mode, ranks, ns.warmup)
                 results.setdefault((ranks, mode), []).append(lost)
                 print(f"{ranks} ranks, {mode}: resumed {lost.resume:.2f} s, full size "
-                      f"{lost.full:.2f} s, {lost.redone} steps redone", flush=True)
+                      f"{lost.full:.2f} s, {lost.redone} steps redone, work lost "
+                      f"{lost.work:.2f} s", flush=True)
     print(table(results, ns.markdown))
     return 0

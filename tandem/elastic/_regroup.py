@@ -10,6 +10,7 @@ world to the next (the world closes it only when the user destroys the last one)
 
 from __future__ import annotations
 
+import os
 import urllib.parse
 
 from tandem.collectives.world import (default_group, destroy_process_group,
@@ -55,8 +56,15 @@ def leave(keep: Store) -> None:
 
 
 def enter(store: Store, prefix: str, number: int, rank: int, size: int, backend: str,
-          timeout: float) -> None:
-    """Join generation ``number`` as ``rank`` of ``size``; the world then owns ``store``."""
+          timeout: float, master_addr: str | None = None) -> None:
+    """Join generation ``number`` as ``rank`` of ``size``; the world then owns ``store``.
+
+    ``master_addr``: the job's ``MASTER_ADDR``, for a joiner whose own world ran on
+    loopback; the transport listens on the address that routes to it, as the other
+    members' do (on loopback the members of other hosts could not reach this one).
+    """
+    if master_addr:
+        os.environ["MASTER_ADDR"] = master_addr
     init_process_group(backend, store=PrefixStore(f"{prefix}/pg/{number}/", store), rank=rank,
                        world_size=size, timeout=timeout)
     w = world()

@@ -258,7 +258,7 @@ class Session:
         leave(self.store)
         self._world = -1
         enter(self.store, self.prefix, gen.number, gen.rank_of(self.me), len(gen.members),
-              self.backend, self.timeout)
+              self.backend, self.timeout, self.settings.elastic_master_addr)
         self._world = gen.number
 
     def _agree(self) -> None:

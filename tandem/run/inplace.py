@@ -16,8 +16,10 @@ worker that fails does not stop the others. The agent
   the job cannot go on (fewer ranks or nodes than the minimum) or no member is alive.
 
 New workers join in a world of their own (``RANK=0 WORLD_SIZE=1`` and a free
-``MASTER_PORT``, with ``TANDEM_ELASTIC_JOIN=1``): the script's code before
-``run_elastic`` runs alone, then the worker waits to be let in. Each worker has a name
+``MASTER_PORT`` on loopback, with ``TANDEM_ELASTIC_JOIN=1``): the script's code before
+``run_elastic`` runs alone, then the worker waits to be let in (and takes the job's
+``MASTER_ADDR`` again, ``TANDEM_ELASTIC_MASTER_ADDR``, so that its transport listens
+where the other hosts reach it). Each worker has a name
 in the job (``TANDEM_ELASTIC_ID``: node, slot, and the how-many-th of the slot), its own
 directory for logs and error file (``rank_<r>``, then ``rank_<r>.<k>``; spares
 ``spare_<i>.<k>``) and output label (``[rank1.1]``, ``[spare0.0]``).
@@ -102,7 +104,8 @@ class InPlace:
         error_file = os.path.join(where, "error.json")
         env = {**base.env, **self._env(slot, k), "TANDEM_ELASTIC_JOIN": "1",
                "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": str(slot), "MASTER_PORT": "0",
-               "MASTER_ADDR": "127.0.0.1", "TANDEM_ERROR_FILE": error_file}
+               "MASTER_ADDR": "127.0.0.1", "TANDEM_ERROR_FILE": error_file,
+               "TANDEM_ELASTIC_MASTER_ADDR": base.env.get("MASTER_ADDR", "127.0.0.1")}
         return dataclasses.replace(base, local_rank=slot, env=env, error_file=error_file,
                                    log_dir=where if base.log_dir else None, label=label)
 

@@ -192,3 +192,19 @@ def oracle(history: list[tuple[int, int, int]]) -> list[torch.Tensor]:
             p.grad = g
         opt.step()
     return [p.detach().clone() for p in net.parameters()]
+
+
+def check_against_oracle(results: list[dict[str, Any]]) -> list[tuple[int, int, int]]:
+    """Every member applied the same steps, once each, and holds the oracle's parameters
+    for them; the steps' history."""
+    history = results[0]["history"]
+    for r in results[1:]:
+        assert r["history"] == history, "members applied different steps"
+    steps = [s for s, _, _ in history]
+    assert steps == list(range(len(steps))), f"a step was applied twice or skipped: {steps}"
+    want = oracle(history)
+    for r in results:
+        for got, expected in zip(r["params"], want):
+            assert torch.allclose(got, expected, rtol=0, atol=1e-6), (
+                f"rank {r['rank']}: max difference {(got - expected).abs().max():.3g}")
+    return history

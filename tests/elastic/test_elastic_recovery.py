@@ -15,7 +15,7 @@ import torch
 import tandem
 from tandem.testing import Outcome, launch
 
-from _elastic_job import Spec, job, oracle
+from _elastic_job import Spec, check_against_oracle, job
 
 SECRET = "tandem-test-secret"  # what tandem.testing gives its children
 
@@ -40,20 +40,6 @@ def _survivors(outcomes: list[Outcome], victim: int) -> list[dict[str, Any]]:
     return [o.value for o in outcomes if o.ok]
 
 
-def _check_against_oracle(results: list[dict[str, Any]]) -> list[tuple[int, int, int]]:
-    history = results[0]["history"]
-    for r in results[1:]:
-        assert r["history"] == history, "members applied different steps"
-    steps = [s for s, _, _ in history]
-    assert steps == list(range(len(steps))), f"a step was applied twice or skipped: {steps}"
-    want = oracle(history)
-    for r in results:
-        for got, expected in zip(r["params"], want):
-            assert torch.allclose(got, expected, rtol=0, atol=1e-6), (
-                f"rank {r['rank']}: max difference {(got - expected).abs().max():.3g}")
-    return history
-
-
 def _sizes(history: list[tuple[int, int, int]]) -> list[int]:
     return [w for _, w, _ in history]
 
@@ -67,7 +53,7 @@ def test_survivors_of_a_kill_go_on_and_match_the_oracle(tmp_path: Path, store_po
                 backend=backend, victim=1, kill_step=7, where=where)
     outcomes = _run(3, spec)
     results = _survivors(outcomes, victim=1)
-    history = _check_against_oracle(results)
+    history = check_against_oracle(results)
     sizes = _sizes(history)
     # killed before its gradients were reduced, step 7 runs again with 2 ranks; killed
     # after (optimizer step), step 7 had all three gradients and stands
@@ -85,7 +71,7 @@ def test_a_joiner_brings_the_group_back_at_a_commit(tmp_path: Path, store_port: 
     outcomes = _run(4, spec)
     results = _survivors(outcomes, victim=1)
     assert len(results) == 3 and results[-1]["joiner"]
-    history = _check_against_oracle(results)
+    history = check_against_oracle(results)
     assert _sizes(history) == [3] * 7 + [2] * 5 + [3] * 4
     assert sorted(r["rank"] for r in results) == [0, 1, 2]
 
@@ -97,7 +83,7 @@ def test_a_spare_takes_the_place_of_a_killed_rank_in_the_same_round(tmp_path: Pa
                 backend="shm", victim=1, kill_step=7, max_ranks=3)
     results = _survivors(_run(4, spec), victim=1)
     assert len(results) == 3 and results[-1]["joiner"], "the spare did not join"
-    history = _check_against_oracle(results)
+    history = check_against_oracle(results)
     assert _sizes(history) == [3] * 14  # step 7 runs again, with the spare's share
 
 
@@ -112,7 +98,7 @@ def test_a_joiner_admitted_while_another_rank_dies_gets_the_state(tmp_path: Path
     assert outcomes[2].exitcode == -9, outcomes[2]
     results = _survivors([o for o in outcomes if o.rank != 2], victim=1)
     assert len(results) == 2 and results[-1]["joiner"]
-    history = _check_against_oracle(results)
+    history = check_against_oracle(results)
     assert _sizes(history) == [3] * 7 + [2] * 9
 
 
@@ -123,7 +109,7 @@ def test_two_failures_in_a_row(tmp_path: Path, store_port: int) -> None:
     outcomes = _run(4, spec)
     assert outcomes[3].exitcode == -9, outcomes[3]
     results = _survivors([o for o in outcomes if o.rank != 3], victim=1)
-    history = _check_against_oracle(results)
+    history = check_against_oracle(results)
     assert _sizes(history) == [4] * 5 + [3] * 4 + [2] * 5
     assert sorted(r["rank"] for r in results) == [0, 1]
 

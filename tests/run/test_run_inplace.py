@@ -1,7 +1,7 @@
 """The launcher's in-place recovery for jobs under ``tandem.elastic.run_elastic``: a
 SIGKILLed worker is replaced while the survivors go on in the same processes; spares;
-a slot that keeps failing gets a back-off and a limit; the minimum; no orphans; the
-summary names every failure."""
+a slot that keeps failing gets a back-off and a limit; the minimum; two nodes; no
+orphans; the summary names every failure."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from runkit import SCRIPTS, Result, process_alive, wait_dead
+from runkit import SCRIPTS, Launch, Result, finish, process_alive, wait_dead
+from test_run_multinode import SECRET, free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "elastic"))
-from _elastic_job import oracle  # noqa: E402
+from _elastic_job import check_against_oracle  # noqa: E402
 
 Run = Callable[..., Result]
 TRAIN = SCRIPTS / "elastic_train.py"
@@ -30,15 +31,10 @@ def _results(out: Path) -> dict[str, dict[str, Any]]:
 
 
 def _check(results: dict[str, dict[str, Any]], steps: int) -> list[int]:
-    """Every finisher applied the same steps, once each, to the oracle's parameters."""
-    histories = {tuple(r["history"]) for r in results.values()}
-    assert len(histories) == 1, "workers applied different steps"
-    history = list(next(iter(histories)))
-    assert [s for s, _, _ in history] == list(range(steps)), history
-    want = oracle(history)
-    for name, r in results.items():
-        for got, expected in zip(r["params"], want):
-            assert torch.allclose(got, expected, rtol=0, atol=1e-6), name
+    """Every finisher applied the same ``steps`` steps, once each, to the oracle's
+    parameters; the world size of each step."""
+    history = check_against_oracle(list(results.values()))
+    assert len(history) == steps, history
     return [w for _, w, _ in history]
 
 
@@ -104,3 +100,27 @@ def test_below_the_minimum_the_job_stops_naming_every_failure(run: Run, tmp_path
     assert "2 rank(s) remain and the job needs at least 3" in summary
     names = _names(tmp_path)
     assert not [p for p in names.values() if process_alive(p)]
+
+
+@pytest.mark.timeout(240)
+def test_two_nodes_replace_a_killed_worker_in_place(launch: Launch, tmp_path: Path) -> None:
+    port = free_port()
+    procs = [launch("--nnodes", "2", "--nproc-per-node", "2", "--node-rank", node,
+                    "--master-addr", "127.0.0.1", "--master-port", port, "--max-restarts", 2,
+                    TRAIN, tmp_path, 30, "--kill", "1:7", "--wait-full", "20", "--full", "4",
+                    env=SECRET) for node in (0, 1)]
+    node0, node1 = (finish(p, 200) for p in procs)
+    assert node0.code == 0 and node1.code == 0, node0.err + node1.err
+    names, results = _names(tmp_path), _results(tmp_path)
+    assert set(names) == {"n0.s0.0", "n0.s1.0", "n1.s0.0", "n1.s1.0", "n0.s1.1"}, names
+    assert set(results) == {"n0.s0.0", "n1.s0.0", "n1.s1.0", "n0.s1.1"}, results.keys()
+    for survivor in ("n0.s0.0", "n1.s0.0", "n1.s1.0"):
+        assert results[survivor]["pid"] == names[survivor]
+    sizes = _check(results, 30)
+    back = sizes.index(4, 7)
+    assert sizes == [4] * 7 + [3] * (back - 7) + [4] * (30 - back) and back <= 20, sizes
+    assert "a replacement starts now (restart 1 of 2)" in node0.err, node0.err
+    assert "recovered in place from 1 failure(s):" in node0.err
+    assert "signal 9 (SIGKILL)" in node0.err and "rank 1 (local_rank 1, host" in node0.err
+    assert "in-place" not in node1.err and "Root cause" not in node1.err, node1.err
+    assert not wait_dead(list(names.values()), 10), "a worker outlived the launchers"

@@ -1,15 +1,16 @@
 """An elastic training job for the launcher tests (the model and data of
 tests/elastic/_elastic_job.py), run by tandemrun on every worker.
 
-    elastic_train.py OUT STEPS [--kill RANK:STEP] [--wait-full STEP] [--sleep S]
+    elastic_train.py OUT STEPS [--kill RANK:STEP]... [--wait-full STEP]... [--sleep S]
                      [--die-slot SLOT] [--min-ranks N] [--full N] [--wait-spare STEP]
 
 Each worker writes OUT/pid_<pid> and OUT/name_<name> (holding its pid) when it starts
 (<name>: its TANDEM_ELASTIC_ID) and, at
 the end, OUT/result_<name>.pt (parameters, the steps applied as (step, world size,
 sample position), its final rank and pid). ``--kill`` makes the worker that started
-as RANK SIGKILL itself in backward at that step; ``--wait-full`` holds the training
-at that step (committing) until the job is back to ``--full`` ranks; ``--die-slot``
+as RANK SIGKILL itself in backward at that step (repeatable); ``--wait-full`` holds the
+training at that step (committing) until the job is back to ``--full`` ranks
+(repeatable); ``--die-slot``
 makes every replacement started for that slot fail at once; ``--wait-spare`` holds
 every worker at that step until a joiner waits in the queue.
 """
@@ -37,8 +38,8 @@ from _elastic_job import BATCH, N, SEED, data, model, optimizer  # noqa: E402
 p = argparse.ArgumentParser()
 p.add_argument("out")
 p.add_argument("steps", type=int)
-p.add_argument("--kill", default="")
-p.add_argument("--wait-full", type=int, default=-1)
+p.add_argument("--kill", action="append", default=[])
+p.add_argument("--wait-full", type=int, action="append", default=[])
 p.add_argument("--full", type=int, default=0)
 p.add_argument("--sleep", type=float, default=0.0)
 p.add_argument("--die-slot", type=int, default=-1)
@@ -64,8 +65,10 @@ ddp = DistributedDataParallel(net)
 opt = optimizer(net)
 state = ElasticState(model=ddp, optimizer=opt, step=0, history=[], min_ranks=ns.min_ranks)
 sampler = ElasticSampler(N, state, BATCH, seed=SEED)
-kill_rank, kill_step = (int(v) for v in ns.kill.split(":")) if ns.kill else (-1, -1)
-if not joiner and int(os.environ["RANK"]) == kill_rank:
+kills = {int(r): int(s) for r, s in (k.split(":") for k in ns.kill)}
+if not joiner and int(os.environ["RANK"]) in kills:
+    kill_step = kills[int(os.environ["RANK"])]
+
     def _die(grad: torch.Tensor) -> None:
         if state.step == kill_step:
             print(f"worker {name}: SIGKILL in backward at step {kill_step}", flush=True)
@@ -98,7 +101,7 @@ def train(state: ElasticState) -> None:
         if state.step == ns.wait_spare:
             _await_spare()
         deadline = time.monotonic() + 60
-        while (state.step == ns.wait_full and state.world_size < ns.full
+        while (state.step in ns.wait_full and state.world_size < ns.full
                and time.monotonic() < deadline):
             state.commit()  # where a waiting joiner is let in
             time.sleep(0.05)
