@@ -5,7 +5,8 @@
 #   bash scripts/train.sh --nproc 4                   (ranks; default 2, or $NPROC)
 #   bash scripts/train.sh --elastic                   (a killed rank is replaced in place;
 #                                                       the launcher gets --max-restarts 3,
-#                                                       or $MAX_RESTARTS)
+#                                                       or $MAX_RESTARTS, and --spares
+#                                                       $SPARES, default 0)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nproc=${NPROC:-2}
@@ -16,7 +17,8 @@ while [ $# -gt 0 ]; do
     --nproc) [ $# -ge 2 ] || { echo "train.sh: --nproc needs a number" >&2; exit 2; }
              nproc=$2; shift 2;;
     --nproc=*) nproc=${1#--nproc=}; shift;;
-    --elastic) args+=("$1"); launcher=(--max-restarts "${MAX_RESTARTS:-3}"); shift;;
+    --elastic) args+=("$1"); shift
+               launcher=(--max-restarts "${MAX_RESTARTS:-3}" --spares "${SPARES:-0}");;
     *) args+=("$1"); shift;;
   esac
 done

@@ -86,6 +86,7 @@ def test_signals_rdzv_conf_and_standalone() -> None:
     (["--nnodes", "2", "--node-rank", "2", "t.py"], "node-rank"),
     (["-r", "7", "t.py"], "--redirects"),
     (["--rdzv-backend", "etcd", "--nnodes", "2", "t.py"], "static and c10d"),
+    (["--spares", "-1", "t.py"], "--spares must be >= 0"),
 ])
 def test_bad_values_are_refused_with_the_flag_named(
         argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
