@@ -103,11 +103,11 @@ def job(rank: int, world_size: int, spec: Spec) -> dict[str, Any]:
     opt = optimizer(net)
     victim = rank == spec.victim and not joiner
     if spec.hook or spec.where == "allreduce":
-        ddp.register_comm_hook(None, _killing_hook if victim else allreduce_hook)
+        ddp.register_comm_hook(None, killing_hook if victim else allreduce_hook)
     state = ElasticState(model=ddp, optimizer=opt, step=0, history=[], min_ranks=spec.min_ranks)
     sampler = ElasticSampler(N, state, BATCH, seed=SEED)
     if victim:
-        _arm(spec, net, opt, state)
+        arm_kill(spec.kill_step, spec.where, net, opt, state)
 
     @run_elastic(state)
     def train(state: ElasticState) -> None:
@@ -144,12 +144,15 @@ def _await_joiner(signals: TCPStore) -> None:
 _armed: dict[str, Any] = {}
 
 
-def _arm(spec: Spec, net: nn.Module, opt: torch.optim.Optimizer, state: ElasticState) -> None:
-    _armed.update(step=spec.kill_step, where=spec.where, state=state)
-    if spec.where == "backward":
+def arm_kill(step: int, where: str, net: nn.Module, opt: torch.optim.Optimizer,
+             state: ElasticState) -> None:
+    """SIGKILL this process at ``state.step == step``, ``where`` (see the module
+    docstring; ``allreduce`` also needs :func:`killing_hook` as DDP's comm hook)."""
+    _armed.update(step=step, where=where, state=state)
+    if where == "backward":
         first = next(net.parameters())  # the first layer's weight: its gradient comes last
         first.register_hook(lambda g: _kill("in backward") if _due() else None)
-    elif spec.where == "optimizer":
+    elif where == "optimizer":
         opt.register_step_pre_hook(lambda *_: _kill("in the optimizer step") if _due() else None)
 
 
@@ -157,7 +160,7 @@ def _due() -> bool:
     return bool(_armed) and _armed["state"].step == _armed["step"]
 
 
-def _killing_hook(state: object, bucket: Any) -> torch.futures.Future[Any]:
+def killing_hook(state: object, bucket: Any) -> torch.futures.Future[Any]:
     fut = allreduce_hook(state, bucket)
     if _due() and _armed["where"] == "allreduce":
         time.sleep(0.005)

@@ -1,13 +1,13 @@
 """In-place recovery across simulated hosts: two tandemrun agents, each in its own
 network namespace with 2 workers, run ``tests/run/scripts/elastic_train.py``; the
-worker that started as rank 2 (host 1) SIGKILLs itself in backward at step 7, and
-the one that started as rank 1 (host 0) at step 25, after the first replacement
-joined. The survivors on both hosts go on in the same processes, each host's agent
+worker that started as rank 2 (host 1) SIGKILLs itself at step 7, and the one that
+started as rank 1 (host 0) at step 25, after the first replacement joined; both in
+backward, during the gradient all-reduce, or in the optimizer step. The survivors on both hosts go on in the same processes, each host's agent
 starts a replacement, which joins over tcp from its namespace (the second one then
 reaches the first one: a joiner must listen on its host's address, not on the
 loopback of its world before admission), and the parameters of every finisher equal
 the oracle's for the steps applied. Needs root and iproute2 (skips, saying why,
-elsewhere). About 40 s on 2 cores.
+elsewhere). About 30 s per kill point on 2 cores.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ KILLS = {"2": 7, "1": 25}  # the rank a worker started as: the step it dies in
 WAIT_FULL = (20, 40)  # steps where training waits for the replacement
 
 
-def _agents(workdir: Path) -> list[RankRun]:
+def _agents(workdir: Path, where: str) -> list[RankRun]:
     secret = secrets.token_hex(16)
     out = workdir / "out"
     out.mkdir()
@@ -44,7 +44,8 @@ def _agents(workdir: Path) -> list[RankRun]:
                         "--master-addr", lab.addrs[0], "--master-port", "29677",
                         "--max-restarts", "2", str(TRAIN), str(out), str(STEPS), "--full", "4",
                         *(a for r, s in KILLS.items() for a in ("--kill", f"{r}:{s}")),
-                        *(a for s in WAIT_FULL for a in ("--wait-full", str(s)))]
+                        *(a for s in WAIT_FULL for a in ("--wait-full", str(s))),
+                        "--kill-where", where]
 
             def env(node: int) -> dict[str, str]:
                 return {"TANDEM_SECRET": secret, "TANDEM_HOST_ID": f"nshost{node}",
@@ -57,8 +58,10 @@ def _agents(workdir: Path) -> list[RankRun]:
 
 
 @pytest.mark.timeout(200)
-def test_a_worker_killed_on_one_host_is_replaced_in_place_across_hosts(tmp_path: Path) -> None:
-    node0, node1 = _agents(tmp_path)
+@pytest.mark.parametrize("where", ["backward", "allreduce", "optimizer"])
+def test_a_worker_killed_on_one_host_is_replaced_in_place_across_hosts(tmp_path: Path,
+                                                                        where: str) -> None:
+    node0, node1 = _agents(tmp_path, where)
     logs = f"--- node 0 ---\n{node0.log[-4000:]}\n--- node 1 ---\n{node1.log[-4000:]}"
     assert node0.ok and node1.ok, logs
     out = tmp_path / "out"
@@ -73,9 +76,17 @@ def test_a_worker_killed_on_one_host_is_replaced_in_place_across_hosts(tmp_path:
     history = check_against_oracle(list(results.values()))
     sizes = [w for _, w, _ in history]
     assert len(sizes) == STEPS, history
-    back, again = sizes.index(4, 7), sizes.index(4, 25)
-    assert sizes == ([4] * 7 + [3] * (back - 7) + [4] * (25 - back) + [3] * (again - 25)
-                     + [4] * (STEPS - again)), sizes
+    first = sizes.index(3)
+    back = sizes.index(4, first)
+    second = sizes.index(3, back)
+    again = sizes.index(4, second)
+    assert sizes == ([4] * first + [3] * (back - first) + [4] * (second - back)
+                     + [3] * (again - second) + [4] * (STEPS - again)), sizes
+    # killed in backward, before its gradients were sent, the step runs again with fewer
+    # ranks; killed once they were sent (all-reduce, optimizer), the step may stand with
+    # every rank's gradient (the oracle check above holds either way)
+    late = (0,) if where == "backward" else (0, 1)
+    assert first - 7 in late and second - 25 in late, sizes
     assert back <= WAIT_FULL[0] and again <= WAIT_FULL[1], sizes
     for node, rank in ((node0, 1), (node1, 2)):
         assert "recovered in place from 1 failure(s):" in node.log, logs

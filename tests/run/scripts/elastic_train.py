@@ -3,12 +3,14 @@ tests/elastic/_elastic_job.py), run by tandemrun on every worker.
 
     elastic_train.py OUT STEPS [--kill RANK:STEP]... [--wait-full STEP]... [--sleep S]
                      [--die-slot SLOT] [--min-ranks N] [--full N] [--wait-spare STEP]
+                     [--kill-where backward|allreduce|optimizer]
 
 Each worker writes OUT/pid_<pid> and OUT/name_<name> (holding its pid) when it starts
 (<name>: its TANDEM_ELASTIC_ID) and, at
 the end, OUT/result_<name>.pt (parameters, the steps applied as (step, world size,
 sample position), its final rank and pid). ``--kill`` makes the worker that started
-as RANK SIGKILL itself in backward at that step (repeatable); ``--wait-full`` holds the
+as RANK SIGKILL itself at that step (repeatable), in backward or ``--kill-where``
+(``_elastic_job.arm_kill``); ``--wait-full`` holds the
 training at that step (committing) until the job is back to ``--full`` ranks
 (repeatable); ``--die-slot``
 makes every replacement started for that slot fail at once; ``--wait-spare`` holds
@@ -16,7 +18,6 @@ every worker at that step until a joiner waits in the queue.
 """
 import argparse
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -32,8 +33,10 @@ from tandem.elastic import ElasticSampler, ElasticState, run_elastic  # noqa: E4
 from tandem.elastic._regroup import open_elastic_store  # noqa: E402
 from tandem.elastic.roster import Roster  # noqa: E402
 from tandem.parallel import DistributedDataParallel  # noqa: E402
+from tandem.parallel.comm_hooks import allreduce_hook  # noqa: E402
 
-from _elastic_job import BATCH, N, SEED, data, model, optimizer  # noqa: E402
+from _elastic_job import (BATCH, N, SEED, arm_kill, data, killing_hook, model,  # noqa: E402
+                          optimizer)
 
 p = argparse.ArgumentParser()
 p.add_argument("out")
@@ -45,6 +48,8 @@ p.add_argument("--sleep", type=float, default=0.0)
 p.add_argument("--die-slot", type=int, default=-1)
 p.add_argument("--min-ranks", type=int, default=1)
 p.add_argument("--wait-spare", type=int, default=-1)
+p.add_argument("--kill-where", choices=["backward", "allreduce", "optimizer"],
+               default="backward")
 ns = p.parse_args()
 
 out = Path(ns.out)
@@ -66,15 +71,11 @@ opt = optimizer(net)
 state = ElasticState(model=ddp, optimizer=opt, step=0, history=[], min_ranks=ns.min_ranks)
 sampler = ElasticSampler(N, state, BATCH, seed=SEED)
 kills = {int(r): int(s) for r, s in (k.split(":") for k in ns.kill)}
-if not joiner and int(os.environ["RANK"]) in kills:
-    kill_step = kills[int(os.environ["RANK"])]
-
-    def _die(grad: torch.Tensor) -> None:
-        if state.step == kill_step:
-            print(f"worker {name}: SIGKILL in backward at step {kill_step}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    next(net.parameters()).register_hook(_die)
+victim = not joiner and int(os.environ["RANK"]) in kills
+if ns.kill_where == "allreduce":  # every rank the same hook; the victim's kills
+    ddp.register_comm_hook(None, killing_hook if victim else allreduce_hook)
+if victim:
+    arm_kill(kills[int(os.environ["RANK"])], ns.kill_where, net, opt, state)
 
 
 def _await_spare() -> None:
