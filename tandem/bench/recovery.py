@@ -5,6 +5,7 @@ Run::
     python -m tandem.bench recovery                          # 2 and 4 ranks, 3 repeats
     python -m tandem.bench recovery --world-sizes 2 --repeats 5 --markdown
     python -m tandem.bench recovery --quick                  # 2 ranks, one repeat
+    python -m tandem.bench recovery --hosts 2                # 2 simulated hosts (root)
 
 How it measures. Each run launches the main example (``examples/train_chars.py``,
 ``--quick`` model and data) with tandemrun and, once every rank has trained
@@ -33,6 +34,10 @@ for three ways to take the kill, rotated within each repeat so all see the same 
 
 ratio = in-place time lost / restart time lost (the target is at most 0.25). The table
 shows the median over ``--repeats`` and the range.
+
+``--hosts 2`` runs each job on 2 simulated hosts: network namespaces on a private bridge
+(``tests/netns/_netns.py`` of the checkout, which needs root), one tandemrun agent per
+host with half the ranks, the store on the first host's address, tcp between hosts.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib
 import os
 import signal
 import statistics
@@ -48,11 +54,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 __all__ = ["main", "measure", "Lost"]
 
 JOB = Path(__file__).with_name("_recovery_job.py")
+NETNS = Path(__file__).resolve().parents[2] / "tests" / "netns"  # the checkout's lab
+LAB_PORT = "29500"  # the store's port on the first simulated host (a private namespace)
 MODES = ("restart", "in-place", "spare")
 EXAMPLE_ARGS = ("--quick", "--steps", "100000", "--corpus-mb", "0.3")
 WAIT = 120.0  # seconds a run may take to reach each point
@@ -89,26 +97,51 @@ def _read(directory: Path) -> dict[str, list[Step]]:
     return out
 
 
-def _command(mode: str, ranks: int, out: Path) -> list[str]:
-    launcher = ["--standalone", "--nproc-per-node", str(ranks), "--max-restarts", "3"]
+def _command(mode: str, ranks: int, out: Path, lab: Any, node: int) -> list[str]:
+    """The launcher's command line (on simulated host ``node`` of ``lab``, if any)."""
+    if lab is None:
+        launcher = ["--standalone", "--nproc-per-node", str(ranks)]
+        prefix: list[str] = []
+    else:
+        hosts = len(lab.names)
+        launcher = ["--nnodes", str(hosts), "--nproc-per-node", str(ranks // hosts),
+                    "--node-rank", str(node), "--master-addr", lab.addrs[0],
+                    "--master-port", LAB_PORT]
+        prefix = ["ip", "netns", "exec", lab.names[node]]
+    launcher += ["--max-restarts", "3"]
     if mode == "spare":
         launcher += ["--spares", "1"]
     example = [*EXAMPLE_ARGS, "--out", str(out / "run")]
     example += ["--elastic"] if mode != "restart" else ["--save-every", "20"]
-    return [sys.executable, "-m", "tandem.run", *launcher, str(JOB), *example]
+    return [*prefix, sys.executable, "-m", "tandem.run", *launcher, str(JOB), *example]
 
 
-def _wait(what: str, proc: subprocess.Popen[bytes], check: Callable[[], bool]) -> None:
+def _wait(what: str, procs: list[subprocess.Popen[bytes]], check: Callable[[], bool]) -> None:
     deadline = time.monotonic() + WAIT
     while not check():
-        if proc.poll() is not None:
-            raise RuntimeError(f"the job ended (exit {proc.returncode}) before {what}")
+        ended = [p.returncode for p in procs if p.poll() is not None]
+        if ended:
+            raise RuntimeError(f"the job ended (exit {ended[0]}) before {what}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"timed out waiting for {what}")
         time.sleep(0.02)
 
 
-def measure(mode: str, ranks: int, warmup: int) -> Lost:
+@contextlib.contextmanager
+def _lab(hosts: int, workdir: Path) -> Iterator[Any]:
+    """``hosts`` simulated hosts (None for 1: this host)."""
+    if hosts == 1:
+        yield None
+        return
+    if not (NETNS / "_netns.py").exists():
+        raise RuntimeError(f"--hosts needs a tandem checkout: {NETNS / '_netns.py'} is missing")
+    sys.path.insert(0, str(NETNS))
+    netns: Any = importlib.import_module("_netns")
+    with netns.netns_lab(hosts, workdir) as lab:  # Unavailable(reason) without root
+        yield lab
+
+
+def measure(mode: str, ranks: int, warmup: int, hosts: int = 1) -> Lost:
     """One run: launch, warm up, SIGKILL rank 1's worker, time the recovery."""
     with tempfile.TemporaryDirectory(prefix="tandem-bench-recovery-") as tmp:
         steps, queued = Path(tmp) / "steps", Path(tmp) / "queued"
@@ -116,15 +149,23 @@ def measure(mode: str, ranks: int, warmup: int) -> Lost:
         queued.mkdir()
         env = {**os.environ, "TANDEM_BENCH_STEPS": str(steps), "TANDEM_BENCH_QUEUED": str(queued),
                "PYTHONUNBUFFERED": "1", "TANDEM_TRACE_DIR": str(Path(tmp) / "trace")}
-        with _job(_command(mode, ranks, Path(tmp)), env, Path(tmp) / "job.log") as proc:
+        if hosts > 1:  # the agents of a multi-node job share a secret
+            env["TANDEM_SECRET"] = os.urandom(16).hex()
+        with _lab(hosts, Path(tmp) / "lab") as lab, contextlib.ExitStack() as jobs:
+            procs = [jobs.enter_context(_job(
+                _command(mode, ranks, Path(tmp), lab, node),
+                {**env, "TANDEM_HOST_ID": f"nshost{node}"} if lab else env,
+                Path(tmp) / f"job{node}.log")) for node in range(hosts)]
+
             def warm() -> bool:
                 logs = _read(steps)
                 done = [rows[-1].step for rows in logs.values() if rows]
                 return len(done) >= ranks and min(done) >= warmup
 
-            _wait(f"{warmup} warm-up steps", proc, warm)
+            _wait(f"{warmup} warm-up steps", procs, warm)
             if mode == "spare":
-                _wait("the spare to wait in the join queue", proc, lambda: any(queued.iterdir()))
+                _wait("the spare to wait in the join queue", procs,
+                      lambda: any(queued.iterdir()))
             victim = min((name for name in _read(steps) if name.startswith("1.")),
                          key=lambda n: int(n.split(".")[1]))
             killed = time.time()
@@ -134,7 +175,7 @@ def measure(mode: str, ranks: int, warmup: int) -> Lost:
             def new(s: Step) -> bool:
                 return s.time > killed and s.member not in seen
 
-            _wait("a full-size step after the kill", proc,
+            _wait("a full-size step after the kill", procs,
                   lambda: any(new(s) and s.world == ranks
                               for rows in _read(steps).values() for s in rows))
         logs = _read(steps)
@@ -184,6 +225,7 @@ def _fmt(values: Sequence[float]) -> str:
 
 
 def table(results: dict[tuple[int, str], list[Lost]], markdown: bool) -> str:
+    """Medians (and ranges) per (ranks, mode); ratio against restart's time lost."""
     rows = [("ranks", "mode", "resume", "time lost (full size)", "ratio", "redone steps",
              "work lost")]
     for (ranks, mode), runs in sorted(results.items(), key=lambda kv: (kv[0][0],
@@ -212,6 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--modes", default=",".join(MODES), help=f"of {','.join(MODES)}")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
     p.add_argument("--quick", action="store_true", help="2 ranks, one repeat")
+    p.add_argument("--hosts", type=int, default=1,
+                   help="simulated hosts (network namespaces, root; default 1: this host)")
     ns = p.parse_args(argv)
     sizes = [2] if ns.quick else [int(s) for s in ns.world_sizes.split(",") if s]
     repeats = 1 if ns.quick else ns.repeats
@@ -219,13 +263,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad or repeats < 1 or not sizes or min(sizes) < 2:
         p.error(f"modes must be among {MODES}, repeats >= 1, world sizes >= 2")
+    if ns.hosts < 1 or any(s % ns.hosts for s in sizes):
+        p.error(f"--hosts must be >= 1 and divide every world size ({sizes})")
     results: dict[tuple[int, str], list[Lost]] = {}
     for ranks in sizes:
         for r in range(repeats):
             for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
-                lost = measure(mode, ranks, ns.warmup)
+                lost = measure(mode, ranks, ns.warmup, ns.hosts)
                 results.setdefault((ranks, mode), []).append(lost)
-                print(f"{ranks} ranks, {mode}: resumed {lost.resume:.2f} s, full size "
+                where = f" on {ns.hosts} hosts" if ns.hosts > 1 else ""
+                print(f"{ranks} ranks{where}, {mode}: resumed {lost.resume:.2f} s, full size "
                       f"{lost.full:.2f} s, {lost.redone} steps redone, work lost "
                       f"{lost.work:.2f} s", flush=True)
     print(table(results, ns.markdown))

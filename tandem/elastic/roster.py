@@ -24,6 +24,7 @@ waiting (every member arrives). Keys under the prefix::
     round/<g>/<name>    members of g that arrived at round g (and a counter)
     ready/<g>/<name>    members of g ready to connect (and a counter)
     coming              replacements started by agents that have not joined yet
+    managed             agents watch the workers: each reports its workers' exits
     done, ended         training finished; the job cannot go on (the reason)
 
 Queues are append-only: an entry's index comes from ``add`` on the counter, so
@@ -43,6 +44,10 @@ from tandem.store.base import Store
 __all__ = ["Generation", "Roster", "POLL"]
 
 POLL = 0.005  # seconds between looks at a round that is still open
+# how long a round short of the minimum waits for the agents to report the exits of the
+# members it lost: an agent announces a replacement before it reports the exit, so once
+# the exit is in, so is the replacement (its monitor loop looks every 0.1 s by default)
+AGENT_REPORT_GRACE = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +164,13 @@ class Roster:
     def coming(self) -> int:
         return self.store.add(self._k("coming"), 0)
 
+    def manage(self) -> None:
+        """An agent watches this job's workers (and reports every exit)."""
+        self.store.set(self._k("managed"), b"1")
+
+    def managed(self) -> bool:
+        return self.store.check([self._k("managed")])
+
     # -- generations -------------------------------------------------------------------
     def latest(self) -> int:
         key = self._k("latest")
@@ -232,6 +244,7 @@ class Roster:
         """
         following = gen.number + 1
         counter = self._k(f"round/{gen.number}")
+        reports_due = time.monotonic() + AGENT_REPORT_GRACE
         while True:
             watch()
             decided = self.generation(following)
@@ -243,8 +256,10 @@ class Roster:
                 here = set(self.arrived(gen.number, gen.members))
                 missing = [m for m in gen.members if m not in here and m not in gone]
                 if not missing:
+                    now = time.monotonic()
                     proposal = self._next(gen, here, gone, max_ranks, min_ranks, min_nodes,
-                                          waiting_allowed=time.monotonic() < deadline)
+                                          waiting_allowed=now < deadline,
+                                          reports_awaited=now < min(deadline, reports_due))
                     if proposal is not None:
                         return self.propose(proposal)
             if time.monotonic() >= deadline:
@@ -257,7 +272,8 @@ class Roster:
             time.sleep(POLL)
 
     def _next(self, gen: Generation, here: set[str], gone: set[str], max_ranks: int,
-              min_ranks: int, min_nodes: int, waiting_allowed: bool) -> Generation | None:
+              min_ranks: int, min_nodes: int, waiting_allowed: bool,
+              reports_awaited: bool = False) -> Generation | None:
         members = [m for m in gen.members if m in here]
         exited = self.exited()
         upto = gen.upto
@@ -280,6 +296,9 @@ class Roster:
                      f"at least {min_nodes} nodes (--nnodes {min_nodes}:...)")
         if short and waiting_allowed and self.coming() > 0:
             return None  # a replacement is on its way: wait for it
+        unreported = [m for m in gen.members if m not in here and m not in exited]
+        if short and reports_awaited and unreported and self.managed():
+            return None  # an agent may be about to announce a replacement: hear it first
         if short:
             lost = sorted(set(gen.members) - here)
             return Generation(gen.number + 1, (), upto,

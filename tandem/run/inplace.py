@@ -4,11 +4,15 @@ A job opts in by training under ``tandem.elastic.run_elastic``: its workers say 
 the store once they formed generation 0 (:mod:`tandem.elastic.roster`). From then on a
 worker that fails does not stop the others. The agent
 
-* retires it (its failure is kept for the summary) and tells the store that it exited,
-  so the survivors' round closes without waiting any longer;
+* retires it (its failure is kept for the summary);
 * starts a new worker for its slot while ``--max-restarts`` allows (each one counts as a
   restart): at once for a slot's first death, then after ``TANDEM_ELASTIC_BACKOFF``
-  seconds, doubling with every further death of the slot, at most 64 times that;
+  seconds, doubling with every further death of the slot, at most 64 times that; the
+  new worker is announced in the store (``Roster.expect``) when it is planned;
+* then tells the store that the old one exited, so the survivors' round closes without
+  waiting any longer. In this order: a round short of the minimum (fewer ranks or
+  nodes) waits for the exit reports of an agent's job (``Roster.manage``), then for the
+  workers announced, and ends the job only when none is coming;
 * keeps ``--spares`` extra workers per node waiting to join, started once the job runs
   elastic, so that a lost worker's place is taken in the survivors' own round (the new
   worker started for the lost slot then waits as the next spare);
@@ -64,6 +68,7 @@ class InPlace:
                  budget: int, backoff: float, say: Callable[[str], None]) -> None:
         self._cfg, self._a = cfg, a
         self.roster = roster
+        roster.manage()  # a round short of the minimum hears our exit reports first
         self._url = store_url
         self.budget = budget
         self._backoff = backoff
@@ -117,11 +122,12 @@ class InPlace:
         failed = group.failed()
         if not failed or not self.roster.is_on() or self.roster.ended():
             return False
-        for w in failed:  # first of all: a survivors' round may wait for these
-            self.roster.report_exit(_name(w))
+        names = [_name(w) for w in failed]
         latest = self.roster.generation(self.roster.latest())
-        exited = self.roster.exited()
+        exited = self.roster.exited() | set(names)
         if latest is None or not [m for m in latest.members if m not in exited]:
+            for name in names:
+                self.roster.report_exit(name)
             return False
         for w in failed:
             w.retired = True
@@ -131,6 +137,10 @@ class InPlace:
             what = found[0].brief() if found else f"rank {w.spec.rank} failed"
             self._say(f"{what}; the other workers go on without it (in-place recovery); "
                       f"{self._plan(w.spec.local_rank)}")
+        # after the replacements are announced: a survivors' round short of the minimum
+        # waits for these reports, then for the workers announced (Roster.coming)
+        for name in names:
+            self.roster.report_exit(name)
         return True
 
     def _plan(self, slot: int) -> str:
@@ -139,6 +149,7 @@ class InPlace:
         if self.replaced >= self.budget:
             return f"no new worker (--max-restarts {self._cfg.max_restarts} used up)"
         self.replaced += 1
+        self.roster.expect(+1)  # at once, though it may start later (see recover)
         deaths = self._deaths[slot]
         delay = 0.0 if deaths == 1 else self._backoff * min(2 ** (deaths - 2),
                                                             MAX_BACKOFF_FACTOR)
@@ -158,11 +169,12 @@ class InPlace:
         if self._cfg.spares and not self._spares_started and self.roster.is_on():
             self._spares_started = True
             for i in range(self._cfg.spares):
+                self.roster.expect(+1)  # before it exists: a short round waits for it
                 self._start(group, self._cfg.nproc_per_node + i)
         now = time.monotonic()
         for when, slot in [d for d in self._due if d[0] <= now]:
             self._due.remove((when, slot))
-            self._start(group, slot)
+            self._start(group, slot)  # announced when it was planned
         if self._coming:
             queued = set(self.roster.joiners())
             for name, w in list(self._coming.items()):
@@ -171,7 +183,6 @@ class InPlace:
 
     def _start(self, group: WorkerGroup, slot: int) -> None:
         spec = self._joiner_spec(slot)
-        self.roster.expect(+1)  # before it exists: a round below the minimum waits for it
         self._coming[spec.env["TANDEM_ELASTIC_ID"]] = group.add(spec)
 
     def running(self) -> bool:

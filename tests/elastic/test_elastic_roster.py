@@ -91,12 +91,48 @@ def test_below_the_minimum_the_round_waits_for_coming_joiners_then_ends_the_job(
         roster.raise_if_ended()
 
 
-def test_the_minimum_number_of_nodes() -> None:
+def _c_of_node_1_lost(managed: bool = False) -> tuple[Roster, Generation]:
+    """a and b on node n0 arrived at round 0; c, alone on n1, did not."""
     roster = _roster("a", "b", node="n0")
     roster.register("c", "n1", "host", 3)
+    if managed:
+        roster.manage()
     gen = roster.propose(Generation(0, ("a", "b", "c")))
     roster.arrive(0, "a")
     roster.arrive(0, "b")
+    return roster, gen
+
+
+def test_the_minimum_number_of_nodes() -> None:
+    roster, gen = _c_of_node_1_lost()
     roster.report_exit("c")
     ended = _close(roster, gen, min_nodes=2)
     assert "on 1 node(s) remain and the job needs at least 2 nodes" in ended.ended
+
+
+def test_a_short_round_of_an_agents_job_hears_the_agent_before_it_ends_the_job() -> None:
+    # the members saw c's connection close before c's agent looked at its workers: the
+    # round waits for the agent's exit report, which follows its announced replacement
+    roster, gen = _c_of_node_1_lost(managed=True)
+    roster.report_lost(0, ["c"])
+
+    def agent() -> None:
+        roster.expect(+1)  # the replacement, planned first
+        roster.report_exit("c")
+        time.sleep(0.2)
+        roster.register("r", "n1", "host", 4)
+        roster.enqueue_joiner("r")
+        roster.expect(-1)
+
+    late = threading.Timer(0.3, agent)
+    late.start()
+    assert _close(roster, gen, min_nodes=2).members == ("a", "b", "r")
+    late.join()
+
+
+def test_a_short_round_without_an_agent_ends_the_job_at_once() -> None:
+    roster, gen = _c_of_node_1_lost()
+    roster.report_lost(0, ["c"])
+    started = time.monotonic()
+    assert "needs at least 2 nodes" in _close(roster, gen, seconds=30, min_nodes=2).ended
+    assert time.monotonic() - started < 5
