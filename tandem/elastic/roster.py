@@ -33,6 +33,7 @@ concurrent writers never collide and a reader only reads what is new to it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import time
@@ -276,17 +277,20 @@ class Roster:
               reports_awaited: bool = False) -> Generation | None:
         members = [m for m in gen.members if m in here]
         exited = self.exited()
-        upto = gen.upto
-        # joiners beyond the size limit stay in the queue as spares: upto stops at them
-        for worker in self.joiners()[gen.upto:]:
-            if worker in exited or worker in members:
-                upto += 1
-            elif not max_ranks or len(members) < max_ranks:
-                members.append(worker)
-                upto += 1
-            else:
-                break
-        nodes = {self.node_of(m) for m in members}
+        queue = self.joiners()
+        waiting = [w for w in queue[gen.upto:] if w not in exited and w not in members]
+        room = len(waiting) if not max_ranks else max(0, max_ranks - len(members))
+        # with more joiners than room, those on the nodes with the fewest members go first
+        # (a lost node's own spare before another node's: the minimum of nodes, balance)
+        per_node = collections.Counter(self.node_of(m) for m in members)
+        for _ in range(min(room, len(waiting))):
+            pick = min(waiting, key=lambda w: per_node[self.node_of(w)])  # queue order ties
+            waiting.remove(pick)
+            members.append(pick)
+            per_node[self.node_of(pick)] += 1
+        # the joiners left stay in the queue as spares: upto stops at the first of them
+        upto = queue.index(waiting[0]) if waiting else len(queue)
+        nodes = set(per_node)
         short = ""
         if len(members) < min_ranks:
             short = (f"{len(members)} rank(s) remain and the job needs at least {min_ranks} "

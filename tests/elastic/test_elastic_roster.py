@@ -136,3 +136,19 @@ def test_a_short_round_without_an_agent_ends_the_job_at_once() -> None:
     started = time.monotonic()
     assert "needs at least 2 nodes" in _close(roster, gen, seconds=30, min_nodes=2).ended
     assert time.monotonic() - started < 5
+
+
+def test_with_little_room_joiners_of_the_emptiest_node_go_first() -> None:
+    roster, gen = _c_of_node_1_lost()
+    roster.report_exit("c")
+    roster.register("s0", "n0", "host", 4)  # node 0's spare queued first
+    roster.register("s1", "n1", "host", 5)
+    roster.enqueue_joiner("s0")
+    roster.enqueue_joiner("s1")
+    nxt = _close(roster, gen, max_ranks=3, min_nodes=2)
+    assert nxt.members == ("a", "b", "s1") and nxt.upto == 0  # s0 still waits
+    assert roster.joiners_waiting(nxt, max_ranks=4)
+    roster.arrive(1, "a")
+    roster.arrive(1, "b")
+    roster.arrive(1, "s1")
+    assert _close(roster, nxt, max_ranks=4).members == ("a", "b", "s1", "s0")
