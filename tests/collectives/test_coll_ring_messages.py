@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import tandem
-from tandem.collectives.group import Op
+from tandem.collectives.group import Op, ProcessGroup
 from tandem.config import Settings
 from tandem.testing import run_threads
+from tandem.transport.base import Slot
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -28,12 +29,12 @@ def _events(world_size: int, numel: int, settings: Settings,
     rank0 = threading.local()
     send, recv = Op.send, Op.recv
 
-    def logged_send(self: Op, to: int, step: int, view: memoryview):  # type: ignore[no-untyped-def]
+    def logged_send(self: Op, to: int, step: int, view: memoryview) -> Slot:
         if getattr(rank0, "on", False):
             log.append(("send", step))
         return send(self, to, step, view)
 
-    def logged_recv(self: Op, frm: int, step: int, view: memoryview):  # type: ignore[no-untyped-def]
+    def logged_recv(self: Op, frm: int, step: int, view: memoryview) -> Slot:
         if getattr(rank0, "on", False):
             log.append(("recv", step))
         return recv(self, frm, step, view)
@@ -41,7 +42,7 @@ def _events(world_size: int, numel: int, settings: Settings,
     monkeypatch.setattr(Op, "send", logged_send)
     monkeypatch.setattr(Op, "recv", logged_recv)
 
-    def body(group):  # type: ignore[no-untyped-def]
+    def body(group: ProcessGroup) -> None:
         group.algorithm_override["all_reduce"] = "ring"
         rank0.on = group.rank() == 0
         tandem.all_reduce(torch.ones(numel), group=group)
