@@ -7,9 +7,10 @@
 ``fn`` must be a module-level function; each rank process (``tandem.bench._host_rank``,
 inside its host's namespace) imports it, calls it with the JSON-decoded arguments and
 returns its JSON-encodable result. Ranks ``h*R .. h*R+R-1`` live on host ``h``. Every
-rank gets the job secret, ``TANDEM_HOST_ID``, ``TANDEM_BIND_ADDR`` = its host's
-address and ``GLOO_SOCKET_IFNAME=eth0``, so tandem and gloo both go across hosts over
-the shaped links; ranks of one host reach each other through the host's loopback
+rank gets a fresh job secret, ``TANDEM_HOST_ID``, ``TANDEM_BIND_ADDR`` = its host's
+address, ``GLOO_SOCKET_IFNAME=eth0`` and the caller's other ``TANDEM_*`` settings
+(``TANDEM_RING_THRESHOLD=... python -m tandem.bench ...`` tunes the ranks), so tandem
+and gloo both go across hosts over the shaped links; ranks of one host reach each other through the host's loopback
 (and tandem's ``auto`` backend through shared memory). Rendezvous through files in
 ``hosts.workdir``, which every namespace sees.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import secrets
 import statistics
 import tempfile
@@ -29,6 +31,8 @@ from tandem.testing.links import LinkShape
 from tandem.testing.netns import NetnsLab, Unavailable, netns_lab
 
 __all__ = ["Layout", "Hosts", "parse_layouts", "simulated_hosts", "Unavailable"]
+
+_PER_RANK = ("TANDEM_SECRET", "TANDEM_SECRET_FILE", "TANDEM_HOST_ID", "TANDEM_BIND_ADDR")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,9 +89,13 @@ class Hosts:
         def rank_args(rank: int) -> list[str]:
             return [str(spec), str(rank), str(world), str(self.workdir / f"{tag}-{rank}.out")]
 
+        # tuning settings (TANDEM_RING_THRESHOLD, ...) reach the ranks; identity does not
+        tuning = {k: v for k, v in os.environ.items()
+                  if k.startswith("TANDEM_") and k not in _PER_RANK}
+
         def rank_env(rank: int) -> dict[str, str]:
             host = placement[rank]
-            return {"TANDEM_SECRET": secret, "TANDEM_HOST_ID": f"labhost{host}",
+            return {**tuning, "TANDEM_SECRET": secret, "TANDEM_HOST_ID": f"labhost{host}",
                     "TANDEM_BIND_ADDR": self.lab.addrs[host], "GLOO_SOCKET_IFNAME": "eth0",
                     **(env or {})}
 

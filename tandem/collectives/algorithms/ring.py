@@ -17,14 +17,18 @@ next, chunk by chunk.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from tandem.collectives.group import Op, as_bytes
 from tandem.collectives.reduce_op import ReduceOp, combine, finish
+from tandem.config import Settings
 
-__all__ = ["ring", "even_bounds", "ring_all_reduce"]
+__all__ = ["ring", "ring_pieces", "even_bounds", "ring_all_reduce"]
 
 Bounds = list[tuple[int, int]]
+Hook = Callable[[int, int], None]
 
 _MAX_CHUNKS = 8
 
@@ -46,14 +50,39 @@ def _chunks(bounds: tuple[int, int], chunk: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk, b)) for s in range(a, b, chunk)]
 
 
+def ring_pieces(settings: Settings, bounds: Bounds, itemsize: int) -> list[list[tuple[int, int]]]:
+    """The chunks (element ranges) :func:`ring` cuts each segment of ``bounds`` into."""
+    longest = max(b - a for a, b in bounds)
+    # chunks of chunk_bytes, but never more than _MAX_CHUNKS per segment: every message
+    # keeps a few Python objects alive while it is posted, and past ~700 of them the
+    # cyclic GC runs, every ~20 calls a full collection of the whole process (167k
+    # objects with torch: 50-1000 ms holding the GIL, measured at 3 ranks x 64 MB);
+    # eight chunks per step already keep the wire, the reduction and the peer busy
+    chunk = max(1, settings.chunk_bytes // max(1, itemsize), -(-longest // _MAX_CHUNKS))
+    return [_chunks(b, chunk) for b in bounds]
+
+
 def ring(op: Op, buf: torch.Tensor, bounds: Bounds, redop: ReduceOp | None,
-         reduce_scatter: bool, all_gather: bool) -> None:
-    """Run the reduce-scatter and/or all-gather phase on flat ``buf`` in place."""
+         reduce_scatter: bool, all_gather: bool, ready: Hook | None = None,
+         done: Hook | None = None) -> None:
+    """Run the reduce-scatter and/or all-gather phase on flat ``buf`` in place.
+
+    ``ready(a, b)`` is called for every chunk (see :func:`ring_pieces`) before this
+    rank first reads ``buf[a:b]``, and ``done(a, b)`` once ``buf[a:b]`` holds its
+    final bytes (a chunk this rank finished reducing, or of its own segment in an
+    all-gather, right after it went out; every chunk the all-gather brings), so a
+    caller can produce the input and consume the output chunk by chunk while the
+    ring runs.
+    """
     g = op.group
     p, r = g.group_size, g.group_rank
     if p == 1:
+        if ready is not None:
+            ready(0, buf.numel())
         if reduce_scatter:
             finish(redop, buf, 1)  # type: ignore[arg-type]
+        if done is not None:
+            done(0, buf.numel())
         return
     nxt, prv = (r + 1) % p, (r - 1) % p
     steps: list[tuple[bool, int, int]] = []  # (reducing, send segment, receive segment)
@@ -62,14 +91,7 @@ def ring(op: Op, buf: torch.Tensor, bounds: Bounds, redop: ReduceOp | None,
     if all_gather:
         steps += [(False, (r - t) % p, (r - t - 1) % p) for t in range(p - 1)]
     longest = max(b - a for a, b in bounds)
-    # chunks of chunk_bytes, but never more than _MAX_CHUNKS per segment: every message
-    # keeps a few Python objects alive while it is posted, and past ~700 of them the
-    # cyclic GC runs, every ~20 calls a full collection of the whole process (167k
-    # objects with torch: 50-1000 ms holding the GIL, measured at 3 ranks x 64 MB);
-    # eight chunks per step already keep the wire, the reduction and the peer busy
-    chunk = max(1, g.settings.chunk_bytes // max(1, buf.element_size()),
-                -(-longest // _MAX_CHUNKS))
-    pieces = [_chunks(b, chunk) for b in bounds]
+    pieces = ring_pieces(g.settings, bounds, buf.element_size())
     stride = max(len(c) for c in pieces)
     scratch: list[torch.Tensor] = []
     if reduce_scatter:
@@ -98,8 +120,13 @@ def ring(op: Op, buf: torch.Tensor, bounds: Bounds, redop: ReduceOp | None,
         return [op.recv(prv, t * stride + c, v) for c, v in enumerate(views)]
 
     posted = [post(t) for t in range(len(steps))]
-    sends = [op.send(nxt, c, whole[a * size:b * size])
-             for c, (a, b) in enumerate(pieces[steps[0][1]])]
+    sends = []
+    for c, (a, b) in enumerate(pieces[steps[0][1]]):
+        if ready is not None:
+            ready(a, b)
+        sends.append(op.send(nxt, c, whole[a * size:b * size]))
+        if done is not None and not reduce_scatter:  # an all-gather's own segment
+            done(a, b)
     last_reduce = p - 2 if reduce_scatter else -1
     for t, (reducing, _, seg) in enumerate(steps):
         base = bounds[seg][0]
@@ -107,10 +134,14 @@ def ring(op: Op, buf: torch.Tensor, bounds: Bounds, redop: ReduceOp | None,
             op.wait(slot)
             a, b = pieces[seg][c]
             if reducing:
+                if ready is not None:
+                    ready(a, b)
                 mine = buf[a:b]
                 combine(redop, scratch[t][a - base:b - base], mine, mine)  # type: ignore[arg-type]
                 if t == last_reduce:
                     finish(redop, mine, p)  # type: ignore[arg-type]
+            if done is not None and (t == last_reduce or not reducing):
+                done(a, b)
             if t + 1 < len(steps):
                 sends.append(op.send(nxt, (t + 1) * stride + c, whole[a * size:b * size]))
     op.wait(*sends)
