@@ -130,6 +130,10 @@ def test_only_leaders_cross_hosts_and_each_host_sends_its_share_once() -> None:
               for rank, sent in enumerate(traffic)}
     # all-gather: a host's two pieces; reduce-scatter: the other host's half, reduced
     assert across == {0: 2 * 4 * n + 2 * 4 * n, 1: 0, 2: 2 * 4 * n + 2 * 4 * n, 3: 0}
+    down = {rank: sum(b for peer, b in sent if peer == rank + 1)
+            for rank, sent in enumerate(traffic) if rank in (0, 2)}
+    # all-gather: the 3 pieces the other rank lacks; reduce-scatter: its own piece
+    assert down == {0: 3 * 4 * n + 4 * n, 2: 3 * 4 * n + 4 * n}
 
 
 def test_interleaved_hosts_use_the_flat_ring() -> None:

@@ -59,14 +59,15 @@ def _inter(a: Range, b: Range) -> Range | None:
 
 def _through_leaders(op: Op, buf: torch.Tensor, layout: list[list[int]], blocks: Bounds,
                      redop: ReduceOp | None, divide: ReduceOp | None, gather: bool,
-                     up: Callable[[int], Range], down: Callable[[int], Range]) -> None:
+                     up: Callable[[int], Range], down: Callable[[int], list[Range]]) -> None:
     """The leaders ring over ``blocks`` (one per host, in leader order) on flat ``buf``.
 
     Group rank ``m`` hands its leader ``buf[up(m)]`` (reduced into the leader's
     ``buf`` with ``redop``, or copied into place when ``redop`` is None) and gets
-    ``buf[down(m)]`` back once final. ``gather``: the ring's all-gather phase runs
-    (every leader ends with every block); ``divide``: AVG's division by the group
-    size, on the chunks a leader finishes.
+    ``buf[r]`` back once final, for each of the (at most two) ranges ``r`` in
+    ``down(m)``. ``gather``: the ring's all-gather phase runs (every leader ends with
+    every block); ``divide``: AVG's division by the group size, on the chunks a
+    leader finishes.
     """
     g = op.group
     me = g.group_rank
@@ -81,8 +82,12 @@ def _through_leaders(op: Op, buf: torch.Tensor, layout: list[list[int]], blocks:
     def cut(rng: Range) -> list[tuple[int, Range]]:
         return [(i, part) for i, piece in enumerate(pieces) if (part := _inter(piece, rng))]
 
+    def cuts(ranges: list[Range]) -> list[tuple[int, Range]]:
+        # a piece may meet both ranges: each part is its own message, step 2 i + k
+        return [(2 * i + k, part) for k, rng in enumerate(ranges) for i, part in cut(rng)]
+
     if me != local[0]:
-        back = [drop.recv(0, i, whole[a * size:b * size]) for i, (a, b) in cut(down(me))]
+        back = [drop.recv(0, i, whole[a * size:b * size]) for i, (a, b) in cuts(down(me))]
         lift.wait(*[lift.send(0, i, whole[a * size:b * size]) for i, (a, b) in cut(up(me))],
                   *back)
         return
@@ -115,10 +120,11 @@ def _through_leaders(op: Op, buf: torch.Tensor, layout: list[list[int]], blocks:
         if divide is not None and mine[0] <= a < mine[1]:  # the others get it divided
             finish(divide, buf[a:b], g.group_size)
         i = index[(a, b)]
-        for k, m in enumerate(others, 1):
-            part = _inter((a, b), down(m))
-            if part:
-                sends.append(drop.send(k, i, whole[part[0] * size:part[1] * size]))
+        for j, m in enumerate(others, 1):
+            for k, rng in enumerate(down(m)):
+                part = _inter((a, b), rng)
+                if part:
+                    sends.append(drop.send(j, 2 * i + k, whole[part[0] * size:part[1] * size]))
 
     ring(Phase(op, leaders, PHASE, reserved), buf, blocks, redop, redop is not None, gather,
          ready, done)
@@ -138,7 +144,7 @@ def streamed_all_reduce(op: Op, buf: torch.Tensor, redop: ReduceOp,
     whole = (0, buf.numel())
     inner, divide = _sum_for(redop)
     _through_leaders(op, buf, layout, even_bounds(buf.numel(), len(layout)), inner, divide,
-                     True, lambda m: whole, lambda m: whole)
+                     True, lambda m: whole, lambda m: [whole])
 
 
 def _host_blocks(layout: list[list[int]] | None, bounds: Bounds) -> Bounds | None:
@@ -164,9 +170,11 @@ def hierarchical_all_gather(op: Op, flat: torch.Tensor, bounds: Bounds) -> None:
     if blocks is None or layout is None:
         ring(op, flat, bounds, None, reduce_scatter=False, all_gather=True)
         return
-    everything = (0, flat.numel())
+    end = flat.numel()
+    # a rank gets back everything but its own piece (at 2x2 hosts, 64 MB each: a quarter
+    # of the copies within a host)
     _through_leaders(op, flat, layout, blocks, None, None, True, lambda m: bounds[m],
-                     lambda m: everything)
+                     lambda m: [(0, bounds[m][0]), (bounds[m][1], end)])
 
 
 def hierarchical_reduce_scatter(op: Op, flat: torch.Tensor, bounds: Bounds,
@@ -184,4 +192,4 @@ def hierarchical_reduce_scatter(op: Op, flat: torch.Tensor, bounds: Bounds,
     everything = (0, flat.numel())
     inner, divide = _sum_for(redop)
     _through_leaders(op, flat, layout, blocks, inner, divide, False, lambda m: everything,
-                     lambda m: bounds[m])
+                     lambda m: [bounds[m]])
