@@ -103,3 +103,33 @@ def test_a_shaped_lab_leaves_no_process_or_namespace_behind(tmp_path: Path) -> N
     listing = Path("/run/netns")
     left = [n for n in names if (listing / n).exists()]
     assert not left, left
+
+
+_BUFFERS = """
+import socket, sys, time
+from pathlib import Path
+from tandem import _wire
+me, addrs, out = int(sys.argv[1]), sys.argv[2].split(","), Path(sys.argv[3])
+if me == 0:
+    server = socket.create_server((addrs[0], 0))
+    (out / "port.tmp").write_text(str(server.getsockname()[1]))
+    (out / "port.tmp").rename(out / "port")
+    sock, _ = server.accept()
+    _wire.tune(sock)
+else:
+    deadline = time.monotonic() + 20
+    while not (out / "port").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sock = _wire.connect(addrs[0], int((out / "port").read_text()), 20, "host 0")
+(out / f"rcvbuf{me}").write_text(str(sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)))
+"""
+
+
+def test_connections_between_hosts_keep_large_socket_buffers(tmp_path: Path) -> None:
+    with _Skipping(tmp_path, "unshaped") as lab:
+        runs = lab.run(["-c", _BUFFERS], [0, 1],
+                       lambda rank: [str(rank), ",".join(lab.addrs), str(tmp_path)],
+                       lambda rank: {}, timeout=40)
+    assert all(r.ok for r in runs), "\n".join(r.log for r in runs)
+    for rank in (0, 1):
+        assert int((tmp_path / f"rcvbuf{rank}").read_text()) >= 2 * (1 << 20), rank
