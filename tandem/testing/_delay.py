@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import ctypes
+import os
 import random
 import select
 import sys
@@ -37,11 +39,21 @@ _PR_SET_TIMERSLACK = 29
 
 
 def _tight_timers() -> None:
-    """Wake within microseconds of the deadline (the default slack is 50 us)."""
+    """Wake within microseconds of the deadline, ahead of the processes being measured.
+
+    The default timer slack is 50 us. Real-time priority: on a machine whose cores are
+    all busy, a normal process waited milliseconds for a core and a 0.2 ms delay became
+    3 ms (load 17 on 2 cores); this process only sleeps or releases packets.
+    """
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0)
     except (OSError, AttributeError):
         pass
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(50))
+    except (OSError, AttributeError):
+        with contextlib.suppress(OSError):
+            os.nice(-20)
 
 
 def relay(queue: PacketQueue, delay: float, loss: float, rng: random.Random) -> None:
