@@ -22,8 +22,8 @@ from tandem.transport.base import Slot
 pytestmark = pytest.mark.timeout(60)
 
 
-def _events(world_size: int, numel: int, settings: Settings, monkeypatch: pytest.MonkeyPatch,
-            hosts: list[str] | None = None) -> list[tuple[str, int]]:
+def _events(world_size: int, numel: int, settings: Settings,
+            monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     """("send"|"recv", step) in the order group rank 0 issued them in one ring all-reduce."""
     log: list[tuple[str, int]] = []
     rank0 = threading.local()
@@ -47,7 +47,7 @@ def _events(world_size: int, numel: int, settings: Settings, monkeypatch: pytest
         rank0.on = group.rank() == 0
         tandem.all_reduce(torch.ones(numel), group=group)
 
-    run_threads(world_size, body, settings=settings, hosts=hosts)
+    run_threads(world_size, body, settings=settings)
     return log
 
 
@@ -73,12 +73,3 @@ def test_every_receive_is_posted_before_the_first_send(world_size: int,
     recvs = [i for i, e in enumerate(log) if e[0] == "recv"]
     assert len(recvs) == 2 * (world_size - 1) * 8
     assert max(recvs) < first_send, log[:first_send + 3]
-
-
-@pytest.mark.parametrize("hosts, per_segment", [(None, 1), (["a", "b", "c"], 4)],
-                         ids=["one-host", "three-hosts"])
-def test_a_ring_across_hosts_cuts_128_kib_chunks(hosts: list[str] | None, per_segment: int,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    # 3 x 512 KiB segments: one 1 MiB chunk each within a host, four across hosts
-    log = _events(3, 3 * (128 << 10), Settings(), monkeypatch, hosts)
-    assert len([e for e in log if e[0] == "send"]) == 2 * 2 * per_segment

@@ -21,17 +21,16 @@ from typing import Callable
 
 import torch
 
-from tandem.collectives.group import Op, ProcessGroup, as_bytes
+from tandem.collectives.group import Op, as_bytes
 from tandem.collectives.reduce_op import ReduceOp, combine, finish
 from tandem.config import Settings
 
-__all__ = ["ring", "ring_pieces", "crosses_hosts", "even_bounds", "ring_all_reduce"]
+__all__ = ["ring", "ring_pieces", "even_bounds", "ring_all_reduce"]
 
 Bounds = list[tuple[int, int]]
 Hook = Callable[[int, int], None]
 
 _MAX_CHUNKS = 8
-_NETWORK_CHUNK = 128 << 10
 
 
 def even_bounds(numel: int, parts: int) -> Bounds:
@@ -51,29 +50,15 @@ def _chunks(bounds: tuple[int, int], chunk: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk, b)) for s in range(a, b, chunk)]
 
 
-def crosses_hosts(group: ProcessGroup) -> bool:
-    """Whether ``group``'s ranks are known to span hosts (the same answer on every rank)."""
-    hosts = {group.transport.host_of(rank) for rank in group.ranks}
-    return len(hosts) > 1 and "" not in hosts
-
-
-def ring_pieces(settings: Settings, bounds: Bounds, itemsize: int,
-                network: bool) -> list[list[tuple[int, int]]]:
-    """The chunks (element ranges) :func:`ring` cuts each segment of ``bounds`` into;
-    ``network``: the ring crosses hosts (:func:`crosses_hosts`)."""
+def ring_pieces(settings: Settings, bounds: Bounds, itemsize: int) -> list[list[tuple[int, int]]]:
+    """The chunks (element ranges) :func:`ring` cuts each segment of ``bounds`` into."""
     longest = max(b - a for a, b in bounds)
-    smallest = settings.chunk_bytes
-    if network:
-        # over a network a chunk is forwarded only once all of it arrived: smaller ones
-        # keep the next link busy sooner (3 hosts at 1 Gbit/s, 1 MB all-gather: 24 ms
-        # with 1 MiB chunks, 21 ms with 64 KiB; gloo 20 ms)
-        smallest = min(smallest, _NETWORK_CHUNK)
     # chunks of chunk_bytes, but never more than _MAX_CHUNKS per segment: every message
     # keeps a few Python objects alive while it is posted, and past ~700 of them the
     # cyclic GC runs, every ~20 calls a full collection of the whole process (167k
     # objects with torch: 50-1000 ms holding the GIL, measured at 3 ranks x 64 MB);
     # eight chunks per step already keep the wire, the reduction and the peer busy
-    chunk = max(1, smallest // max(1, itemsize), -(-longest // _MAX_CHUNKS))
+    chunk = max(1, settings.chunk_bytes // max(1, itemsize), -(-longest // _MAX_CHUNKS))
     return [_chunks(b, chunk) for b in bounds]
 
 
@@ -106,7 +91,7 @@ def ring(op: Op, buf: torch.Tensor, bounds: Bounds, redop: ReduceOp | None,
     if all_gather:
         steps += [(False, (r - t) % p, (r - t - 1) % p) for t in range(p - 1)]
     longest = max(b - a for a, b in bounds)
-    pieces = ring_pieces(g.settings, bounds, buf.element_size(), crosses_hosts(g))
+    pieces = ring_pieces(g.settings, bounds, buf.element_size())
     stride = max(len(c) for c in pieces)
     scratch: list[torch.Tensor] = []
     if reduce_scatter:

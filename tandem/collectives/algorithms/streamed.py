@@ -74,9 +74,7 @@ def _through_leaders(op: Op, buf: torch.Tensor, layout: list[list[int]], blocks:
     local = host_of_rank(layout, me)
     leaders = [ranks[0] for ranks in layout]
     size, n = buf.element_size(), buf.numel()
-    # every rank cuts the buffer as the leaders' ring, which crosses hosts, does
-    pieces = [piece for segment in ring_pieces(g.settings, blocks, size, True)
-              for piece in segment]
+    pieces = [piece for segment in ring_pieces(g.settings, blocks, size) for piece in segment]
     whole = as_bytes(buf)
     lift = Phase(op, local, 0)  # the host's other ranks -> its leader
     drop = Phase(op, local, 2 * PHASE)  # the leader -> the others
