@@ -45,12 +45,6 @@ __all__ = ["Reducer", "find_tensors", "reachable_parameters"]
 Hook = Callable[[Any, GradBucket], torch.futures.Future[Any]]
 _clock = time.perf_counter
 MAX_MESSAGE_BYTES = 4 << 20  # see Reducer._pieces
-MAX_MESSAGE_BYTES_ACROSS_HOSTS = 16 << 20
-
-
-def _spans_hosts(group: ProcessGroup) -> bool:
-    hosts = {group.transport.host_of(r) for r in group.ranks}
-    return len(hosts) > 1 and "" not in hosts
 
 
 def find_tensors(obj: Any) -> list[torch.Tensor]:
@@ -118,8 +112,7 @@ class Reducer:
         self.hook: Hook | None = None
         self.hook_state: Any = None
         self.unused_error_aborts = True
-        self.max_message_bytes = (MAX_MESSAGE_BYTES_ACROSS_HOSTS if _spans_hosts(group)
-                                  else MAX_MESSAGE_BYTES)
+        self.max_message_bytes = MAX_MESSAGE_BYTES
 
         n = len(self.params)
         self._expect = False       # a synchronising forward ran; its backward reduces
@@ -322,9 +315,6 @@ class Reducer:
         receive buffers), so reducing a 25 MB bucket in 4 MB pieces lowers the peak
         memory of a step by ~20 MB; the pieces queue back to back on the progress
         thread, so the wire stays busy (measured on the 8 x 1024^2 MLP, 2 ranks).
-        Across hosts every call also waits a round trip or more before its data
-        flows, so pieces there are 16 MB (the MLP on 2 simulated hosts x 2 ranks at
-        1 Gbit/s: 662 ms a step with 4 MB pieces, 558 ms with whole buckets).
         """
         step = max(1, self.max_message_bytes // b.buffer.element_size())
         n = b.buffer.numel()
