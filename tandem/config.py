@@ -27,7 +27,8 @@ TANDEM_ALGORITHM               force one all-reduce algorithm: auto, naive, ring
 TANDEM_RING_THRESHOLD          all-reduce payloads of at least this many bytes use the
                                ring algorithm, smaller ones recursive doubling; two
                                ranks use four times this (524288)
-TANDEM_CHUNK_BYTES             pipeline chunk of the ring algorithm (1 MiB)
+TANDEM_CHUNK_BYTES             smallest pipeline chunk of the ring algorithm; a larger
+                               segment is cut into eight chunks (1 MiB)
 TANDEM_SHM_ARENA               0: same-host groups do not share staging memory, so
                                collectives go through the message rings only (1)
 TANDEM_SHM_CHUNK               staging bytes per rank and half of a shared-memory arena,

@@ -36,8 +36,8 @@ ratio = in-place time lost / restart time lost (the target is at most 0.25). The
 shows the median over ``--repeats`` and the range.
 
 ``--hosts 2`` runs each job on 2 simulated hosts: network namespaces on a private bridge
-(``tests/netns/_netns.py`` of the checkout, which needs root), one tandemrun agent per
-host with half the ranks, the store on the first host's address, tcp between hosts.
+(``tandem.testing.netns``, which needs root), one tandemrun agent per host with half the
+ranks, the store on the first host's address, tcp between hosts (links not shaped).
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib
 import os
 import signal
 import statistics
@@ -54,12 +53,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
+
+from tandem.testing.netns import NetnsLab, netns_lab
 
 __all__ = ["main", "measure", "Lost"]
 
 JOB = Path(__file__).with_name("_recovery_job.py")
-NETNS = Path(__file__).resolve().parents[2] / "tests" / "netns"  # the checkout's lab
 LAB_PORT = "29500"  # the store's port on the first simulated host (a private namespace)
 MODES = ("restart", "in-place", "spare")
 EXAMPLE_ARGS = ("--quick", "--steps", "100000", "--corpus-mb", "0.3")
@@ -97,7 +97,7 @@ def _read(directory: Path) -> dict[str, list[Step]]:
     return out
 
 
-def _command(mode: str, ranks: int, out: Path, lab: Any, node: int) -> list[str]:
+def _command(mode: str, ranks: int, out: Path, lab: NetnsLab | None, node: int) -> list[str]:
     """The launcher's command line (on simulated host ``node`` of ``lab``, if any)."""
     if lab is None:
         launcher = ["--standalone", "--nproc-per-node", str(ranks)]
@@ -128,16 +128,12 @@ def _wait(what: str, procs: list[subprocess.Popen[bytes]], check: Callable[[], b
 
 
 @contextlib.contextmanager
-def _lab(hosts: int, workdir: Path) -> Iterator[Any]:
+def _lab(hosts: int, workdir: Path) -> Iterator[NetnsLab | None]:
     """``hosts`` simulated hosts (None for 1: this host)."""
     if hosts == 1:
         yield None
         return
-    if not (NETNS / "_netns.py").exists():
-        raise RuntimeError(f"--hosts needs a tandem checkout: {NETNS / '_netns.py'} is missing")
-    sys.path.insert(0, str(NETNS))
-    netns: Any = importlib.import_module("_netns")
-    with netns.netns_lab(hosts, workdir) as lab:  # Unavailable(reason) without root
+    with netns_lab(hosts, workdir) as lab:  # Unavailable(reason) without root
         yield lab
 
 

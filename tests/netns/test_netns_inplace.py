@@ -20,12 +20,11 @@ from typing import Any
 import pytest
 import torch
 
-from _netns import RankRun, Unavailable, netns_lab
+from tandem.testing.netns import RankRun, Unavailable, netns_lab
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "elastic"))
 from _elastic_job import check_against_oracle  # noqa: E402
 
-AGENT = Path(__file__).with_name("_tandemrun.py")
 TRAIN = Path(__file__).resolve().parents[1] / "run" / "scripts" / "elastic_train.py"
 STEPS = 50
 KILLS = {"2": 7, "1": 25}  # the rank a worker started as: the step it dies in
@@ -52,7 +51,7 @@ def _agents(workdir: Path, where: str) -> list[RankRun]:
                         "TANDEM_CONNECT_TIMEOUT": "30", "TANDEM_TIMEOUT": "60",
                         "TANDEM_TRACE_DIR": str(workdir / "trace")}
 
-            return lab.run(AGENT, [0, 1], args, env, timeout=150, grace=30)
+            return lab.run(["-m", "tandem.run"], [0, 1], args, env, timeout=150, grace=30)
     except Unavailable as exc:
         pytest.skip(f"network namespaces are unavailable: {exc}")
 
