@@ -50,6 +50,7 @@ class Spec:
     kill_step: int = -1
     where: str = "backward"
     rejoin_step: int = -1  # members wait here until the joiner is queued
+    spare_step: int = -1  # members wait here until a joiner is queued, whatever the size
     hook: bool = False  # run DDP with the all-reduce comm hook (always for "allreduce")
     victim2: int = -1  # a second victim (by launch rank), killed at its kill_step2
     kill_step2: int = -1  # before its commit (after the step was applied everywhere)
@@ -122,6 +123,8 @@ def job(rank: int, world_size: int, spec: Spec) -> dict[str, Any]:
             state.step += 1
             if state.step == spec.rejoin_step and state.world_size < spec.members:
                 _await_joiner(signals)  # so that this commit lets it in
+            if state.step == spec.spare_step:
+                _await_joiner(signals)  # a spare, ready before anyone dies
             if rank == spec.victim2 and state.step == spec.kill_step2:
                 _kill("before its commit")
             state.commit()

@@ -80,7 +80,7 @@ def test_a_joiner_brings_the_group_back_at_a_commit(tmp_path: Path, store_port: 
 def test_a_spare_takes_the_place_of_a_killed_rank_in_the_same_round(tmp_path: Path,
                                                                      store_port: int) -> None:
     spec = Spec(steps=14, members=3, pg_url=f"file://{tmp_path}/pg", store_port=store_port,
-                backend="shm", victim=1, kill_step=7, max_ranks=3)
+                backend="shm", victim=1, kill_step=7, max_ranks=3, spare_step=5)
     results = _survivors(_run(4, spec), victim=1)
     assert len(results) == 3 and results[-1]["joiner"], "the spare did not join"
     history = check_against_oracle(results)
