@@ -69,7 +69,7 @@ class Agent:
 
     def __init__(self, cfg: LaunchConfig) -> None:
         self.cfg = cfg
-        self.out, self.err = Console.stdout(), Console.stderr()
+        self.out, self.err = Console.pair()
         self.group: WorkerGroup | None = None
         self.ending: int | None = None  # the terminating signal received, if any
         self._interruptible = False

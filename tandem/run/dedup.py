@@ -1,15 +1,16 @@
 """Which worker lines the launcher's console shows, merged, and when: no threads, no I/O.
 
-Identical lines that several ranks print at about the same time become one line,
-``[rank0-3]: usage: train.py [-h] ...``, so a script's ``--help``, an argparse error
-or a warning every rank prints appears once. :class:`Merger` keeps the lines that
-arrived but are not shown yet, in arrival order::
+Identical lines that several ranks print on the same stream at about the same time
+become one line, ``[rank0-3]: usage: train.py [-h] ...``, so a script's ``--help``, an
+argparse error or a warning every rank prints appears once. :class:`Merger` keeps the
+lines of both streams (stdout, stderr) that arrived but are not shown yet, in arrival
+order, so that one stream's held lines are not overtaken by the other's::
 
     m = Merger()
-    m.attach(0); m.attach(1)             # the ranks whose stream is open
-    m.line(0, "usage: x", now)           # held: rank 1 may print the same
-    m.line(1, "usage: x", now + 0.2)     # merged; every open stream had it: due now
-    [(e.ranks, e.text) for e in m.due(now + 0.2)]   # [({0, 1}, "usage: x")]
+    m.attach(0, "stdout"); m.attach(1, "stdout")    # the ranks whose stream is open
+    m.line(0, "stdout", "usage: x", now)          # held: rank 1 may print the same
+    m.line(1, "stdout", "usage: x", now + 0.2)    # merged: every open stream had it
+    [(e.ranks, e.text) for e in m.due(now + 0.21)]   # [({0, 1}, "usage: x")]
 
 The promises, each bounded:
 
@@ -18,8 +19,8 @@ The promises, each bounded:
   :data:`SOLO_AFTER` lines in a row that no other rank printed (rank 0's progress, as a
   rule) is *solo*: its lines go out at once, until another rank repeats one of its
   recent lines.
-* A rank's own lines keep their order: a line merges only into an entry after the
-  last one holding that rank's previous line. Entries go out in arrival order, so a
+* A rank's own lines keep their order on each stream: a line merges only into an
+  entry after the last one holding that rank's previous line on that stream. Entries go out in arrival order, so a
   line never waits behind another for longer than that one's window.
 * A block a rank printed at once (lines :data:`BURST` apart at most: one write) stays
   whole: when it stops matching the other ranks' blocks, its lines that had merged
@@ -53,8 +54,9 @@ RECENT = 256  # shown lines remembered, to notice twins that came too late
 
 @dataclasses.dataclass
 class Entry:
-    """One line (or redraw) to show, with every rank that printed it."""
+    """One line (or redraw) to show on ``stream``, with every rank that printed it."""
 
+    stream: str
     text: str
     ranks: set[int]
     redraw: bool
@@ -83,44 +85,44 @@ class Merger:
     def __init__(self, window: float = WINDOW, solo_after: int = SOLO_AFTER) -> None:
         self.window = window
         self.solo_after = solo_after
-        self.open: set[int] = set()
+        self.open: dict[str, set[int]] = {}  # stream -> ranks whose pipe is open
         self.pending: collections.deque[Entry] = collections.deque()
         self._alone: dict[int, int] = {}  # rank -> lines in a row shown for it alone
-        self._recent: collections.OrderedDict[str, tuple[float, frozenset[int]]] = (
+        self._recent: collections.OrderedDict[tuple[str, str], tuple[float, frozenset[int]]] = (
             collections.OrderedDict())
 
-    def attach(self, rank: int) -> None:
-        self.open.add(rank)
+    def attach(self, rank: int, stream: str) -> None:
+        self.open.setdefault(stream, set()).add(rank)
 
-    def detach(self, rank: int) -> None:
+    def detach(self, rank: int, stream: str) -> None:
         """The rank's stream ended: lines waiting for it need not wait any more."""
-        self.open.discard(rank)
+        self.open.get(stream, set()).discard(rank)
 
-    def line(self, rank: int, text: str, now: float) -> None:
-        for entry in self._after_last_of(rank):
+    def line(self, rank: int, stream: str, text: str, now: float) -> None:
+        for entry in self._after_last_of(rank, stream):
             if not entry.redraw and entry.text == text and rank not in entry.ranks:
                 entry.ranks.add(rank)
                 entry.arrived[rank] = now
                 return
-        self._take_back_block(rank, now)
-        seen = self._recent.get(text)
+        self._take_back_block(rank, stream, now)
+        seen = self._recent.get((stream, text))
         if seen is not None and now - seen[0] < LATE and rank not in seen[1]:
             for twin in seen[1]:  # it came too late to merge: hold their lines again
                 self._alone[twin] = 0
-        self._own_line(rank, text, now)
+        self._own_line(rank, stream, text, now)
 
-    def _own_line(self, rank: int, text: str, now: float) -> None:
+    def _own_line(self, rank: int, stream: str, text: str, now: float) -> None:
         solo = self._alone.get(rank, 0) >= self.solo_after
         due = now if solo else now + self.window
-        self.pending.append(Entry(text, {rank}, False, due, {rank: now}))
+        self.pending.append(Entry(stream, text, {rank}, False, due, {rank: now}))
 
-    def _take_back_block(self, rank: int, now: float) -> None:
+    def _take_back_block(self, rank: int, stream: str, now: float) -> None:
         """The rank's block stopped matching the others': its lines of the same block
         that merged are taken out of the shared entries and queued as its own."""
         block: list[Entry] = []
         later = now
         for entry in reversed(self.pending):
-            if rank not in entry.ranks:
+            if rank not in entry.ranks or entry.stream != stream:
                 continue
             if len(entry.ranks) == 1 or later - entry.arrived[rank] > BURST:
                 break
@@ -128,18 +130,18 @@ class Merger:
             later = entry.arrived[rank]
         for entry in reversed(block):
             entry.ranks.discard(rank)
-            self._own_line(rank, entry.text, entry.arrived.pop(rank))
+            self._own_line(rank, stream, entry.text, entry.arrived.pop(rank))
 
-    def redraw(self, rank: int, text: str, now: float) -> None:
+    def redraw(self, rank: int, stream: str, text: str, now: float) -> None:
         last = self.pending[-1] if self.pending else None
-        if last is not None and last.redraw and last.ranks == {rank}:
+        if last is not None and last.redraw and last.ranks == {rank} and last.stream == stream:
             last.text = text  # only the newest state of a bar matters
             return
-        self.pending.append(Entry(text, {rank}, True, now, {rank: now}))
+        self.pending.append(Entry(stream, text, {rank}, True, now, {rank: now}))
 
-    def _after_last_of(self, rank: int) -> list[Entry]:
-        """The pending entries after the last one holding ``rank``, oldest first."""
-        entries = list(self.pending)
+    def _after_last_of(self, rank: int, stream: str) -> list[Entry]:
+        """The pending entries of ``stream`` after the last one holding ``rank``."""
+        entries = [e for e in self.pending if e.stream == stream]
         for i in range(len(entries) - 1, -1, -1):
             if rank in entries[i].ranks:
                 return entries[i + 1:]
@@ -147,13 +149,18 @@ class Merger:
 
     def next_due(self) -> float | None:
         """When the oldest entry goes out (None: nothing waits)."""
-        return self.pending[0].next_time(self.open) if self.pending else None
+        if not self.pending:
+            return None
+        head = self.pending[0]
+        return head.next_time(self.open.get(head.stream, set()))
 
     def due(self, now: float) -> list[Entry]:
         """Take the entries to show now, in order."""
         out: list[Entry] = []
         while self.pending:
-            if self.pending[0].ready(now, self.open) or len(self.pending) > MAX_PENDING:
+            head = self.pending[0]
+            if (head.ready(now, self.open.get(head.stream, set()))
+                    or len(self.pending) > MAX_PENDING):
                 out.append(self._shown(self.pending.popleft(), now))
             else:
                 break
@@ -174,8 +181,9 @@ class Merger:
         else:
             for rank in entry.ranks:
                 self._alone[rank] = 0
-        self._recent[entry.text] = (now, frozenset(entry.ranks))
-        self._recent.move_to_end(entry.text)
+        key = (entry.stream, entry.text)
+        self._recent[key] = (now, frozenset(entry.ranks))
+        self._recent.move_to_end(key)
         while len(self._recent) > RECENT:
             self._recent.popitem(last=False)
         return entry

@@ -52,134 +52,150 @@ def terminal_env(stream: TextIO | None = None) -> dict[str, str]:
     return {"TANDEM_TTY": "1", "COLUMNS": str(max(20, columns - PREFIX_ROOM))}
 
 
-class Console:
-    """One launcher stream (stdout or stderr) shared by every reader thread.
+class _Screen:
+    """What the launcher's two streams share: one merger (so that lines held on one
+    stream are not overtaken by the other's), one lock, the redrawn line on screen (both
+    streams are the same terminal when both are terminals), and the timer thread that
+    shows held lines when their time comes, until :meth:`close`."""
 
-    Worker lines come in through :meth:`line` and :meth:`redraw`; the launcher's own
-    through :meth:`message`. :meth:`close` shows what still waits and stops the timer
-    thread that shows held lines when their time comes.
-    """
+    def __init__(self, streams: dict[str, Callable[[], TextIO]], merger: Merger) -> None:
+        self.streams = streams  # looked up per write: tests may swap sys.stdout
+        self.merger = merger
+        self.cond = threading.Condition()
+        self.bar: tuple[str, int, str] | None = None  # (stream, rank, text) on screen
+        self.timer: threading.Thread | None = None
+        self.closed = False
 
-    def __init__(self, get_stream: Callable[[], TextIO], merger: Merger | None = None) -> None:
-        self._get_stream = get_stream  # looked up per write: tests may swap sys.stdout
-        self._merger = merger or Merger()
-        self._cond = threading.Condition()
-        self._bar: tuple[int, str] | None = None  # (rank, text) of a redraw on screen
-        self._timer: threading.Thread | None = None
-        self._closed = False
-
-    @classmethod
-    def stdout(cls) -> Console:
-        return cls(lambda: sys.stdout)
-
-    @classmethod
-    def stderr(cls) -> Console:
-        return cls(lambda: sys.stderr)
-
-    # -- input -----------------------------------------------------------------------
-    def attach(self, rank: int) -> None:
-        with self._cond:
-            self._merger.attach(rank)
-
-    def detach(self, rank: int) -> None:
-        with self._cond:
-            self._merger.detach(rank)
-            self._show(self._merger.due(time.monotonic()))
-
-    def line(self, rank: int, text: bytes) -> None:
-        self._add(lambda now: self._merger.line(rank, _decode(text), now))
-
-    def redraw(self, rank: int, text: bytes) -> None:
-        self._add(lambda now: self._merger.redraw(rank, _decode(text), now))
-
-    def message(self, text: str) -> None:
-        """A launcher line (not from a worker): shown after everything that waits."""
-        with self._cond:
-            self._show(self._merger.drain(time.monotonic()))
-            self._render(Entry(text, set(), False, 0.0))
-
-    def _add(self, put: Callable[[float], None]) -> None:
-        with self._cond:
+    def add(self, put: Callable[[float], None]) -> None:
+        with self.cond:
             now = time.monotonic()
             put(now)
-            if self._closed:  # no timer any more: nothing may wait
-                self._show(self._merger.drain(now))
+            if self.closed:  # no timer any more: nothing may wait
+                self.show(self.merger.drain(now))
                 return
-            self._show(self._merger.due(now))
-            if self._merger.next_due() is not None:
-                if self._timer is None:
-                    self._timer = threading.Thread(target=self._time, name="tandem-console",
-                                                   daemon=True)
-                    self._timer.start()
-                self._cond.notify()
+            self.show(self.merger.due(now))
+            if self.merger.next_due() is not None:
+                if self.timer is None:
+                    self.timer = threading.Thread(target=self._time, name="tandem-console",
+                                                  daemon=True)
+                    self.timer.start()
+                self.cond.notify()
 
     def _time(self) -> None:
-        """Show held lines when their time comes, until :meth:`close`."""
-        with self._cond:
-            while not self._closed:
+        with self.cond:
+            while not self.closed:
                 now = time.monotonic()
-                self._show(self._merger.due(now))
-                due = self._merger.next_due()
-                self._cond.wait(None if due is None else max(0.001, due - now))
+                self.show(self.merger.due(now))
+                due = self.merger.next_due()
+                self.cond.wait(None if due is None else max(0.001, due - now))
 
-    def close(self, timeout: float = 2.0) -> None:
-        """Show whatever waits, end a redrawn line, stop the timer thread."""
-        with self._cond:
-            self._closed = True
-            self._show(self._merger.drain(time.monotonic()))
-            if self._bar is not None:
-                self._write("\n")
-                self._bar = None
-            self._cond.notify()
-        if self._timer is not None:
-            self._timer.join(timeout)
+    def close(self, timeout: float) -> None:
+        with self.cond:
+            self.closed = True
+            self.show(self.merger.drain(time.monotonic()))
+            if self.bar is not None:
+                self._write(self.bar[0], "\n")
+                self.bar = None
+            self.cond.notify()
+        if self.timer is not None:
+            self.timer.join(timeout)
 
     # -- output (the caller holds the lock) -------------------------------------------
-    def _show(self, entries: list[Entry]) -> None:
+    def show(self, entries: list[Entry]) -> None:
         for entry in entries:
-            self._render(entry)
+            self.render(entry)
 
-    def _render(self, entry: Entry) -> None:
+    def render(self, entry: Entry) -> None:
         prefix = f"[rank{rank_ranges(entry.ranks)}]: " if entry.ranks else ""
         text = prefix + entry.text
-        terminal = self._is_terminal()
+        terminal = self._is_terminal(entry.stream)
         if entry.redraw:
             if not terminal:
                 return  # only whole lines belong in a file or a pipe
             (rank,) = entry.ranks
             width = 0
-            if self._bar is not None and self._bar[0] != rank:
-                self._write("\n")  # another rank's bar: leave it as a line
-            elif self._bar is not None:
-                width = len(self._bar[1])
-            self._write("\r" + text + " " * max(0, width - len(text)))
-            self._bar = (rank, text)
+            if self.bar is not None and self.bar[:2] != (entry.stream, rank):
+                self._write(self.bar[0], "\n")  # another rank's bar: leave it as a line
+            elif self.bar is not None:
+                width = len(self.bar[2])
+            self._write(entry.stream, "\r" + text + " " * max(0, width - len(text)))
+            self.bar = (entry.stream, rank, text)
             return
-        if self._bar is None or not terminal:
-            self._write(text + "\n")
+        if self.bar is None or not terminal:
+            self._write(entry.stream, text + "\n")
             return
-        rank, bar = self._bar
+        stream, rank, bar = self.bar
         # the line goes where the bar is; the bar is drawn again below it unless the
         # line is the bar's rank finishing it (a bar's last state ends with a newline)
-        self._write("\r" + text + " " * max(0, len(bar) - len(text)) + "\n")
-        if rank in entry.ranks:
-            self._bar = None
+        self._write(entry.stream, "\r" + text + " " * max(0, len(bar) - len(text)) + "\n")
+        if stream == entry.stream and rank in entry.ranks:
+            self.bar = None
         else:
-            self._write(bar)
+            self._write(stream, bar)
 
-    def _is_terminal(self) -> bool:
+    def _is_terminal(self, stream: str) -> bool:
         try:
-            return self._get_stream().isatty()
+            return self.streams[stream]().isatty()
         except (OSError, ValueError, AttributeError):
             return False
 
-    def _write(self, text: str) -> None:
-        stream = self._get_stream()
+    def _write(self, stream: str, text: str) -> None:
+        out = self.streams[stream]()
         try:
-            stream.write(text)
-            stream.flush()
+            out.write(text)
+            out.flush()
         except (OSError, ValueError):
             pass  # the launcher's own stream is gone (closed pipe): keep draining
+
+
+class Console:
+    """One of the launcher's streams, shared by every reader thread; see the module
+    docstring. ``out, err = Console.pair()`` makes the two, which share one screen.
+
+    Worker lines come in through :meth:`line` and :meth:`redraw`; the launcher's own
+    through :meth:`message`. :meth:`close` (of either) shows what still waits and stops
+    the timer thread.
+    """
+
+    def __init__(self, screen: _Screen, stream: str) -> None:
+        self._screen = screen
+        self.stream = stream
+
+    @classmethod
+    def pair(cls, out: Callable[[], TextIO] = lambda: sys.stdout,
+             err: Callable[[], TextIO] = lambda: sys.stderr,
+             merger: Merger | None = None) -> tuple[Console, Console]:
+        screen = _Screen({"stdout": out, "stderr": err}, merger or Merger())
+        return cls(screen, "stdout"), cls(screen, "stderr")
+
+    def attach(self, rank: int) -> None:
+        with self._screen.cond:
+            self._screen.merger.attach(rank, self.stream)
+
+    def detach(self, rank: int) -> None:
+        screen = self._screen
+        with screen.cond:
+            screen.merger.detach(rank, self.stream)
+            screen.show(screen.merger.due(time.monotonic()))
+
+    def line(self, rank: int, text: bytes) -> None:
+        self._screen.add(lambda now: self._screen.merger.line(rank, self.stream,
+                                                               _decode(text), now))
+
+    def redraw(self, rank: int, text: bytes) -> None:
+        self._screen.add(lambda now: self._screen.merger.redraw(rank, self.stream,
+                                                                 _decode(text), now))
+
+    def message(self, text: str) -> None:
+        """A launcher line (not from a worker): shown after everything that waits."""
+        screen = self._screen
+        with screen.cond:
+            screen.show(screen.merger.drain(time.monotonic()))
+            screen.render(Entry(self.stream, text, set(), False, 0.0))
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Show whatever waits, end a redrawn line, stop the timer thread (idempotent)."""
+        self._screen.close(timeout)
 
 
 def _decode(data: bytes) -> str:
