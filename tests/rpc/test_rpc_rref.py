@@ -169,7 +169,8 @@ def _surface(rank: int, world: int) -> dict[str, Any]:
         theirs = rpc.remote("worker1", torch.ones, args=(2,))
         r["user_local_value"] = attempt(theirs.local_value)
         theirs.to_here()
-        r["confirmed"] = theirs.confirmed_by_owner()
+        # the owner's confirmation is its own message: it may land just after to_here's
+        r["confirmed"] = wait_until(theirs.confirmed_by_owner, 10)
         r["returned"] = rpc.rpc_sync("worker1", echo, args=(theirs,)).to_here().tolist()
         r["pickle"] = attempt(pickle.dumps, theirs)
         r["repr"] = repr(theirs)
