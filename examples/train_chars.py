@@ -17,7 +17,7 @@ in a temporary directory::
 
 Under a launcher, which sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
 LOCAL_RANK (env:// rendezvous); every rank runs this file, and the launcher's flag sets
-the number of ranks (``--nproc`` must then be left out, or agree with it)::
+the number of ranks (``--nproc`` given to this file is then refused)::
 
     bash scripts/train.sh --nproc 4 --quick             # or NPROC=4: tandemrun underneath
     python -m tandem.run --nproc-per-node 2 examples/train_chars.py --quick
@@ -77,7 +77,7 @@ processes:
   standalone (python examples/train_chars.py): --nproc N local ranks (default 2).
   scripts/train.sh: --nproc N, or NPROC=N (default 2), becomes tandemrun's
   --nproc-per-node. Under any launcher the launcher sets the ranks (WORLD_SIZE),
-  and a --nproc that differs from it is refused.
+  and a --nproc given to this script is refused: give it to the launcher.
 outputs:
   each run writes checkpoint.pt, loss.png and metrics.json to a new directory,
   runs/train_chars/run_NNN; --out DIR writes to DIR instead, and never over another
@@ -129,7 +129,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[RunConfig, argparse.N
     if (ns.nproc is not None and ns.nproc <= 0) or ns.threads <= 0:
         p.error("--nproc and --threads must be positive")
     world = os.environ.get("WORLD_SIZE") if "RANK" in os.environ else None
-    if world is not None and ns.nproc is not None and str(ns.nproc) != world:
+    # even a --nproc equal to WORLD_SIZE is refused: accepting it would let a user
+    # believe this flag sets the ranks under a launcher, until the day it differs
+    if world is not None and ns.nproc is not None:
         p.error(f"--nproc {ns.nproc}: a launcher started this run with {world} ranks "
                 f"(WORLD_SIZE); --nproc only sets the ranks of a standalone run. Give the "
                 f"launcher the number instead (scripts/train.sh --nproc N, tandemrun "
