@@ -11,8 +11,8 @@ every tenth of the run elsewhere), evaluates, prints a generated sample and writ
 Standalone — spawns ``--nproc`` local ranks (default 2) that meet through a FileStore
 in a temporary directory::
 
-    python examples/train_chars.py                      # ~2 min on 2 CPU cores
-    python examples/train_chars.py --quick              # ~20 s smoke run
+    python examples/train_chars.py                      # ~100 s on 2 CPU cores
+    python examples/train_chars.py --quick              # ~15 s smoke run
     python examples/train_chars.py --steps 600 --resume # continue the latest run
 
 Under a launcher, which sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
@@ -83,7 +83,8 @@ outputs:
   runs/train_chars/run_NNN; --out DIR writes to DIR instead, and never over another
   run's checkpoint. --resume continues the latest run (or DIR's checkpoint).
 time:
-  about 2 minutes on 2 CPU cores for the default 300 steps; --quick about 20 s.
+  about 100 s on 2 busy CPU cores for the default 300 steps (83 s of them
+  training), --quick about 15 s, set-up included (measured with scripts/train.sh).
 """
 
 
@@ -107,7 +108,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[RunConfig, argparse.N
                         "restart)")
     p.add_argument("--save-every", type=int, default=100, help="checkpoint period in steps")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="a ~20 s smoke run")
+    p.add_argument("--quick", action="store_true", help="a ~15 s smoke run: 30 small steps")
     p.add_argument("--zero", action="store_true",
                    help="shard the optimizer state over the ranks (ZeroRedundancyOptimizer)")
     p.add_argument("--shard-grads", action="store_true",
