@@ -25,7 +25,7 @@ import re
 import sys
 import threading
 import time
-from typing import IO, Callable, TextIO
+from typing import IO, Callable, Sequence, TextIO
 
 from tandem.run.dedup import Entry, Merger, rank_ranges
 
@@ -179,12 +179,24 @@ class Console:
             screen.show(screen.merger.due(time.monotonic()))
 
     def line(self, rank: int, text: bytes) -> None:
-        self._screen.add(lambda now: self._screen.merger.line(rank, self.stream,
-                                                               _decode(text), now))
+        self.read(rank, [(text, False)])
 
     def redraw(self, rank: int, text: bytes) -> None:
-        self._screen.add(lambda now: self._screen.merger.redraw(rank, self.stream,
-                                                                 _decode(text), now))
+        self.read(rank, [(text, True)])
+
+    def read(self, rank: int, pieces: Sequence[tuple[bytes, bool]]) -> None:
+        """What one read of ``rank``'s pipe brought: (text, is a redraw) in order. They
+        are handed over at once, at one time, so that they count as one write
+        (:data:`tandem.run.dedup.BURST`) however slowly a loaded machine runs the reader:
+        a traceback that shares its first line with another rank's stays whole."""
+        merger = self._screen.merger
+
+        def put(now: float) -> None:
+            for text, redraw in pieces:
+                (merger.redraw if redraw else merger.line)(rank, self.stream,
+                                                           _decode(text), now)
+        if pieces:
+            self._screen.add(put)
 
     def message(self, text: str) -> None:
         """A launcher line (not from a worker): shown after everything that waits."""
@@ -219,25 +231,27 @@ def _drain(pipe: IO[bytes], rank: int, console: Console | None, path: str | None
             if console is None:
                 continue
             data, start = part + chunk, 0
+            pieces: list[tuple[bytes, bool]] = []  # (text, is a redraw), handed over at once
             for m in _BREAK.finditer(data):
                 piece, start = data[start:m.start()], m.end()
                 if m.group() == b"\r":
                     if piece and piece != shown:
-                        console.redraw(rank, piece)
+                        pieces.append((piece, True))
                     shown = piece if piece else shown
                     after_cr = True
                     continue
                 if after_cr:  # what a terminal shows: the new text over the last redraw
                     piece += shown[len(piece):]
-                console.line(rank, piece)
+                pieces.append((piece, False))
                 shown, after_cr = b"", False
             part = data[start:]
             if after_cr and part and part != shown:
-                console.redraw(rank, part)  # the bar's newest state, shown now
+                pieces.append((part, True))  # the bar's newest state, shown now
                 shown = part
             elif len(part) >= MAX_LINE:
-                console.line(rank, part)
+                pieces.append((part, False))
                 part = b""
+            console.read(rank, pieces)
     except (OSError, ValueError):
         pass  # the pipe was closed under us while stopping
     finally:

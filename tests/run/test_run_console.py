@@ -205,6 +205,24 @@ def test_a_line_shorter_than_the_redraw_it_ends_shows_what_a_terminal_would(
 
 
 @pytest.mark.timeout(30)
+def test_lines_of_one_read_stay_one_block_however_slowly_the_reader_runs() -> None:
+    out = io.StringIO()
+    _, console = Console.pair(err=lambda: out, merger=Merger(window=0.5))
+    console.attach(0)
+    console.attach(1)
+    for rank, frame in ((1, b'  File "a.py"'), (0, b'  File "b.py"')):
+        console.read(rank, [(b"Traceback (most recent call last):", False), (frame, False),
+                            (b"KeyError", False)])  # one read brought the whole traceback
+        time.sleep(4 * BURST)  # a loaded machine: the reader threads were preempted
+    console.close()
+    assert out.getvalue().splitlines() == [
+        "[rank1]: Traceback (most recent call last):", '[rank1]:   File "a.py"',
+        "[rank1]: KeyError",
+        "[rank0]: Traceback (most recent call last):", '[rank0]:   File "b.py"',
+        "[rank0]: KeyError"]
+
+
+@pytest.mark.timeout(30)
 def test_held_lines_go_out_on_time_without_new_input() -> None:
     out = io.StringIO()
     _, console = Console.pair(err=lambda: out, merger=Merger(window=0.2))
