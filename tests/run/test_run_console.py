@@ -204,12 +204,18 @@ def test_a_line_shorter_than_the_redraw_it_ends_shows_what_a_terminal_would(
     assert screen.endswith("[rank3]: xycdef\n")
 
 
-@pytest.mark.timeout(30)
-def test_lines_of_one_read_stay_one_block_however_slowly_the_reader_runs() -> None:
+def two_ranks_on_stderr(window: float) -> tuple[io.StringIO, Console]:
+    """Ranks 0 and 1 attached to a stderr console writing to the returned buffer."""
     out = io.StringIO()
-    _, console = Console.pair(err=lambda: out, merger=Merger(window=0.5))
+    _, console = Console.pair(err=lambda: out, merger=Merger(window=window))
     console.attach(0)
     console.attach(1)
+    return out, console
+
+
+@pytest.mark.timeout(30)
+def test_lines_of_one_read_stay_one_block_however_slowly_the_reader_runs() -> None:
+    out, console = two_ranks_on_stderr(window=0.5)
     for rank, frame in ((1, b'  File "a.py"'), (0, b'  File "b.py"')):
         console.read(rank, [(b"Traceback (most recent call last):", False), (frame, False),
                             (b"KeyError", False)])  # one read brought the whole traceback
@@ -224,10 +230,7 @@ def test_lines_of_one_read_stay_one_block_however_slowly_the_reader_runs() -> No
 
 @pytest.mark.timeout(30)
 def test_held_lines_go_out_on_time_without_new_input() -> None:
-    out = io.StringIO()
-    _, console = Console.pair(err=lambda: out, merger=Merger(window=0.2))
-    console.attach(0)
-    console.attach(1)
+    out, console = two_ranks_on_stderr(window=0.2)
     console.line(0, b"alone")
     assert out.getvalue() == ""
     deadline = time.monotonic() + 5
