@@ -88,9 +88,20 @@ time:
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """Under a launcher every rank parses the same command line and finds the same
+    error (or ``--help``): rank 0 alone prints it. The launcher would merge the ranks'
+    copies only when they arrive within a second of each other, and ranks that start
+    further apart than that on a loaded machine would each print theirs."""
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if os.environ.get("RANK", "0") == "0":
+            super()._print_message(message, file)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> tuple[RunConfig, argparse.Namespace]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(description=__doc__.split("\n\n")[0], epilog=EPILOG,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, help="total optimizer steps (default 300; quick 30)")
     p.add_argument("--batch-size", type=int, help="sequences per rank per step (16; quick 8)")
     p.add_argument("--seq-len", type=int, help="characters per sequence (128; quick 64)")

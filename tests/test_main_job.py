@@ -142,7 +142,9 @@ def test_runs_get_their_own_directories_and_a_resume_says_what_changed(tmp_path:
     # a named directory that holds a run is not overwritten; a new run gets its own
     res = tandemrun(tmp_path, 2, *TINY, "--steps", "3", "--out", str(runs / "run_001"))
     assert res.returncode == 1
+    # once, from rank 0 alone: not left to the launcher merging copies that arrive close
     assert res.stderr.count("holds the checkpoint of an earlier run (step 9)") == 1, res.stderr
+    assert f"[rank0]: train_chars: {runs / 'run_001'} holds the checkpoint" in res.stderr
     res = tandemrun(tmp_path, 2, *TINY, "--steps", "3")
     assert res.returncode == 0, res.stderr
     assert json.loads((runs / "run_002" / "metrics.json").read_text())["steps"] == 3
@@ -161,4 +163,5 @@ def test_help_says_how_many_processes_and_the_launcher_decides(tmp_path: Path) -
         assert res.returncode == 1
         assert res.stderr.count(f"--nproc {nproc}: a launcher started this run with 2 ranks") \
             == 1, res.stderr
+        assert f"[rank0]: train_chars.py: error: --nproc {nproc}:" in res.stderr  # rank 0's
         assert not (tmp_path / "runs").exists()

@@ -145,7 +145,7 @@ def choose_run(out: str | None, resume: bool) -> Run:
 
 def agree_on_run(out: str | None, resume: bool) -> Run:
     """Every rank calls this: rank 0 chooses, the others learn its choice (or its refusal,
-    which every rank then exits with, so the launcher shows it once for all)."""
+    which every rank then exits with; rank 0 alone prints it)."""
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
@@ -153,8 +153,8 @@ def agree_on_run(out: str | None, resume: bool) -> Run:
         except SystemExit as refusal:
             box[0] = str(refusal.code)
     dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], str):
-        raise SystemExit(box[0])
+    if isinstance(box[0], str):  # rank 0 says why; the others only fail with it
+        raise SystemExit(box[0] if dist.get_rank() == 0 else 1)
     run: Run = box[0]
     return run
 
