@@ -34,7 +34,9 @@ TANDEM_SHM_ARENA               0: same-host groups do not share staging memory, 
 TANDEM_SHM_CHUNK               staging bytes per rank and half of a shared-memory arena,
                                a power of two >= 4096; 0 picks 1 MiB, or 4 MiB when
                                the host has fewer CPUs than local ranks (0)
-TANDEM_DEBUG                   1: log rejected connections to stderr (0)
+TANDEM_DEBUG                   1: log rejected connections to stderr, and under
+                               ``tandemrun`` print every failing rank's whole traceback,
+                               tandem's own frames included (0)
 TANDEM_HOST_ID                 this rank's host identity, for topology decisions (default:
                                the host name); set it to simulate hosts on one machine
 LOCAL_WORLD_SIZE               ranks per node (set by the launcher); the default
@@ -51,6 +53,9 @@ TANDEM_FLIGHT_RECORDER         calls each process group remembers (its flight re
 TANDEM_TRACE_DIR               where flight-recorder dumps go, one ``rank<N>.json`` per
                                rank; ``tandemrun --log-dir`` sets it under the log dir
                                (``./tandem-trace``)
+TANDEM_DUMP_NOTICE             0: a rank does not say on stderr where it wrote its flight
+                               recorder; ``tandemrun`` sets 0 for its workers, since it
+                               names every rank's dump in one line itself (1)
 TANDEM_TIMELINE                write a Chrome/Perfetto trace of this rank's calls to
                                ``<path stem>.rank<N>.json``; ``tandemrun`` or
                                ``python -m tandem.trace --timeline PATH`` merges the
@@ -120,6 +125,7 @@ class Settings:
     stall_warn: float = 30.0
     flight_recorder: int = 2000
     trace_dir: str = "tandem-trace"
+    dump_notice: bool = True
     timeline: str | None = None
     elastic_store: str | None = None
     elastic_id: str | None = None
@@ -217,6 +223,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         stall_warn=_number(env, "TANDEM_STALL_WARN", float, base.stall_warn),
         flight_recorder=_number(env, "TANDEM_FLIGHT_RECORDER", int, base.flight_recorder),
         trace_dir=env.get("TANDEM_TRACE_DIR") or base.trace_dir,
+        dump_notice=_flag(env, "TANDEM_DUMP_NOTICE", base.dump_notice),
         timeline=env.get("TANDEM_TIMELINE") or None,
         elastic_store=env.get("TANDEM_ELASTIC_STORE") or None,
         elastic_id=env.get("TANDEM_ELASTIC_ID") or None,

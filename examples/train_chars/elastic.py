@@ -44,9 +44,12 @@ def joining() -> bool:
 def train_elastic(cfg: Any, ddp: torch.nn.Module, optimizer: torch.optim.Optimizer,
                   windows: CharWindows, step: int, history: list[Any], progress: Progress,
                   lr: Callable[[int], float], step_seed: Callable[[int, int], int],
-                  mean: Callable[[torch.Tensor], float],
-                  save: Callable[[int, list[Any]], None]) -> tuple[int, list[Any]]:
-    """Train from ``step`` to ``cfg.steps`` under ``run_elastic``; (step, history) at the end."""
+                  mean: Callable[[torch.Tensor], float], save: Callable[[int, list[Any]], None],
+                  run_dir: list[str]) -> tuple[int, list[Any]]:
+    """Train from ``step`` to ``cfg.steps`` under ``run_elastic``; (step, history) at the end.
+
+    ``run_dir[0]``: the run's directory; each membership takes rank 0's (a replacement
+    starts without one)."""
     state = ElasticState(model=ddp, optimizer=optimizer, step=step, history=history)
     sampler = ElasticSampler(windows, state, cfg.batch_size, seed=cfg.seed)
     loader = DataLoader(windows, batch_sampler=sampler)  # kept across membership changes
@@ -56,11 +59,12 @@ def train_elastic(cfg: Any, ddp: torch.nn.Module, optimizer: torch.optim.Optimiz
     def loop(state: ElasticState) -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
         progress.enabled = rank == 0  # rank 0 may be another worker after a change
-        pids: list[Any] = [None] * world
-        dist.all_gather_object(pids, os.getpid())  # for whoever wants to try a kill -9
-        if rank == 0:
+        infos: list[Any] = [None] * world
+        dist.all_gather_object(infos, (os.getpid(), run_dir[0]))
+        run_dir[0] = infos[0][1]  # rank 0 is always a worker that was there before
+        if rank == 0:  # the pids, for whoever wants to try a kill -9
             print(f"train_chars: elastic, {world} ranks at step {state.step}: "
-                  + ", ".join(f"rank {r} pid {p}" for r, p in enumerate(pids))
+                  + ", ".join(f"rank {r} pid {pid}" for r, (pid, _) in enumerate(infos))
                   + " (kill -9 one: the others go on)", flush=True)
         first, started = state.step, time.monotonic()
         for x, y in loader:

@@ -74,14 +74,14 @@ class Worker:
         finally:
             os.close(report)
         self.pid = self.proc.pid  # the supervisor's
-        prefix = f"[{spec.label or f'rank{spec.rank}'}]: "
+        key = out.labelled(spec.label) if spec.label else spec.rank  # how its lines show
         self._pumps = []
         if self.proc.stdout is not None:
-            self._pumps.append(start_pump(self.proc.stdout, prefix,
+            self._pumps.append(start_pump(self.proc.stdout, key,
                                           out if spec.stdout_console else None,
                                           files["stdout"], f"tandem-out-{spec.rank}"))
         if self.proc.stderr is not None:
-            self._pumps.append(start_pump(self.proc.stderr, prefix,
+            self._pumps.append(start_pump(self.proc.stderr, key,
                                           err if spec.stderr_console else None,
                                           files["stderr"], f"tandem-err-{spec.rank}"))
         self._reaper = threading.Thread(target=self._reap, args=(on_exit,),
