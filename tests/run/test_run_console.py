@@ -239,3 +239,22 @@ def test_held_lines_go_out_on_time_without_new_input() -> None:
     assert out.getvalue() == "[rank0]: alone\n"
     console.close()
     assert not [t for t in threading.enumerate() if t.name == "tandem-console"]
+
+
+def test_a_labelled_worker_shows_its_own_name_even_in_a_merged_line() -> None:
+    # tandem.elastic's replacements and spares: [rank1.1], [spare0.0], never a rank's prefix
+    screen = io.StringIO()
+    out, err = Console.pair(lambda: screen, lambda: screen, Merger(window=0.2))
+    spare = err.labelled("spare0.0")
+    for key in (0, spare):
+        err.attach(key)
+    err.line(spare, b"waiting to join\n")
+    err.line(0, b"step 5\n")
+    err.line(spare, b"shared\n")
+    err.line(0, b"shared\n")
+    for key in (0, spare):
+        err.detach(key)
+    err.close()
+    lines = screen.getvalue().splitlines()
+    assert "[spare0.0]: waiting to join" in lines and "[rank0]: step 5" in lines, lines
+    assert "[rank0,spare0.0]: shared" in lines, lines
