@@ -2,19 +2,24 @@
 
 The text is the ``.py`` source of the running Python's stdlib (no download). Each
 rank trains a replica wrapped in ``tandem.parallel.DistributedDataParallel`` on its
-``DistributedSampler`` share; rank 0 shows progress, evaluates, prints a generated
-sample and writes ``checkpoint.pt``, ``loss.png`` and ``metrics.json`` to ``--out``.
+``DistributedSampler`` share; rank 0 shows progress (a tqdm bar on a terminal, a line
+every tenth of the run elsewhere), evaluates, prints a generated sample and writes
+``checkpoint.pt``, ``loss.png`` and ``metrics.json`` to the run's directory: a new
+``runs/train_chars/run_NNN`` for each run, or ``--out DIR`` (see
+``train_chars/checkpoint.py``: no run overwrites another's checkpoint).
 
 Standalone — spawns ``--nproc`` local ranks (default 2) that meet through a FileStore
 in a temporary directory::
 
-    python examples/train_chars.py                      # ~2 min on 2 CPU cores
-    python examples/train_chars.py --quick              # ~20 s smoke run
-    python examples/train_chars.py --steps 600 --resume # continue runs/train_chars
+    python examples/train_chars.py                      # ~100 s on 2 CPU cores
+    python examples/train_chars.py --quick              # ~15 s smoke run
+    python examples/train_chars.py --steps 600 --resume # continue the latest run
 
 Under a launcher, which sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
-LOCAL_RANK (env:// rendezvous); every rank runs this file::
+LOCAL_RANK (env:// rendezvous); every rank runs this file, and the launcher's flag sets
+the number of ranks (``--nproc`` given to this file is then refused)::
 
+    bash scripts/train.sh --nproc 4 --quick             # or NPROC=4: tandemrun underneath
     python -m tandem.run --nproc-per-node 2 examples/train_chars.py --quick
     RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python examples/train_chars.py &
     RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python examples/train_chars.py
@@ -25,6 +30,9 @@ Checkpoints (every ``--save-every`` steps and at the end) are written atomically
 and end with the same parameters as a run that never failed::
 
     python -m tandem.run --nproc-per-node 2 --max-restarts 3 examples/train_chars.py --save-every 20
+
+A run resumed with a different number of ranks says so: the global batch (``--batch-size``
+per rank) changes with it.
 
 Distributed optimizers and uneven inputs::
 
@@ -64,8 +72,36 @@ QUICK = {"steps": 30, "batch_size": 8, "seq_len": 64, "dim": 64, "layers": 2, "h
          "corpus_mb": 0.5, "eval_windows": 64, "sample_chars": 120}
 
 
+EPILOG = """\
+processes:
+  standalone (python examples/train_chars.py): --nproc N local ranks (default 2).
+  scripts/train.sh: --nproc N, or NPROC=N (default 2), becomes tandemrun's
+  --nproc-per-node. Under any launcher the launcher sets the ranks (WORLD_SIZE),
+  and a --nproc given to this script is refused: give it to the launcher.
+outputs:
+  each run writes checkpoint.pt, loss.png and metrics.json to a new directory,
+  runs/train_chars/run_NNN; --out DIR writes to DIR instead, and never over another
+  run's checkpoint. --resume continues the latest run (or DIR's checkpoint).
+time:
+  about 100 s on 2 busy CPU cores for the default 300 steps (83 s of them
+  training), --quick about 15 s, set-up included (measured with scripts/train.sh).
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Under a launcher every rank parses the same command line and finds the same
+    error (or ``--help``): rank 0 alone prints it. The launcher would merge the ranks'
+    copies only when they arrive within a second of each other, and ranks that start
+    further apart than that on a loaded machine would each print theirs."""
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if os.environ.get("RANK", "0") == "0":
+            super()._print_message(message, file)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> tuple[RunConfig, argparse.Namespace]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = _Parser(description=__doc__.split("\n\n")[0], epilog=EPILOG,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, help="total optimizer steps (default 300; quick 30)")
     p.add_argument("--batch-size", type=int, help="sequences per rank per step (16; quick 8)")
     p.add_argument("--seq-len", type=int, help="characters per sequence (128; quick 64)")
@@ -73,13 +109,17 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[RunConfig, argparse.N
     p.add_argument("--layers", type=int, help="transformer blocks (3; quick 2)")
     p.add_argument("--corpus-mb", type=float, help="MB of stdlib source to read (3; quick 0.5)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (3e-3)")
-    p.add_argument("--nproc", type=int, default=2, help="local ranks when run standalone (2)")
+    p.add_argument("--nproc", type=int, metavar="N",
+                   help="ranks of a standalone run (2); see 'processes' below")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (1)")
-    p.add_argument("--out", default="runs/train_chars", help="output directory")
-    p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt (automatic after a launcher restart)")
+    p.add_argument("--out", metavar="DIR",
+                   help="this run's directory (default: a new runs/train_chars/run_NNN)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the latest run, or --out's (automatic after a launcher "
+                        "restart)")
     p.add_argument("--save-every", type=int, default=100, help="checkpoint period in steps")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="a ~20 s smoke run")
+    p.add_argument("--quick", action="store_true", help="a ~15 s smoke run: 30 small steps")
     p.add_argument("--zero", action="store_true",
                    help="shard the optimizer state over the ranks (ZeroRedundancyOptimizer)")
     p.add_argument("--shard-grads", action="store_true",
@@ -98,8 +138,16 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[RunConfig, argparse.N
             p.error(f"--{name.replace('_', '-')} must be positive")
     if cfg.dim % cfg.heads:
         p.error(f"--dim must be a multiple of {cfg.heads} (attention heads)")
-    if ns.nproc <= 0 or ns.threads <= 0:
+    if (ns.nproc is not None and ns.nproc <= 0) or ns.threads <= 0:
         p.error("--nproc and --threads must be positive")
+    world = os.environ.get("WORLD_SIZE") if "RANK" in os.environ else None
+    # even a --nproc equal to WORLD_SIZE is refused: accepting it would let a user
+    # believe this flag sets the ranks under a launcher, until the day it differs
+    if world is not None and ns.nproc is not None:
+        p.error(f"--nproc {ns.nproc}: a launcher started this run with {world} ranks "
+                f"(WORLD_SIZE); --nproc only sets the ranks of a standalone run. Give the "
+                f"launcher the number instead (scripts/train.sh --nproc N, tandemrun "
+                f"--nproc-per-node N)")
     if ns.uneven < 0:
         p.error("--uneven must be 0 (off) or positive")
     return cfg, ns
@@ -120,6 +168,10 @@ def _local_rank(rank: int, world_size: int, cfg: RunConfig, threads: int, init: 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
         run_rank(cfg, threads, init, rank, world_size)
+    except SystemExit as refusal:  # every rank refuses alike: one says why
+        if rank == 0 and isinstance(refusal.code, str):
+            sys.stderr.write(refusal.code + "\n")
+        raise SystemExit(0 if refusal.code in (None, 0) else 1)
     except BaseException:
         sys.stderr.write(f"[rank {rank}] " + traceback.format_exc())
         sys.stderr.flush()
@@ -171,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by a launcher
         run_rank(cfg, ns.threads)
         return 0
-    return launch_local(cfg, ns.nproc, ns.threads)
+    return launch_local(cfg, 2 if ns.nproc is None else ns.nproc, ns.threads)
 
 
 if __name__ == "__main__":

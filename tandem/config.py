@@ -27,13 +27,16 @@ TANDEM_ALGORITHM               force one all-reduce algorithm: auto, naive, ring
 TANDEM_RING_THRESHOLD          all-reduce payloads of at least this many bytes use the
                                ring algorithm, smaller ones recursive doubling; two
                                ranks use four times this (524288)
-TANDEM_CHUNK_BYTES             pipeline chunk of the ring algorithm (1 MiB)
+TANDEM_CHUNK_BYTES             smallest pipeline chunk of the ring algorithm; a larger
+                               segment is cut into eight chunks (1 MiB)
 TANDEM_SHM_ARENA               0: same-host groups do not share staging memory, so
                                collectives go through the message rings only (1)
 TANDEM_SHM_CHUNK               staging bytes per rank and half of a shared-memory arena,
                                a power of two >= 4096; 0 picks 1 MiB, or 4 MiB when
                                the host has fewer CPUs than local ranks (0)
-TANDEM_DEBUG                   1: log rejected connections to stderr (0)
+TANDEM_DEBUG                   1: log rejected connections to stderr, and under
+                               ``tandemrun`` print every failing rank's whole traceback,
+                               tandem's own frames included (0)
 TANDEM_HOST_ID                 this rank's host identity, for topology decisions (default:
                                the host name); set it to simulate hosts on one machine
 LOCAL_WORLD_SIZE               ranks per node (set by the launcher); the default
@@ -50,6 +53,9 @@ TANDEM_FLIGHT_RECORDER         calls each process group remembers (its flight re
 TANDEM_TRACE_DIR               where flight-recorder dumps go, one ``rank<N>.json`` per
                                rank; ``tandemrun --log-dir`` sets it under the log dir
                                (``./tandem-trace``)
+TANDEM_DUMP_NOTICE             0: a rank does not say on stderr where it wrote its flight
+                               recorder; ``tandemrun`` sets 0 for its workers, since it
+                               names every rank's dump in one line itself (1)
 TANDEM_TIMELINE                write a Chrome/Perfetto trace of this rank's calls to
                                ``<path stem>.rank<N>.json``; ``tandemrun`` or
                                ``python -m tandem.trace --timeline PATH`` merges the
@@ -98,6 +104,7 @@ class Settings:
     stall_warn: float = 30.0
     flight_recorder: int = 2000
     trace_dir: str = "tandem-trace"
+    dump_notice: bool = True
     timeline: str | None = None
 
     def __post_init__(self) -> None:
@@ -174,6 +181,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         stall_warn=_number(env, "TANDEM_STALL_WARN", float, base.stall_warn),
         flight_recorder=_number(env, "TANDEM_FLIGHT_RECORDER", int, base.flight_recorder),
         trace_dir=env.get("TANDEM_TRACE_DIR") or base.trace_dir,
+        dump_notice=_flag(env, "TANDEM_DUMP_NOTICE", base.dump_notice),
         timeline=env.get("TANDEM_TIMELINE") or None,
     )
 

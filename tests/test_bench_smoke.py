@@ -10,6 +10,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 NUMBER = re.compile(r"^(\d+(?:\.\d+)?)(?: MB/s|%)?")
 
 
@@ -86,3 +88,25 @@ def test_the_recorder_benchmark_prints_both_modes_and_the_share() -> None:
                          rf"[+-]\d+\.\d%", out), out
     assert re.search(r"recording work per call .*: \d+\.\d\d us = \d+\.\d\d% of the 4096 B", out)
     assert re.search(r"whole call path .*: [+-]\d+\.\d\d us per call .* of the 4096 B", out)
+
+
+def test_quick_bench_across_shaped_simulated_hosts_prints_ratio_and_link_bound() -> None:
+    proc = subprocess.run([sys.executable, "-m", "tandem.bench", "collectives", "--quick",
+                           "--link", "1gbit:0.2ms", "--ops", "all_reduce,all_gather"],
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode == 1 and "simulated hosts are unavailable" in proc.stdout:
+        pytest.skip(proc.stdout.strip().splitlines()[-1])
+    assert proc.returncode == 0, f"bench failed:\n{proc.stdout}\n{proc.stderr}"
+    lines = proc.stdout.splitlines()
+    link = next(ln for ln in lines if ln.startswith("2x1: link 1gbit:0.2ms"))
+    assert re.search(r"one TCP stream \d+ Mbit/s, ping round trip median \d", link), link
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("hosts x ranks "))
+    rows = [dict(zip(re.split(r"\s{2,}", lines[start].strip()), re.split(r"\s{2,}", ln.strip())))
+            for ln in lines[start + 1:]]
+    assert [(r["hosts x ranks"], r["op"], r["size"]) for r in rows] == [
+        ("2x1", op, size) for op in ("all_reduce", "all_gather") for size in ("4 KB", "1 MB")]
+    for row in rows:
+        for column in ("auto ratio", "auto/bound", "gloo/bound"):
+            _positive(row, column)
+    # 1 MB all-reduce over 2 hosts: each must send 1 MB at 125 MB/s
+    assert rows[1]["link bound"] == "8.4 ms", rows[1]

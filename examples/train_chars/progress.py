@@ -1,35 +1,51 @@
-"""Rank 0's progress: a tqdm bar on a terminal, plain periodic lines in logs and pipes."""
+"""Rank 0's progress: a tqdm bar on a terminal, plain periodic lines in logs and pipes.
+
+Under ``tandemrun`` a worker's stderr is a pipe to the launcher, which says in
+``TANDEM_TTY=1`` when its own console is a terminal: it then passes the bar's
+carriage-return redraws through with the rank prefix, and ``COLUMNS`` is the width
+left after that prefix.
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 import time
 from typing import Any
 
-__all__ = ["Progress"]
+__all__ = ["Progress", "on_a_terminal"]
+
+
+def on_a_terminal() -> bool:
+    """Whether what this process writes to stderr ends up on a terminal."""
+    return sys.stderr.isatty() or os.environ.get("TANDEM_TTY") == "1"
 
 
 class Progress:
     """``update(step, loss, samples_per_s)`` after each step; ``close()`` at the end.
 
-    When stderr is not a terminal (logs, tests, a launcher's pipe) it prints a full line
-    every tenth of the run instead of redrawing one: a bar redrawn with carriage returns
-    is unreadable in a log file.
+    When stderr does not reach a terminal (logs, tests, a pipe) it prints a full line
+    every tenth of the run instead of redrawing one: a bar redrawn with carriage
+    returns is unreadable in a log file.
     """
 
     def __init__(self, total: int, initial: int = 0, enabled: bool = True) -> None:
         self.total, self.enabled = total, enabled
         self.start = time.monotonic()
-        self.tty = sys.stderr.isatty()
+        self.tty = on_a_terminal()
         self.every = max(1, total // 10)
         self.bar: Any = None
         if enabled and self.tty:
             try:
                 from tqdm import tqdm
-
-                self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
             except ImportError:
-                pass
+                tqdm = None
+            if tqdm is not None:
+                direct = sys.stderr.isatty()  # else tqdm cannot ask the pipe for a width
+                self.bar = tqdm(total=total, initial=initial, unit="step", file=sys.stderr,
+                                dynamic_ncols=direct,
+                                ncols=None if direct else shutil.get_terminal_size().columns)
 
     def update(self, step: int, loss: float, samples_per_s: float) -> None:
         if not self.enabled:

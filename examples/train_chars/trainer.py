@@ -57,7 +57,7 @@ class RunConfig:
     lr: float
     corpus_mb: float
     eval_windows: int
-    out: str
+    out: str | None  # None: a new numbered run directory (see checkpoint.py)
     resume: bool
     seed: int
     save_every: int
@@ -152,17 +152,19 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         raise ValueError(f"--uneven {cfg.uneven}: rank {world - 1} would train no step of "
                          f"{cfg.steps}; use a smaller value")
     optimizer = _optimizer(cfg, model)
-    ckpt = os.path.join(cfg.out, "checkpoint.pt")
-    step, history, val_history = 0, [], []
-    resume, why = checkpoint.resume_from(ckpt, cfg.resume)
-    if resume:
+    run = checkpoint.agree_on_run(cfg.out, cfg.resume)
+    ckpt = run.checkpoint
+    step, history, val_history, trained_on = 0, [], [], world
+    if run.resume:
         state = checkpoint.load(ckpt)
         if state["model_config"] != dataclasses.asdict(mcfg):
-            raise ValueError(f"{why}: {ckpt} holds a model {state['model_config']}, "
-                             f"these flags build {dataclasses.asdict(mcfg)}")
+            raise SystemExit(f"train_chars: {run.why}: {ckpt} holds a model "
+                             f"{state['model_config']}, these flags build "
+                             f"{dataclasses.asdict(mcfg)}")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step, history, val_history = state["step"], state["history"], state["val_history"]
+        trained_on = state.get("world_size", world)  # older checkpoints did not say
     ddp = DistributedDataParallel(model)
     if cfg.shard_grads:
         shard_gradients(ddp, optimizer)  # type: ignore[arg-type]
@@ -171,10 +173,16 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         print(f"train_chars: {world} ranks, {n_files} stdlib files ({len(train_ids) / 1e6:.2f}M "
               f"train / {len(val_ids) / 1e6:.2f}M val chars), {n_params / 1e6:.2f}M params, "
               f"global batch {cfg.batch_size * world} x {cfg.seq_len}, "
-              f"{f'resuming at step {step} ({why})' if resume else 'from scratch'}; "
-              f"{_describe(cfg)}", flush=True)
-        if why and not resume:
-            print(f"train_chars: {why}", flush=True)
+              f"{f'resuming at step {step} ({run.why})' if run.resume else 'from scratch'}; "
+              f"{_describe(cfg)}; writing to {run.out}", flush=True)
+        if run.why and not run.resume:
+            print(f"train_chars: {run.why}", flush=True)
+        if trained_on != world:
+            print(f"train_chars: the checkpoint was trained on {trained_on} ranks and this run "
+                  f"has {world}: the global batch changes from {cfg.batch_size * trained_on} "
+                  f"to {cfg.batch_size * world} sequences per step (--batch-size is per "
+                  f"rank), and the data order from here differs from a {trained_on}-rank "
+                  f"run's", flush=True)
 
     windows = CharWindows(train_ids, cfg.seq_len)
     sampler = DistributedSampler(windows, shuffle=True, seed=cfg.seed, drop_last=True)
@@ -187,7 +195,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         checkpoint.save({"model": model.state_dict(),
                          "optimizer": _optimizer_state(optimizer, lead),
                          "step": step, "history": history, "val_history": val_history,
-                         "model_config": dataclasses.asdict(mcfg)}, ckpt)
+                         "model_config": dataclasses.asdict(mcfg), "world_size": world,
+                         "batch_size": cfg.batch_size}, ckpt)
 
     progress = Progress(cfg.steps, step, enabled=lead)
     first_step, started = step, time.monotonic()
@@ -231,16 +240,17 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     metrics: dict[str, Any] = {}
     if lead:
         tensors = _verify(ckpt, model, step)
-        png = os.path.join(cfg.out, "loss.png")
+        png = os.path.join(run.out, "loss.png")
         renderer = write_loss_png(png, history, val_history)
         gen = torch.Generator().manual_seed(cfg.seed)
         model.eval()
         sample = decode(model.generate(encode(b"def "), cfg.sample_chars, generator=gen))
         ran = step - first_step
-        tail = [loss for _, loss in history[-10:]]
+        this_run = [loss for s, loss in history if s > first_step]  # after a resume too
+        tail = this_run[-10:]
         metrics = {
             "world_size": world, "steps": step, "steps_this_run": ran,
-            "train_loss_first": history[0][1] if history else None,
+            "train_loss_first": this_run[0] if this_run else None,
             "train_loss_last10": sum(tail) / len(tail) if tail else None,
             "val_loss_start": val_start, "val_loss_end": val_end, "val_history": val_history,
             "elapsed_s": elapsed,
@@ -248,15 +258,17 @@ def train(cfg: RunConfig) -> dict[str, Any]:
             "chars_per_s": ran * cfg.batch_size * world * cfg.seq_len / elapsed if ran else 0.0,
             "checkpoint": ckpt, "checkpoint_verified": True, "png": png, "renderer": renderer,
         }
-        with open(os.path.join(cfg.out, "metrics.json"), "w") as f:
+        with open(os.path.join(run.out, "metrics.json"), "w") as f:
             json.dump(metrics, f, indent=1)
         print(f"done: {ran} steps in {elapsed:.0f} s, {metrics['samples_per_s']:.1f} samples/s "
               f"({metrics['chars_per_s']:.0f} chars/s) on {world} ranks")
-        if history:
-            print(f"loss: train {history[0][1]:.3f} -> {metrics['train_loss_last10']:.3f} "
-                  f"(mean of last 10 steps), validation {val_start:.3f} -> {val_end:.3f}")
+        if this_run:
+            print(f"loss: train {this_run[0]:.3f} -> {metrics['train_loss_last10']:.3f} "
+                  f"(steps {first_step + 1}-{step}: the first, then the mean of the last "
+                  f"{len(tail)}), validation {val_start:.3f} -> {val_end:.3f}")
         print(f"checkpoint: {ckpt} (step {step}) reloaded, {tensors} tensors verified")
-        print(f"loss curve: {png} ({renderer})")
+        print(f"loss curve: {png} ({renderer}); metrics: "
+              f"{os.path.join(run.out, 'metrics.json')}")
         print(f"sample:\n{'-' * 60}\n{sample}\n{'-' * 60}", flush=True)
     dist.barrier()
     return metrics

@@ -6,6 +6,8 @@ Run::
     python -m tandem.bench collectives --ops all_reduce,broadcast,all_gather --markdown
     python -m tandem.bench collectives --backend shm    # one tandem backend (= --backends shm)
     python -m tandem.bench collectives --quick          # 2 ranks, 4 KB and 1 MB, seconds
+    python -m tandem.bench collectives --link 1gbit:0.2ms   # across simulated hosts (root):
+                                                        # see tandem.bench.collectives_hosts
 
 How it measures. For each world size one set of rank processes joins gloo
 (file:// rendezvous) once, then each tandem backend of ``--backends`` (default
@@ -178,34 +180,38 @@ def _round(barrier: Callable[[], object], step: Callable[[], object], iters: int
 
 
 def _measure_one(tandem: Any, gloo: Any, backend: str, op: str, size: int, rank: int, p: int,
-                 rounds: int, round_s: float) -> dict[str, Any]:
-    """Per-op seconds of each contender, per round, for one (backend, op, size)."""
+                 rounds: int, round_s: float,
+                 contenders: Sequence[str] = CONTENDERS) -> dict[str, Any]:
+    """Per-op seconds of each of ``contenders``, per round, for one (backend, op, size)."""
     numel = max(1, size // 4)
     if op == "reduce_scatter":  # every rank's output is numel / p elements
         numel = max(p, numel - numel % p)
     _check(tandem, backend, op, numel, rank, p)  # also the warm-up
     _check(gloo, "gloo", op, numel, rank, p)
     timed = {"tandem": (tandem.barrier, _step(tandem, op, numel, p)),
-             "gloo": (gloo.barrier, _step(gloo, op, numel, p)),
-             "copy": (gloo.barrier, _copy_step(numel * p if op == "all_gather" else numel,
-                                               rank))}
+             "gloo": (gloo.barrier, _step(gloo, op, numel, p))}
+    if "copy" in contenders:
+        timed["copy"] = (gloo.barrier, _copy_step(numel * p if op == "all_gather" else numel,
+                                                  rank))
+    names = list(contenders)
     # every rank must run the same number of iterations: agree on the slowest
     # estimate through gloo
     probe = max(1, min(20, (1 << 20) // size))
-    est = torch.tensor([_round(*timed[n], probe) for n in CONTENDERS], dtype=torch.float64)
+    est = torch.tensor([_round(*timed[n], probe) for n in names], dtype=torch.float64)
     gloo.all_reduce(est, op=gloo.ReduceOp.MAX)
     iters = {n: max(1, min(_MAX_ITERS, int(round_s / max(e, 1e-9))))
-             for n, e in zip(CONTENDERS, est.tolist())}
-    times: dict[str, list[float]] = {n: [] for n in CONTENDERS}
+             for n, e in zip(names, est.tolist())}
+    times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
-        k = r % len(CONTENDERS)
-        for name in CONTENDERS[k:] + CONTENDERS[:k]:
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
             times[name].append(_round(*timed[name], iters[name]))
     return {"backend": backend, "op": op, "size": size, "times": times}
 
 
 def _rank_main(rank: int, p: int, tmp: str, backends: Sequence[str], ops: Sequence[str],
-               sizes: Sequence[int], rounds: int, round_s: float) -> list[dict[str, Any]]:
+               sizes: Sequence[int], rounds: int, round_s: float,
+               contenders: Sequence[str] = CONTENDERS) -> list[dict[str, Any]]:
     """Body of one rank: per (backend, op, size), this rank's per-op seconds per round."""
     torch.set_num_threads(1)
     import torch.distributed as gloo
@@ -223,7 +229,7 @@ def _rank_main(rank: int, p: int, tmp: str, backends: Sequence[str], ops: Sequen
                 for op in ops:
                     for size in sizes:
                         results.append(_measure_one(tandem, gloo, backend, op, size, rank, p,
-                                                    rounds, round_s))
+                                                    rounds, round_s, contenders))
             finally:
                 tandem.destroy_process_group()
     finally:
@@ -244,7 +250,17 @@ def _measure(p: int, backends: Sequence[str], ops: Sequence[str], sizes: Sequenc
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
         per_rank = spawn(p, _rank_main, (tmp, backends, ops, sizes, rounds, round_s),
                          init=False, timeout=timeout, env=env)
+    return rows_from(per_rank, ops, sizes, rounds)
 
+
+def rows_from(per_rank: Sequence[Sequence[Mapping[str, Any]]], ops: Sequence[str],
+              sizes: Sequence[int], rounds: int,
+              bound: Callable[[str, int], float] | None = None) -> list[Row]:
+    """One :class:`Row` per (op, size) from every rank's :func:`_rank_main` result.
+
+    ``bound(op, size)`` gives the bound in seconds; without it, the copy contender's
+    best round is the bound.
+    """
     def best(i: int, name: str) -> float:
         # a round lasts as long as its slowest rank; keep the best round
         return min(max(rank[i]["times"][name][r] for rank in per_rank) for r in range(rounds))
@@ -254,10 +270,11 @@ def _measure(p: int, backends: Sequence[str], ops: Sequence[str], sizes: Sequenc
         for size in sizes:
             where = {e["backend"]: i for i, e in enumerate(per_rank[0])
                      if (e["op"], e["size"]) == (op, size)}
-            rows.append(Row(p, op, size, rounds,
+            rows.append(Row(len(per_rank), op, size, rounds,
                             tandem_s={b: best(i, "tandem") for b, i in where.items()},
                             gloo_s={b: best(i, "gloo") for b, i in where.items()},
-                            bound_s=min(best(i, "copy") for i in where.values())))
+                            bound_s=bound(op, size) if bound is not None else
+                            min(best(i, "copy") for i in where.values())))
     return rows
 
 
@@ -375,19 +392,22 @@ def format_table(rows: Sequence[Row], markdown: bool = False) -> str:
                      for cells in [header, *body])
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    from tandem.bench.collectives_hosts import DEFAULT_LAYOUTS
+
     parser = argparse.ArgumentParser(prog="python -m tandem.bench collectives",
                                      description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--world-sizes", default="2,3", help="comma list (default 2,3)")
-    parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes("4K,64K,1M,16M,64M"),
+    parser.add_argument("--sizes", type=parse_sizes, default=None,
                         help="per-rank bytes, comma list, K/M = 1024/1024^2 "
-                             "(default 4K,64K,1M,16M,64M)")
-    parser.add_argument("--ops", default="all_reduce",
-                        help=f"comma list of {', '.join(OPS)} (default all_reduce)")
+                             "(default 4K,64K,1M,16M,64M; across hosts 4K,1M,16M,64M)")
+    parser.add_argument("--ops", default=None,
+                        help=f"comma list of {', '.join(OPS)} (default all_reduce; across "
+                             f"hosts all_reduce,all_gather,reduce_scatter)")
     which = parser.add_mutually_exclusive_group()
-    which.add_argument("--backends", type=parse_backends, default=list(BACKENDS),
-                       metavar="LIST",
-                       help=f"tandem backends, comma list (default {','.join(BACKENDS)})")
+    which.add_argument("--backends", type=parse_backends, default=None, metavar="LIST",
+                       help=f"tandem backends, comma list (default {','.join(BACKENDS)}; "
+                            f"across hosts auto)")
     which.add_argument("--backend", type=_one_backend, dest="backends", metavar="NAME",
                        help="one tandem backend: the same as --backends NAME")
     parser.add_argument("--rounds", type=int, default=7,
@@ -395,26 +415,100 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--round-ms", type=float, default=70.0,
                         help="length of one round; 3 x rounds of them per backend and size "
                              "(default 70)")
-    parser.add_argument("--timeout", type=float, default=600.0,
-                        help="deadline per world size, seconds (default 600)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="deadline per world size or layout, seconds (default 600; "
+                             "across hosts 1800)")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 2 ranks, 4 KB and 1 MB, 2 short rounds")
+                        help="smoke run: 2 ranks (across hosts: 2x1), 4 KB and 1 MB, "
+                             "2 short rounds")
+    hosts = parser.add_argument_group(
+        "across simulated hosts (root; see tandem.bench.collectives_hosts)")
+    hosts.add_argument("--link", type=_link, default=None, metavar="RATE[:DELAY[:LOSS]]",
+                       help="shape every host's link, e.g. 1gbit:0.2ms, 10gbit:1ms:0.1%%, "
+                            "unshaped")
+    hosts.add_argument("--hosts", type=int, default=None, help="simulated hosts (>= 2)")
+    hosts.add_argument("--ranks-per-host", type=int, default=None,
+                       help="ranks on each host (default 1)")
+    hosts.add_argument("--layouts", default=None, metavar="LIST",
+                       help=f"HOSTSxRANKS comma list instead of --hosts/--ranks-per-host "
+                            f"(default {DEFAULT_LAYOUTS})")
+    return parser
+
+
+def _link(text: str) -> Any:
+    from tandem.testing.links import LinkShape
+
+    try:
+        return LinkShape.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+
+def _main_hosts(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                ops: list[str]) -> int:
+    from tandem.bench._hosts import Unavailable, parse_layouts
+    from tandem.bench.collectives_hosts import (DEFAULT_LAYOUTS, DEFAULT_OPS, DEFAULT_SIZES,
+                                                format_hosts_table, run_hosts)
+    from tandem.testing.links import LinkShape
+
+    if args.layouts and (args.hosts or args.ranks_per_host):
+        parser.error("use either --layouts or --hosts/--ranks-per-host")
+    text = args.layouts or (f"{args.hosts}x{args.ranks_per_host or 1}" if args.hosts
+                            else DEFAULT_LAYOUTS)
+    try:
+        layouts = parse_layouts(text)
+    except ValueError as exc:
+        parser.error(str(exc))
+    backends = args.backends or ["auto"]
+    if "shm" in backends:
+        parser.error("backend 'shm' cannot reach other hosts; use auto or tcp")
+    ops = ops or list(DEFAULT_OPS)
+    sizes = args.sizes or parse_sizes(DEFAULT_SIZES)
+    rounds, round_s = args.rounds, args.round_ms / 1e3
+    if args.quick:
+        layouts, sizes, rounds, round_s = layouts[:1], [4 << 10, 1 << 20], 2, 0.02
+    link = args.link or LinkShape()
+    print(f"machine: {machine()}", flush=True)
+    start = time.monotonic()
+    try:
+        rows = run_hosts(layouts, link, backends, ops, sizes, rounds, round_s,
+                         args.timeout or 1800.0)
+    except Unavailable as exc:
+        print(f"simulated hosts are unavailable here: {exc}")
+        return 1
+    print(f"tandem {', '.join(backends)} vs torch.distributed 'gloo' across simulated hosts, "
+          f"every host link {link}; float32, 1 thread/rank; best of {rounds} rounds of "
+          f"~{round_s * 1e3:.0f} ms; time per op; ratio = gloo time / tandem time (>1: tandem "
+          f"faster); x/bound = link bound / x's time; {time.monotonic() - start:.0f} s")
+    print(format_hosts_table(rows, markdown=args.markdown))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
-    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    ops = [o.strip() for o in (args.ops or "").split(",") if o.strip()]
     unknown = sorted(set(ops) - set(OPS))
     if unknown:
         parser.error(f"unknown op(s) {unknown}; choose from {list(OPS)}")
+    if args.rounds < 1 or args.round_ms <= 0:
+        parser.error("need --rounds >= 1 and --round-ms > 0")
+    if args.link is not None or args.hosts or args.layouts or args.ranks_per_host:
+        return _main_hosts(parser, args, ops)
+    ops = ops or ["all_reduce"]
     try:
         world_sizes = [int(w) for w in args.world_sizes.split(",") if w.strip()]
     except ValueError:
         parser.error(f"--world-sizes must be integers, got {args.world_sizes!r}")
-    if not world_sizes or min(world_sizes) < 2 or args.rounds < 1 or args.round_ms <= 0:
-        parser.error("need world sizes >= 2, --rounds >= 1 and --round-ms > 0")
-    sizes, rounds, round_s = args.sizes, args.rounds, args.round_ms / 1e3
+    if not world_sizes or min(world_sizes) < 2:
+        parser.error("need world sizes >= 2")
+    sizes = args.sizes or parse_sizes("4K,64K,1M,16M,64M")
+    rounds, round_s = args.rounds, args.round_ms / 1e3
     if args.quick:
         world_sizes, sizes, rounds, round_s = [2], [4 << 10, 1 << 20], 2, 0.02
-    backends, skipped = usable_backends(args.backends)
+    backends, skipped = usable_backends(args.backends or list(BACKENDS))
     print(f"machine: {machine()}")
     if skipped:
         print(skipped)
@@ -422,7 +516,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     start = time.monotonic()
     rows = run(world_sizes, ops, sizes, backends=backends, rounds=rounds, round_s=round_s,
-               timeout=args.timeout)
+               timeout=args.timeout or 600.0)
     print(f"tandem {', '.join(backends)} vs torch.distributed 'gloo', loopback, float32, "
           f"1 thread/rank; best of {rounds} rounds of ~{round_s * 1e3:.0f} ms; busbw per "
           f"nccl-tests; ratio = backend/gloo busbw (>1: tandem faster); bound = every rank "

@@ -6,6 +6,8 @@ Run from the repository root with the project's interpreter::
     python -m tandem.bench ddp --quick         # smoke run: 2 short rounds per model
     python -m tandem.bench ddp --models mlp --rounds 10 --markdown
     python -m tandem.bench.ddp ...             # the same, without the dispatcher
+    python -m tandem.bench ddp --hosts 2 --ranks-per-host 2 --link 1gbit:0.2ms   # as root:
+        # simulated hosts on shaped links (tandem.bench._hosts, tandem.testing.netns)
 
 Models (batch 32 per rank, SGD, one torch thread per rank):
 
@@ -39,7 +41,7 @@ import socket
 import sys
 import tempfile
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -163,7 +165,7 @@ def _memory_main(rank: int, world: int, lib: str, url: str, model_name: str,
 # ---- in the parent --------------------------------------------------------------------
 
 
-def _spawn(world: int, fn: Any, args: tuple[Any, ...], timeout: float) -> list[Any]:
+def _spawn_here(world: int, fn: Any, args: tuple[Any, ...], timeout: float) -> list[Any]:
     from tandem.testing import spawn
 
     env = {"TANDEM_BENCH_BACKEND": os.environ.get("TANDEM_BENCH_BACKEND", "auto")}
@@ -172,19 +174,29 @@ def _spawn(world: int, fn: Any, args: tuple[Any, ...], timeout: float) -> list[A
     return spawn(world, fn, args, init=False, timeout=timeout, env=env)
 
 
+Runner = Callable[[int, Any, tuple[Any, ...], float], list[Any]]
+
+
 def run(models: Sequence[str], world: int = 2, *, warmup: int = 3, steps: int = 10,
-        rounds: int = 6, timeout: float = 600.0) -> list[dict[str, Any]]:
-    """One row per model: best step time and peak memory growth of each library."""
+        rounds: int = 6, timeout: float = 600.0,
+        runner: Runner | None = None) -> list[dict[str, Any]]:
+    """One row per model: best step time and peak memory growth of each library.
+
+    ``runner(world, fn, args, timeout)`` runs ``fn(rank, world, *args)`` on every rank
+    and returns the results (default: local processes; across simulated hosts, see
+    :func:`main`).
+    """
+    spawn_ranks = runner or _spawn_here
     rows = []
     for model in models:
         with tempfile.TemporaryDirectory(prefix="tandem-bench-ddp-") as tmp:
             urls = {lib: f"file://{tmp}/{lib}-time" for lib in LIBS}
-            per_rank = _spawn(world, _time_main, (urls, model, warmup, steps, rounds), timeout)
+            per_rank = spawn_ranks(world, _time_main, (urls, model, warmup, steps, rounds), timeout)
             row: dict[str, Any] = {"model": model, "world": world}
             for lib in LIBS:
                 # a round lasts as long as its slowest rank; keep the best round
                 best = min(max(r["times"][lib][i] for r in per_rank) for i in range(rounds))
-                peaks = _spawn(world, _memory_main, (lib, f"file://{tmp}/{lib}-memory", model,
+                peaks = spawn_ranks(world, _memory_main, (lib, f"file://{tmp}/{lib}-memory", model,
                                                      warmup + steps), timeout)
                 row[lib] = {"step": best, "peak": max(peaks), "params": per_rank[0]["params"]}
             row["tandem"].update(comm=per_rank[0]["comm"], overlap=per_rank[0]["overlap"])
@@ -241,6 +253,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="tandem backend: auto (default: shared memory on one host), tcp, shm")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 2 rounds of 3 steps after 1 warm-up step")
+    hosts = parser.add_argument_group("across simulated hosts (root; network namespaces)")
+    hosts.add_argument("--link", default=None, metavar="RATE[:DELAY[:LOSS]]",
+                       help="shape every host's link, e.g. 1gbit:0.2ms (tandem.testing.links)")
+    hosts.add_argument("--hosts", type=int, default=None, help="simulated hosts (>= 2)")
+    hosts.add_argument("--ranks-per-host", type=int, default=None,
+                       help="ranks on each host (default 1); replaces --world-size")
     args = parser.parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = sorted(set(models) - set(MODELS))
@@ -251,17 +269,53 @@ def main(argv: Sequence[str] | None = None) -> int:
     warmup, steps, rounds = args.warmup, args.steps, args.rounds
     if args.quick:
         warmup, steps, rounds = 1, 3, 2
-    start = time.monotonic()
-    os.environ["TANDEM_BENCH_BACKEND"] = args.backend
-    rows = run(models, args.world_size, warmup=warmup, steps=steps, rounds=rounds,
-               timeout=args.timeout)
     from tandem.bench.collectives import machine
 
-    print(f"machine: {machine()}")
+    print(f"machine: {machine()}", flush=True)
+    start = time.monotonic()
+    os.environ["TANDEM_BENCH_BACKEND"] = args.backend
+    if args.link is not None or args.hosts or args.ranks_per_host:
+        return _main_hosts(parser, args, models, warmup, steps, rounds, start)
+    rows = run(models, args.world_size, warmup=warmup, steps=steps, rounds=rounds,
+               timeout=args.timeout)
     print(f"DDP: tandem '{args.backend}' vs torch 'gloo', {args.world_size} ranks on loopback, batch "
           f"{BATCH}/rank, 1 thread/rank; best of {rounds} rounds x {steps} steps; ratio = "
           f"torch/tandem step time (>1: tandem faster); mem ratio = "
           f"torch/tandem ru_maxrss growth; {time.monotonic() - start:.0f} s")
+    print(format_table(rows, markdown=args.markdown))
+    return 0
+
+
+def _main_hosts(parser: argparse.ArgumentParser, args: argparse.Namespace, models: list[str],
+                warmup: int, steps: int, rounds: int, start: float) -> int:
+    """``main`` across simulated hosts: the same rows, ranks in network namespaces."""
+    from tandem.bench._hosts import Layout, Unavailable, simulated_hosts
+    from tandem.testing.links import LinkShape
+
+    try:
+        link = LinkShape.parse(args.link or "unshaped")
+    except ValueError as exc:
+        parser.error(str(exc))
+    layout = Layout(args.hosts or 2, args.ranks_per_host or 1)
+    if layout.hosts < 2 or layout.ranks_per_host < 1:
+        parser.error("need --hosts >= 2 and --ranks-per-host >= 1")
+    if args.backend == "shm":
+        parser.error("backend 'shm' cannot reach other hosts; use auto or tcp")
+    try:
+        with simulated_hosts(layout, link) as hosts:
+            print(f"{layout}: {hosts.link_report()}", flush=True)
+            env = {"TANDEM_BENCH_BACKEND": args.backend}
+            rows = run(models, layout.world_size, warmup=warmup, steps=steps, rounds=rounds,
+                       timeout=args.timeout,
+                       runner=lambda world, fn, a, timeout: hosts.run(fn, a, timeout, env))
+    except Unavailable as exc:
+        print(f"simulated hosts are unavailable here: {exc}")
+        return 1
+    print(f"DDP: tandem '{args.backend}' vs torch 'gloo', {layout.hosts} simulated hosts x "
+          f"{layout.ranks_per_host} ranks, every host link {link}, batch {BATCH}/rank, 1 "
+          f"thread/rank; best of {rounds} rounds x {steps} steps; ratio = torch/tandem step "
+          f"time (>1: tandem faster); mem ratio = torch/tandem ru_maxrss growth; "
+          f"{time.monotonic() - start:.0f} s")
     print(format_table(rows, markdown=args.markdown))
     return 0
 

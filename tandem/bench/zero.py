@@ -48,7 +48,7 @@ from typing import Any, Sequence
 import torch
 from torch.nn import functional as F
 
-from tandem.bench.ddp import BATCH, _init, _maxrss_bytes, _mb, _ms, _spawn
+from tandem.bench.ddp import BATCH, _init, _maxrss_bytes, _mb, _ms, _spawn_here
 
 __all__ = ["main", "run_time", "run_memory"]
 
@@ -183,7 +183,7 @@ def run_time(world: int, *, warmup: int = 3, steps: int = 10, rounds: int = 6,
     seconds per step summed over the ranks)."""
     with tempfile.TemporaryDirectory(prefix="tandem-bench-zero-") as tmp:
         urls = {lib: f"file://{tmp}/{lib}" for lib in ("tandem", "torch")}
-        per_rank = _spawn(world, _time_main, (urls, warmup, steps, rounds, bucket_view, width),
+        per_rank = _spawn_here(world, _time_main, (urls, warmup, steps, rounds, bucket_view, width),
                           timeout)
     return {c: (min(max(r[c][i][0] for r in per_rank) for i in range(rounds)),
                 min(sum(r[c][i][1] for r in per_rank) for i in range(rounds))) for c in TIMED}
@@ -196,7 +196,7 @@ def run_memory(world: int, *, steps: int = 13, bucket_view: bool = False, width:
     with tempfile.TemporaryDirectory(prefix="tandem-bench-zero-") as tmp:
         for c in MEMORY:
             url = f"file://{tmp}/{c.replace(' ', '-')}"
-            per_rank = _spawn(world, _memory_main, (c, url, steps, bucket_view, width), timeout)
+            per_rank = _spawn_here(world, _memory_main, (c, url, steps, bucket_view, width), timeout)
             out[c] = {k: max(r[k] for r in per_rank) for k in ("state", "grads", "peak")}
     return out
 

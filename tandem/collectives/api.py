@@ -246,10 +246,12 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op: ReduceOp = ReduceOp
 
 def _gather_ring(g: ProcessGroup, op: Op, outs: list[torch.Tensor], mine: torch.Tensor) -> None:
     bounds = algo.segment_bounds([t.numel() for t in outs])
-    flat = torch.empty(bounds[-1][1], dtype=mine.dtype)
+    # the group's working memory, not a fresh buffer: at 4 x 64 MB, faulting a new one in
+    # cost more than the copies (an all-gather's ring and leaders use no scratch)
+    flat = g.scratch(bounds[-1][1], mine.dtype)
     a, b = bounds[g.group_rank]
     flat[a:b].copy_(mine.reshape(-1))
-    algo.ring(op, flat, bounds, None, reduce_scatter=False, all_gather=True)
+    algo.hierarchical_all_gather(op, flat, bounds)  # the ring when on one host
     with torch.no_grad():
         for t, (a, b) in zip(outs, bounds):
             t.copy_(flat[a:b].view(t.shape))
@@ -301,8 +303,8 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
                                 input_tensor.reshape(-1))
         else:
             out.flat[r * n:(r + 1) * n].copy_(input_tensor.reshape(-1))
-            algo.ring(o, out.flat, [(i * n, (i + 1) * n) for i in range(g.group_size)], None,
-                      reduce_scatter=False, all_gather=True)
+            algo.hierarchical_all_gather(o, out.flat,
+                                         [(i * n, (i + 1) * n) for i in range(g.group_size)])
         out.done()
 
     sig = _sig("all_gather_into_tensor", input_tensor)
@@ -360,7 +362,7 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
 def _reduce_scatter_flat(g: ProcessGroup, o: Op, flat: torch.Tensor, sizes: Sequence[int],
                          op: ReduceOp) -> tuple[int, int]:
     bounds = algo.segment_bounds(list(sizes))
-    algo.ring(o, flat, bounds, op, reduce_scatter=True, all_gather=False)
+    algo.hierarchical_reduce_scatter(o, flat, bounds, op)  # the ring when on one host
     return bounds[g.group_rank]
 
 

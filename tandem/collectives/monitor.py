@@ -48,6 +48,7 @@ class Monitor:
         self.rank = rank
         self.world_size = world_size
         self.trace_dir = os.path.abspath(settings.trace_dir)
+        self.notice = settings.dump_notice  # off under tandemrun, which says it once for all
         self.transport = transport
         self._groups = groups
         self._pid = os.getpid()
@@ -101,7 +102,7 @@ class Monitor:
             first, self._told = not self._told, True
         finally:
             self._lock.release()
-        if first and reason != "SIGUSR1":
+        if first and reason != "SIGUSR1" and self.notice:
             LOGGER.warning("tandem: rank %d wrote its flight recorder to %s; 'python -m "
                            "tandem.trace %s' compares the ranks", self.rank, path, self.trace_dir)
         return path
@@ -119,7 +120,7 @@ class Monitor:
         if os.getpid() != self._pid or self._closed:
             return  # a forked child (a data loader worker), or the job's groups are gone
         path = self.dump("SIGUSR1")
-        if path is not None:
+        if path is not None and self.notice:
             # no logging here: its locks may be held by the code this signal interrupted
             os.write(2, f"tandem: rank {self.rank} wrote its flight recorder to {path}\n".encode())
 

@@ -14,7 +14,9 @@ its supervisor (``_supervisor.py``, loaded after the fork so that the worker doe
 wait for it: it ties the worker's life to the launcher's and kills whatever the worker
 leaves behind). An uncaught exception in the worker is recorded without any
 decorator: rank, host, time, exception type, message and traceback go as JSON to
-``$TANDEM_ERROR_FILE`` before the worker exits 1.
+``$TANDEM_ERROR_FILE`` before the worker exits 1. What the worker prints for it is
+decided by ``_tracebacks.py``: the first failing rank's traceback with tandem's frames
+folded, one line for the others and for Ctrl-C.
 It is run by path, not with ``-m``, so that a worker does not import tandem (and torch)
 unless its script does; it therefore imports the standard library only.
 """
@@ -32,10 +34,8 @@ import json  # noqa: E402
 import runpy  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
-from types import ModuleType, TracebackType  # noqa: E402
-from typing import List, Optional, Set, Tuple  # noqa: E402
+from types import ModuleType  # noqa: E402
+from typing import List, NoReturn, Set, Tuple  # noqa: E402
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -79,45 +79,37 @@ def _fork(parent: int, kill_signal: int, blocked: Set[int]) -> Tuple[int, bool]:
     return worker, told
 
 
-def _load_supervisor() -> ModuleType:
-    """``_supervisor.py`` beside this file, without importing the tandem package."""
-    name = "tandem.run._supervisor"
-    spec = importlib.util.spec_from_file_location(name, os.path.join(_HERE, "_supervisor.py"))
+def _load(name: str) -> ModuleType:
+    """``<name>.py`` beside this file, without importing the tandem package."""
+    spec = importlib.util.spec_from_file_location(f"tandem.run.{name}",
+                                                  os.path.join(_HERE, f"{name}.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def _user_traceback(exc: BaseException) -> Optional[TracebackType]:
-    """Skip the frames of this bootstrap and of runpy, so tracebacks start in the script."""
-    tb = exc.__traceback__
-    skip = {os.path.abspath(__file__), os.path.abspath(runpy.__file__ or ""), "<frozen runpy>"}
-    while tb is not None and (tb.tb_frame.f_code.co_filename in skip
-                              or os.path.abspath(tb.tb_frame.f_code.co_filename) in skip):
-        tb = tb.tb_next
-    return tb
+def record_error(exc: BaseException, path: str, shown: bool, tracebacks: ModuleType,
+                 when: float) -> None:
+    """Write the JSON error record for ``exc`` to ``path`` unless one is already there.
 
-
-def _type_name(exc: BaseException) -> str:
-    cls = type(exc)
-    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
-
-
-def record_error(exc: BaseException, path: str) -> None:
-    """Write the JSON error record for ``exc`` to ``path`` unless one is already there."""
+    ``traceback`` is what a person reads (tandem's frames folded unless TANDEM_DEBUG=1),
+    ``traceback_full`` has every frame; ``shown``: the worker printed its traceback.
+    ``tracebacks`` is ``_tracebacks.py``, loaded; ``when`` the time to record.
+    """
     if not path or os.path.exists(path):
         return  # the script recorded its own error
-    text = "".join(traceback.format_exception(type(exc), exc, _user_traceback(exc)))
     record = {
         "rank": int(os.environ.get("RANK", "-1")),
         "local_rank": int(os.environ.get("LOCAL_RANK", "-1")),
         "host": socket.gethostname(),
         "pid": os.getpid(),
-        "time": time.time(),
-        "exc_type": _type_name(exc),
+        "time": when,
+        "exc_type": tracebacks.type_name(exc),
         "message": str(exc),
-        "traceback": text,
+        "traceback": tracebacks.full(exc, fold=not tracebacks.debugging(os.environ)),
+        "traceback_full": tracebacks.full(exc, fold=False),
+        "shown": shown,
     }
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
@@ -126,6 +118,24 @@ def record_error(exc: BaseException, path: str) -> None:
         os.replace(tmp, path)
     except OSError as err:
         sys.stderr.write(f"tandemrun worker: cannot write error file {path}: {err}\n")
+
+
+def _fail(exc: BaseException) -> NoReturn:
+    """Record ``exc``, print it once and readably (``_tracebacks.py``), exit as Python would."""
+    try:
+        tracebacks = _load("_tracebacks")
+        text, whole, when = tracebacks.report(exc)
+        record_error(exc, os.environ.get("TANDEM_ERROR_FILE", ""), whole, tracebacks, when)
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except KeyboardInterrupt:
+        pass  # Ctrl-C reached this rank while it reported an earlier error: that is enough
+    if isinstance(exc, KeyboardInterrupt):
+        # die of SIGINT, as Python does after an uncaught KeyboardInterrupt (exit
+        # handlers still run), without printing a traceback on top of our line
+        sys.excepthook = lambda *args: None
+        raise exc
+    sys.exit(1)
 
 
 def _run(mode: str, target: str, args: List[str]) -> None:
@@ -163,7 +173,7 @@ def main(argv: List[str]) -> None:
     report = int(options["--report"])
     worker, told = _fork(parent, kill_signal, {*forward, kill_signal})
     if worker:
-        _load_supervisor().Supervisor(
+        _load("_supervisor").Supervisor(
             parent, forward, kill_signal, worker=worker, told=told,
             cgroup=options["--cgroup"], scratch=options["--scratch"],
             report_fd=report).supervise()  # exits with the worker's status
@@ -173,13 +183,10 @@ def main(argv: List[str]) -> None:
         sys.stdout.reconfigure(line_buffering=True)  # lines reach the console as printed
     try:
         _run(mode, argv[0], argv[1:])
-    except (SystemExit, KeyboardInterrupt):
+    except SystemExit:
         raise
     except BaseException as exc:  # noqa: BLE001 - recorded, printed, then exit 1
-        record_error(exc, os.environ.get("TANDEM_ERROR_FILE", ""))
-        traceback.print_exception(type(exc), exc, _user_traceback(exc))
-        sys.stderr.flush()
-        sys.exit(1)
+        _fail(exc)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ from tandem.run.config import LaunchConfig
 from tandem.run.containment import Containment, make_scratch
 from tandem.run.dumps import DUMP_WAIT, fresh_dumps, merge_job_timeline, request_dumps
 from tandem.run.rendezvous import Assignment, LocalRendezvous, Rendezvous
-from tandem.run.rootcause import Failure, format_summary, load_record, pick_root_cause
+from tandem.run.rootcause import (EXIT_GRACE, Failure, format_summary, let_failing_ranks_exit,
+                                  load_record, pick_root_cause)
 from tandem.run.streams import Console
 from tandem.run.workerenv import worker_specs
 from tandem.run.workers import WorkerGroup
@@ -68,7 +69,7 @@ class Agent:
 
     def __init__(self, cfg: LaunchConfig) -> None:
         self.cfg = cfg
-        self.out, self.err = Console.stdout(), Console.stderr()
+        self.out, self.err = Console.pair()
         self.group: WorkerGroup | None = None
         self.ending: int | None = None  # the terminating signal received, if any
         self._interruptible = False
@@ -161,6 +162,8 @@ class Agent:
                 signal.signal(s, handler)  # type: ignore[arg-type]
             if self.scratch:
                 shutil.rmtree(self.scratch, ignore_errors=True)
+            self.out.close()  # shows the worker lines still held for de-duplication
+            self.err.close()
 
     def _supervisor_options(self) -> tuple[str, ...]:
         """What each worker's supervisor needs (see ``tandem/run/_supervisor.py``)."""
@@ -223,12 +226,17 @@ class Agent:
             while True:
                 if self.ending:
                     self.stopped = group.stop(None, cfg.shutdown_timeout)
+                    dumped = fresh_dumps(group.workers, started)  # e.g. Ctrl-C in a collective
+                    if dumped:
+                        self._say(dumped)
                     return Outcome.SIGNALED
                 if rdzv.membership_changed(a.attempt):  # before failures: ours may follow
                     group.stop(signal.SIGTERM, cfg.shutdown_timeout)
                     return Outcome.MEMBERSHIP
                 if group.failed():
                     rdzv.publish_failure(a.attempt, self._collect(group, a, None))
+                    # [root cause hook] the rank that caused it may still be exiting
+                    let_failing_ranks_exit(group, min(EXIT_GRACE, cfg.shutdown_timeout))
                     since = time.time()
                     self._dump_recorders(group, started)  # [flight recorder hook]
                     self.stopped = group.stop(signal.SIGTERM, cfg.shutdown_timeout)
@@ -278,7 +286,7 @@ class Agent:
                         returncode=w.returncode, role=self.cfg.role,
                         error_file=w.spec.error_file if record and self.cfg.keeps_files else "",
                         log_dir=w.spec.log_dir or "")
-            f.merge_record(record)
+            f.merge_record(record, on_console=w.spec.stderr_console)
             out.append(f)
         if since is not None:
             self.stopped = [r for r in self.stopped if r not in {f.rank for f in out}]

@@ -6,6 +6,18 @@ message, traceback, the time it was raised). The root cause is the earliest fail
 preferring failures that are not mere consequences of another rank's death
 (``PeerLostError``): a rank killed by SIGKILL is reported before the peers that then
 lost their connection to it, even if the agent noticed the death a little late.
+
+The traceback is not repeated: the rank printed it (``_tracebacks.py``: the first
+failing rank of a node prints its traceback, the others one line), so the summary
+names the rank that did, and prints it only when it did not reach this console.
+
+Before the launcher stops the ranks still running, :func:`let_failing_ranks_exit`
+gives those already on their way out a moment to finish: a rank that raised runs its
+``finally`` blocks and exit handlers before its exception is recorded and it exits,
+and another rank often fails first, of the consequence (it lost its peer). Stopped at
+once, the rank that caused it all would be reported as "killed by SIGTERM" or only
+"stopped by the launcher"; and ranks failing alike (the same bad flag on each) would
+be cut off before they could print the line the console shows once for all.
 """
 
 from __future__ import annotations
@@ -14,13 +26,21 @@ import dataclasses
 import datetime
 import json
 import signal
+import time
 from typing import Any, Sequence
 
-__all__ = ["Failure", "load_record", "pick_root_cause", "format_summary", "describe_exit"]
+from tandem.run._tracebacks import CONSEQUENCES
+from tandem.run.workers import WorkerGroup
 
-# exceptions that a rank raises because another rank failed first
-CONSEQUENCES = ("PeerLostError",)
+__all__ = ["Failure", "load_record", "pick_root_cause", "format_summary", "describe_exit",
+           "let_failing_ranks_exit", "EXIT_GRACE"]
+
 RULE = "=" * 72
+# How long ranks on their way out may take to exit before the launcher stops them: an
+# interpreter that imported torch exits in well under a second; a rank's finally
+# blocks (destroy_process_group, a last checkpoint) may take a little longer.
+EXIT_GRACE = 3.0
+SETTLE = 1.0  # how long ranks that fail alike may take to do so (as dedup.WINDOW)
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -61,20 +81,23 @@ class Failure:
     traceback: str = ""
     error_file: str = ""
     log_dir: str = ""
+    shown: bool = False  # the rank printed its traceback where this launcher shows it
 
-    def merge_record(self, record: dict[str, Any] | None) -> None:
+    def merge_record(self, record: dict[str, Any] | None, on_console: bool = True) -> None:
+        """Add what the worker recorded; ``on_console``: its stderr reaches our console."""
         if not record:
             return
         self.exc_type = str(record.get("exc_type", ""))
         self.message = str(record.get("message", ""))
         self.traceback = str(record.get("traceback", ""))
+        self.shown = bool(record.get("shown")) and on_console
         self.host = str(record.get("host") or self.host)
         if isinstance(record.get("time"), (int, float)):
             self.time = min(self.time, float(record["time"]))
 
     @property
     def is_consequence(self) -> bool:
-        return self.exc_type.rsplit(".", 1)[-1] in CONSEQUENCES
+        return _consequence(self.exc_type)
 
     def brief(self) -> str:
         """One line: "rank 1 (local_rank 1, host h): exit code 1, ValueError: boom"."""
@@ -91,8 +114,9 @@ class Failure:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Failure:
+        """A failure another node published: its traceback was printed over there."""
         data = json.loads(text)
-        fields = {f.name for f in dataclasses.fields(cls)}
+        fields = {f.name for f in dataclasses.fields(cls)} - {"shown"}
         return cls(**{k: v for k, v in data.items() if k in fields})
 
 
@@ -125,8 +149,11 @@ def format_summary(failures: Sequence[Failure], *, run_id: str, attempts: int,
              f"  exit       : {describe_exit(root.returncode)}"]
     if root.exc_type:
         lines.append(f"  exception  : {root.exc_type}: {root.message}")
-        lines.append("  traceback  :")
-        lines += ["    " + line for line in root.traceback.rstrip("\n").splitlines()]
+        if root.shown:
+            lines.append(f"  traceback  : printed above by [rank{root.rank}]")
+        else:
+            lines.append("  traceback  :")
+            lines += ["    " + line for line in root.traceback.rstrip("\n").splitlines()]
     else:
         lines.append("  exception  : none recorded (the worker was killed, exited on its own, "
                      "or ran with --no-python); see its stderr above")
@@ -142,3 +169,26 @@ def format_summary(failures: Sequence[Failure], *, run_id: str, attempts: int,
         lines.append(f"Stopped by the launcher: ranks {', '.join(map(str, sorted(stopped)))}")
     lines.append(RULE)
     return "\n".join(lines)
+
+
+def let_failing_ranks_exit(group: WorkerGroup, timeout: float, settle: float = SETTLE) -> None:
+    """Wait up to ``timeout`` while ranks may still be on their way out by themselves: for
+    ``settle`` seconds in any case (ranks that fail alike, an argparse error on each, do
+    so within moments), then while a running rank has recorded an error (it is
+    exiting), or while every failure so far is a consequence of another rank's (the
+    cause may still be unwinding)."""
+    start = time.monotonic()
+    deadline = start + timeout
+    while group.alive() and time.monotonic() < deadline:
+        exiting = any(load_record(w.spec.error_file) is not None for w in group.alive())
+        records = [load_record(w.spec.error_file) or {} for w in group.failed()]
+        causes = [r for r in records if not _consequence(str(r.get("exc_type", "")))]
+        if time.monotonic() >= start + settle and not exiting and causes:
+            return
+        group.changed.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+        group.changed.clear()
+
+
+def _consequence(exc_type: str) -> bool:
+    """Whether an exception of this type is raised because another rank failed first."""
+    return exc_type.rsplit(".", 1)[-1] in CONSEQUENCES

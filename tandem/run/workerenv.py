@@ -8,6 +8,11 @@ The environment is the launcher's own plus, for every worker::
     TANDEM_SECRET      (a fresh per-job secret, unless TANDEM_SECRET/_FILE is set)
     TANDEM_TRACE_DIR   (with per-rank log files and unless set: <attempt dir>/trace)
     OMP_NUM_THREADS=1  (only if unset and more than one worker per node, as torchrun)
+    TANDEM_TRACEBACK_ONCE  <attempt dir>/traceback_shown: the first rank to create it
+                       prints its traceback, the others one line (``_tracebacks.py``)
+    TANDEM_DUMP_NOTICE=0   (unless set: the launcher names every rank's dump in one line)
+    TANDEM_TTY=1, COLUMNS  (only for workers whose stderr reaches the launcher's
+                       console when that is a terminal: see :func:`streams.terminal_env`)
 
 No ``TORCHELASTIC_*`` variable is ever set.
 """
@@ -19,6 +24,7 @@ from typing import Mapping
 
 from tandem.run.config import LaunchConfig, Std
 from tandem.run.rendezvous import Assignment
+from tandem.run.streams import terminal_env
 from tandem.run.workers import WorkerSpec, python_argv
 
 __all__ = ["worker_env", "worker_specs", "attempt_dir"]
@@ -63,6 +69,8 @@ def worker_specs(cfg: LaunchConfig, a: Assignment, *, base: Mapping[str, str],
     ``cgroup`` is the job's cgroup, if it has one.
     """
     specs = []
+    claim = os.path.join(attempt_dir(files_root, a), "traceback_shown")
+    terminal = terminal_env()
     argv = python_argv(cfg.entrypoint, cfg.args, module=cfg.module, no_python=cfg.no_python,
                        supervisor=supervisor)
     for local_rank in range(cfg.nproc_per_node):
@@ -70,9 +78,14 @@ def worker_specs(cfg: LaunchConfig, a: Assignment, *, base: Mapping[str, str],
         rank_dir = os.path.join(attempt_dir(files_root, a), f"rank_{rank}")
         os.makedirs(rank_dir, exist_ok=True)
         error_file = os.path.join(rank_dir, "error.json")
-        if os.path.exists(error_file):
-            os.unlink(error_file)  # a record left by an earlier launch with the same run id
+        for stale in (error_file, claim):  # left by an earlier launch with the same run id
+            if os.path.exists(stale):
+                os.unlink(stale)
         env = worker_env(cfg, a, local_rank, base, extra, error_file)
+        env["TANDEM_TRACEBACK_ONCE"] = claim
+        env.setdefault("TANDEM_DUMP_NOTICE", "0")
+        if cfg.console_for(local_rank, Std.ERR):
+            env.update(terminal)
         if keep_logs and not env.get("TANDEM_TRACE_DIR"):  # flight recorders beside the logs
             env["TANDEM_TRACE_DIR"] = os.path.join(attempt_dir(files_root, a), "trace")
         specs.append(WorkerSpec(

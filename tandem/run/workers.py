@@ -72,14 +72,13 @@ class Worker:
         finally:
             os.close(report)
         self.pid = self.proc.pid  # the supervisor's
-        prefix = f"[rank{spec.rank}]: "
         self._pumps = []
         if self.proc.stdout is not None:
-            self._pumps.append(start_pump(self.proc.stdout, prefix,
+            self._pumps.append(start_pump(self.proc.stdout, spec.rank,
                                           out if spec.stdout_console else None,
                                           files["stdout"], f"tandem-out-{spec.rank}"))
         if self.proc.stderr is not None:
-            self._pumps.append(start_pump(self.proc.stderr, prefix,
+            self._pumps.append(start_pump(self.proc.stderr, spec.rank,
                                           err if spec.stderr_console else None,
                                           files["stderr"], f"tandem-err-{spec.rank}"))
         self._reaper = threading.Thread(target=self._reap, args=(on_exit,),

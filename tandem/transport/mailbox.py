@@ -95,13 +95,16 @@ class Mailbox:
         key = (peer, header.kind, header.group, header.seq, header.step)
         refused: TandemError | None = None
         clash: list[Slot] = []
+        dropped = False
         with self._lock:
             slot = self._posted.pop(key, None)
             if slot is None:
                 slot = self._take_wild(peer, header)
             if slot is None:
                 refused = self.history.stray(peer, header) or self._over_limit(peer, header)
-                if refused is None:
+                # nothing of a failed group is ever received: keep nothing for it
+                dropped = refused is None and self.failures.aborted(header.group) is not None
+                if refused is None and not dropped:
                     slot = self._park(peer, key, header)
                     clash = mm.clashing_posts(self._posted, header)
                     for s in clash:
@@ -109,6 +112,9 @@ class Mailbox:
         if refused is not None:
             _drain(read, header.nbytes)  # never combine, never hold
             self._reject(peer, header.group, refused)
+            return
+        if dropped:
+            _drain(read, header.nbytes)
             return
         assert slot is not None
         if slot.parked is not None:
@@ -218,18 +224,22 @@ class Mailbox:
         slot = Slot(peer, key, view, sig, site)
         failure: TandemError | None = None
         clash = None
+        early = None
         with self._lock:
-            early = self._parked.pop(key, None)
-            if early is None:
-                failure = self.failures.failure(peer, group)
-                if failure is None:
-                    clash = mm.clashing_arrival(self._parked.values(), kind, group, seq, sig)
-                if failure is None and clash is None:
-                    self._posted[key] = slot
-            elif early.event.is_set():
-                self._free(early)
-            else:
-                early.waiter = slot  # the reader completes it (or fails it with the loss)
+            # a failed group receives nothing more, not even what arrived before it failed
+            failure = self.failures.aborted(group)
+            if failure is None:
+                early = self._parked.pop(key, None)
+                if early is None:
+                    failure = self.failures.failure(peer, group)
+                    if failure is None:
+                        clash = mm.clashing_arrival(self._parked.values(), kind, group, seq, sig)
+                    if failure is None and clash is None:
+                        self._posted[key] = slot
+                elif early.event.is_set():
+                    self._free(early)
+                else:
+                    early.waiter = slot  # the reader completes it (or fails it with the loss)
         if early is not None:
             if early.event.is_set():
                 self._complete_from_parked(slot, early)
@@ -248,13 +258,14 @@ class Mailbox:
         failure: TandemError | None = None
         with self._lock:
             early = None
-            for key, parked in self._parked.items():
+            failed = self.failures.aborted(group)
+            for key, parked in () if failed else self._parked.items():
                 if parked.header is not None and match(key[0], parked.header):
                     early = self._parked.pop(key)
                     slot.peer = key[0]
                     break
             if early is None:
-                failure = self.failures.aborted(group)
+                failure = failed
                 if failure is None:
                     self._wild.append((match, slot))
             elif early.event.is_set():
@@ -323,6 +334,10 @@ class Mailbox:
             for p in self._filling.values():
                 if p.waiter is not None and p.waiter.key[2] == group:
                     p.waiter = None
+            # what arrived early will never be received (see post): let it go
+            early = [k for k, p in self._parked.items() if k[2] == group and p.event.is_set()]
+            for k in early:
+                self._free(self._parked.pop(k))
         for s in victims + wild + waiting:
             s.finish(None, error)
 

@@ -97,6 +97,52 @@ def test_leaders_all_reduce_with_doubling_or_ring(settings: Settings) -> None:
     _against_oracle(list("aabbbcc"), cases, settings)
 
 
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_streamed_all_reduce_agrees_with_naive_oracle_on_every_topology(topology: str) -> None:
+    # ring among the leaders from 4 KiB: the leaders' ring pulls and pushes local chunks
+    cases = [("SUM", torch.float32, 100003), ("AVG", torch.float64, 20011),
+             ("MAX", torch.int32, 20011), ("PRODUCT", torch.float32, 5003)]
+    _against_oracle(TOPOLOGIES[topology], cases, LEADER_RING)
+
+
+def test_streamed_random_floats_are_bit_identical_on_every_rank() -> None:
+    hosts = list("aaabbc")
+
+    def body(group: ProcessGroup) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(group.rank())
+        return [_all_reduce(group, torch.randn(100003, generator=g), op, "hierarchical")
+                for op in (tandem.ReduceOp.SUM, tandem.ReduceOp.AVG)]
+
+    results = run_threads(len(hosts), body, settings=LEADER_RING, hosts=hosts)
+    for rank in range(1, len(hosts)):
+        for got, ref in zip(results[rank], results[0]):
+            assert same_bits(got, ref), f"rank {rank} differs from rank 0"
+
+
+def test_streamed_all_reduce_moves_a_large_buffer_within_a_host_in_the_rings_chunks() -> None:
+    # not one whole-buffer message up and one down: each chunk goes up when the ring
+    # needs it and comes down when it is final (2 leaders: 2 segments of 8 chunks)
+    hosts = list("aabb")
+
+    def body(group: ProcessGroup) -> list[tuple[int, int]]:
+        transport, plain, seen = group.transport, group.transport.isend, []
+
+        def isend(peer: int, header: Any, payload: memoryview) -> Any:
+            if header.kind == Kind.COLL and hosts[peer] == hosts[transport.rank]:
+                seen.append((peer, len(payload)))
+            return plain(peer, header, payload)
+
+        transport.isend = isend  # type: ignore[method-assign]
+        tandem.all_reduce(torch.ones(1 << 18), group=group)
+        return seen
+
+    within = run_threads(len(hosts), body, settings=LEADER_RING, hosts=hosts)
+    for rank, leader in ((1, 0), (3, 2)):
+        assert [p for p, _ in within[rank]] == [leader] * 16, within[rank]
+        assert [p for p, _ in within[leader]] == [rank] * 16, within[leader]
+        assert {n for _, n in within[rank]} == {(1 << 18) * 4 // 16}
+
+
 def test_three_million_and_five_floats() -> None:
     _against_oracle(list("aabb"), [("SUM", torch.float32, BIG), ("AVG", torch.float32, BIG)],
                     Settings())
@@ -123,10 +169,13 @@ def test_random_floats_are_bit_identical_on_every_rank_and_close_to_the_exact_su
     torch.testing.assert_close(results[0][0], exact)
 
 
-def test_custom_reduce_op() -> None:
+@pytest.mark.parametrize("hosts, numel, settings", [
+    ("abba", 3001, Settings()),            # phases in a row
+    ("aabbb", 30001, LEADER_RING),         # streamed through the leaders
+], ids=["in-a-row", "streamed"])
+def test_custom_reduce_op(hosts: str, numel: int, settings: Settings) -> None:
     gcd = tandem.ReduceOp.custom(torch.gcd, "GCD")
-    hosts = list("abba")
-    inputs = [torch.randint(1, 10**6, (3001,), generator=torch.Generator().manual_seed(r)) * 6
+    inputs = [torch.randint(1, 10**6, (numel,), generator=torch.Generator().manual_seed(r)) * 6
               for r in range(len(hosts))]
 
     def body(group: ProcessGroup) -> torch.Tensor:
@@ -135,7 +184,8 @@ def test_custom_reduce_op() -> None:
     expected = inputs[0]
     for x in inputs[1:]:
         expected = torch.gcd(expected, x)
-    for rank, got in enumerate(run_threads(len(hosts), body, hosts=hosts)):
+    for rank, got in enumerate(run_threads(len(hosts), body, settings=settings,
+                                           hosts=list(hosts))):
         assert_equal(got, expected, f"rank {rank}: all_reduce(hierarchical, custom GCD)")
 
 
@@ -222,6 +272,7 @@ def test_only_each_hosts_leader_sends_across_hosts() -> None:
     def call(group: ProcessGroup) -> None:
         for numel in (10, 100003):  # doubling and ring among the leaders
             tandem.all_reduce(torch.ones(numel), group=group)
+        tandem.all_reduce(torch.ones(1 << 20), group=group)  # streamed through the leaders
 
     assert _cross_host_senders(hosts, call) == {0, 1, 6}
 

@@ -1,6 +1,6 @@
 """One rank of the network-namespace tests, and the answers it must give.
 
-Run by the test inside a namespace (``_netns.NetnsLab.run``)::
+Run by the test inside a namespace (``tandem.testing.netns.NetnsLab.run``)::
 
     ip netns exec HOST python _netns_rank.py --rank R --world P --backend auto \\
         --rendezvous file:///tmp/x/store --out /tmp/x/result-R.json [--init-only]

@@ -1,4 +1,4 @@
-"""Ranks on simulated hosts: network namespaces on a private bridge (``_netns``).
+"""Ranks on simulated hosts: network namespaces on a private bridge (``tandem.testing.netns``).
 
 Each namespace is one host to tandem: its own ``TANDEM_HOST_ID`` and its own address,
 and, like a real host, its own abstract UNIX socket names, so shared memory between
@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import pytest
 
-from _netns import PREFIX, RankRun, Unavailable, netns_lab, unavailable_reason
+from tandem.testing.netns import PREFIX, RankRun, Unavailable, netns_lab, unavailable_reason
 from _netns_rank import expected_for
 
 pytestmark = pytest.mark.timeout(90)
@@ -80,7 +80,8 @@ def _launch(spec: Spec, workdir: Path, init_only: bool = False, host_ids: bool =
                     out["TANDEM_BIND_ADDR"] = "0.0.0.0"
                 return out
 
-            return lab.run(RANK_SCRIPT, spec.placement, args, env, timeout=50, grace=grace)
+            return lab.run([str(RANK_SCRIPT)], spec.placement, args, env, timeout=50,
+                           grace=grace)
     except Unavailable as exc:
         pytest.skip(f"network namespaces are unavailable: {exc}")
 

@@ -12,7 +12,7 @@ import tempfile
 import pytest
 
 from tandem.bench import zero as bench
-from tandem.bench.ddp import _spawn
+from tandem.bench.ddp import _spawn_here
 
 
 def test_time_table_has_a_row_and_ratios_per_contender() -> None:
@@ -49,7 +49,7 @@ def test_every_contender_runs_a_step_and_reports_memory() -> None:
     assert set(times) == set(bench.TIMED), times
     assert all(wall > 0 and cpu > 0 for wall, cpu in times.values()), times
     with tempfile.TemporaryDirectory() as tmp:
-        per_rank = _spawn(2, bench._memory_main, ("zero2", f"file://{tmp}/m", 1, False, 32), 200)
+        per_rank = _spawn_here(2, bench._memory_main, ("zero2", f"file://{tmp}/m", 1, False, 32), 200)
     params = sum(p.numel() for p in bench.build(32)[0].parameters())
     for r in per_rank:
         # Adam: two moments per element of the rank's shard; sharded gradients: its shard

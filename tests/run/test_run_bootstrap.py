@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -51,3 +52,64 @@ def test_sys_exit_is_passed_through_without_a_record(tmp_path: Path) -> None:
     env = {**os.environ, "TANDEM_ERROR_FILE": str(error_file)}
     res = bootstrap("--parent", str(os.getpid()), str(script), env=env)
     assert res.returncode == 7 and not error_file.exists()
+
+
+def failing(tmp_path: Path, body: str, **env: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+    """Run ``body`` as a worker script; its result and its error record."""
+    script = tmp_path / "s.py"
+    script.write_text(body)
+    error_file = tmp_path / "error.json"
+    if error_file.exists():
+        error_file.unlink()
+    res = bootstrap("--parent", str(os.getpid()), str(script),
+                    env={**os.environ, "TANDEM_ERROR_FILE": str(error_file), **env})
+    return res, json.loads(error_file.read_text())
+
+
+BAD_TIMEOUT = "from tandem.config import timeout_seconds\ntimeout_seconds(-1.0, 1.0)\n"
+
+
+def test_tandems_own_frames_are_folded_into_one_line(tmp_path: Path) -> None:
+    res, record = failing(tmp_path, BAD_TIMEOUT, TANDEM_DEBUG="0")
+    assert res.returncode == 1
+    assert res.stderr.splitlines() == [
+        "Traceback (most recent call last):",
+        f'  File "{tmp_path / "s.py"}", line 2, in <module>',
+        "    timeout_seconds(-1.0, 1.0)",
+        "  ... 1 frame inside tandem (TANDEM_DEBUG=1 shows them)",
+        "tandem.errors.ArgumentError: " + record["message"]]
+    assert record["shown"] and record["traceback"] == res.stderr
+    assert "tandem/config.py" in record["traceback_full"]
+
+
+def test_tandem_debug_shows_every_frame(tmp_path: Path) -> None:
+    res, _ = failing(tmp_path, BAD_TIMEOUT, TANDEM_DEBUG="1")
+    assert "tandem/config.py" in res.stderr and "inside tandem" not in res.stderr
+
+
+def test_only_the_first_failing_rank_prints_its_traceback(tmp_path: Path) -> None:
+    claim = str(tmp_path / "traceback_shown")
+    first, _ = failing(tmp_path, "x = 1\nraise ValueError('boom')\n", TANDEM_TRACEBACK_ONCE=claim)
+    assert first.stderr.startswith("Traceback") and first.returncode == 1
+    later, record = failing(tmp_path, "x = 1\nraise ValueError('boom')\n",
+                            TANDEM_TRACEBACK_ONCE=claim)
+    assert later.stderr == f"ValueError at {tmp_path / 's.py'}:2 in <module>: boom\n"
+    assert not record["shown"] and "Traceback" in record["traceback"]
+
+
+def test_a_lost_peer_is_one_line_even_if_first_it_is_not_the_cause(tmp_path: Path) -> None:
+    body = "from tandem.errors import PeerLostError\nraise PeerLostError('rank 0 died', 0)\n"
+    res, record = failing(tmp_path, body, TANDEM_TRACEBACK_ONCE=str(tmp_path / "claim"))
+    assert res.stderr == f"tandem.errors.PeerLostError at {tmp_path / 's.py'}:2 in <module>: " \
+                         "rank 0 died\n"
+    assert not (tmp_path / "claim").exists()  # a real cause may still print its traceback
+
+
+def test_ctrl_c_prints_one_line_and_the_worker_dies_of_sigint(tmp_path: Path) -> None:
+    body = ("import os, signal, threading, time\n"
+            "threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+            "time.sleep(5)\n")
+    res, record = failing(tmp_path, body)
+    assert res.stderr == f"KeyboardInterrupt at {tmp_path / 's.py'}:3 in <module>\n"
+    assert res.returncode == -signal.SIGINT
+    assert record["exc_type"] == "KeyboardInterrupt"

@@ -22,10 +22,45 @@ def test_an_exception_is_reported_with_rank_type_message_and_traceback(run: Run)
     assert "rank       : 1 (local_rank 1, node 0, role default)" in summary
     assert "exit       : exit code 1" in summary
     assert "exception  : ValueError: bad batch on rank 1" in summary
-    assert 'raise_on_rank.py", line 8, in load_batch' in summary
-    assert "_worker.py" not in summary and "runpy" not in summary
+    assert "traceback  : printed above by [rank1]" in summary  # not a second time
+    assert res.err.count('raise_on_rank.py", line 8, in load_batch') == 1
+    assert "_worker.py" not in res.err and "runpy" not in res.err
     assert "Stopped by the launcher: ranks 0" in summary
     assert "[rank1]: ValueError: bad batch on rank 1" in res.err  # the worker's own stderr
+
+
+@pytest.mark.timeout(60)
+def test_the_summary_prints_a_traceback_that_did_not_reach_the_console(run: Run) -> None:
+    res = run("--nproc-per-node", "2", "--redirects", "2", SCRIPTS / "raise_on_rank.py", "1")
+    assert res.code == 1
+    summary = res.err[res.err.index("Root cause"):]
+    assert 'raise_on_rank.py", line 8, in load_batch' in summary
+
+
+@pytest.mark.timeout(60)
+def test_the_cause_still_unwinding_is_the_root_cause_not_a_stopped_rank(run: Run) -> None:
+    # rank 0 raises, leaves the group and takes a second in its finally block; rank 1
+    # fails at once of the consequence. Stopped at once, rank 0 had no record yet.
+    res = run("--nproc-per-node", "2", SCRIPTS / "slow_cause.py")
+    assert res.code == 1
+    summary = res.err[res.err.index("Root cause"):]
+    assert "rank       : 0 (local_rank 0" in summary, summary
+    assert "exit       : exit code 1" in summary
+    assert "exception  : ValueError: the real cause, on rank 0" in summary
+    assert "rank 1 (local_rank 1, host" in summary and "PeerLostError" in summary
+    assert "Stopped by the launcher" not in summary
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_exiting_after_its_exception_is_not_reported_as_killed(run: Run) -> None:
+    # rank 0 raised first and is running a slow exit handler when rank 1 fails
+    res = run("--nproc-per-node", "2", SCRIPTS / "slow_exit.py")
+    assert res.code == 1
+    summary = res.err[res.err.index("Root cause"):]
+    assert "rank       : 0 (local_rank 0" in summary, summary
+    assert "exit       : exit code 1" in summary, summary
+    assert "exception  : ValueError: first, on rank 0" in summary
+    assert "rank 1 (local_rank 1, host" in summary and "KeyError" in summary
 
 
 @pytest.mark.timeout(60)

@@ -41,6 +41,10 @@ from tandem.collectives.algorithms.shm import (
     shm_broadcast,
     shm_reduce_scatter,
 )
+from tandem.collectives.algorithms.streamed import (
+    hierarchical_all_gather,
+    hierarchical_reduce_scatter,
+)
 from tandem.collectives.algorithms.tree import tree_broadcast, tree_reduce
 from tandem.collectives.group import ProcessGroup
 from tandem.errors import ArgumentError
@@ -54,7 +58,9 @@ __all__ = [
     "pairwise_all_to_all",
     "even_bounds",
     "segment_bounds",
+    "hierarchical_all_gather",
     "hierarchical_broadcast",
+    "hierarchical_reduce_scatter",
     "ring",
     "shm_all_gather",
     "shm_all_reduce_many",

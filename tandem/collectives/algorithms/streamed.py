@@ -1,0 +1,195 @@
+"""Hierarchical collectives for large buffers, streamed through one leader per host.
+
+A group spanning hosts, some holding several of its ranks, runs a ring among the
+hosts' *leaders* (the lowest group rank of each host), so that every host's link
+carries the least bytes: one stream per host, as if each host were one rank. The
+other ranks of a host talk to their leader only, and never wait for a whole-buffer
+phase: the leaders' ring (:func:`ring` with its ``ready``/``done`` hooks) pulls each
+chunk from them just before it first reads it and hands each chunk back the moment
+it is final. So the link between hosts, the copies within a host and the reductions
+overlap chunk by chunk.
+
+* all-reduce: every rank sends its whole buffer up; the leader reduces it into its
+  own, chunk by chunk; everyone gets the whole result back;
+* reduce-scatter: the same going up; each rank gets back only its own piece, which
+  lies in its host's block;
+* all-gather: each rank sends its own piece up, into place; everyone gets the whole
+  result back.
+
+A rank sends everything up at once and posts every receive for what comes back, in
+place (a chunk's result can only come back after its leader read the chunk). A
+leader keeps one receive area per other rank of its host for the reductions; when
+that would exceed ``_STREAM_SCRATCH``, or a host's ranks are not consecutive (so its
+block is not contiguous), the callers fall back to the flat algorithms. Reductions
+combine in group-rank order within a host, the leaders' ring does the rest, and every
+rank ends with the bytes the ring produced: bit-identical everywhere, and exact
+inputs agree with the naive oracle bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from tandem.collectives.algorithms._phases import PHASE, Phase, host_layout, host_of_rank
+from tandem.collectives.algorithms.ring import Bounds, even_bounds, ring, ring_pieces
+from tandem.collectives.group import Op, as_bytes
+from tandem.collectives.reduce_op import ReduceOp, combine, finish
+from tandem.transport.base import Slot
+
+__all__ = ["streamed_all_reduce", "streamed_fits", "hierarchical_all_gather",
+           "hierarchical_reduce_scatter"]
+
+# the most memory a leader sets aside for its host's other ranks' contributions
+_STREAM_SCRATCH = 1 << 30
+Range = tuple[int, int]
+
+
+def streamed_fits(layout: list[list[int]], buf: torch.Tensor) -> bool:
+    """Whether a reduction of ``buf`` may stream (the leaders' receive areas fit)."""
+    busiest = max(len(ranks) for ranks in layout)
+    return (busiest - 1) * buf.numel() * buf.element_size() <= _STREAM_SCRATCH
+
+
+def _inter(a: Range, b: Range) -> Range | None:
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, hi) if lo < hi else None
+
+
+def _through_leaders(op: Op, buf: torch.Tensor, layout: list[list[int]], blocks: Bounds,
+                     redop: ReduceOp | None, divide: ReduceOp | None, gather: bool,
+                     up: Callable[[int], Range], down: Callable[[int], list[Range]]) -> None:
+    """The leaders ring over ``blocks`` (one per host, in leader order) on flat ``buf``.
+
+    Group rank ``m`` hands its leader ``buf[up(m)]`` (reduced into the leader's
+    ``buf`` with ``redop``, or copied into place when ``redop`` is None) and gets
+    ``buf[r]`` back once final, for each of the (at most two) ranges ``r`` in
+    ``down(m)``. ``gather``: the ring's all-gather phase runs (every leader ends with
+    every block); ``divide``: AVG's division by the group size, on the chunks a
+    leader finishes.
+    """
+    g = op.group
+    me = g.group_rank
+    local = host_of_rank(layout, me)
+    leaders = [ranks[0] for ranks in layout]
+    size, n = buf.element_size(), buf.numel()
+    pieces = [piece for segment in ring_pieces(g.settings, blocks, size) for piece in segment]
+    whole = as_bytes(buf)
+    lift = Phase(op, local, 0)  # the host's other ranks -> its leader
+    drop = Phase(op, local, 2 * PHASE)  # the leader -> the others
+
+    def cut(rng: Range) -> list[tuple[int, Range]]:
+        return [(i, part) for i, piece in enumerate(pieces) if (part := _inter(piece, rng))]
+
+    def cuts(ranges: list[Range]) -> list[tuple[int, Range]]:
+        # a piece may meet both ranges: each part is its own message, step 2 i + k
+        return [(2 * i + k, part) for k, rng in enumerate(ranges) for i, part in cut(rng)]
+
+    if me != local[0]:
+        back = [drop.recv(0, i, whole[a * size:b * size]) for i, (a, b) in cuts(down(me))]
+        lift.wait(*[lift.send(0, i, whole[a * size:b * size]) for i, (a, b) in cut(up(me))],
+                  *back)
+        return
+    others = local[1:]
+    reserved = 0
+    inbox = torch.empty(0, dtype=buf.dtype)
+    if redop is not None:  # one receive area per other rank, then the ring's scratch
+        reserved = -(-len(others) * n * size // 64) * 64
+        longest = max(b - a for a, b in blocks)
+        g.scratch(reserved + longest * size * (len(leaders) - 1), torch.uint8)  # sized once
+        inbox = g.scratch(reserved, torch.uint8)[:len(others) * n * size].view(buf.dtype)
+    into = as_bytes(inbox) if redop is not None else whole
+    arrivals: list[list[tuple[int, Slot, Range]]] = [[] for _ in pieces]
+    for j, m in enumerate(others):
+        shift = j * n if redop is not None else 0
+        for i, (a, b) in cut(up(m)):
+            slot = lift.recv(j + 1, i, into[(shift + a) * size:(shift + b) * size])
+            arrivals[i].append((j, slot, (a, b)))
+    index = {piece: i for i, piece in enumerate(pieces)}
+    mine = blocks[leaders.index(me)]
+    sends: list[Slot] = []
+
+    def ready(a: int, b: int) -> None:
+        for j, slot, (x, y) in arrivals[index[(a, b)]]:
+            lift.wait(slot)
+            if redop is not None:  # lower group rank first
+                combine(redop, buf[x:y], inbox[j * n + x:j * n + y], buf[x:y])
+
+    def done(a: int, b: int) -> None:
+        if divide is not None and mine[0] <= a < mine[1]:  # the others get it divided
+            finish(divide, buf[a:b], g.group_size)
+        i = index[(a, b)]
+        for j, m in enumerate(others, 1):
+            for k, rng in enumerate(down(m)):
+                part = _inter((a, b), rng)
+                if part:
+                    sends.append(drop.send(j, 2 * i + k, whole[part[0] * size:part[1] * size]))
+
+    ring(Phase(op, leaders, PHASE, reserved), buf, blocks, redop, redop is not None, gather,
+         ready, done)
+    lift.wait(*sends)
+
+
+def _sum_for(redop: ReduceOp) -> tuple[ReduceOp, ReduceOp | None]:
+    """The op to combine with and the op that finishes (AVG sums, then divides once)."""
+    if redop.name == "AVG" and redop.fn is None:
+        return ReduceOp.SUM, redop
+    return redop, None
+
+
+def streamed_all_reduce(op: Op, buf: torch.Tensor, redop: ReduceOp,
+                        layout: list[list[int]]) -> None:
+    """All-reduce flat ``buf`` in place through the leaders (needs :func:`streamed_fits`)."""
+    whole = (0, buf.numel())
+    inner, divide = _sum_for(redop)
+    _through_leaders(op, buf, layout, even_bounds(buf.numel(), len(layout)), inner, divide,
+                     True, lambda m: whole, lambda m: [whole])
+
+
+def _host_blocks(layout: list[list[int]] | None, bounds: Bounds) -> Bounds | None:
+    """Each host's block of ``bounds`` (per group rank), if every block is contiguous."""
+    if layout is None:
+        return None
+    blocks = []
+    for ranks in layout:
+        if ranks != list(range(ranks[0], ranks[-1] + 1)):
+            return None
+        blocks.append((bounds[ranks[0]][0], bounds[ranks[-1]][1]))
+    return blocks
+
+
+def hierarchical_all_gather(op: Op, flat: torch.Tensor, bounds: Bounds) -> None:
+    """All-gather in place: group rank ``m`` holds ``flat[bounds[m]]``, all end with all of it.
+
+    Through the leaders when the group spans hosts in blocks of consecutive ranks,
+    otherwise the flat ring.
+    """
+    layout = host_layout(op.group)
+    blocks = _host_blocks(layout, bounds)
+    if blocks is None or layout is None:
+        ring(op, flat, bounds, None, reduce_scatter=False, all_gather=True)
+        return
+    end = flat.numel()
+    # a rank gets back everything but its own piece (at 2x2 hosts, 64 MB each: a quarter
+    # of the copies within a host)
+    _through_leaders(op, flat, layout, blocks, None, None, True, lambda m: bounds[m],
+                     lambda m: [(0, bounds[m][0]), (bounds[m][1], end)])
+
+
+def hierarchical_reduce_scatter(op: Op, flat: torch.Tensor, bounds: Bounds,
+                                redop: ReduceOp) -> None:
+    """Reduce-scatter in place: group rank ``m`` ends with the reduction in ``flat[bounds[m]]``.
+
+    Through the leaders when the group spans hosts in blocks of consecutive ranks and
+    the leaders' receive areas fit, otherwise the flat ring.
+    """
+    layout = host_layout(op.group)
+    blocks = _host_blocks(layout, bounds)
+    if blocks is None or layout is None or not streamed_fits(layout, flat):
+        ring(op, flat, bounds, redop, reduce_scatter=True, all_gather=False)
+        return
+    everything = (0, flat.numel())
+    inner, divide = _sum_for(redop)
+    _through_leaders(op, flat, layout, blocks, inner, divide, False, lambda m: everything,
+                     lambda m: [bounds[m]])

@@ -1,0 +1,319 @@
+"""Simulated hosts: Linux network namespaces joined by a private bridge, links optionally shaped.
+
+    from tandem.testing.links import LinkShape
+    from tandem.testing.netns import netns_lab
+
+    with netns_lab(2, workdir, LinkShape.parse("1gbit:0.2ms")) as lab:   # or Unavailable
+        lab.ping(0, 1)                    # round trips, seconds
+        lab.throughput(0, 1)              # TCP payload bits/s from host 0 to host 1
+        ranks = lab.run([str(script)], placement=[0, 0, 1, 1], args=..., env=..., timeout=40)
+
+Each simulated host is a network namespace with one veth (``eth0``, address
+``lab.addrs[h]``) plugged into a bridge that lives in a further "switch" namespace.
+Every interface is created directly inside a namespace of this lab, never in the
+caller's own, so the machine's real interfaces are not touched; the subnet
+``10.77.X.0/24`` is drawn at random per lab (labs are isolated from each other in any
+case: each has its own switch). A rank runs as ``ip netns exec HOST python PROGRAM``,
+its output in ``workdir/rank<R>.log``; processes share the file system, so a FileStore
+in ``workdir`` is a rendezvous every host reaches.
+
+A :class:`~tandem.testing.links.LinkShape` shapes every host's link (see there): a
+``tbf`` on both ends of its veth for the rate, and a delay process
+(``tandem.testing._delay``) in each host for delay and loss. Traffic between ranks of
+one host stays on its loopback, unshaped, as on a real machine.
+
+``close()`` (the context manager calls it, whatever happened) SIGKILLs every rank's
+and helper's process group and deletes the namespaces, and with them their
+interfaces, qdiscs and rules. Namespace names carry the pid of the process that made
+them; a lab removes those whose maker is dead (a test run killed outright), so nothing
+piles up.
+
+Needs root and iproute2; :class:`Unavailable` says why not, for a skip message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import secrets
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+from tandem.testing.links import LinkShape
+from tandem._proc import process_alive
+
+__all__ = ["Unavailable", "LabError", "NetnsLab", "RankRun", "netns_lab", "unavailable_reason",
+           "PREFIX"]
+
+PREFIX = "tandem-lab-"
+# inherited settings that would change what a rank does (and every TANDEM_*, the job
+# secret included): each run passes its own
+_SCRUB = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+_HELPER_START_S = 20.0
+
+
+class Unavailable(Exception):
+    """Network namespaces cannot be used here; the message says why."""
+
+
+class LabError(RuntimeError):
+    """The lab broke while in use (a link's delay process died, a probe failed)."""
+
+
+@dataclasses.dataclass
+class RankRun:
+    rank: int
+    host: int
+    returncode: int | None  # None: killed at the deadline
+    log: str
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+def unavailable_reason() -> str:
+    """Why namespaces cannot be made here (empty when they might be)."""
+    if sys.platform != "linux":
+        return f"network namespaces are Linux-only (platform {sys.platform})"
+    if os.geteuid() != 0:
+        return f"creating network namespaces needs root (euid {os.geteuid()})"
+    if shutil.which("ip") is None:
+        return "the `ip` command (iproute2) is not installed"
+    return ""
+
+
+def _cmd(cmd: list[str]) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+    if done.returncode != 0:
+        raise Unavailable(f"`{' '.join(cmd)}` failed: {done.stderr.strip() or done.returncode}")
+
+
+def _ip(*args: str, ns: str | None = None) -> None:
+    _cmd(["ip", *(["-n", ns] if ns else []), *args])
+
+
+def _remove_stale() -> None:
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20)
+    for line in listing.stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        pid = name[len(PREFIX):].partition("-")[0]
+        if name.startswith(PREFIX) and pid.isdigit() and not process_alive(int(pid)):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
+
+
+def _read_line(proc: subprocess.Popen[bytes], deadline: float, what: str) -> str:
+    """The first line ``proc`` prints, within ``deadline`` (a monotonic time)."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    got = b""
+    while not got.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise LabError(f"{what} printed nothing in time")
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            raise LabError(f"{what} exited: {proc.wait(5)}")
+        got += chunk
+    return got.decode().strip()
+
+
+class NetnsLab:
+    """``hosts`` namespaces on one bridge; see the module docstring."""
+
+    def __init__(self, hosts: int, workdir: Path, link: LinkShape | None = None) -> None:
+        tag = f"{PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
+        self.workdir = workdir
+        self.link = link or LinkShape()
+        self.switch = f"{tag}-sw"
+        self.names = [f"{tag}-h{h}" for h in range(hosts)]
+        subnet = random.randrange(256)
+        self.addrs = [f"10.77.{subnet}.{h + 1}" for h in range(hosts)]
+        self._made: list[str] = []
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._helpers: list[subprocess.Popen[bytes]] = []
+
+    def setup(self) -> None:
+        """Create the namespaces, the network and its shaping; raise :class:`Unavailable`."""
+        _remove_stale()
+        for ns in (self.switch, *self.names):
+            _ip("netns", "add", ns)
+            self._made.append(ns)
+        _ip("link", "add", "br0", "type", "bridge", ns=self.switch)
+        _ip("link", "set", "br0", "up", ns=self.switch)
+        for h, (ns, addr) in enumerate(zip(self.names, self.addrs)):
+            port = f"p{h}"
+            _ip("link", "add", "eth0", "type", "veth", "peer", "name", port, "netns",
+                self.switch, ns=ns)
+            _ip("link", "set", port, "master", "br0", "up", ns=self.switch)
+            _ip("addr", "add", f"{addr}/24", "dev", "eth0", ns=ns)
+            _ip("link", "set", "eth0", "up", ns=ns)
+            _ip("link", "set", "lo", "up", ns=ns)  # a host reaches its own address via lo
+            if self.link.rate_bits:  # what the host sends, and what the switch sends it
+                _cmd(["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf",
+                      *self.link.tbf_args()])
+                _cmd(["tc", "-n", self.switch, "qdisc", "add", "dev", port, "root", "tbf",
+                      *self.link.tbf_args()])
+        probe = subprocess.run(["ip", "netns", "exec", self.names[0], "true"],
+                               capture_output=True, text=True, timeout=20)
+        if probe.returncode != 0:
+            raise Unavailable(f"`ip netns exec` does not work here: {probe.stderr.strip()}")
+        if self.link.delay_s or self.link.loss:
+            self._start_delays()
+
+    def _start_delays(self) -> None:
+        deadline = time.monotonic() + _HELPER_START_S
+        for h, ns in enumerate(self.names):
+            cmd = [*self._exec(h), "-m", "tandem.testing._delay", "--iface", "eth0",
+                   "--delay", repr(self.link.delay_s), "--loss", repr(self.link.loss),
+                   "--seed", str(h)]
+            log = open(self.workdir / f"delay-h{h}.log", "wb")
+            with log:
+                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+            self._helpers.append(proc)
+        for h, proc in enumerate(self._helpers):
+            try:
+                _read_line(proc, deadline, f"the delay process of host {h}")
+            except LabError as exc:
+                err = (self.workdir / f"delay-h{h}.log").read_text(errors="replace")
+                raise Unavailable(f"links cannot be delayed here: {exc}\n{err[-2000:]}") from exc
+
+    def _exec(self, host: int) -> list[str]:
+        return ["ip", "netns", "exec", self.names[host], sys.executable]
+
+    def check(self) -> None:
+        """Raise :class:`LabError` if a link's delay process is gone (links unshaped)."""
+        dead = [h for h, p in enumerate(self._helpers) if p.poll() is not None]
+        if dead:
+            raise LabError(f"the delay process of host(s) {dead} exited; see "
+                           f"{self.workdir}/delay-h*.log")
+
+    # -- measuring the links ---------------------------------------------------------
+    def ping(self, src: int, dst: int, count: int = 20, timeout: float = 60.0) -> list[float | None]:
+        """Round trips in seconds of ``count`` pings from host ``src`` to host ``dst``."""
+        cmd = [*self._exec(src), "-m", "tandem.testing._probe", "ping", self.addrs[dst],
+               "--count", str(count)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            raise LabError(f"ping from host {src} to {dst} failed: {done.stderr[-2000:]}")
+        self.check()
+        rtts: list[float | None] = json.loads(done.stdout)
+        return rtts
+
+    def throughput(self, src: int, dst: int, seconds: float = 2.0,
+                   timeout: float = 60.0) -> float:
+        """TCP payload bits per second from host ``src`` to host ``dst`` (one stream)."""
+        deadline = time.monotonic() + timeout
+        sink = subprocess.Popen([*self._exec(dst), "-m", "tandem.testing._probe", "sink",
+                                 "--seconds", str(timeout)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
+        self._procs.append(sink)  # killed by close() like a rank, whatever happens
+        try:
+            port = _read_line(sink, deadline, f"the throughput sink on host {dst}")
+            source = subprocess.run([*self._exec(src), "-m", "tandem.testing._probe", "source",
+                                     self.addrs[dst], port, "--seconds", str(seconds)],
+                                    capture_output=True, text=True,
+                                    timeout=max(1.0, deadline - time.monotonic()))
+            if source.returncode != 0:
+                raise LabError(f"throughput source on host {src} failed: {source.stderr[-2000:]}")
+            out, err = sink.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            if sink.returncode != 0:
+                raise LabError(f"throughput sink on host {dst} failed: {err.decode()[-2000:]}")
+        finally:
+            self._kill([sink])
+        self.check()
+        got = json.loads(out.decode().splitlines()[-1])
+        if got["seconds"] <= 0:
+            raise LabError(f"the throughput test from host {src} to {dst} was too short")
+        return float(got["bytes"]) * 8 / float(got["seconds"])
+
+    # -- running ranks ---------------------------------------------------------------
+    def run(self, program: Sequence[str], placement: Sequence[int],
+            args: Callable[[int], list[str]], env: Callable[[int], dict[str, str]],
+            timeout: float, grace: float = 5.0) -> list[RankRun]:
+        """Run ``python PROGRAM ARGS(rank)`` once per rank, rank ``r`` on host
+        ``placement[r]``; wait for all. ``PROGRAM`` is e.g. ``[script]`` or ``["-m", mod]``.
+
+        Ranks still running ``timeout`` seconds after the start, or ``grace`` seconds
+        after another rank failed, are killed (returncode None). Raises
+        :class:`LabError` if the links lost their shaping meanwhile.
+        """
+        base = {k: v for k, v in os.environ.items()
+                if k not in _SCRUB and not k.startswith("TANDEM_")}
+        procs = []
+        for rank, host in enumerate(placement):
+            with open(self.workdir / f"rank{rank}.log", "wb") as log:
+                proc = subprocess.Popen([*self._exec(host), *program, *args(rank)],
+                                        stdout=log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, cwd=self.workdir,
+                                        env={**base, **env(rank)}, start_new_session=True)
+            self._procs.append(proc)
+            procs.append(proc)
+        deadline = time.monotonic() + timeout
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes) or time.monotonic() >= deadline:
+                break
+            if any(c not in (None, 0) for c in codes):
+                deadline = min(deadline, time.monotonic() + grace)
+            if any(h.poll() is not None for h in self._helpers):
+                break  # reported by check() below, after the ranks are stopped
+            time.sleep(0.05)
+        self._kill(procs)
+        self.check()
+        return [RankRun(r, placement[r], codes[r],
+                        (self.workdir / f"rank{r}.log").read_text(errors="replace"))
+                for r in range(len(procs))]
+
+    @staticmethod
+    def _kill(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+        """SIGKILL each process still running, with anything it started."""
+        for p in procs:
+            if p.poll() is None:  # not reaped yet, so the pid (= its group id) is still ours
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(10)
+            for stream in (p.stdout, p.stderr):
+                if stream is not None:
+                    stream.close()
+
+    def kill(self) -> None:
+        """SIGKILL every rank still running, with anything it started."""
+        self._kill(self._procs)
+
+    def close(self) -> None:
+        try:
+            self._kill(self._procs + self._helpers)
+        finally:
+            for ns in reversed(self._made):
+                subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+            self._made.clear()
+
+
+@contextlib.contextmanager
+def netns_lab(hosts: int, workdir: Path, link: LinkShape | None = None) -> Iterator[NetnsLab]:
+    """A set-up :class:`NetnsLab`, closed on exit; :class:`Unavailable` if it cannot be made."""
+    why = unavailable_reason()
+    if why:
+        raise Unavailable(why)
+    if link is not None and link.rate_bits and shutil.which("tc") is None:
+        raise Unavailable("shaping a link's rate needs the `tc` command (iproute2)")
+    workdir.mkdir(parents=True, exist_ok=True)
+    lab = NetnsLab(hosts, workdir, link)
+    try:
+        lab.setup()
+        yield lab
+    finally:
+        lab.close()

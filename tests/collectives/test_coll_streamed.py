@@ -1,0 +1,147 @@
+"""all_gather and reduce_scatter across hosts, streamed through one leader per host.
+
+Threads over loopback claim to be on hosts (``run_threads(..., hosts=...)``). When a
+group spans hosts in blocks of consecutive ranks, the collectives go through the
+hosts' leaders (``algorithms/streamed.py``); otherwise (interleaved hosts) through the
+flat ring. Either way the result must be exact: inputs are exact (``_coll_util``), so
+every reduction order gives the same bits.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import tandem
+from tandem.collectives.group import ProcessGroup
+from tandem.config import Settings
+from tandem.testing import run_threads
+from tandem.transport.base import Kind
+
+from _coll_util import assert_equal, rank_input, reduce_locally
+
+pytestmark = pytest.mark.timeout(120)
+
+TOPOLOGIES = {
+    "2x2": list("aabb"),
+    "3+1": list("aaab"),
+    "1+4": list("abbbb"),
+    "3-hosts": list("aabbbc"),
+    "interleaved": list("abab"),  # not consecutive: the flat ring
+}
+SETTINGS = Settings(chunk_bytes=4096, ring_threshold=4096)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("numel", [0, 1, 1001, 30011])
+def test_all_gather_is_exact_on_every_topology(topology: str, numel: int) -> None:
+    hosts = TOPOLOGIES[topology]
+    p = len(hosts)
+
+    def body(group: ProcessGroup) -> tuple[list[torch.Tensor], torch.Tensor]:
+        mine = rank_input("SUM", torch.float32, numel, group.rank())
+        outs = [torch.full((numel,), -1.0) for _ in range(p)]
+        tandem.all_gather(outs, mine, group=group)
+        into = torch.full((p * numel,), -1.0)
+        tandem.all_gather_into_tensor(into, mine, group=group)
+        return outs, into
+
+    want = [rank_input("SUM", torch.float32, numel, r) for r in range(p)]
+    for rank, (outs, into) in enumerate(run_threads(p, body, settings=SETTINGS, hosts=hosts)):
+        for r in range(p):
+            assert_equal(outs[r], want[r], f"rank {rank}: all_gather, piece of rank {r}")
+        assert_equal(into, torch.cat(want), f"rank {rank}: all_gather_into_tensor")
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("op, dtype", [("SUM", torch.float32), ("AVG", torch.float64),
+                                       ("MAX", torch.int32), ("PRODUCT", torch.float32),
+                                       ("BXOR", torch.int64)])
+def test_reduce_scatter_is_exact_on_every_topology(topology: str, op: str,
+                                                   dtype: torch.dtype) -> None:
+    hosts = TOPOLOGIES[topology]
+    p, n = len(hosts), 5003
+    redop = getattr(tandem.ReduceOp, op)
+
+    def body(group: ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        x = rank_input(op, dtype, p * n, group.rank())
+        out = torch.zeros(n, dtype=dtype)
+        tandem.reduce_scatter_tensor(out, x, op=redop, group=group)
+        listed = torch.zeros(n, dtype=dtype)
+        tandem.reduce_scatter(listed, list(x.split(n)), op=redop, group=group)
+        return out, listed
+
+    total = reduce_locally(op, [rank_input(op, dtype, p * n, r) for r in range(p)])
+    for rank, (out, listed) in enumerate(run_threads(p, body, settings=SETTINGS, hosts=hosts)):
+        want = total[rank * n:(rank + 1) * n]
+        assert_equal(out, want, f"rank {rank}: reduce_scatter_tensor({op})")
+        assert_equal(listed, want, f"rank {rank}: reduce_scatter({op})")
+
+
+def test_reduce_scatter_with_uneven_pieces_and_a_custom_op() -> None:
+    hosts = list("aabbb")
+    sizes = [3, 0, 4001, 17, 250]
+    gcd = tandem.ReduceOp.custom(torch.gcd, "GCD")
+    inputs = [[torch.randint(1, 10**6, (s,), generator=torch.Generator().manual_seed(10 * r + i))
+               * 6 for i, s in enumerate(sizes)] for r in range(len(hosts))]
+
+    def body(group: ProcessGroup) -> torch.Tensor:
+        out = torch.zeros(sizes[group.rank()], dtype=torch.int64)
+        tandem.reduce_scatter(out, inputs[group.rank()], op=gcd, group=group)
+        return out
+
+    for rank, got in enumerate(run_threads(len(hosts), body, settings=SETTINGS, hosts=hosts)):
+        want = inputs[0][rank]
+        for r in range(1, len(hosts)):
+            want = torch.gcd(want, inputs[r][rank])
+        assert_equal(got, want, f"rank {rank}: reduce_scatter(GCD) of {sizes[rank]} elements")
+
+
+def _traffic(hosts: list[str], call: Callable[[ProcessGroup], None]) -> list[list[tuple[int, int]]]:
+    """Per rank: (peer, bytes) of every collective message it sent while ``call`` ran."""
+
+    def body(group: ProcessGroup) -> list[tuple[int, int]]:
+        transport, plain, seen = group.transport, group.transport.isend, []
+
+        def isend(peer: int, header: Any, payload: memoryview) -> Any:
+            if header.kind == Kind.COLL:
+                seen.append((peer, len(payload)))
+            return plain(peer, header, payload)
+
+        transport.isend = isend  # type: ignore[method-assign]
+        call(group)
+        return seen
+
+    return run_threads(len(hosts), body, settings=SETTINGS, hosts=hosts)
+
+
+def test_only_leaders_cross_hosts_and_each_host_sends_its_share_once() -> None:
+    hosts, n = list("aabb"), 1 << 14  # floats per rank
+
+    def call(group: ProcessGroup) -> None:
+        outs = [torch.empty(n) for _ in hosts]
+        tandem.all_gather(outs, torch.ones(n), group=group)
+        tandem.reduce_scatter_tensor(torch.empty(n), torch.ones(len(hosts) * n), group=group)
+
+    traffic = _traffic(hosts, call)
+    across = {rank: sum(b for peer, b in sent if hosts[peer] != hosts[rank])
+              for rank, sent in enumerate(traffic)}
+    # all-gather: a host's two pieces; reduce-scatter: the other host's half, reduced
+    assert across == {0: 2 * 4 * n + 2 * 4 * n, 1: 0, 2: 2 * 4 * n + 2 * 4 * n, 3: 0}
+    down = {rank: sum(b for peer, b in sent if peer == rank + 1)
+            for rank, sent in enumerate(traffic) if rank in (0, 2)}
+    # all-gather: the 3 pieces the other rank lacks; reduce-scatter: its own piece
+    assert down == {0: 3 * 4 * n + 4 * n, 2: 3 * 4 * n + 4 * n}
+
+
+def test_interleaved_hosts_use_the_flat_ring() -> None:
+    hosts, n = list("abab"), 1 << 12
+
+    def call(group: ProcessGroup) -> None:
+        outs = [torch.empty(n) for _ in hosts]
+        tandem.all_gather(outs, torch.ones(n), group=group)
+
+    traffic = _traffic(hosts, call)
+    assert all({peer for peer, _ in sent} == {(rank + 1) % 4} for rank, sent in enumerate(traffic))
