@@ -23,6 +23,7 @@ Nothing here is unpickled unless the transport authenticated the peer.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import math
 import pickle
@@ -53,6 +54,11 @@ _SHAPES = [struct.Struct(f"<{n}q") for n in range(256)]
 _GRAD, _PARAM = 1, 2  # per tensor
 _RREFS = 1  # per message: the pickle refers to RRefs
 _DRAIN = 1 << 20
+# Messages up to this size are read in one go and their tensors copied out of it, and
+# tensors up to it are copied into the message instead of being sent as views of their
+# memory. Measured (timeit, one process): a 16-float tensor cost ~6 us to view and ~12 us
+# to allocate and read into, against ~1.5 us and ~3 us copied.
+_SMALL = 64 << 10
 
 
 def _tensor_ref(index: int) -> Any:
@@ -111,10 +117,11 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:  # noqa: C901 - one dispatch on type
         cls = type(obj)
         if cls is torch.Tensor or cls is torch.nn.Parameter:
-            if obj.device.type not in ("cpu", "meta"):
+            cpu = obj.is_cpu  # (``device.type`` builds a device object: ~1 us)
+            if not cpu and not obj.is_meta:
                 raise ArgumentError(f"cannot send a tensor on {obj.device}: tandem's RPC "
                                     f"moves CPU tensors; call .cpu() first")
-            if obj.layout is torch.strided and obj.device.type == "cpu" and obj.dtype in _CODE:
+            if cpu and obj.layout is torch.strided and obj.dtype in _CODE:
                 self.tensors.append(obj)
                 return _tensor_ref, (len(self.tensors) - 1,)
             return NotImplemented
@@ -167,12 +174,24 @@ def encode(obj: Any, what: str, fork: Callable[[Any], tuple[Any, ...]] | None = 
         return Outgoing([memoryview(head), memoryview(pickled)], meta, meta, rrefs)
     table = bytearray(head)
     views: list[memoryview] = []
+    small = bytearray()  # small tensors' bytes, copied: cheaper than a view of each
     for t in tensors:
         flags = (_GRAD if t.requires_grad else 0) | (_PARAM if type(t) is torch.nn.Parameter else 0)
-        table += _TENSOR.pack(_CODE[t.dtype], flags, t.dim())
-        table += _SHAPES[t.dim()].pack(*t.shape)
-        if t.numel():
-            views.append(_payload(t))
+        ndim = t.dim()
+        table += _TENSOR.pack(_CODE[t.dtype], flags, ndim)
+        table += _SHAPES[ndim].pack(*t.shape)
+        size = t.nbytes
+        if not size:
+            continue
+        if size <= _SMALL and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+            small += ctypes.string_at(t.data_ptr(), size)
+            continue
+        if small:
+            views.append(memoryview(small))
+            small = bytearray()
+        views.append(_payload(t))
+    if small:
+        views.append(memoryview(small))
     meta = len(table) + len(pickled)
     nbytes = meta + sum(v.nbytes for v in views)
     return Outgoing([memoryview(table), memoryview(pickled), *views], meta, nbytes, rrefs)
@@ -202,7 +221,8 @@ def read_message(header: Header, read: Reader, src: object) -> Incoming:
     if meta_len < _HEAD.size or meta_len > header.nbytes:
         raise ProtocolError(f"{src} sent an RPC message with a {meta_len}-byte table in a "
                             f"{header.nbytes}-byte payload")
-    meta = bytearray(meta_len)
+    whole = header.nbytes <= _SMALL  # read it all at once; tensors copied out of it
+    meta = bytearray(header.nbytes if whole else meta_len)
     read(memoryview(meta))
     ctx_id, amsg, count, mflags = _HEAD.unpack_from(meta)
     if not count:
@@ -222,20 +242,26 @@ def read_message(header: Header, read: Reader, src: object) -> Incoming:
             specs.append((shape, dtype, flags))
     except (struct.error, IndexError) as exc:
         raise ProtocolError(f"{src} sent a malformed RPC tensor table: {exc}") from exc
-    if total != header.nbytes or min((min(s) for s, _, _ in specs if s), default=0) < 0:
+    if off > meta_len or total != header.nbytes or min((min(s) for s, _, _ in specs if s),
+                                                        default=0) < 0:
         raise ProtocolError(f"{src} sent an RPC message whose tensors add up to {total} bytes "
                             f"in a {header.nbytes}-byte payload")
     tensors: list[torch.Tensor] = []
     done = meta_len
+    base = ctypes.addressof(ctypes.c_char.from_buffer(meta)) if whole else 0
     try:
         for shape, dtype, _ in specs:
             t = torch.empty(shape, dtype=dtype)
-            if t.numel():
+            size = t.nbytes
+            if size and whole:
+                ctypes.memmove(t.data_ptr(), base + done, size)
+            elif size:
                 read(as_bytes(t))
-                done += t.nbytes
+            done += size
             tensors.append(t)
     except (MemoryError, RuntimeError) as exc:
-        _drain(read, header.nbytes - done)
+        if not whole:
+            _drain(read, header.nbytes - done)
         return Incoming(ctx_id, amsg, [], [], b"", False, StateError(
             f"could not allocate the tensors of a {header.nbytes}-byte message from {src}: "
             f"{exc}"))
@@ -248,7 +274,8 @@ def read_message(header: Header, read: Reader, src: object) -> Incoming:
             t.requires_grad_(True)
         if flags & _GRAD:
             grads.append(t)
-    return Incoming(ctx_id, amsg, tensors, grads, memoryview(meta)[off:], bool(mflags & _RREFS))
+    return Incoming(ctx_id, amsg, tensors, grads, memoryview(meta)[off:meta_len],
+                    bool(mflags & _RREFS))
 
 
 def _drain(read: Reader, left: int) -> None:

@@ -7,6 +7,9 @@ Layout (one segment per direction of a pair of ranks; the consumer creates it)::
     byte 128   the consumer is asleep (u64 flag)
     byte 192   the producer is asleep (u64 flag)
     byte 256   capacity   (u64, a power of two, written by the creator)
+    byte 320   where the producer mapped this segment, and its pid (u64 each; for the
+               consumer's cross-memory-attach probe, see ``_cma``)
+    byte 384   the consumer may read the producer's memory (u64: 0 unknown, 1 yes, 2 no)
     byte 4096  data[capacity]
 
 Messages are a byte stream (frames are the transport's business), so a payload
@@ -45,6 +48,7 @@ __all__ = ["Ring", "DATA_OFFSET", "segment_size", "init_segment"]
 
 DATA_OFFSET = 4096
 _HEAD, _TAIL, _CSLEEP, _PSLEEP, _CAP = 0, 8, 16, 24, 32  # u64 indexes into the control page
+_PADDR, _PPID, _CMA = 40, 41, 48
 _SLEEP_S = 0.1  # futex timeout: how often a sleeper re-runs check() on its own
 _HOT_S = 5e-6  # first part of a wait: poll holding the GIL (cheap, but blocks our other threads)
 _BIG = 64 << 10  # copies this large release the GIL
@@ -174,6 +178,26 @@ class Ring:
 
     def empty(self) -> bool:
         return self._ctl[_HEAD] == self._tail
+
+    # -- cross-memory attach (see ``_cma``) -------------------------------------------
+    def announce(self, pid: int) -> None:
+        """Producer: publish where this process mapped the segment, for the consumer's probe."""
+        self._ctl[_PPID] = pid
+        self._ctl[_PADDR] = address_of(self._mm)
+
+    def producer_memory(self) -> tuple[int, int, int]:
+        """Consumer: (producer pid, address there of the capacity word, its value); an
+        address of 0 until the producer announced itself."""
+        addr = self._ctl[_PADDR]
+        return self._ctl[_PPID], addr + 8 * _CAP if addr else 0, self.capacity
+
+    def set_readable(self, ok: bool) -> None:
+        """Consumer: tell the producer whether its memory can be read from here."""
+        self._ctl[_CMA] = 1 if ok else 2
+
+    def readable(self) -> bool:
+        """Producer: whether the consumer said it can read this process's memory."""
+        return self._ctl[_CMA] == 1
 
     # -- waiting ---------------------------------------------------------------------
     def _wait(self, word: int, flag: int, stale: int, addr: int, check: Callable[[], None]) -> None:

@@ -41,6 +41,8 @@ class SendQueue:
         self.limit = limit
         self.count = count
         self.bytes = 0
+        self.held = 0  # bytes sent by reference, not yet acknowledged (``hold``)
+        self.held_count = 0
         self._items: collections.deque[Entry] = collections.deque()
 
     def __len__(self) -> int:
@@ -49,18 +51,34 @@ class SendQueue:
     def push(self, entry: Entry, front: bool = False) -> None:
         """Queue ``entry`` (``front``: the rest of a frame already begun, always taken)."""
         n = _size(entry)
-        if not front and self._items and (self.bytes + n > self.limit
-                                          or len(self._items) >= self.count):
-            raise NetworkError(
-                f"rank {self.me} has {self.bytes} bytes in {len(self._items)} messages queued "
-                f"for rank {self.peer}, which is not reading them (stopped or stuck?); the "
-                f"cap is {self.limit} bytes and {self.count} messages: wait for earlier "
-                f"sends to complete before queueing more")
+        if not front and self._items:
+            self._check_room(n)
         if front:
             self._items.appendleft(entry)
         else:
             self._items.append(entry)
         self.bytes += n
+
+    def _check_room(self, n: int) -> None:
+        bytes_, count = self.bytes + self.held, len(self._items) + self.held_count
+        if bytes_ + n > self.limit or count >= self.count:
+            raise NetworkError(
+                f"rank {self.me} has {bytes_} bytes in {count} messages queued "
+                f"for rank {self.peer}, which is not reading them (stopped or stuck?); the "
+                f"cap is {self.limit} bytes and {self.count} messages: wait for earlier "
+                f"sends to complete before queueing more")
+
+    def hold(self, n: int) -> None:
+        """Count ``n`` bytes the peer has yet to take from the sender's memory (a send by
+        reference) against the same caps; the first is always taken. ``release`` undoes."""
+        if self.held_count or self._items:
+            self._check_room(n)
+        self.held += n
+        self.held_count += 1
+
+    def release(self, n: int) -> None:
+        self.held -= n
+        self.held_count -= 1
 
     def first(self) -> Entry:
         return self._items[0]

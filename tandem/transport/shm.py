@@ -14,7 +14,9 @@ larger than the ring streams through it, so no segment is tensor-sized. A frame
 that fits is copied in by the caller (never waiting on the peer); others go to a
 per-peer writer thread; one reader thread per peer copies frames out straight into
 posted memory (:mod:`~tandem.transport._shm_peer`). Waits poll briefly, then sleep
-on a futex (:func:`default_spin`).
+on a futex (:func:`default_spin`). Payloads of 1 MiB and more skip the ring where the
+kernel lets the reader copy them straight out of the writer's memory (cross-memory
+attach, :mod:`~tandem.transport._cma`): one copy instead of two.
 
 Collectives of a same-host group also get an *arena* (:meth:`ShmTransport.arena`,
 :mod:`~tandem.transport._arena`): each member creates a staging segment and hands it
@@ -42,7 +44,7 @@ from tandem.errors import (ArgumentError, CollectiveTimeoutError, NetworkError, 
 from tandem.store.base import Store
 from tandem.transport._arena import Arena, default_chunk, segment_bytes, CONTROL_BYTES
 from tandem.transport._ring import Ring, init_segment, segment_size
-from tandem.transport._shm_peer import ShmPeer, frame
+from tandem.transport._shm_peer import ShmPeer
 from tandem.transport._shm_setup import Link, connect_local
 from tandem.transport import forks
 from tandem.transport._shmem import create_segment, unsupported_reason
@@ -161,7 +163,9 @@ class ShmTransport(BoundedSends, Transport):
         size = os.fstat(link.fd).st_size
         if size < segment_size(_MIN_RING):
             raise NetworkError(f"rank {link.peer} handed over a {size}-byte ring")
-        return Ring(mmap.mmap(link.fd, size), spin)
+        ring = Ring(mmap.mmap(link.fd, size), spin)
+        ring.announce(os.getpid())  # where the peer may read us by reference (see _cma)
+        return ring
 
     def _start(self, target: object, args: tuple[object, ...], name: str) -> None:
         t = threading.Thread(target=target, args=args, daemon=True, name=name)  # type: ignore[arg-type]
@@ -319,7 +323,7 @@ class ShmTransport(BoundedSends, Transport):
         check_header(header)
         slot = self._send_slot(peer, header)
         views = [b if b.format == "B" and b.ndim == 1 else b.cast("B") for b in pieces]
-        p.send(frame(header, views[0] if views else memoryview(b"")) + views[1:], header, slot)
+        p.post(header, views, slot)
         return slot
 
     def reaches(self, rank: int) -> bool:

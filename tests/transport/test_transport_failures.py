@@ -175,6 +175,7 @@ def test_a_writer_that_raises_fails_its_send_and_the_connection(
         pair: list[Transport], monkeypatch: pytest.MonkeyPatch) -> None:
     a, b = pair
     import tandem.transport._ring as ring
+    import tandem.transport._shm_peer as shm_peer
     import tandem.transport.tcp as tcp
 
     def broken(*args: Any, **kwargs: Any) -> None:
@@ -188,6 +189,8 @@ def test_a_writer_that_raises_fails_its_send_and_the_connection(
     else:
         real = ring.Ring.write
         monkeypatch.setattr(ring.Ring, "write", broken)
+        # through the ring, not by reference (where the writer only writes a descriptor)
+        monkeypatch.setattr(shm_peer, "BY_REFERENCE_MIN", 1 << 40)
     waiting = _recv(b, 0, 14, 1)
     big = memoryview(bytes(4 << 20))  # too large to go inline: the writer thread sends it
     sent = a.isend(1, Header(Kind.P2P, 14, 1, 0, len(big)), big)
