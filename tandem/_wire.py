@@ -140,13 +140,14 @@ def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     # Between hosts, 4 MiB buffers (the usual rmem_max/wmem_max) cover the bandwidth-delay
     # product of 10 Gbit/s at a 3 ms round trip. Within one machine there is no delay to
-    # cover, and large buffers let a sender run megabytes ahead: the bytes leave the
-    # caches before the receiver copies them, and ranks sharing few cores take turns in
-    # long bursts. 256 KiB measured best there (tcp all-reduce, 2-4 ranks on 2 busy
-    # cores, rounds alternating in one run, medians: 3 ranks x 64 MB 228 -> 101 ms,
-    # 4 x 16 MB 100 -> 50 ms, 4 x 64 MB 621 -> 156 ms, 2 x 64 MB 218 -> 97 ms; gloo
-    # 140, 66, 255, 94 ms; CPU per rank 5-13% lower; kernel autotuning 172 ms at 3 x 64)
-    size = 256 << 10 if _same_machine(sock) else 4 << 20
+    # cover, and on a crowded machine large buffers let a sender run megabytes ahead of a
+    # descheduled reader: with 256 KiB, tcp all-reduce at 3-4 ranks x 16-64 MB ran 2-4x
+    # faster than with 4 MiB under load average 8-15. But 256 KiB cost 20-30% at 1-16 MB
+    # on an idle machine (2 ranks x 1 MB 1.0 against 1.3 GB/s busbw, 3 ranks 0.63 against
+    # 0.81), and under a lighter load (two busy loops) it lost at 64 MB too. 1 MiB kept
+    # the idle figures of 4 MiB at 1-16 MB (alternating runs, tandem.bench collectives
+    # --backend tcp) and stays well below the sizes that ran ahead.
+    size = 1 << 20 if _same_machine(sock) else 4 << 20
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         try:
             sock.setsockopt(socket.SOL_SOCKET, opt, size)
