@@ -37,9 +37,12 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in drop}
 
 
-def _run(cwd: Path, launcher: str, script: str) -> str:
-    res = subprocess.run([sys.executable, "-m", launcher, "--nproc-per-node", "2", script],
-                         cwd=cwd, env=_env(), capture_output=True, text=True, timeout=120)
+def _run(cwd: Path, launcher: str, script: str, tries: int = 1) -> str:
+    for _ in range(tries):
+        res = subprocess.run([sys.executable, "-m", launcher, "--nproc-per-node", "2", script],
+                             cwd=cwd, env=_env(), capture_output=True, text=True, timeout=120)
+        if res.returncode == 0:
+            break
     assert res.returncode == 0, f"{launcher}: {res.stdout}\n{res.stderr}"
     found = [line for line in res.stdout.splitlines() if "ranks, last loss" in line]
     assert len(found) == 1, f"{launcher}: {res.stdout}"
@@ -62,6 +65,8 @@ def test_the_snippet_trains_under_tandemrun_like_torch_under_torchrun(tmp_path: 
     (tmp_path / "port.py").write_text(porting_snippet())
     (tmp_path / "port_torch.py").write_text(as_torch(porting_snippet()))
     ours = _run(tmp_path, "tandem.run", "port.py")
-    theirs = _run(tmp_path, "torch.distributed.run", "port_torch.py")
+    # the oracle: on a loaded machine torch's gloo has aborted at process exit, after the
+    # result was printed ("terminate called without an active exception"); run it again
+    theirs = _run(tmp_path, "torch.distributed.run", "port_torch.py", tries=2)
     assert ours.startswith("2 ranks, last loss")
     assert ours == theirs, f"tandem: {ours}\ntorch:  {theirs}"

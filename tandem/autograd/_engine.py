@@ -30,6 +30,7 @@ import torch
 
 from tandem.autograd._context import Context
 from tandem.errors import ArgumentError, StateError
+from tandem.parallel._graph import reachable_leaves
 from tandem.rpc import _state
 from tandem.rpc.functions import async_execution
 
@@ -63,28 +64,6 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
         return dict(ctx.grads)
 
 
-def _leaves(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Every leaf requiring grad that backward from ``outputs`` reaches (no duplicates)."""
-    found: dict[int, torch.Tensor] = {}
-    seen: set[Any] = set()
-    stack: list[Any] = []
-    for t in outputs:
-        if t.grad_fn is None:
-            found[id(t)] = t
-        else:
-            stack.append(t.grad_fn)
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if variable is not None:
-            found[id(variable)] = variable
-        stack.extend(n for n, _ in node.next_functions if n is not None and n not in seen)
-    return list(found.values())
-
-
 def _surrogate(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """A scalar whose gradient with respect to each output is its given gradient, exactly
     (``sum(out * grad)``). Backward from it passes no gradient tensors to torch, whose
@@ -106,7 +85,7 @@ def _run_pass(ctx: Context, outputs: Sequence[torch.Tensor],
     if not pairs:
         return []
     outs = [o for o, _ in pairs]
-    leaves = _leaves(outs)
+    leaves = reachable_leaves(outs)  # every output requires grad here
     if not leaves:
         return []
     with _PASS:

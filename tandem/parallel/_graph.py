@@ -13,7 +13,7 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["find_tensors", "reachable_parameters"]
+__all__ = ["find_tensors", "reachable_leaves", "reachable_parameters"]
 
 
 def find_tensors(obj: Any) -> list[torch.Tensor]:
@@ -33,12 +33,17 @@ def find_tensors(obj: Any) -> list[torch.Tensor]:
     return out
 
 
-def reachable_parameters(outputs: Iterable[torch.Tensor]) -> set[int]:
-    """``id()`` of every leaf tensor whose gradient backward from ``outputs`` can reach."""
+def reachable_leaves(outputs: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Every leaf tensor requiring grad that backward from ``outputs`` reaches, once each
+    (an output that is itself such a leaf included)."""
     seen: set[Any] = set()
-    leaves: set[int] = set()
-    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    leaves.update(id(t) for t in outputs if t.grad_fn is None and t.requires_grad)
+    leaves: dict[int, torch.Tensor] = {}
+    stack = []
+    for t in outputs:
+        if t.grad_fn is not None:
+            stack.append(t.grad_fn)
+        elif t.requires_grad:
+            leaves[id(t)] = t
     while stack:
         node = stack.pop()
         if node in seen:
@@ -46,8 +51,13 @@ def reachable_parameters(outputs: Iterable[torch.Tensor]) -> set[int]:
         seen.add(node)
         variable = getattr(node, "variable", None)
         if variable is not None:  # AccumulateGrad
-            leaves.add(id(variable))
+            leaves[id(variable)] = variable
         for nxt, _ in node.next_functions:
             if nxt is not None and nxt not in seen:
                 stack.append(nxt)
-    return leaves
+    return list(leaves.values())
+
+
+def reachable_parameters(outputs: Iterable[torch.Tensor]) -> set[int]:
+    """``id()`` of every leaf tensor whose gradient backward from ``outputs`` can reach."""
+    return {id(t) for t in reachable_leaves(outputs)}
