@@ -5,19 +5,25 @@ Run::
     python -m tandem.bench recorder             # 2 ranks, backend auto, ~1 min
     python -m tandem.bench recorder --backend tcp
 
-Every call on a group is recorded (``tandem.collectives.recorder``): one small object,
-one store into the group's ring, three clock reads, the per-op totals, and a check
-whether ``torch.profiler`` is recording. The budget is 2% of a 4 KB all_reduce. To
-measure it, fresh pairs of rank processes run 4 KB all_reduce either as shipped (the
-recorder and the stall watchdog on) or with ``TANDEM_FLIGHT_RECORDER=0`` and
-``TANDEM_STALL_WARN=0`` (no recording, no watchdog threads); the two kinds of run
-alternate, and each reports its best round in wall time and CPU time per call. The
-table gives the median over runs and the spread. As with ``signature``, run-to-run
-noise on a shared machine is larger than the effect, so the command also times the
-recording work itself in one process (``timeit``: what one call records) and states
-it as a share of the measured latency, and times the whole call path (every hook
-included) on a one-rank group with recording on and off, where no communication adds
-noise: those shares are the figures to trust.
+Every call on a group is recorded (``tandem.collectives.recorder``): the call's op goes
+into the group's ring (it is its own record), with three clock reads and its state; the
+per-op totals are added up every 64 calls. The budget is 2% of a 4 KB all_reduce.
+
+Three measurements, most trusted first:
+
+* in place: the same two rank processes turn recording on and off on their group
+  every few hundred calls (the order alternating per pair of rounds), and the median
+  paired difference is reported. Differences between process pairs (memory layout,
+  placement) cancel out; the stall watchdog runs in both modes.
+* fresh process pairs per mode: as shipped against ``TANDEM_FLIGHT_RECORDER=0`` and
+  ``TANDEM_STALL_WARN=0`` (no recording, no watchdog), alternating, each run's best
+  round. Run-to-run noise on a shared machine is about as large as the effect.
+* the recording work alone in one process (``timeit``), and the whole call path on a
+  one-rank group with recording on and off. In place the same work costs 2-3x more
+  (cold caches), and a 2-rank call's wall time pays for it on both ranks.
+
+For steadier figures on a busy machine, run it at real-time priority as root
+(``chrt -f 10 python -m tandem.bench recorder``): other processes then wait.
 """
 
 from __future__ import annotations
@@ -35,17 +41,48 @@ __all__ = ["main", "recording_seconds"]
 
 OFF = {"TANDEM_FLIGHT_RECORDER": "0", "TANDEM_STALL_WARN": "0"}
 PATH_REPEATS = 5
+PAIRS = 40
 
 
 def _rank(rank: int, world_size: int, numel: int, iters: int, rounds: int) -> tuple[float, float]:
     return all_reduce_latency(numel, iters, rounds)
 
 
+def _paired_rank(rank: int, world_size: int, numel: int, iters: int, pairs: int
+                 ) -> tuple[float, float, float]:
+    """In a rank: medians of wall time per call with recording on, off, and of the paired
+    difference, recording toggled on the default group between rounds (order alternating
+    per pair); the watchdog runs throughout."""
+    import tandem
+    from tandem.collectives.world import world
+
+    recorder = world().process_groups()[0].recorder
+    capacity = recorder.capacity
+    tensor = torch.ones(numel)
+    for _ in range(capacity + iters):  # warm-up, and a full ring: eviction is part of the cost
+        tandem.all_reduce(tensor)
+    on, off, diff = [], [], []
+    for pair in range(pairs):
+        seconds = {}
+        for recording in ((True, False) if pair % 2 == 0 else (False, True)):
+            recorder.capacity = capacity if recording else 0
+            tandem.barrier()
+            start = time.perf_counter()
+            for _ in range(iters):
+                tandem.all_reduce(tensor)
+            seconds[recording] = (time.perf_counter() - start) / iters
+        on.append(seconds[True])
+        off.append(seconds[False])
+        diff.append(seconds[True] - seconds[False])
+    recorder.capacity = capacity
+    return statistics.median(on), statistics.median(off), statistics.median(diff)
+
+
 def recording_seconds(numel: int = 1024) -> float:
     """Per-call cost of recording one blocking collective, timed in this process."""
     import timeit
 
-    from tandem.collectives.recorder import Recorder
+    from tandem.collectives.recorder import Call, Recorder
 
     recorder = Recorder(2000, "default")
     result = [torch.ones(numel)]
@@ -53,8 +90,12 @@ def recording_seconds(numel: int = 1024) -> float:
     seq = iter(range(10 ** 9))
 
     def record() -> None:
-        call = recorder.begin("all_reduce", next(seq), sig, site, result)
-        recorder.start(call, 0.0)
+        # a collective's op is its own record; making one (timed here too) is not
+        # recording's cost, since every call makes its op, so this errs high
+        call = Call()
+        call.op, call.seq, call.sig, call.site = "all_reduce", next(seq), sig, site
+        recorder.begin(call, result)
+        recorder.start(call)
         recorder.end(call)
 
     # CPU time of this process: other processes on a shared machine do not inflate it
@@ -100,11 +141,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from tandem.testing import spawn
 
+    pairs = [spawn(2, _paired_rank, (args.bytes // 4, args.iters // 2, PAIRS),
+                   backend=args.backend, timeout=600, op_timeout=120)[0] for _ in range(3)]
+    print(f"all_reduce {args.bytes} B, 2 ranks, backend {args.backend}: recording on and off "
+          f"in the same processes, alternating every {args.iters // 2} calls ({PAIRS} pairs; "
+          f"medians; 3 runs)")
+    for on, off, diff in pairs:
+        print(f"  in place: recording {on * 1e6:6.1f} us, off {off * 1e6:6.1f} us, paired "
+              f"difference {diff * 1e6:+.2f} us = {diff / off * 100:+.1f}%")
     figures = alternate(args.runs, lambda off: spawn(
         2, _rank, (args.bytes // 4, args.iters, args.rounds), backend=args.backend, timeout=600,
         op_timeout=120, env=OFF if off else {}))
-    print(f"all_reduce {args.bytes} B, 2 ranks, backend {args.backend}, median of {args.runs} "
-          f"runs per mode (each the best of {args.rounds} rounds x {args.iters})")
+    print(f"fresh process pairs per mode (recorder and watchdog on, or both off), median of "
+          f"{args.runs} runs per mode (each the best of {args.rounds} rounds x {args.iters})")
     for index, unit in ((0, "wall time"), (1, "CPU time")):
         on = [f[index] for f in figures[False]]
         off = [f[index] for f in figures[True]]

@@ -37,7 +37,8 @@ def _rank(rank: int, world_size: int, numel: int, iters: int, rounds: int,
     from tandem.collectives import api
 
     if plain:
-        api._sig = lambda *a, **k: "x"
+        plain_sig = api.Sig("x")
+        api._sig = lambda *a, **k: plain_sig
         api.call_site = lambda: "?"
     return all_reduce_latency(numel, iters, rounds)
 

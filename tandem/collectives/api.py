@@ -59,19 +59,27 @@ def call_site() -> str:
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
-_SIGS: dict[tuple[Any, ...], str] = {}
+class Sig(str):
+    """A call's signature text, with ``nbytes``: the bytes of the tensor it describes
+    (-1 when it describes none). Calls that return that one tensor hand the figure to
+    the flight recorder, which then need not ask the tensor on every call."""
+
+    nbytes = -1
 
 
-def _sig(name: str, t: torch.Tensor | None, **extra: Any) -> str:
+_SIGS: dict[tuple[Any, ...], Sig] = {}
+
+
+def _sig(name: str, t: torch.Tensor | None, **extra: Any) -> Sig:
     """The call's signature, compared by every peer (cached: it runs on every call)."""
     key = (name, None if t is None else (t.dtype, t.shape), *extra.values())
     try:
         return _SIGS[key]
     except KeyError:
-        text = _make_sig(name, t, extra)
+        sig = _make_sig(name, t, extra)
         if len(_SIGS) < 4096:  # bounded: shapes may vary without end
-            _SIGS[key] = text
-        return text
+            _SIGS[key] = sig
+        return sig
     except TypeError:  # an unhashable extra (a list of sizes)
         return _make_sig(name, t, extra)
 
@@ -83,13 +91,16 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def _make_sig(name: str, t: torch.Tensor | None, extra: dict[str, Any]) -> str:
+def _make_sig(name: str, t: torch.Tensor | None, extra: dict[str, Any]) -> Sig:
     text = name
     if t is not None:
         text = f"{name} {_dtype_name(t.dtype)}{list(t.shape)}"
     for key, value in extra.items():
         text = f"{text} {key}={value}"
-    return text
+    sig = Sig(text)
+    if t is not None:
+        sig.nbytes = t.numel() * t.element_size()
+    return sig
 
 
 class _Flat:
@@ -112,9 +123,11 @@ class _Flat:
 
 
 def _launch(g: ProcessGroup, name: str, sig: str, body: Callable[[Op], None], async_op: bool,
-            result: Any) -> Work | None:
+            result: Any, nbytes: int = -1) -> Work | None:
+    """Issue the call; ``result`` is the list of tensors it returns, ``nbytes`` their bytes
+    when known (``sig.nbytes`` of a call returning the tensor its signature describes)."""
     op = g.new_op(name, sig, call_site())
-    return g.run(op, body, async_op, result)
+    return g.run(op, body, async_op, result, nbytes)
 
 
 # A root that only receives (gather, reduce) would hear nothing from a rank that believes
@@ -161,7 +174,8 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: AnyGroup | No
             algo.hierarchical_broadcast(op, buf.flat, root)  # a tree when on one host
         buf.done()
 
-    return _launch(g, "broadcast", _sig("broadcast", tensor, root=root), body, async_op, [tensor])
+    sig = _sig("broadcast", tensor, root=root)
+    return _launch(g, "broadcast", sig, body, async_op, [tensor], sig.nbytes)
 
 
 def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: AnyGroup | None = None,
@@ -177,7 +191,7 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: AnyGrou
         buf.done()
 
     sig = _sig("all_reduce", tensor, op=op.sig, algorithm=name)
-    return _launch(g, "all_reduce", sig, body, async_op, [tensor])
+    return _launch(g, "all_reduce", sig, body, async_op, [tensor], sig.nbytes)
 
 
 def all_reduce_coalesced(tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM,
@@ -241,7 +255,7 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op: ReduceOp = ReduceOp
             buf.done()
 
     sig = _sig("reduce", tensor, op=op.sig, root=root)
-    return _launch(g, "reduce", sig, body, async_op, [tensor])
+    return _launch(g, "reduce", sig, body, async_op, [tensor], sig.nbytes)
 
 
 def _gather_ring(g: ProcessGroup, op: Op, outs: list[torch.Tensor], mine: torch.Tensor) -> None:
@@ -356,7 +370,8 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
         algo.direct_scatter(o, out.flat, ins, root)
         out.done()
 
-    return _launch(g, "scatter", _sig("scatter", tensor, root=root), body, async_op, [tensor])
+    sig = _sig("scatter", tensor, root=root)
+    return _launch(g, "scatter", sig, body, async_op, [tensor], sig.nbytes)
 
 
 def _reduce_scatter_flat(g: ProcessGroup, o: Op, flat: torch.Tensor, sizes: Sequence[int],
@@ -419,4 +434,4 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor,
             output.copy_(flat[a:b].view(output.shape))
 
     sig = _sig("reduce_scatter_tensor", output, op=op.sig)
-    return _launch(g, "reduce_scatter_tensor", sig, body, async_op, [output])
+    return _launch(g, "reduce_scatter_tensor", sig, body, async_op, [output], sig.nbytes)

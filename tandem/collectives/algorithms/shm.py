@@ -204,7 +204,7 @@ def _prepare(op: Op) -> tuple[Arena, Callable[[], None]]:
     # so its waits leave the CPU almost at once instead of polling
     background = threading.current_thread() is op.group.engine_thread
     arena.spin = BACKGROUND_SPIN_S if background else arena.default_spin
-    arena.wait_log = None if op.call is None else op.call.phases  # [timeline hook]
+    arena.wait_log = op.phases  # [timeline hook]
     return arena, arena_check(op, arena)
 
 
