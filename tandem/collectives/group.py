@@ -185,7 +185,6 @@ class ProcessGroup:
         if failure is not None:
             raise StateError(f"process group '{self.group_name}' was aborted earlier: "
                              f"{failure}") from failure
-        op.recorded = self.recorder.begin(op, result, nbytes)  # [recorder] queued
         if not async_op:
             with self._cv:
                 inline = not self._queue and not self._busy
@@ -193,12 +192,14 @@ class ProcessGroup:
                     self._busy = True
             if inline:
                 try:
-                    self._execute(op, fn)
+                    op.recorded = self.recorder.begin(op, result, nbytes, True)  # [recorder]
+                    self._execute(op, fn, started=True)
                 finally:
                     with self._cv:
                         self._busy = False
                         self._cv.notify_all()
                 return None
+        op.recorded = self.recorder.begin(op, result, nbytes)  # [recorder] queued
         work = Work(op.describe(), result, self.completions)
         with self._cv:
             if self._closed:
@@ -251,10 +252,10 @@ class ProcessGroup:
         for _, _, work in queued:
             work._complete(error=error)
 
-    def _execute(self, op: Op, fn: Callable[[Op], Any]) -> None:
+    def _execute(self, op: Op, fn: Callable[[Op], Any], started: bool = False) -> None:
         op.deadline = time.monotonic() + self.timeout
         recorder, recorded = self.recorder, op.recorded  # [recorder] start, then end
-        if recorded:
+        if recorded and not started:
             recorder.start(op)
         try:
             if self.shares_memory:

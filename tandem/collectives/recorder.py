@@ -131,9 +131,10 @@ class Recorder:
         self.on_failure: Callable[[str], object] | None = None
 
     # -- the call path ---------------------------------------------------------------
-    def begin(self, call: Call, result: Any, nbytes: int = -1) -> bool:
+    def begin(self, call: Call, result: Any, nbytes: int = -1, running: bool = False) -> bool:
         """Record the collective ``call`` (its group's :class:`~tandem.collectives.group.Op`,
-        which is its own record) as issued; False when recording is off.
+        which is its own record) as issued, or with ``running`` as issued and started at
+        once; False when recording is off.
 
         The call's bytes are ``nbytes``, or when that is -1 those of ``result``, the list
         of tensors it returns.
@@ -142,10 +143,15 @@ class Recorder:
         if not capacity:
             return False
         call.nbytes = nbytes if nbytes >= 0 else payload_bytes(result)
-        call.t_queued = clock()
+        call.t_queued = now = clock()
         call.index = i = next(self._next)
         self._ring[i % capacity] = call
         self.issued = call.seq + 1
+        if running:  # one clock read and one call fewer for a call that runs at once
+            call.state = STARTED
+            call.t_start = now
+            if self.timeline is not None or _torch_profiler._is_profiler_enabled:
+                self._watch(call)
         return True
 
     def begin_p2p(self, op: str, peer: int, tag: int, nbytes: int, site: str) -> Call | None:
@@ -168,15 +174,18 @@ class Recorder:
         return call
 
     def start(self, call: Call) -> None:
-        """The collective ``call`` starts running in this thread (its ``deadline`` is set)."""
+        """The collective ``call``, queued until now, starts running in this thread."""
         call.state = STARTED
         call.t_start = clock()
+        if self.timeline is not None or _torch_profiler._is_profiler_enabled:
+            self._watch(call)
+
+    def _watch(self, call: Call) -> None:
+        # a timeline or a profiler runs (torch's own flag says cheaply whether any does)
         if self.timeline is not None:
             call.phases = []
             call.thread = threading.get_ident()
-        # torch.profiler records this thread: show the call as a range. torch's own
-        # flag says first, cheaply, whether any profiler runs at all
-        if _torch_profiler._is_profiler_enabled and _profiling():
+        if _profiling():  # torch.profiler records this thread: show the call as a range
             call.profile = torch.profiler.record_function(f"tandem.{call.op}")
             call.profile.__enter__()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -101,7 +102,10 @@ def test_a_killed_rank_died(tmp_path: Path) -> None:
     assert all(r["type"] == "PeerLostError" for r in results.values()), results
     assert outcomes[2].exitcode == -signal.SIGKILL
     text = _trace(tmp_path)
-    assert "rank 2 died: no dump; ranks 0-1 lost it: rank 2" in text, text
+    # a survivor that hears of the loss from the other one first (its call aborted) may
+    # dump before its own connection to rank 2 has closed: then only the other lost it
+    assert re.search(r"rank 2 died: no dump; (ranks 0-1|rank 0|rank 1) lost it: rank 2 ",
+                     text), text
     assert "the ranks' recorded calls agree on every group" in text, text
 
 
