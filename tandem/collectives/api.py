@@ -40,6 +40,9 @@ _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 _INSIDE: dict[str, bool] = {}  # file name -> part of the tandem or torch package
+# file name -> line -> "file:line": one string per call site, made once (a call's
+# record keeps its site; a fresh string per call would be freed cold much later)
+_SITES: dict[str, dict[int, str]] = {}
 
 
 def call_site() -> str:
@@ -51,7 +54,16 @@ def call_site() -> str:
         if inside is None:
             inside = _INSIDE[name] = name.startswith((_PKG, _TORCH))
         if not inside:
-            return f"{os.path.basename(name)}:{f.f_lineno}"
+            lines = _SITES.get(name)
+            if lines is None:
+                lines = _SITES[name] = {}
+            line = f.f_lineno
+            site = lines.get(line)
+            if site is None:
+                site = f"{os.path.basename(name)}:{line}"
+                if len(lines) < 4096:  # bounded: generated code may have endless lines
+                    lines[line] = site
+            return site
         f = f.f_back  # type: ignore[assignment]
     return "?"
 

@@ -29,7 +29,7 @@ from tandem.collectives.recorder import Call, Recorder, clock
 from tandem.collectives.work import Completions, Work
 from tandem.transport import Arena, Header, Kind, Slot, Transport
 
-__all__ = ["ProcessGroup", "NonMemberGroup", "Op", "as_bytes", "bounded"]
+__all__ = ["ProcessGroup", "NonMemberGroup", "Op", "as_bytes", "bounded", "bounded_cached"]
 
 # enum members as module constants: looking one up on its class costs ~10x a global
 _COLL = Kind.COLL
@@ -52,6 +52,20 @@ def bounded(text: str) -> bytes:
         return data
     digest = hashlib.blake2b(data, digest_size=16).hexdigest().encode()
     return data[:_TEXT_KEEP - len(digest) - 5] + b"...#" + digest
+
+
+_ENCODED: dict[str, bytes] = {}  # text -> bounded(text), for the texts calls repeat
+
+
+def bounded_cached(text: str) -> bytes:
+    """:func:`bounded`, remembered for up to 4096 texts: a call's signature and site come
+    from caches, so every call of a training loop reuses one bytes object for each."""
+    data = _ENCODED.get(text)
+    if data is None:
+        data = bounded(text)
+        if len(_ENCODED) < 4096:
+            _ENCODED[text] = data
+    return data
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:
@@ -172,7 +186,7 @@ class ProcessGroup:
         with self._cv:
             seq = self._seq
             self._seq += 1
-        return Op(self, name, seq, bounded(sig), bounded(site))
+        return Op(self, name, seq, bounded_cached(sig), bounded_cached(site))
 
     def run(self, op: Op, fn: Callable[[Op], Any], async_op: bool, result: Any = None,
             nbytes: int = -1) -> Work | None:
