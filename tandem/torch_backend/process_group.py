@@ -34,6 +34,9 @@ __all__ = ["TandemProcessGroup", "BACKEND_NAME"]
 
 BACKEND_NAME = "tandem"
 
+# torch's "no timeout" values (kNoTimeout, kUnsetTimeout) are zero and negative
+_NO_TIMEOUT = datetime.timedelta(0)
+
 
 class TandemProcessGroup(Collectives, dist.ProcessGroup):  # type: ignore[misc]
     """A torch process group whose every call runs on tandem's engine (CPU tensors)."""
@@ -133,24 +136,32 @@ class TandemProcessGroup(Collectives, dist.ProcessGroup):  # type: ignore[misc]
     def _to_global(self, transport_rank: int) -> int:
         return self._fabric.global_rank(transport_rank)
 
-    def _call(self, what: str, opts: Any, launch: Callable[[bool], Any], result: Any) -> dist.Work:
+    def _call(self, what: str, opts: Any, launch: Callable[..., Any], args: tuple[Any, ...],
+              result: Any) -> dist.Work | None:
         """Run one torch call: inline when torch will wait at once, else queued.
 
-        ``launch(async_op)`` issues the tandem call(s). A call with its own timeout is
+        An inline call returns None once its work is done (torch's Python API treats
+        that as "synchronised by the backend"); every other call returns a handle.
+
+        ``launch(*args, async_op)`` issues the tandem call(s) (a function and its
+        arguments rather than a closure: this is every call's path). A call with its own timeout is
         queued and waited on here (or by the caller), and aborts the group when the
         timeout passes, as torch's backends do.
         """
-        timeout = seconds_or_none(opts.timeout)
-        queued = bool(opts.asyncOp) or timeout is not None or self._coalesced is not None
+        limit = opts.timeout
+        queued = opts.asyncOp or limit > _NO_TIMEOUT or self._coalesced is not None
         try:  # translated() inlined: this is every call's path
-            issued = launch(queued)
+            issued = launch(*args, queued)
         except TandemError as exc:
             error = translate(exc, self._to_global)
             if error is exc:
                 raise
             raise error from exc
         if not queued:
-            return TorchWork((), result)
+            # finished already: torch's Python API waits on a returned handle and skips
+            # the wait when there is none, which saves building and waiting on one
+            return None
+        timeout = seconds_or_none(limit)
         works = [w for w in (issued if isinstance(issued, list) else [issued]) if w is not None]
         if self._coalesced is not None:
             self._coalesced.extend(works)
