@@ -10,7 +10,7 @@ mismatch detection, deadlines and algorithm choice are tandem's own.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,9 +18,10 @@ import torch.distributed.distributed_c10d as c10d
 
 from tandem.collectives import alltoall, api
 from tandem.collectives.group import ProcessGroup
-from tandem.errors import ArgumentError
+from tandem.errors import ArgumentError, TandemError
 from tandem.torch_backend._options import (cpu_tensors, one_tensor, premultiplied, reduce_op,
                                            root_tensor_zero)
+from tandem.torch_backend._work import NO_TIMEOUT
 
 __all__ = ["Collectives"]
 
@@ -43,9 +44,13 @@ class Collectives:
     """Collective methods of :class:`~tandem.torch_backend.TandemProcessGroup`."""
 
     _call: Callable[..., dist.Work | None]
+    _coalesced: list[Any] | None
 
     def _usable(self) -> ProcessGroup:
         raise NotImplementedError  # the process group's tandem group, checked on first use
+
+    def _reraise(self, exc: TandemError) -> NoReturn:
+        raise NotImplementedError  # raises the exception torch code expects for ``exc``
 
     # -- all-reduce family -------------------------------------------------------------
     def allreduce(self, tensors: Sequence[torch.Tensor],
@@ -54,8 +59,15 @@ class Collectives:
         g = self._usable()
         t = one_tensor(tensors, "allreduce")
         op, factor = reduce_op(opts.reduceOp, "allreduce")
-        premultiplied(t, factor, in_place=True)
-        return self._call("allreduce", opts, api.all_reduce, (t, op, g), [t])
+        if factor is not None:
+            premultiplied(t, factor, in_place=True)
+        if opts.asyncOp or opts.timeout > NO_TIMEOUT or self._coalesced is not None:
+            return self._call("allreduce", opts, api.all_reduce, (t, op, g), [t])
+        try:  # _call's inline case, spelled out: this is the small-message latency path
+            api.all_reduce(t, op, g, False)
+        except TandemError as exc:
+            self._reraise(exc)
+        return None
 
     def allreduce_coalesced(self, tensors: Sequence[torch.Tensor],
                             opts: c10d.AllreduceCoalescedOptions | None = None) -> dist.Work | None:

@@ -23,7 +23,11 @@ import torch.distributed as dist
 from tandem.collectives.work import Work
 from tandem.torch_backend._errors import translate
 
-__all__ = ["TorchWork", "seconds_or_none"]
+__all__ = ["TorchWork", "seconds_or_none", "NO_TIMEOUT"]
+
+# torch's "no timeout" values (kNoTimeout, kUnsetTimeout) are zero and negative: a
+# timedelta option above this one is a timeout (compared without converting it)
+NO_TIMEOUT = datetime.timedelta(0)
 
 
 def seconds_or_none(timeout: datetime.timedelta | float | None) -> float | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,14 +28,11 @@ from tandem.torch_backend._collectives import Collectives
 from tandem.torch_backend._errors import translate, translated
 from tandem.torch_backend._fabric import Fabric
 from tandem.torch_backend._options import one_tensor
-from tandem.torch_backend._work import TorchWork, seconds_or_none
+from tandem.torch_backend._work import NO_TIMEOUT, TorchWork, seconds_or_none
 
 __all__ = ["TandemProcessGroup", "BACKEND_NAME"]
 
 BACKEND_NAME = "tandem"
-
-# torch's "no timeout" values (kNoTimeout, kUnsetTimeout) are zero and negative
-_NO_TIMEOUT = datetime.timedelta(0)
 
 
 class TandemProcessGroup(Collectives, dist.ProcessGroup):  # type: ignore[misc]
@@ -149,14 +146,11 @@ class TandemProcessGroup(Collectives, dist.ProcessGroup):  # type: ignore[misc]
         timeout passes, as torch's backends do.
         """
         limit = opts.timeout
-        queued = opts.asyncOp or limit > _NO_TIMEOUT or self._coalesced is not None
-        try:  # translated() inlined: this is every call's path
+        queued = opts.asyncOp or limit > NO_TIMEOUT or self._coalesced is not None
+        try:
             issued = launch(*args, queued)
         except TandemError as exc:
-            error = translate(exc, self._to_global)
-            if error is exc:
-                raise
-            raise error from exc
+            self._reraise(exc)
         if not queued:
             # finished already: torch's Python API waits on a returned handle and skips
             # the wait when there is none, which saves building and waiting on one
@@ -171,6 +165,14 @@ class TandemProcessGroup(Collectives, dist.ProcessGroup):  # type: ignore[misc]
         if not opts.asyncOp:
             work.wait()
         return work
+
+    def _reraise(self, exc: TandemError) -> NoReturn:
+        """Raise what torch code expects for a tandem failure (``translated()``, for
+        callers that keep the ``try`` in their own frame: it costs nothing there)."""
+        error = translate(exc, self._to_global)
+        if error is exc:
+            raise exc
+        raise error from exc
 
     def _expire(self, what: str, timeout: float) -> TandemError:
         error = CollectiveTimeoutError(

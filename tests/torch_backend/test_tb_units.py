@@ -79,8 +79,8 @@ def test_only_calls_torch_waits_on_at_once_return_no_handle() -> None:
         gather = dist.distributed_c10d.AllgatherOptions()
         gather.asyncOp = False
         assert pg.all_gather_single(out, t, gather) is None and torch.equal(out, t)
-        assert pg.reduce_scatter_single(out, t * 2) is not None
-        assert torch.equal(out, t * 2)
+        scattered = pg.reduce_scatter_single(out, t * 2)
+        assert scattered is not None and scattered.wait() and torch.equal(out, t * 2)
     finally:
         dist.destroy_process_group()
 
