@@ -5,7 +5,9 @@ reducer, functional collectives through pybind11) and object collectives all lan
 on these methods, with group ranks for roots and one options object per call. Each
 method checks what tandem cannot serve, then runs the matching function of
 :mod:`tandem.collectives.api` on the group's tandem ``ProcessGroup``, so signatures,
-mismatch detection, deadlines and algorithm choice are tandem's own.
+mismatch detection, deadlines and algorithm choice are tandem's own. The coalesced
+all-gather and reduce-scatter of small tensors run as one packed call
+(:mod:`tandem.torch_backend._fused`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from tandem.collectives.group import ProcessGroup
 from tandem.errors import ArgumentError, TandemError
 from tandem.torch_backend._options import (cpu_tensors, one_tensor, premultiplied, reduce_op,
                                            root_tensor_zero)
+from tandem.torch_backend._fused import packed_all_gather, packed_reduce_scatter
 from tandem.torch_backend._work import NO_TIMEOUT
 
 __all__ = ["Collectives"]
@@ -130,6 +133,12 @@ class Collectives:
         _pairs(outputs, inputs, "reduce_scatter_tensor")
         op, factor = reduce_op(opts.reduceOp, "reduce_scatter_tensor")
         pairs = [(o, premultiplied(i, factor, in_place=False)) for o, i in zip(outputs, inputs)]
+        packed = None if self._coalesced is not None else packed_reduce_scatter(
+            outputs, [i for _, i in pairs], g.group_size)
+        if packed is not None:
+            return self._call("reduce_scatter_tensor", opts, api.reduce_scatter_tensor,
+                              (packed.output, packed.input, op, g), list(outputs),
+                              packed.unpack)
         return self._call("reduce_scatter_tensor", opts,
                           lambda a: [api.reduce_scatter_tensor(o, i, op, g, a)
                                      for o, i in pairs], (), list(outputs))
@@ -181,6 +190,11 @@ class Collectives:
         opts = opts or c10d.AllgatherOptions()
         g = self._usable()
         _pairs(outputs, inputs, "all_gather_into_tensor")
+        packed = None if self._coalesced is not None else packed_all_gather(
+            outputs, inputs, g.group_size)
+        if packed is not None:
+            return self._call("all_gather_into_tensor", opts, api.all_gather_into_tensor,
+                              (packed.output, packed.input, g), list(outputs), packed.unpack)
         pairs = list(zip(outputs, inputs))
         return self._call("all_gather_into_tensor", opts,
                           lambda a: [api.all_gather_into_tensor(o, i, g, a) for o, i in pairs], (),

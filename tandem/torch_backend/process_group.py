@@ -134,16 +134,17 @@ class TandemProcessGroup(Collectives, dist.ProcessGroup):  # type: ignore[misc]
         return self._fabric.global_rank(transport_rank)
 
     def _call(self, what: str, opts: Any, launch: Callable[..., Any], args: tuple[Any, ...],
-              result: Any) -> dist.Work | None:
+              result: Any, after: Callable[[], None] | None = None) -> dist.Work | None:
         """Run one torch call: inline when torch will wait at once, else queued.
 
         An inline call returns None once its work is done (torch's Python API treats
         that as "synchronised by the backend"); every other call returns a handle.
 
         ``launch(*args, async_op)`` issues the tandem call(s) (a function and its
-        arguments rather than a closure: this is every call's path). A call with its own timeout is
-        queued and waited on here (or by the caller), and aborts the group when the
-        timeout passes, as torch's backends do.
+        arguments rather than a closure: this is every call's path). A call with its
+        own timeout is queued and waited on here (or by the caller), and aborts the
+        group when the timeout passes, as torch's backends do. ``after`` runs once the
+        calls succeeded (see :class:`~tandem.torch_backend._work.TorchWork`).
         """
         limit = opts.timeout
         queued = opts.asyncOp or limit > NO_TIMEOUT or self._coalesced is not None
@@ -152,6 +153,8 @@ class TandemProcessGroup(Collectives, dist.ProcessGroup):  # type: ignore[misc]
         except TandemError as exc:
             self._reraise(exc)
         if not queued:
+            if after is not None:
+                after()
             # finished already: torch's Python API waits on a returned handle and skips
             # the wait when there is none, which saves building and waiting on one
             return None
@@ -161,7 +164,7 @@ class TandemProcessGroup(Collectives, dist.ProcessGroup):  # type: ignore[misc]
             self._coalesced.extend(works)
         deadline = None if timeout is None else time.monotonic() + timeout
         work = TorchWork(works, result, self._to_global, deadline,
-                         lambda: self._expire(what, timeout or 0.0))
+                         lambda: self._expire(what, timeout or 0.0), after)
         if not opts.asyncOp:
             work.wait()
         return work
