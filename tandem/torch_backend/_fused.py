@@ -61,10 +61,9 @@ def packed_all_gather(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Te
 
     def unpack() -> None:
         # row r of packed_out is rank r's packed input: pair i's piece is a column block
-        with torch.no_grad():
-            rows = packed_out.view(world, packed_in.numel())
-            for out, part in zip(outputs, rows.split(sizes, dim=1)):
-                _write(out, part, world)
+        rows = packed_out.view(world, packed_in.numel()).split(sizes, dim=1)
+        _copy_out([o.view(world, n) if o.is_contiguous() else o for o, n in zip(outputs, sizes)],
+                  rows)
 
     return Packed(packed_out, packed_in, unpack)
 
@@ -83,16 +82,19 @@ def packed_reduce_scatter(outputs: Sequence[torch.Tensor], inputs: Sequence[torc
     packed_out = torch.empty(sum(sizes), dtype=packed_in.dtype)
 
     def unpack() -> None:
-        with torch.no_grad():
-            for out, part in zip(outputs, packed_out.split(sizes)):
-                out.copy_(part.view(out.shape))
+        _copy_out([o.view(-1) if o.is_contiguous() else o for o in outputs],
+                  packed_out.split(sizes))
 
     return Packed(packed_out, packed_in, unpack)
 
 
-def _write(out: torch.Tensor, rows: torch.Tensor, world: int) -> None:
-    """Copy ``rows`` (world x n, strided) into the gathered output ``out``."""
-    if out.is_contiguous():
-        out.view(world, rows.shape[1]).copy_(rows)
-    else:
-        out.copy_(rows.reshape(out.shape))
+def _copy_out(dsts: list[torch.Tensor], parts: Sequence[torch.Tensor]) -> None:
+    """``dsts[i] <- parts[i]``: one foreach copy for the views shaped like their part
+    (a copy per tensor costs more than the copying of a small one), the rest one by one."""
+    alike = [(d, p) for d, p in zip(dsts, parts) if d.shape == p.shape]
+    with torch.no_grad():
+        if alike:
+            torch._foreach_copy_([d for d, _ in alike], [p for _, p in alike])
+        for d, p in zip(dsts, parts):
+            if d.shape != p.shape:  # a strided output, kept in its own shape
+                d.copy_(p.reshape(d.shape))

@@ -53,6 +53,7 @@ def test_packed_reduce_scatter_gives_each_pairs_reduction() -> None:
            for r in range(WORLD)]
     total = [sum(ins[r][i].reshape(-1) for r in range(WORLD)) for i in range(len(sizes))]
     outs = [[torch.empty(n) for n in sizes] for _ in range(WORLD)]
+    outs[1][2] = torch.empty(2 * sizes[2])[::2]  # a strided output
     packs = [packed_reduce_scatter(outs[r], ins[r], WORLD) for r in range(WORLD)]
     summed = sum(p.input for p in packs if p is not None)  # the collective's reduction
     assert isinstance(summed, torch.Tensor)
