@@ -17,6 +17,8 @@ torch's API is the only difference:
   ``tandem.all_reduce(t, group=...)`` on the very tandem group under the torch one:
   the torch layer (torch's Python API and tandem's process-group adapter) is then
   the only difference, and "torch layer" is its cost, tandem via torch / direct - 1.
+* ``coalesced``: torch's ``_coalescing_manager`` around 8 ``all_gather_single`` calls
+  of 4 KB each (one coalesced call to the group, as functional collectives make too).
 * ``ddp``: a step (forward, backward, SGD) of torch's DistributedDataParallel on the
   8.4 M-parameter MLP of ``python -m tandem.bench ddp``, batch 32 per rank.
 * ``fsdp``: a step of torch's FSDP2 (``fully_shard`` per layer and at the root, Adam)
@@ -51,7 +53,7 @@ from tandem.bench.collectives import _fmt_size, machine, parse_sizes
 
 __all__ = ["main", "run", "format_table", "TinyTransformer"]
 
-PARTS = ("all_reduce", "ddp", "fsdp")
+PARTS = ("all_reduce", "coalesced", "ddp", "fsdp")
 CLOCKS = ("wall", "cpu")
 _TIMEOUT_S = 300.0
 
@@ -143,6 +145,37 @@ def _all_reduce_part(gloo: Any, rank: int, world: int, sizes: Sequence[int], rou
     return out
 
 
+def _coalesced_part(gloo: Any, rank: int, world: int, rounds: int,
+                    round_s: float) -> list[dict[str, Any]]:
+    import torch.distributed as dist
+
+    count, numel = 8, 1024
+    ins = [torch.full((numel,), float(rank + 1)) for _ in range(count)]
+    outs = [torch.empty(numel * world) for _ in range(count)]
+    expected = torch.arange(1.0, world + 1).repeat_interleave(numel)
+
+    def gather(group: Any) -> Callable[[], None]:
+        def step() -> None:
+            with dist._coalescing_manager(group=group):
+                for out, inp in zip(outs, ins):
+                    dist.all_gather_single(out, inp, group=group)
+        return step
+
+    steps = {"tandem": gather(None), "gloo": gather(gloo)}
+    for name, step in steps.items():  # the check is also the warm-up
+        for out in outs:
+            out.zero_()
+        step()
+        if not all(torch.equal(out, expected) for out in outs):
+            raise AssertionError(f"{name} coalesced all_gather is wrong on rank {rank}")
+    barriers = {"tandem": dist.barrier, "gloo": lambda: dist.barrier(group=gloo)}
+    contenders: dict[str, tuple[Callable[[], object], Callable[[], object]]] = {
+        n: (barriers[n], s) for n, s in steps.items()}
+    iters = _agreed_iters(contenders, gloo, round_s, 2000)
+    return [{"part": "coalesced", "what": f"{count} x {_fmt_size(numel * 4)} all_gather",
+             "times": _best_rounds(contenders, iters, rounds)}]
+
+
 def _trainers(model: nn.Module, wrap: Callable[[nn.Module], nn.Module], data: Any,
               loss: Callable[[nn.Module, Any], torch.Tensor],
               optimizer: Callable[[Any], torch.optim.Optimizer]) -> Callable[[], object]:
@@ -232,6 +265,8 @@ def _rank_main(rank: int, world: int, tmp: str, parts: Sequence[str], sizes: Seq
         rows: list[dict[str, Any]] = []
         if "all_reduce" in parts:
             rows += _all_reduce_part(gloo, rank, world, sizes, rounds, round_s)
+        if "coalesced" in parts:
+            rows += _coalesced_part(gloo, rank, world, rounds, round_s)
         for part in ("ddp", "fsdp"):
             if part in parts:
                 rows += _steps_part(part, gloo, rank, world, warmup, steps, rounds, small)
@@ -315,8 +350,8 @@ def _cells(row: dict[str, Any]) -> list[str]:
     if direct:
         layer = (f"{(wall['tandem'] / direct - 1) * 100:+.1f}% "
                  f"(CPU {(cpu['tandem'] / cpu['tandem direct'] - 1) * 100:+.1f}%)")
-    return [str(row["world"]), f"{row['part']} step" if row["part"] != "all_reduce"
-            else "all_reduce", row["what"], _time(wall["gloo"]), _time(wall["tandem"]),
+    measure = row["part"] if row["part"] in ("all_reduce", "coalesced") else f"{row['part']} step"
+    return [str(row["world"]), measure, row["what"], _time(wall["gloo"]), _time(wall["tandem"]),
             f"{wall['gloo'] / wall['tandem']:.2f}", _time(direct) if direct else "-", layer]
 
 

@@ -5,12 +5,14 @@ reducer, functional collectives through pybind11) and object collectives all lan
 on these methods, with group ranks for roots and one options object per call. Each
 method checks what tandem cannot serve, then runs the matching function of
 :mod:`tandem.collectives.api` on the group's tandem ``ProcessGroup``, so signatures,
-mismatch detection, deadlines and algorithm choice are tandem's own.
+mismatch detection, deadlines and algorithm choice are tandem's own. The coalesced
+all-gather and reduce-scatter of small tensors run as one packed call
+(:mod:`tandem.torch_backend._fused`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,9 +20,11 @@ import torch.distributed.distributed_c10d as c10d
 
 from tandem.collectives import alltoall, api
 from tandem.collectives.group import ProcessGroup
-from tandem.errors import ArgumentError
+from tandem.errors import ArgumentError, TandemError
 from tandem.torch_backend._options import (cpu_tensors, one_tensor, premultiplied, reduce_op,
                                            root_tensor_zero)
+from tandem.torch_backend._fused import packed_all_gather, packed_reduce_scatter
+from tandem.torch_backend._work import NO_TIMEOUT
 
 __all__ = ["Collectives"]
 
@@ -42,23 +46,34 @@ def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
 class Collectives:
     """Collective methods of :class:`~tandem.torch_backend.TandemProcessGroup`."""
 
-    _call: Callable[..., dist.Work]
+    _call: Callable[..., dist.Work | None]
+    _coalesced: list[Any] | None
 
     def _usable(self) -> ProcessGroup:
         raise NotImplementedError  # the process group's tandem group, checked on first use
 
+    def _reraise(self, exc: TandemError) -> NoReturn:
+        raise NotImplementedError  # raises the exception torch code expects for ``exc``
+
     # -- all-reduce family -------------------------------------------------------------
     def allreduce(self, tensors: Sequence[torch.Tensor],
-                  opts: c10d.AllreduceOptions | None = None) -> dist.Work:
+                  opts: c10d.AllreduceOptions | None = None) -> dist.Work | None:
         opts = opts or c10d.AllreduceOptions()
         g = self._usable()
         t = one_tensor(tensors, "allreduce")
         op, factor = reduce_op(opts.reduceOp, "allreduce")
-        premultiplied(t, factor, in_place=True)
-        return self._call("allreduce", opts, lambda a: api.all_reduce(t, op, g, a), [t])
+        if factor is not None:
+            premultiplied(t, factor, in_place=True)
+        if opts.asyncOp or opts.timeout > NO_TIMEOUT or self._coalesced is not None:
+            return self._call("allreduce", opts, api.all_reduce, (t, op, g), [t])
+        try:  # _call's inline case, spelled out: this is the small-message latency path
+            api.all_reduce(t, op, g, False)
+        except TandemError as exc:
+            self._reraise(exc)
+        return None
 
     def allreduce_coalesced(self, tensors: Sequence[torch.Tensor],
-                            opts: c10d.AllreduceCoalescedOptions | None = None) -> dist.Work:
+                            opts: c10d.AllreduceCoalescedOptions | None = None) -> dist.Work | None:
         opts = opts or c10d.AllreduceCoalescedOptions()
         g = self._usable()
         cpu_tensors(tensors, "allreduce_coalesced", "tensors")
@@ -67,11 +82,11 @@ class Collectives:
             premultiplied(t, factor, in_place=True)
         same = _by_dtype(tensors)  # tandem's coalesced call takes one dtype
         return self._call("allreduce_coalesced", opts,
-                          lambda a: [api.all_reduce_coalesced(ts, op, g, a) for ts in same],
+                          lambda a: [api.all_reduce_coalesced(ts, op, g, a) for ts in same], (),
                           list(tensors))
 
     def reduce(self, tensors: Sequence[torch.Tensor],
-               opts: c10d.ReduceOptions | None = None) -> dist.Work:
+               opts: c10d.ReduceOptions | None = None) -> dist.Work | None:
         opts = opts or c10d.ReduceOptions()
         g = self._usable()
         t = one_tensor(tensors, "reduce")
@@ -80,11 +95,11 @@ class Collectives:
         premultiplied(t, factor, in_place=True)
         root = opts.rootRank
         return self._call("reduce", opts,
-                          lambda a: api.reduce(t, None, op, g, a, group_dst=root), [t])
+                          lambda a: api.reduce(t, None, op, g, a, group_dst=root), (), [t])
 
     def reduce_scatter(self, output_tensors: Sequence[torch.Tensor],
                        input_tensors: Sequence[Sequence[torch.Tensor]],
-                       opts: c10d.ReduceScatterOptions | None = None) -> dist.Work:
+                       opts: c10d.ReduceScatterOptions | None = None) -> dist.Work | None:
         opts = opts or c10d.ReduceScatterOptions()
         g = self._usable()
         out = one_tensor(output_tensors, "reduce_scatter", "output_tensors")
@@ -95,48 +110,60 @@ class Collectives:
         op, factor = reduce_op(opts.reduceOp, "reduce_scatter")
         ins = [premultiplied(t, factor, in_place=False) for t in input_tensors[0]]
         return self._call("reduce_scatter", opts,
-                          lambda a: api.reduce_scatter(out, ins, op, g, a), [out])
+                          api.reduce_scatter, (out, ins, op, g), [out])
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
-                              opts: c10d.ReduceScatterOptions | None = None) -> dist.Work:
-        return self.reduce_scatter_single_coalesced([output], [input], opts)
+                              opts: c10d.ReduceScatterOptions | None = None) -> dist.Work | None:
+        opts = opts or c10d.ReduceScatterOptions()
+        g = self._usable()
+        _pairs((output,), (input,), "reduce_scatter_tensor")
+        op, factor = reduce_op(opts.reduceOp, "reduce_scatter_tensor")
+        input = premultiplied(input, factor, in_place=False)
+        return self._call("reduce_scatter_tensor", opts, api.reduce_scatter_tensor,
+                          (output, input, op, g), [output])
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs: Sequence[torch.Tensor],
                                         inputs: Sequence[torch.Tensor],
                                         opts: c10d.ReduceScatterOptions | None = None
-                                        ) -> dist.Work:
+                                        ) -> dist.Work | None:
         opts = opts or c10d.ReduceScatterOptions()
         g = self._usable()
         _pairs(outputs, inputs, "reduce_scatter_tensor")
         op, factor = reduce_op(opts.reduceOp, "reduce_scatter_tensor")
         pairs = [(o, premultiplied(i, factor, in_place=False)) for o, i in zip(outputs, inputs)]
+        packed = None if self._coalesced is not None else packed_reduce_scatter(
+            outputs, [i for _, i in pairs], g.group_size)
+        if packed is not None:
+            return self._call("reduce_scatter_tensor", opts, api.reduce_scatter_tensor,
+                              (packed.output, packed.input, op, g), list(outputs),
+                              packed.unpack)
         return self._call("reduce_scatter_tensor", opts,
-                          lambda a: [api.reduce_scatter_tensor(o, i, op, g, a) for o, i in pairs],
-                          list(outputs))
+                          lambda a: [api.reduce_scatter_tensor(o, i, op, g, a)
+                                     for o, i in pairs], (), list(outputs))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     # -- broadcast and gathers -----------------------------------------------------------
     def broadcast(self, tensors: Sequence[torch.Tensor],
-                  opts: c10d.BroadcastOptions | None = None) -> dist.Work:
+                  opts: c10d.BroadcastOptions | None = None) -> dist.Work | None:
         opts = opts or c10d.BroadcastOptions()
         g = self._usable()
         t = one_tensor(tensors, "broadcast")
         root_tensor_zero(opts, "broadcast")
         root = opts.rootRank
         return self._call("broadcast", opts,
-                          lambda a: api.broadcast(t, None, g, a, group_src=root), [t])
+                          lambda a: api.broadcast(t, None, g, a, group_src=root), (), [t])
 
     def allgather(self, output_tensors: Sequence[Sequence[torch.Tensor]],
                   input_tensors: Sequence[torch.Tensor],
-                  opts: c10d.AllgatherOptions | None = None) -> dist.Work:
+                  opts: c10d.AllgatherOptions | None = None) -> dist.Work | None:
         return self.allgather_coalesced(output_tensors, input_tensors, opts)
 
     def allgather_coalesced(self, output_lists: Sequence[Sequence[torch.Tensor]],
                             input_tensors: Sequence[torch.Tensor],
-                            opts: c10d.AllgatherOptions | None = None) -> dist.Work:
+                            opts: c10d.AllgatherOptions | None = None) -> dist.Work | None:
         opts = opts or c10d.AllgatherOptions()
         g = self._usable()
         _pairs(output_lists, input_tensors, "allgather")
@@ -144,72 +171,81 @@ class Collectives:
             cpu_tensors(outs, "allgather", "output_tensors")
         pairs = [(list(outs), t) for outs, t in zip(output_lists, input_tensors)]
         return self._call("allgather", opts,
-                          lambda a: [api.all_gather(outs, t, g, a) for outs, t in pairs],
+                          lambda a: [api.all_gather(outs, t, g, a) for outs, t in pairs], (),
                           [list(outs) for outs in output_lists])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
-                          opts: c10d.AllgatherOptions | None = None) -> dist.Work:
-        return self.all_gather_single_coalesced([output], [input], opts)
+                          opts: c10d.AllgatherOptions | None = None) -> dist.Work | None:
+        opts = opts or c10d.AllgatherOptions()
+        g = self._usable()
+        _pairs((output,), (input,), "all_gather_into_tensor")
+        return self._call("all_gather_into_tensor", opts, api.all_gather_into_tensor,
+                          (output, input, g), [output])
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs: Sequence[torch.Tensor],
                                     inputs: Sequence[torch.Tensor],
-                                    opts: c10d.AllgatherOptions | None = None) -> dist.Work:
+                                    opts: c10d.AllgatherOptions | None = None) -> dist.Work | None:
         opts = opts or c10d.AllgatherOptions()
         g = self._usable()
         _pairs(outputs, inputs, "all_gather_into_tensor")
+        packed = None if self._coalesced is not None else packed_all_gather(
+            outputs, inputs, g.group_size)
+        if packed is not None:
+            return self._call("all_gather_into_tensor", opts, api.all_gather_into_tensor,
+                              (packed.output, packed.input, g), list(outputs), packed.unpack)
         pairs = list(zip(outputs, inputs))
         return self._call("all_gather_into_tensor", opts,
-                          lambda a: [api.all_gather_into_tensor(o, i, g, a) for o, i in pairs],
+                          lambda a: [api.all_gather_into_tensor(o, i, g, a) for o, i in pairs], (),
                           list(outputs))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def gather(self, output_tensors: Sequence[Sequence[torch.Tensor]],
                input_tensors: Sequence[torch.Tensor],
-               opts: c10d.GatherOptions | None = None) -> dist.Work:
+               opts: c10d.GatherOptions | None = None) -> dist.Work | None:
         opts = opts or c10d.GatherOptions()
         g = self._usable()
         t = one_tensor(input_tensors, "gather", "input_tensors")
         root = opts.rootRank
         outs = _at_root(g, root, output_tensors, "gather", "output_tensors")
         return self._call("gather", opts,
-                          lambda a: api.gather(t, outs, None, g, a, group_dst=root),
+                          lambda a: api.gather(t, outs, None, g, a, group_dst=root), (),
                           [outs or []])
 
     def scatter(self, output_tensors: Sequence[torch.Tensor],
                 input_tensors: Sequence[Sequence[torch.Tensor]],
-                opts: c10d.ScatterOptions | None = None) -> dist.Work:
+                opts: c10d.ScatterOptions | None = None) -> dist.Work | None:
         opts = opts or c10d.ScatterOptions()
         g = self._usable()
         t = one_tensor(output_tensors, "scatter", "output_tensors")
         root = opts.rootRank
         ins = _at_root(g, root, input_tensors, "scatter", "input_tensors")
         return self._call("scatter", opts,
-                          lambda a: api.scatter(t, ins, None, g, a, group_src=root), [t])
+                          lambda a: api.scatter(t, ins, None, g, a, group_src=root), (), [t])
 
     # -- all-to-all ------------------------------------------------------------------------
     def alltoall(self, output_tensors: Sequence[torch.Tensor],
                  input_tensors: Sequence[torch.Tensor],
-                 opts: c10d.AllToAllOptions | None = None) -> dist.Work:
+                 opts: c10d.AllToAllOptions | None = None) -> dist.Work | None:
         opts = opts or c10d.AllToAllOptions()
         g = self._usable()
         cpu_tensors(output_tensors, "alltoall", "output_tensors")
         cpu_tensors(input_tensors, "alltoall", "input_tensors")
         outs, ins = list(output_tensors), list(input_tensors)
-        return self._call("alltoall", opts, lambda a: alltoall.all_to_all(outs, ins, g, a), outs)
+        return self._call("alltoall", opts, alltoall.all_to_all, (outs, ins, g), outs)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_split_sizes: Sequence[int] | None,
                           input_split_sizes: Sequence[int] | None,
-                          opts: c10d.AllToAllOptions | None = None) -> dist.Work:
+                          opts: c10d.AllToAllOptions | None = None) -> dist.Work | None:
         opts = opts or c10d.AllToAllOptions()
         g = self._usable()
         cpu_tensors([output, input], "all_to_all_single", "tensors")
         return self._call("all_to_all_single", opts,
-                          lambda a: alltoall.all_to_all_single(output, input, output_split_sizes,
-                                                          input_split_sizes, g, a), [output])
+                          alltoall.all_to_all_single,
+                          (output, input, output_split_sizes, input_split_sizes, g), [output])
 
     alltoall_base = all_to_all_single
 

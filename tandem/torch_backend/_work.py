@@ -14,6 +14,7 @@ torch's C++ code (DDP's reducer, functional collectives) calls ``wait`` and
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -23,7 +24,11 @@ import torch.distributed as dist
 from tandem.collectives.work import Work
 from tandem.torch_backend._errors import translate
 
-__all__ = ["TorchWork", "seconds_or_none"]
+__all__ = ["TorchWork", "seconds_or_none", "NO_TIMEOUT"]
+
+# torch's "no timeout" values (kNoTimeout, kUnsetTimeout) are zero and negative: a
+# timedelta option above this one is a timeout (compared without converting it)
+NO_TIMEOUT = datetime.timedelta(0)
 
 
 def seconds_or_none(timeout: datetime.timedelta | float | None) -> float | None:
@@ -40,9 +45,12 @@ class TorchWork(dist.Work):
     def __init__(self, works: Sequence[Work], result: Any,
                  to_global: Callable[[int], int] = lambda r: r,
                  deadline: float | None = None,
-                 expire: Callable[[], BaseException] | None = None) -> None:
+                 expire: Callable[[], BaseException] | None = None,
+                 after: Callable[[], None] | None = None) -> None:
         """``deadline`` (monotonic) is the call's own timeout; once it passes, a waiter
-        calls ``expire``, which aborts the group and returns the error to raise."""
+        calls ``expire``, which aborts the group and returns the error to raise.
+        ``after`` runs once when the calls succeeded, before anyone sees the result
+        (it copies a packed result into the caller's tensors)."""
         super().__init__()
         self._works = list(works)
         self._result = result
@@ -50,6 +58,8 @@ class TorchWork(dist.Work):
         self._deadline = deadline
         self._expire = expire
         self._future: torch.futures.Future | None = None
+        self._after = after
+        self._after_lock = threading.Lock()
 
     def _raise(self, exc: BaseException) -> None:
         error = translate(exc, self._to_global)
@@ -71,7 +81,16 @@ class TorchWork(dist.Work):
                         and self._deadline is not None and time.monotonic() >= self._deadline):
                     self._raise(self._expire())  # the call's own timeout passed
                 self._raise(exc)
+        self._finish()
         return True
+
+    def _finish(self) -> None:
+        """Run ``after`` once, in whichever thread first sees the calls succeed."""
+        if self._after is not None:
+            with self._after_lock:
+                after, self._after = self._after, None
+                if after is not None:
+                    after()
 
     def get_future(self) -> torch.futures.Future:
         """A future completed with the output tensors, or with the call's error."""
@@ -92,10 +111,14 @@ class TorchWork(dist.Work):
                 part.value()  # collect_all completes even when a part failed
         except Exception as exc:  # noqa: BLE001 - translated for torch's callers
             self._raise(exc)
+        self._finish()
         return self._result
 
     def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works)
+        done = all(w.is_completed() for w in self._works)
+        if done and self._after is not None and self.exception() is None:
+            self._finish()  # "completed" promises the caller's tensors hold the result
+        return done
 
     def is_success(self) -> bool:
         return self.is_completed() and self.exception() is None

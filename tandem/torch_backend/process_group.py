@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ from tandem.torch_backend._collectives import Collectives
 from tandem.torch_backend._errors import translate, translated
 from tandem.torch_backend._fabric import Fabric
 from tandem.torch_backend._options import one_tensor
-from tandem.torch_backend._work import TorchWork, seconds_or_none
+from tandem.torch_backend._work import NO_TIMEOUT, TorchWork, seconds_or_none
 
 __all__ = ["TandemProcessGroup", "BACKEND_NAME"]
 
@@ -133,33 +133,49 @@ class TandemProcessGroup(Collectives, dist.ProcessGroup):  # type: ignore[misc]
     def _to_global(self, transport_rank: int) -> int:
         return self._fabric.global_rank(transport_rank)
 
-    def _call(self, what: str, opts: Any, launch: Callable[[bool], Any], result: Any) -> dist.Work:
+    def _call(self, what: str, opts: Any, launch: Callable[..., Any], args: tuple[Any, ...],
+              result: Any, after: Callable[[], None] | None = None) -> dist.Work | None:
         """Run one torch call: inline when torch will wait at once, else queued.
 
-        ``launch(async_op)`` issues the tandem call(s). A call with its own timeout is
-        queued and waited on here (or by the caller), and aborts the group when the
-        timeout passes, as torch's backends do.
+        An inline call returns None once its work is done (torch's Python API treats
+        that as "synchronised by the backend"); every other call returns a handle.
+
+        ``launch(*args, async_op)`` issues the tandem call(s) (a function and its
+        arguments rather than a closure: this is every call's path). A call with its
+        own timeout is queued and waited on here (or by the caller), and aborts the
+        group when the timeout passes, as torch's backends do. ``after`` runs once the
+        calls succeeded (see :class:`~tandem.torch_backend._work.TorchWork`).
         """
-        timeout = seconds_or_none(opts.timeout)
-        queued = bool(opts.asyncOp) or timeout is not None or self._coalesced is not None
-        try:  # translated() inlined: this is every call's path
-            issued = launch(queued)
+        limit = opts.timeout
+        queued = opts.asyncOp or limit > NO_TIMEOUT or self._coalesced is not None
+        try:
+            issued = launch(*args, queued)
         except TandemError as exc:
-            error = translate(exc, self._to_global)
-            if error is exc:
-                raise
-            raise error from exc
+            self._reraise(exc)
         if not queued:
-            return TorchWork((), result)
+            if after is not None:
+                after()
+            # finished already: torch's Python API waits on a returned handle and skips
+            # the wait when there is none, which saves building and waiting on one
+            return None
+        timeout = seconds_or_none(limit)
         works = [w for w in (issued if isinstance(issued, list) else [issued]) if w is not None]
         if self._coalesced is not None:
             self._coalesced.extend(works)
         deadline = None if timeout is None else time.monotonic() + timeout
         work = TorchWork(works, result, self._to_global, deadline,
-                         lambda: self._expire(what, timeout or 0.0))
+                         lambda: self._expire(what, timeout or 0.0), after)
         if not opts.asyncOp:
             work.wait()
         return work
+
+    def _reraise(self, exc: TandemError) -> NoReturn:
+        """Raise what torch code expects for a tandem failure (``translated()``, for
+        callers that keep the ``try`` in their own frame: it costs nothing there)."""
+        error = translate(exc, self._to_global)
+        if error is exc:
+            raise exc
+        raise error from exc
 
     def _expire(self, what: str, timeout: float) -> TandemError:
         error = CollectiveTimeoutError(

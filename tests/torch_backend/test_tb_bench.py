@@ -42,9 +42,10 @@ def test_quick_run_prints_every_part_against_gloo() -> None:
     lines = proc.stdout.splitlines()
     assert any(ln.startswith("machine: ") for ln in lines), proc.stdout
     start = next(i for i, ln in enumerate(lines) if ln.startswith("ranks "))
-    rows = [re.split(r"\s{2,}", ln.strip()) for ln in lines[start + 1:start + 4]]
-    assert [r[1] for r in rows] == ["all_reduce", "ddp step", "fsdp step"], proc.stdout
+    rows = [re.split(r"\s{2,}", ln.strip()) for ln in lines[start + 1:start + 5]]
+    assert [r[1] for r in rows] == ["all_reduce", "coalesced", "ddp step", "fsdp step"], \
+        proc.stdout
     for row in rows:
         speed_up = float(row[5])
         assert speed_up > 0, row
-    assert lines[start + 4].startswith("torch layer per call"), proc.stdout
+    assert lines[start + 5].startswith("torch layer per call"), proc.stdout

@@ -137,6 +137,31 @@ def _coalesced(g: Any, rank: int, world: int) -> Any:
     return [a, b, gathered, scattered, c, d]
 
 
+def _coalesced_async(g: Any, rank: int, world: int) -> Any:
+    # packed into one call (small pairs), also through torch's future and a strided output
+    strided = torch.empty(4 * world)[::2]
+    gathered = [torch.empty(5 * world), strided]
+    ours = getattr(g or dist.group.WORLD, "tandem_group", None)
+    seq = ours._seq if ours is not None else 0
+    with dist._coalescing_manager(group=g, async_ops=True) as cm:
+        dist.all_gather_into_tensor(gathered[0], _x(rank, 5), group=g)
+        dist.all_gather_into_tensor(gathered[1], _x(rank, 2), group=g)
+    cm.wait()
+    assert ours is None or ours._seq == seq + 1, "the two pairs were not sent as one call"
+    scattered = [torch.empty(3), torch.empty(1)]
+    with dist._coalescing_manager(group=g, async_ops=True) as cm:
+        dist.reduce_scatter_tensor(scattered[0], _x(rank, 3 * world), op=dist.ReduceOp.AVG,
+                                   group=g)  # torch coalesces calls of one reduce op
+        dist.reduce_scatter_tensor(scattered[1], _x(rank, world), op=dist.ReduceOp.AVG,
+                                   group=g)
+    cm.wait()
+    g = g or dist.group.WORLD
+    # one pair too big to pack (1 MiB of float32 per rank): each pair is its own call
+    large = [_x(rank, world * (1 << 18)), _x(rank, 2 * world)]
+    results = funcol.reduce_scatter_tensor_coalesced(large, "sum", [0, 0], g)
+    return [gathered, scattered, [t.wait() if hasattr(t, "wait") else t for t in results]]
+
+
 def _functional(g: Any, rank: int, world: int) -> Any:
     g = g or dist.group.WORLD  # functional collectives name their group
 
@@ -217,6 +242,7 @@ COMPARED: dict[str, Case] = {
     "all_to_all": _all_to_all,
     "all_to_all_single": _all_to_all_single,
     "coalesced": _coalesced,
+    "coalesced_async": _coalesced_async,
     "functional": _functional,
     "objects": _objects,
     "p2p": _p2p,

@@ -79,6 +79,7 @@ def test_mismatched_call_under_ddp_names_both_ranks_and_the_call_site(tmp_path: 
         assert "float32[3]" in r["msg"], r["msg"]  # rank 1's extra call, as signed
         assert "test_tb_faults.py" in r["msg"], r["msg"]  # the user's line, not torch's
         assert not r["later"]["ok"] and "aborted" in r["later"]["msg"], r["later"]
+        assert _tandems(r["later"]), r["later"]  # an inline call's error, translated too
 
 
 def _killed_mid_training(rank: int, world: int, store_dir: str, stamp: str) -> dict[str, Any]:
@@ -144,5 +145,6 @@ def test_call_timeouts_abort_the_group_and_name_the_missing_rank(tmp_path: Path)
     assert call["cause"] == "CollectiveTimeoutError", call
     assert "within its timeout of 1s" in call["msg"] and call["elapsed"] < 1.0 + NOTICED_WITHIN
     assert not first["later"]["ok"] and "aborted" in first["later"]["msg"], first["later"]
+    assert _tandems(first["later"]), first["later"]
     for late in (second["late"], second["late_pair"]):  # each group was aborted everywhere
         assert not late["ok"] and "aborted" in late["msg"], late

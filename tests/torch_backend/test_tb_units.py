@@ -57,6 +57,34 @@ def test_a_one_rank_job_runs_with_torchs_identity_calls() -> None:
         dist.destroy_process_group()
 
 
+def test_only_calls_torch_waits_on_at_once_return_no_handle() -> None:
+    # torch's Python API skips the wait when a backend returns no handle; C++ callers
+    # (DDP's reducer, functional collectives) pass asyncOp=True and always get one
+    dist.init_process_group("tandem", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        pg = dist.group.WORLD
+        t = torch.arange(3.0)
+        inline = dist.AllreduceOptions()
+        inline.asyncOp = False
+        assert pg.allreduce([t], inline) is None
+        assert torch.equal(t, torch.arange(3.0))
+        work = pg.allreduce([t])
+        assert work is not None and work.wait()
+        assert torch.equal(work.get_future().wait()[0], torch.arange(3.0))
+        timed = dist.AllreduceOptions()
+        timed.asyncOp = False
+        timed.timeout = datetime.timedelta(seconds=30)
+        assert pg.allreduce([t], timed) is not None  # its own timeout: waited with a deadline
+        out = torch.empty(3)
+        gather = dist.distributed_c10d.AllgatherOptions()
+        gather.asyncOp = False
+        assert pg.all_gather_single(out, t, gather) is None and torch.equal(out, t)
+        scattered = pg.reduce_scatter_single(out, t * 2)
+        assert scattered is not None and scattered.wait() and torch.equal(out, t * 2)
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("name", ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"])
 def test_every_torch_reduce_op_maps_to_tandems(name: str) -> None:
     op, factor = reduce_op(getattr(dist.ReduceOp, name), "allreduce")
