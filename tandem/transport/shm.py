@@ -48,7 +48,7 @@ from tandem.transport._shm_peer import ShmPeer
 from tandem.transport._shm_setup import Link, connect_local
 from tandem.transport import forks
 from tandem.transport._shmem import create_segment, unsupported_reason
-from tandem.transport.base import Transport, check_header, join_all
+from tandem.transport.base import Poller, Transport, check_header, join_all
 from tandem.transport.mailbox import DEFAULT_PARK_LIMIT, Mailbox
 from tandem.transport.message import Header, Slot
 from tandem.transport.sendqueue import DEFAULT_SEND_LIMIT, BoundedSends, SendQueue
@@ -325,6 +325,9 @@ class ShmTransport(BoundedSends, Transport):
         views = [b if b.format == "B" and b.ndim == 1 else b.cast("B") for b in pieces]
         p.post(header, views, slot)
         return slot
+
+    def poller(self, peer: int) -> Poller | None:
+        return self._peers.get(peer)
 
     def reaches(self, rank: int) -> bool:
         """Whether messages to ``rank`` go through this transport's rings."""
