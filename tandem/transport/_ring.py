@@ -116,6 +116,7 @@ class Ring:
         self._watchers = 0
         self._idle_sleeper = False  # the reader thread sleeps between frames
         self._frame_sleeper = False  # a reader sleeps inside a frame
+        self._closed = False
 
     # -- producer --------------------------------------------------------------------
     def free(self) -> int:
@@ -197,12 +198,14 @@ class Ring:
         """Start (``on``) or stop watching: this thread polls the ring itself meanwhile,
         so the idle reader thread need not be woken for the frames it reads."""
         with self._watch_lock:
+            if self._closed:
+                return
             self._watchers += 1 if on else -1
             self._update_sleep_flag()
-        if not on and not self._watchers and self._idle_sleeper:
-            fence()  # the flag is back: did a frame slip in while it was off?
-            if self._ctl[_HEAD] != self._tail:
-                futex_wake(self._head_addr)
+            if not on and not self._watchers and self._idle_sleeper:
+                fence()  # the flag is back: did a frame slip in while it was off?
+                if self._ctl[_HEAD] != self._tail:
+                    futex_wake(self._head_addr)
 
     def _update_sleep_flag(self) -> None:  # under _watch_lock
         # mid-frame sleepers always need the wake (watchers cannot read while a frame is
@@ -304,5 +307,8 @@ class Ring:
             pass
 
     def close(self) -> None:
-        """Unmap; call only when no thread uses the ring any more."""
-        self._release()
+        """Unmap; call only when no thread reads or writes the ring any more (watchers
+        that start or stop later find it closed and do nothing)."""
+        with self._watch_lock:
+            self._closed = True
+            self._release()

@@ -289,15 +289,23 @@ class ShmPeer:
         """Start (``on``) or stop polling this peer's frames from the calling thread."""
         self.inbound.watch(on)
 
+    def quiesce(self, deadline: float) -> bool:
+        """After ``closing`` is set: wait until no polling thread is inside a frame (they
+        check ``closing`` under the read lock), so the rings may be unmapped; False if
+        one still is at ``deadline``."""
+        if not self._rlock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return False
+        self._rlock.release()
+        return True
+
     def poll(self) -> bool:
         """Read and deliver the next frame if one is there and no other thread is reading;
         whether a frame was read (call between ``watch(True)`` and ``watch(False)``)."""
         mailbox = self._mailbox
-        if (mailbox is None or self._dead or self.inbound.empty()
-                or not self._rlock.acquire(blocking=False)):
+        if mailbox is None or self._dead or self.closing or not self._rlock.acquire(False):
             return False
         try:
-            if self._dead or self.inbound.empty():
+            if self._dead or self.closing or self.inbound.empty():
                 return False
             self._frame(mailbox, self._max_frame)
         except Exception as exc:  # noqa: BLE001 - the stream is broken for every reader

@@ -355,6 +355,8 @@ class ShmTransport(BoundedSends, Transport):
             except OSError:
                 pass
         stuck = not join_all(self._threads + [p.writer for p in self._peers.values()], _JOIN_S)
+        deadline = time.monotonic() + _JOIN_S  # threads polling a ring (RPC callers) leave it
+        stuck = not all([p.quiesce(deadline) for p in self._peers.values()]) or stuck
         for p in self._peers.values():
             p.sock.close()
             if not stuck:  # a thread still inside a ring must not see it unmapped

@@ -163,3 +163,18 @@ def test_the_reader_thread_is_woken_again_when_the_last_watcher_leaves(
     assert rec.got[0][2].startswith("tandem-shm-read")
     assert _wait_for(lambda: ring._idle_sleeper)
     assert ring._ctl[_ring._CSLEEP] == 1
+
+
+def test_a_thread_still_polling_when_the_transport_closes_finds_nothing_to_read(
+        pair: list[ShmTransport]) -> None:
+    a, b = pair
+    b.handle(Kind.RPC, Recorder())
+    poller = b.poller(0)
+    assert poller is not None
+    poller.watch(True)
+    a.isend(1, Header(Kind.RPC, 0, 0, 0, 4), memoryview(b"left"))
+    b.close()  # the rings are unmapped under the polling thread
+    assert poller.poll() is False
+    poller.watch(False)
+    poller.watch(True)
+    assert poller.poll() is False
