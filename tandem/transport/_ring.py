@@ -213,12 +213,14 @@ class Ring:
         need = self._frame_sleeper or (self._idle_sleeper and not self._watchers)
         self._ctl[_CSLEEP] = 1 if need else 0
 
-    def wait_readable(self, check: Callable[[], None]) -> None:
+    def wait_readable(self, check: Callable[[], None], busy: bool = False) -> None:
         """Return once unread bytes are there (the reader thread, between frames; it holds
         no lock meanwhile, so watchers may read frames and move ``_tail``). Polls first
-        unless a watcher polls already; ``check()`` raises to give up."""
+        if no watcher polls already, or if ``busy`` (the caller just read a frame: in a
+        burst, a reader that stays awake spares the producer a wake-up per frame);
+        ``check()`` raises to give up."""
         ctl = self._ctl
-        if not self._watchers:
+        if busy or not self._watchers:
             end = time.perf_counter() + self._spin
             while ctl[_HEAD] == self._tail and time.perf_counter() < end:
                 os.sched_yield()

@@ -90,17 +90,20 @@ class Receiver:
         if not _cma.available():
             ring.set_readable(False)
             self._probed = True
+        busy = False  # whether the last round read a frame
         try:
             while not self._dead:
                 if not self._probed:  # before the first frame if the peer announced itself
                     with self._rlock:
                         self._probed = self._probed or self._probe()
-                ring.wait_readable(self._check_in)
+                ring.wait_readable(self._check_in, busy)
+                busy = False
                 if not self._rlock.acquire(timeout=_LOCK_S):
                     continue  # a poller is inside a (large) frame; check again
                 try:
                     if not self._dead and not ring.empty():
                         self._frame(mailbox, max_frame)
+                        busy = True
                 finally:
                     self._rlock.release()
         except Exception as exc:  # noqa: BLE001 - a reader must never die silently
