@@ -8,12 +8,14 @@ Messages (``Kind.RPC`` frames, see ``_codec``) have a type in the header's ``ste
     ERROR   the exception of call ``seq``
     NOTE    a one-way bookkeeping message (RRef forks and deletes, autograd contexts)
 
-The hot path has no thread hand-off on the caller's side: the caller encodes and writes
-the frame itself. On the callee, the transport's reader thread reads the frame straight
-into freshly allocated tensors, unpickles it (so RRef bookkeeping happens in arrival
-order) and hands it to the server (``_serve``), whose pool thread runs it and writes the
-reply itself. The caller's reader thread completes the call, which wakes the caller.
-NOTEs are handled on the reader thread: they are short and never wait.
+The hot path has no thread hand-off: the caller encodes and writes the frame itself. On
+the callee, whichever thread reads the frame (the transport's reader thread, or an idle
+pool thread polling the connection) reads it straight into freshly allocated tensors
+and unpickles it (so RRef bookkeeping happens in arrival order); a pool thread that
+read it runs it itself, otherwise it goes to the server's pool (``_serve``). The pool
+thread writes the reply itself. Over shared memory the caller, while it waits, reads
+its reply itself (``Transport.poller``); otherwise the reader thread completes the call
+and wakes the caller. NOTEs are handled by whoever reads them: short, they never wait.
 
 Messages to this very worker skip the transport but not the codec, so a call to
 oneself behaves like any other (arguments are copies; it runs on the pool).
@@ -38,7 +40,7 @@ from tandem.rpc._rrefs import RRefTable
 from tandem.rpc._serve import Server
 from tandem.rpc.worker import Directory
 from tandem.store.base import Store
-from tandem.transport.base import Header, Kind, Reader, Transport
+from tandem.transport.base import Header, Kind, Poller, Reader, Transport
 from tandem.transport.shm import default_spin
 
 if TYPE_CHECKING:
@@ -86,6 +88,12 @@ class Agent:
         self.monitor: Monitor | None = None
         self.timeout = timeout
         self.spin = _spin(transport, len(workers))
+        # peers whose frames a waiting thread may read itself (shared memory)
+        self.pollers: dict[int, Poller] = {}
+        for r in range(len(workers)):
+            poller = transport.poller(r) if r != self.rank else None
+            if poller is not None:
+                self.pollers[r] = poller
         self.server = Server(self, threads)
         self.pool = self.server.pool
         self.pending: dict[int, Pending] = {}
@@ -136,8 +144,8 @@ class Agent:
             kwargs = dict(kwargs) or None  # None on the wire: no empty dict on either side
         call_id = call_id or next(self._ids)
         seconds = self.timeout if timeout == -1.0 else self.timeout_of(timeout)
-        call: Pending = (RpcFuture(dest, kind, func, seconds, self.spin) if future
-                         else Call(dest, kind, func, seconds))
+        call: Pending = (RpcFuture(dest, kind, func, seconds, self.spin, self.pollers.get(dest))
+                         if future else Call(dest, kind, func, seconds))
         ctx = self.autograd.current_id()
         out = self.encode((func, args, kwargs), dest, kind, ctx)
         self.pending[call_id] = call
@@ -154,7 +162,8 @@ class Agent:
     def wait(self, call_id: int, call: Pending) -> Any:
         """Wait for a call started with ``future=False``; its result or its error."""
         assert isinstance(call, Call)
-        if not wait_flag(call.flag, call.deadline, call.kind, self.spin):
+        if not wait_flag(call.flag, call.deadline, call.kind, self.spin,
+                         self.pollers.get(call.dest)):
             if self.pending.pop(call_id, None) is call:
                 call.complete(None, timeout_error(call, self.label(call.dest)))
             else:

@@ -15,12 +15,13 @@ from __future__ import annotations
 import os
 import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from tandem.errors import RpcError, RpcTimeoutError, StateError
-from tandem.rpc._pool import role
+from tandem.rpc._pool import poll_as_reader, role
+from tandem.transport.base import Poller
 from tandem.transport.message import Flag
 
 __all__ = ["Call", "RpcFuture", "Pending", "wait_flag", "remote_error_fields",
@@ -42,21 +43,20 @@ def _refuse_on_reader(what: str) -> None:
             f"the replies it waits for; chain with fut.then(...) or use rpc_async")
 
 
-def wait_flag(flag: Flag, deadline: float | None, what: str, spin: float = 0.0) -> bool:
+def wait_flag(flag: Flag, deadline: float | None, what: str, spin: float = 0.0,
+              poller: Poller | None = None) -> bool:
     """Wait for ``flag`` until ``deadline`` (monotonic; None: no deadline); True if set.
 
     Polls for ``spin`` seconds first (a reply often comes sooner than a sleeping thread
-    wakes), then sleeps; a server-pool thread is marked as blocked meanwhile so that
-    nested calls get a thread of their own.
+    wakes), reading the frames of ``poller`` (the peer that will reply) meanwhile, so the
+    reply needs no hand-off from the reader thread; then sleeps; a server-pool thread is
+    marked as blocked meanwhile so that nested calls get a thread of their own.
     """
     if flag.is_set():
         return True
     _refuse_on_reader(what)
-    end = time.perf_counter() + spin
-    while time.perf_counter() < end:
-        os.sched_yield()
-        if flag.is_set():
-            return True
+    if _spin(flag.is_set, spin, poller):
+        return True
     pool = role.pool
     if pool is None:
         return _sleep(flag, deadline)
@@ -71,6 +71,27 @@ def _sleep(flag: Flag, deadline: float | None) -> bool:
             return flag.is_set()
         if flag.wait(min(left, 1.0)):
             return True
+
+
+def _spin(done: Callable[[], bool], spin: float, poller: Poller | None) -> bool:
+    """Poll ``done()`` for ``spin`` seconds, reading ``poller``'s frames meanwhile."""
+    end = time.perf_counter() + spin
+    if poller is None:
+        while time.perf_counter() < end:
+            os.sched_yield()
+            if done():
+                return True
+        return False
+    poller.watch(True)
+    try:
+        while time.perf_counter() < end:
+            if not poll_as_reader(poller):
+                os.sched_yield()
+            if done():
+                return True
+        return False
+    finally:
+        poller.watch(False)
 
 
 def _window(timeout: float) -> tuple[float, float]:
@@ -112,9 +133,11 @@ class RpcFuture(torch.futures.Future):
     the call's record (one object per call). ``wait`` polls briefly, and inside a served
     function it does not starve the server pool."""
 
-    def __init__(self, dest: int, kind: str, func: Any, timeout: float, spin: float) -> None:
+    def __init__(self, dest: int, kind: str, func: Any, timeout: float, spin: float,
+                 poller: Poller | None = None) -> None:
         torch._C.Future.__init__(self, [])
         self.dest, self.kind, self.func, self.timeout, self._spin = dest, kind, func, timeout, spin
+        self._poller = poller
         self.started, self.deadline = _window(timeout)
         self.error: BaseException | None = None
 
@@ -132,9 +155,7 @@ class RpcFuture(torch.futures.Future):
     def wait(self) -> Any:
         if not self.done():
             _refuse_on_reader("Future.wait()")
-            end = time.perf_counter() + self._spin
-            while not self.done() and time.perf_counter() < end:
-                os.sched_yield()
+            _spin(self.done, self._spin, self._poller)
             pool = role.pool
             if not self.done() and pool is not None:
                 with pool.blocked():  # the deadline is the monitor's: it fails the future

@@ -20,13 +20,14 @@ import contextlib
 import os
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 
+from tandem.transport.base import Poller
 from tandem.transport.message import Flag
 
-__all__ = ["ServerPool", "role", "adopt_thread_settings"]
+__all__ = ["ServerPool", "role", "adopt_thread_settings", "poll_as_reader", "Intake"]
 
 Job = Callable[[], None]
 
@@ -34,9 +35,31 @@ Job = Callable[[], None]
 class _Role(threading.local):
     pool: "ServerPool | None" = None  # set in the pool's threads
     reader: bool = False  # set in transport reader threads by the agent's handler
+    # set while a lingering pool thread reads a frame itself: a call read then is run by
+    # this thread (put here) instead of being queued for another one
+    take: "list[Job] | None" = None
 
 
 role = _Role()
+
+
+class Intake(Protocol):
+    """Where idle pool threads read the next call themselves (the agent's pollers)."""
+
+    def watch(self, on: bool) -> None: ...
+
+    def take(self) -> tuple[bool, Job | None]: ...
+
+
+def poll_as_reader(poller: Poller) -> bool:
+    """``poller.poll()`` with this thread acting as a reader while it delivers the frame
+    (callbacks it runs may not wait, as on the transport's reader thread)."""
+    was = role.reader
+    role.reader = True
+    try:
+        return poller.poll()
+    finally:
+        role.reader = was
 
 
 def adopt_thread_settings() -> None:
@@ -69,6 +92,7 @@ class ServerPool:
         self._closed = False
         self._made = 0
         self.spin = spin
+        self.intake: Intake | None = None  # set by the server
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; blocks while ``max_queued`` jobs already wait (back-pressure)."""
@@ -127,10 +151,43 @@ class ServerPool:
 
     def _linger(self) -> None:
         """Poll ``spin`` seconds for the next job before parking: a thread that is awake
-        takes it sooner than one woken from sleep (back-to-back calls, mostly)."""
-        end = time.perf_counter() + self.spin
-        while not self._queue and time.perf_counter() < end:
-            os.sched_yield()
+        takes it sooner than one woken from sleep (back-to-back calls, mostly). Meanwhile
+        it reads incoming frames itself (``intake``) and runs a call it reads: the call
+        then reaches a thread without a hand-off from the transport's reader thread."""
+        intake = self.intake
+        if intake is None or self._active() > self._size:
+            end = time.perf_counter() + self.spin
+            while not self._queue and time.perf_counter() < end:
+                os.sched_yield()
+            return
+        intake.watch(True)
+        try:
+            end = time.perf_counter() + self.spin
+            while not self._queue and not self._closed and time.perf_counter() < end:
+                read, job = intake.take()
+                if job is not None:
+                    intake.watch(False)  # the reader thread reads while this one runs it
+                    try:
+                        self._run(job)
+                    finally:
+                        intake.watch(True)
+                    end = time.perf_counter() + self.spin
+                elif not read:
+                    os.sched_yield()
+        finally:
+            intake.watch(False)
+
+    def _run(self, job: Job) -> None:
+        """Run a job this thread read itself (counted as running, like a queued one)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._running += 1
+        try:
+            job()
+        finally:
+            with self._lock:
+                self._running -= 1
 
     @contextlib.contextmanager
     def blocked(self) -> Iterator[None]:

@@ -1,7 +1,8 @@
 """Serving calls: run each on the server pool and reply, or keep its value in an RRef.
 
-The transport's reader thread has unpickled the call (``Agent.decode``) and hands it to
-:meth:`Server.on_call`; a pool thread runs the function inside the caller's distributed
+The thread that read the call has unpickled it (``Agent.decode``) and hands it to
+:meth:`Server.on_call`: an idle pool thread that read it itself runs it (no hand-off;
+see ``ServerPool._linger``), otherwise a pool thread runs the function inside the caller's distributed
 autograd context, if any, and writes the reply itself. An ``async_execution`` function
 returns a Future at once and frees its thread; the reply goes out from whichever thread
 completes that Future. A REMOTE keeps its value in the owner's RRef entry (registered
@@ -20,7 +21,7 @@ from tandem.errors import StateError, TandemError
 from tandem.rpc import _codec
 from tandem.rpc._calls import describe, remote_error_fields
 from tandem.rpc._codec import ERROR, REPLY
-from tandem.rpc._pool import ServerPool
+from tandem.rpc._pool import Job, ServerPool, poll_as_reader, role
 from tandem.rpc.functions import ASYNC_ATTR
 
 if TYPE_CHECKING:
@@ -39,6 +40,26 @@ class Server:
         self.agent = agent
         self.pool = ServerPool(threads, f"tandem-rpc-{agent.rank}", threads + MAX_EXTRA_THREADS,
                                MAX_QUEUED, agent.spin)
+        if agent.pollers:
+            self.pool.intake = self
+
+    # -- idle pool threads read calls themselves (leader/follower) ----------------------
+    def watch(self, on: bool) -> None:
+        for poller in self.agent.pollers.values():
+            poller.watch(on)
+
+    def take(self) -> tuple[bool, Job | None]:
+        """On a lingering pool thread: read one frame from any peer; whether one was
+        read, and the call in it if it was one, for this thread to run."""
+        taken: list[Job] = []
+        role.take = taken
+        try:
+            for poller in self.agent.pollers.values():
+                if poll_as_reader(poller):
+                    return True, taken[0] if taken else None
+            return False, None
+        finally:
+            role.take = None
 
     def on_call(self, src: int, call_id: int, incoming: _codec.Incoming, remote: bool) -> None:
         """On the reader thread: register a REMOTE's entry, unpickle, queue for the pool."""
@@ -48,8 +69,13 @@ class Server:
         except BaseException as exc:  # noqa: BLE001 - reported to the caller
             self.finish(src, call_id, 0, entry, None, exc)
             return
-        self.pool.submit(functools.partial(self._execute, src, call_id, func, args, kwargs,
-                                           incoming.ctx_id, entry))
+        job = functools.partial(self._execute, src, call_id, func, args, kwargs,
+                                incoming.ctx_id, entry)
+        taken = role.take
+        if taken is not None and not taken:
+            taken.append(job)  # read by an idle pool thread: it runs the call itself
+        else:
+            self.pool.submit(job)
 
     def _execute(self, src: int, call_id: int, func: Callable[..., Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any] | None, ctx: int, entry: Any) -> None:

@@ -30,12 +30,20 @@ other threads and the CPU to other processes), then sleep on the futex. A sleepe
 is woken by the peer's publish, or by its own process (peer lost, close), after
 which ``check()`` decides whether to go on. The transport polls long only when
 every local rank has a CPU of its own; see ``ShmTransport``.
+
+Several threads of the consumer's process may take turns reading (one at a time, the
+transport's lock decides): the reader thread that waits between frames
+(:meth:`Ring.wait_readable`), and *watchers* (:meth:`Ring.watch`), threads that poll the
+ring themselves while they wait for something, e.g. an RPC caller for its reply. While
+a watcher polls, the producer is not asked to wake the idle reader thread: the watcher
+reads the next frame itself, so no thread is woken just to hand it over.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -103,6 +111,12 @@ class Ring:
         self._head = self._ctl[_HEAD]  # producer's copy
         self._tail = self._ctl[_TAIL]  # consumer's copy
         self._spin = spin
+        # who needs the producer's wake-up on ``head`` (see ``_update_sleep_flag``)
+        self._watch_lock = threading.Lock()
+        self._watchers = 0
+        self._idle_sleeper = False  # the reader thread sleeps between frames
+        self._frame_sleeper = False  # a reader sleeps inside a frame
+        self._closed = False
 
     # -- producer --------------------------------------------------------------------
     def free(self) -> int:
@@ -179,6 +193,52 @@ class Ring:
     def empty(self) -> bool:
         return self._ctl[_HEAD] == self._tail
 
+    # -- consumer: taking turns (the caller serialises reads; see the module docstring) --
+    def watch(self, on: bool) -> None:
+        """Start (``on``) or stop watching: this thread polls the ring itself meanwhile,
+        so the idle reader thread need not be woken for the frames it reads."""
+        with self._watch_lock:
+            if self._closed:
+                return
+            self._watchers += 1 if on else -1
+            self._update_sleep_flag()
+            if not on and not self._watchers and self._idle_sleeper:
+                fence()  # the flag is back: did a frame slip in while it was off?
+                if self._ctl[_HEAD] != self._tail:
+                    futex_wake(self._head_addr)
+
+    def _update_sleep_flag(self) -> None:  # under _watch_lock
+        # mid-frame sleepers always need the wake (watchers cannot read while a frame is
+        # being read); the idle reader thread only while nobody polls
+        need = self._frame_sleeper or (self._idle_sleeper and not self._watchers)
+        self._ctl[_CSLEEP] = 1 if need else 0
+
+    def wait_readable(self, check: Callable[[], None], busy: bool = False) -> None:
+        """Return once unread bytes are there (the reader thread, between frames; it holds
+        no lock meanwhile, so watchers may read frames and move ``_tail``). Polls first
+        if no watcher polls already, or if ``busy`` (the caller just read a frame: in a
+        burst, a reader that stays awake spares the producer a wake-up per frame);
+        ``check()`` raises to give up."""
+        ctl = self._ctl
+        if busy or not self._watchers:
+            end = time.perf_counter() + self._spin
+            while ctl[_HEAD] == self._tail and time.perf_counter() < end:
+                os.sched_yield()
+        while ctl[_HEAD] == self._tail:
+            check()
+            stale = self._tail
+            with self._watch_lock:
+                self._idle_sleeper = True
+                self._update_sleep_flag()
+            try:
+                fence()
+                if ctl[_HEAD] == stale:
+                    futex_wait(self._head_addr, stale, _SLEEP_S)
+            finally:
+                with self._watch_lock:
+                    self._idle_sleeper = False
+                    self._update_sleep_flag()
+
     # -- cross-memory attach (see ``_cma``) -------------------------------------------
     def announce(self, pid: int) -> None:
         """Producer: publish where this process mapped the segment, for the consumer's probe."""
@@ -216,13 +276,21 @@ class Ring:
             if ctl[word] != stale:
                 return
         check()
-        ctl[flag] = 1
+        self._sleeping(flag, True)
         try:
             while ctl[word] == stale:
                 futex_wait(addr, stale, _SLEEP_S)
                 check()
         finally:
-            ctl[flag] = 0
+            self._sleeping(flag, False)
+
+    def _sleeping(self, flag: int, on: bool) -> None:
+        if flag == _PSLEEP:
+            self._ctl[flag] = 1 if on else 0
+            return
+        with self._watch_lock:
+            self._frame_sleeper = on
+            self._update_sleep_flag()
 
     def wake_local(self) -> None:
         """Wake this process's sleepers on either counter (they then run ``check()``)."""
@@ -241,5 +309,8 @@ class Ring:
             pass
 
     def close(self) -> None:
-        """Unmap; call only when no thread uses the ring any more."""
-        self._release()
+        """Unmap; call only when no thread reads or writes the ring any more (watchers
+        that start or stop later find it closed and do nothing)."""
+        with self._watch_lock:
+            self._closed = True
+            self._release()

@@ -1,4 +1,4 @@
-"""One local peer of the shm transport: its two rings, the send queue, the reader loop.
+"""One local peer of the shm transport: its two rings, the send queue, the sending half.
 
 Frames are the TCP transport's: a fixed header (kind, group, seq, step, nbytes,
 signature and call-site lengths), the signature, the call site, the payload.
@@ -7,9 +7,8 @@ Sending (:meth:`ShmPeer.send`): a frame that fits in the ring's free space right
 now is copied in by the caller, which therefore never waits on the peer; any other
 frame is queued to this peer's writer thread (started on first use), which waits
 for space as long as it takes. Frames leave in the order they were sent, inline
-or queued. Receiving (:meth:`ShmPeer.read_loop`): one thread per peer reads
-frames and hands each to ``Mailbox.arrive``, which copies the payload out of the
-ring straight into the posted buffer (or parks it).
+or queued. Receiving is the other half (:mod:`~tandem.transport._shm_receive`): the
+peer's reader thread, or a thread that waits for a frame and reads it itself.
 
 Large payloads go *by reference* once the peer has probed that it may read this
 process's memory (:mod:`~tandem.transport._cma`): the frame carries, instead of the
@@ -22,41 +21,30 @@ it waits for queued sends.
 
     peer = ShmPeer(link, inbound_ring, outbound_ring, me=0, hostname="h")
     peer.send(header, payload, slot, check)       # caller thread
-    peer.read_loop(mailbox, max_frame, closing)   # reader thread
+    peer.read_loop(mailbox, max_frame)            # reader thread
+    peer.watch(True); peer.poll(); peer.watch(False)  # any thread that waits for a frame
 """
 
 from __future__ import annotations
 
 import itertools
 import socket
-import struct
 import threading
 import time
-from typing import Callable
 
 from tandem.errors import PeerLostError, ProtocolError, StateError, TandemError
 from tandem.transport import _cma
 from tandem.transport._ring import Ring
+from tandem.transport._shm_receive import _DESC, _HDR, _PIECE, _REF, Closed, Receiver
 from tandem.transport._shm_setup import Link
-from tandem.transport.base import Reader, check_size
-from tandem.transport.mailbox import Mailbox
 from tandem.transport.message import Header, Slot
 from tandem.transport.sendqueue import SendQueue
 
 __all__ = ["ShmPeer", "Closed", "frame", "BY_REFERENCE_MIN"]
 
-_HDR = struct.Struct("<BIQiQHH")
-_REF, _ACK = 0x80, 0x40  # kind-byte flags: the payload goes by reference; an acknowledgement
-_DESC = struct.Struct("<QI")  # by reference: token, number of pieces
-_PIECE = struct.Struct("<QQ")  # address in the sender (0: the bytes follow in the ring), length
-_MAX_PIECES = 1 << 16
 # Pieces at least this large go by reference. Below ~1 MiB the ring's two copies are cheap
 # and need no acknowledgement; measured in tandem.bench rpc (16 MB echo).
 BY_REFERENCE_MIN = 1 << 20
-
-
-class Closed(TandemError):
-    """The transport is closing: waiting threads stop quietly."""
 
 
 def _head(header: Header, flags: int = 0) -> bytes:
@@ -69,7 +57,7 @@ def frame(header: Header, data: memoryview) -> list[memoryview]:
     return [memoryview(_head(header)), data]
 
 
-class ShmPeer:
+class ShmPeer(Receiver):
     """Rank ``link.peer`` as seen from rank ``me``."""
 
     def __init__(self, link: Link, inbound: Ring, outbound: Ring, me: int, hostname: str) -> None:
@@ -89,6 +77,7 @@ class ShmPeer:
         # sends by reference awaiting the peer's acknowledgement: token -> (pieces, header, slot)
         self._acks: dict[int, tuple[list[memoryview], Header, Slot]] = {}
         self._tokens = itertools.count(1)
+        Receiver.__init__(self)
 
     def lost(self, why: str) -> PeerLostError:
         return PeerLostError(
@@ -244,121 +233,3 @@ class ShmPeer:
             self._cv.notify_all()
         self.inbound.wake_local()
         self.outbound.wake_local()
-
-    # -- receiving -------------------------------------------------------------------
-    def read_loop(self, mailbox: Mailbox, max_frame: int) -> None:
-        """Deliver frames until the peer is gone (reported) or the transport closes."""
-        ring = self.inbound
-
-        def check() -> None:
-            if self.closing:
-                raise Closed()
-            if self.eof and ring.empty():  # everything the peer wrote has been read
-                raise self.lost("closed")
-
-        def read(view: memoryview) -> None:
-            if view.format != "B" or view.ndim != 1:
-                view = view.cast("B")
-            ring.read_into(view, check)
-
-        head = memoryview(bytearray(_HDR.size))
-        probed = not _cma.available()
-        if probed:
-            ring.set_readable(False)
-        try:
-            while True:
-                if not probed:
-                    probed = self._probe()
-                ring.read_into(head, check, release=False)
-                kind, group, seq, step, nbytes, siglen, sitelen = _HDR.unpack(head)
-                if kind & _ACK:
-                    ring.release()
-                    self._acked(seq)
-                    continue
-                check_size(nbytes, max_frame, self.rank)
-                extra = bytearray(siglen + sitelen)
-                if extra:
-                    ring.read_into(memoryview(extra), check, release=False)
-                header = Header(kind & ~_REF, group, seq, step, nbytes, bytes(extra[:siglen]),
-                                bytes(extra[siglen:]))
-                if kind & _REF:
-                    token, remote_read, finished = self._by_reference(nbytes, check)
-                    mailbox.arrive(self.rank, header, remote_read)
-                    if not finished():
-                        raise ProtocolError(f"a message from rank {self.rank} was not read "
-                                            f"to its end")
-                    ring.release()
-                    ack = Header(0, 0, token, 0, 0)
-                    self.send([memoryview(_HDR.pack(_ACK, 0, token, 0, 0, 0, 0))], ack,
-                              Slot(self.rank, (self.rank, 0, 0, token, 0), None, b""))
-                    continue
-                mailbox.arrive(self.rank, header, read)
-                ring.release()
-        except Closed:
-            self._fail_acks(StateError(f"rank {self.me} closed its shared-memory transport"))
-            return
-        except Exception as exc:  # noqa: BLE001 - a reader must never die silently
-            if self.closing:
-                self._fail_acks(StateError(f"rank {self.me} closed its shared-memory "
-                                           f"transport"))
-                return
-            if not isinstance(exc, PeerLostError):
-                # the stream is broken (e.g. an oversized frame): end the connection, so the
-                # peer learns at once, as with a TCP reset, instead of at its deadline
-                self._break()
-                exc = PeerLostError(
-                    f"the shared-memory stream from rank {self.rank} (pid {self.pid}) to rank "
-                    f"{self.me} broke ({type(exc).__name__}: {exc}); the connection was closed",
-                    self.rank)
-            self._fail_acks(exc)
-            mailbox.peer_lost(self.rank, exc)
-
-    def _probe(self) -> bool:
-        """Whether this reader has decided if it can read the peer's memory (and told the
-        peer); False while the peer has not announced where to look."""
-        pid, address, expected = self.inbound.producer_memory()
-        if not address:
-            return False
-        self.inbound.set_readable(pid == self.pid and _cma.probe(pid, address, expected))
-        return True
-
-    def _by_reference(self, nbytes: int, check: Callable[[], None]
-                      ) -> tuple[int, Reader, Callable[[], bool]]:
-        """Read a by-reference frame's piece table; return its token, a reader of the
-        payload and whether the payload was read to its end."""
-        ring = self.inbound
-        raw = bytearray(_DESC.size)
-        ring.read_into(memoryview(raw), check, release=False)
-        token, count = _DESC.unpack(raw)
-        if count > _MAX_PIECES:
-            raise ProtocolError(f"rank {self.rank} sent a message in {count} pieces")
-        raw = bytearray(count * _PIECE.size)
-        ring.read_into(memoryview(raw), check, release=False)
-        pieces = [_PIECE.unpack_from(raw, i * _PIECE.size) for i in range(count)]
-        if sum(n for _, n in pieces) != nbytes:
-            raise ProtocolError(f"rank {self.rank} sent a message of {nbytes} bytes whose "
-                                f"pieces add up to {sum(n for _, n in pieces)}")
-        state = [0, 0]  # piece, offset in it
-        pid = self.pid
-
-        def read(view: memoryview) -> None:
-            if view.format != "B" or view.ndim != 1:
-                view = view.cast("B")
-            got, want = 0, len(view)
-            while got < want:
-                if state[0] >= count:
-                    raise ProtocolError(f"read past the end of a message from rank {self.rank}")
-                address, n = pieces[state[0]]
-                k = min(want - got, n - state[1])
-                if address:
-                    _cma.read_from(pid, _cma.address_of_view(view) + got, address + state[1], k)
-                else:
-                    ring.read_into(view[got:got + k], check, release=False)
-                got += k
-                state[1] += k
-                if state[1] == n:
-                    state[0] += 1
-                    state[1] = 0
-
-        return token, read, lambda: state[0] == count
-

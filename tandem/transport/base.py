@@ -36,10 +36,19 @@ if TYPE_CHECKING:
 
 __all__ = ["Kind", "Header", "Slot", "Mailbox", "Transport", "check_size", "check_header",
            "encode_error", "decode_error", "ABORT_CODES", "Flag", "Key", "Reader", "join_all",
-           "Link"]
+           "Link", "Poller"]
 
 _TELL_S = 1.0  # how long close() lets abort messages already on their way go out
 _FLUSH_S = 1.0  # how long close() lets queued sends (aborts, goodbyes) go out
+
+
+class Poller(Protocol):
+    """A peer's incoming frames, read by a thread that waits for one (see
+    :meth:`Transport.poller`)."""
+
+    def watch(self, on: bool) -> None: ...
+
+    def poll(self) -> bool: ...
 
 
 class Link(Protocol):
@@ -95,6 +104,14 @@ class Transport(abc.ABC):
         instead of matching it with a posted receive: for messages that arrive
         unsolicited, of sizes nobody can post for (RPC). See ``Mailbox.handle``."""
         self.mailbox.handle(kind, handler)
+
+    def poller(self, peer: int) -> Poller | None:
+        """``peer``'s incoming frames for a thread that waits for one of them, or None
+        where only the transport's own threads read (tcp). Between ``watch(True)`` and
+        ``watch(False)``, ``poll()`` reads and delivers (as ``handle`` says) the next
+        frame if one is there and no other thread is reading; a reply thus reaches the
+        thread that waits for it without a hand-off between threads."""
+        return None
 
     def cancel(self, slot: Slot) -> None:
         """Withdraw a posted receive."""

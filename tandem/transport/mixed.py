@@ -23,7 +23,7 @@ from typing import Sequence
 from tandem.errors import ArgumentError
 from tandem.transport._arena import Arena
 from tandem.store.base import Store
-from tandem.transport.base import Transport
+from tandem.transport.base import Poller, Transport
 from tandem.transport.message import Header, Slot
 from tandem.transport.shm import ShmTransport
 
@@ -111,6 +111,9 @@ class MixedTransport(Transport):
 
     def host_of(self, rank: int) -> str:
         return self.route(rank).host_of(rank)
+
+    def poller(self, peer: int) -> Poller | None:
+        return self.route(peer).poller(peer)
 
     def shares_memory_with(self, ranks: Sequence[int]) -> bool:
         return self.shm.shares_memory_with(ranks)

@@ -48,7 +48,7 @@ from tandem.transport._shm_peer import ShmPeer
 from tandem.transport._shm_setup import Link, connect_local
 from tandem.transport import forks
 from tandem.transport._shmem import create_segment, unsupported_reason
-from tandem.transport.base import Transport, check_header, join_all
+from tandem.transport.base import Poller, Transport, check_header, join_all
 from tandem.transport.mailbox import DEFAULT_PARK_LIMIT, Mailbox
 from tandem.transport.message import Header, Slot
 from tandem.transport.sendqueue import DEFAULT_SEND_LIMIT, BoundedSends, SendQueue
@@ -326,6 +326,9 @@ class ShmTransport(BoundedSends, Transport):
         p.post(header, views, slot)
         return slot
 
+    def poller(self, peer: int) -> Poller | None:
+        return self._peers.get(peer)
+
     def reaches(self, rank: int) -> bool:
         """Whether messages to ``rank`` go through this transport's rings."""
         return rank == self.rank or rank in self._peers
@@ -352,6 +355,8 @@ class ShmTransport(BoundedSends, Transport):
             except OSError:
                 pass
         stuck = not join_all(self._threads + [p.writer for p in self._peers.values()], _JOIN_S)
+        deadline = time.monotonic() + _JOIN_S  # threads polling a ring (RPC callers) leave it
+        stuck = not all([p.quiesce(deadline) for p in self._peers.values()]) or stuck
         for p in self._peers.values():
             p.sock.close()
             if not stuck:  # a thread still inside a ring must not see it unmapped
