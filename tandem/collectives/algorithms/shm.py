@@ -51,6 +51,7 @@ SMALL_BYTES = 64 << 10
 # copy then fit in a 1 MiB L2 together (measured, one rank alone: 64 MB in 7.4 ms at
 # 512 KB rounds, 8.5 ms at 1 MiB, 10.3 ms at 256 KB)
 WHOLE_ROUND_BYTES = 512 << 10
+AHEAD = 1
 BACKGROUND_SPIN_S = 5e-6
 
 
@@ -168,7 +169,10 @@ Piece = tuple[torch.Tensor, int]
 def _rounds(tensors: list[torch.Tensor], per: int) -> Iterator[tuple[int, list[Piece]]]:
     """(elements, pieces) of each round; at least one round, even for no elements."""
     if len(tensors) == 1:  # one tensor: its rounds in one call
-        for x in tensors[0].split(per) if tensors[0].numel() else [tensors[0]]:
+        if tensors[0].numel() <= per:
+            yield tensors[0].numel(), [(tensors[0], 0)]
+            return
+        for x in tensors[0].split(per):
             yield x.numel(), [(x, 0)]
         return
     pieces: list[Piece] = []
@@ -219,43 +223,95 @@ def shm_all_reduce_many(op: Op, tensors: list[torch.Tensor], redop: ReduceOp) ->
     arena, check = _prepare(op)
     dtype, size = tensors[0].dtype, tensors[0].element_size()
     n = sum(t.numel() for t in tensors)
-    if arena.size == 2 or n * size <= SMALL_BYTES:
-        per = max(1, min(arena.chunk, WHOLE_ROUND_BYTES) // size)
-        one_round = _whole_round
-    else:
-        per = arena.chunk // size
-        one_round = _sliced_round
-    views = _staging(arena, dtype, size, per)
     kernel = combiner(redop, dtype)
+    if arena.size == 2 or n * size <= SMALL_BYTES:
+        _whole_rounds(op, arena, check, tensors, redop, kernel)
+        return
+    per = arena.chunk // size
+    views = _staging(arena, dtype, size, per)
     first = True
     for m, pieces in _rounds(tensors, per):
         staged = views[arena.begin_round(check)]
-        one_round(op, arena, check, staged if m == per else [v[:m] for v in staged], pieces,
-                  redop, kernel, first)
+        _sliced_round(op, arena, check, staged if m == per else [v[:m] for v in staged],
+                      pieces, redop, kernel, first)
         first = False
 
 
-def _whole_round(op: Op, arena: Arena, check: Callable[[], None], staged: list[torch.Tensor],
-                 pieces: list[Piece], redop: ReduceOp, kernel: Combine, first: bool) -> None:
-    """Every member stages the whole round and reduces all of it itself.
+def _whole_rounds(op: Op, arena: Arena, check: Callable[[], None], tensors: list[torch.Tensor],
+                  redop: ReduceOp, kernel: Combine) -> None:
+    """Every member stages each round whole and reduces all of it itself, staging
+    ``ahead`` rounds before it waits for the peers' copies of the current one.
 
-    AVG over a power-of-two number of members stages each input already divided:
-    dividing by a power of two is exact, so the sum of the quotients has the same bits
-    as the quotient of the sum (subnormals aside), and no pass is spent dividing.
+    Both staging halves are cut into ``slots`` slots of ``WHOLE_ROUND_BYTES`` (at most
+    half a half, so that there are at least four); the call
+    starts in the half :meth:`Arena.begin_round` gives. Round ``k`` is posted after the
+    reduction of round ``k - ahead - 1``, so writing round ``r`` over round ``r - slots``
+    needs every member to have posted round ``r - slots + ahead + 1``: with
+    ``slots >= 2 * ahead + 2`` the wait of an earlier round has already seen it. The
+    other half is first written only after every member posted round 0 of this call
+    (then nobody reads the previous call any more), and a call that wrote it ends with
+    :meth:`Arena.settle`.
     """
+    size = tensors[0].element_size()
+    per = max(1, min(arena.chunk // 2, WHOLE_ROUND_BYTES) // size)
+    table = arena.slots(tensors[0].dtype, per)
+    h = arena.begin_round(check)
+    order = table[h] + table[1 - h]
+    half, slots = len(table[h]), 2 * len(table[h])
+    # one round ahead absorbs a peer's lag of one round (deeper, the round being reduced
+    # would have left the cache by the time it is reduced)
+    ahead = min(AHEAD, (slots - 2) // 2)
+    base = arena.posted
+    rounds = list(_rounds(tensors, per))
+
+    def stage(r: int) -> None:
+        need = max(r - slots + ahead + 1, 0 if r >= half else -1)
+        if need >= 0:
+            arena.wait_all(base + need + 1, check)
+        m, pieces = rounds[r]
+        _stage_whole(arena, order[r % slots], m, per, pieces, redop)
+        arena.post()
+
+    for r in range(min(ahead, len(rounds))):
+        stage(r)
+    for r, (m, pieces) in enumerate(rounds):
+        if r + ahead < len(rounds):
+            stage(r + ahead)
+        arena.wait_all(base + r + 1, check)
+        if r == 0:
+            _verify(op, arena)
+        staged = order[r % slots]
+        _reduce_whole(arena, staged if m == per else [v[:m] for v in staged], pieces, redop,
+                      kernel)
+    if len(rounds) > half:
+        arena.settle()
+
+
+def _prescaled(redop: ReduceOp, p: int) -> bool:
+    """AVG over a power-of-two number of members stages each input already divided:
+    dividing by a power of two is exact, so the sum of the quotients has the same bits
+    as the quotient of the sum (subnormals aside), and no pass is spent dividing."""
+    return redop.name == "AVG" and redop.fn is None and p & (p - 1) == 0
+
+
+def _stage_whole(arena: Arena, staged: list[torch.Tensor], m: int, per: int,
+                 pieces: list[Piece], redop: ReduceOp) -> None:
     p, me = arena.size, arena.index
-    averaging = redop.name == "AVG" and redop.fn is None
-    prescale = averaging and p & (p - 1) == 0
+    prescale = _prescaled(redop, p)
+    mine = staged[me] if m == per else staged[me][:m]
     for x, off in pieces:
-        mine = staged[me] if len(pieces) == 1 else staged[me][off:off + x.numel()]
+        into = mine if len(pieces) == 1 else mine[off:off + x.numel()]
         if prescale:
-            torch.mul(x, 1.0 / p, out=mine)
+            torch.mul(x, 1.0 / p, out=into)
         else:
-            mine.copy_(x)
-    arena.post()
-    arena.wait_all(arena.posted, check)
-    if first:
-        _verify(op, arena)
+            into.copy_(x)
+
+
+def _reduce_whole(arena: Arena, staged: list[torch.Tensor], pieces: list[Piece],
+                  redop: ReduceOp, kernel: Combine) -> None:
+    p, me = arena.size, arena.index
+    prescale = _prescaled(redop, p)
+    averaging = redop.name == "AVG" and redop.fn is None
     for x, off in pieces:
         part = staged if len(pieces) == 1 else [s[off:off + x.numel()] for s in staged]
         # combine in member order into x; x is still in cache from the copy, so it is
@@ -291,8 +347,12 @@ def _sliced_round(op: Op, arena: Arena, check: Callable[[], None], staged: list[
             kernel(out, part, out)
         finish(redop, out, p)
     arena.post()
-    arena.wait_all(arena.posted, check)
-    for q, (qa, qb) in enumerate(bounds):
+    # my slice first, then each member's as soon as it is reduced: on a host with fewer
+    # cores than ranks, a rank copies what is ready instead of waiting for the last one
+    for q in [*range(me, p), *range(me)]:
+        if q != me:
+            arena.wait_member(q, arena.posted, check)
+        qa, qb = bounds[q]
         for x, off in _clip(pieces, qa, qb):
             x.copy_(staged[q][off:off + x.numel()])
 
