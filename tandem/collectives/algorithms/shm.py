@@ -15,7 +15,7 @@ Every byte of input is read once and every byte of output written once; the
 staging stays in cache. Small tensors (``SMALL_BYTES`` or less) and pairs of ranks skip the
 second wait: each member copies its whole round in and reduces all of it itself.
 
-Broadcast: the root stages each round, the others copy it out. All-gather: each
+Broadcast and reduce (one root) are in ``shm_rooted``. All-gather: each
 member stages its input, everyone copies every member's piece out. Reduce-scatter:
 each member stages its pieces for the others and reduces its own from theirs.
 Combines run in member order on every rank, so results are bit-identical
@@ -43,8 +43,8 @@ from tandem.collectives.reduce_op import Combine, ReduceOp, combiner, finish
 from tandem.errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError
 from tandem.transport import Arena
 
-__all__ = ["shm_all_reduce", "shm_all_reduce_many", "shm_broadcast", "shm_all_gather",
-           "shm_reduce_scatter", "SMALL_BYTES", "arena_check"]
+__all__ = ["shm_all_reduce", "shm_all_reduce_many", "shm_all_gather", "shm_reduce_scatter",
+           "SMALL_BYTES", "arena_check"]
 
 SMALL_BYTES = 64 << 10
 # rounds of the whole-round path: the round's slice of the tensor and a peer's staged
@@ -154,11 +154,10 @@ def _verify(op: Op, arena: Arena, members: Sequence[int] | None = None) -> None:
                 f"{theirs[1].decode(errors='replace')} at {theirs[2].decode(errors='replace')}")
 
 
-def _staging(arena: Arena, dtype: torch.dtype, size: int, per: int) -> list[list[torch.Tensor]]:
-    """[half][member]: the first ``per`` elements of each staging half, typed (made once
-    per call: a view per round and member cost more than the copies of small rounds)."""
-    return [[arena.data(q, h)[:per * size].view(dtype)
-             for q in range(arena.size)] for h in (0, 1)]
+def _staging(arena: Arena, dtype: torch.dtype, per: int) -> list[list[torch.Tensor]]:
+    """[half][member]: the first ``per`` elements of each staging half, typed."""
+    table = arena.slots(dtype, per)
+    return [table[0][0], table[1][0]]
 
 
 # A round covers up to ``per`` consecutive elements of the tensors laid end to end; a
@@ -228,7 +227,7 @@ def shm_all_reduce_many(op: Op, tensors: list[torch.Tensor], redop: ReduceOp) ->
         _whole_rounds(op, arena, check, tensors, redop, kernel)
         return
     per = arena.chunk // size
-    views = _staging(arena, dtype, size, per)
+    views = _staging(arena, dtype, per)
     first = True
     for m, pieces in _rounds(tensors, per):
         staged = views[arena.begin_round(check)]
@@ -357,32 +356,6 @@ def _sliced_round(op: Op, arena: Arena, check: Callable[[], None], staged: list[
             x.copy_(staged[q][off:off + x.numel()])
 
 
-def shm_broadcast(op: Op, buf: torch.Tensor, root: int) -> None:
-    """The root stages each round once; every other member copies it straight out.
-
-    Every member posts once per round (the root when its round is staged, the others
-    when they have copied it out), so the root reuses a staging half only after all
-    have read it. A root waits on nobody in the first round; two ranks that both
-    think they are the root are caught at their next call on the group (``_verify``
-    compares the previous call too).
-    """
-    arena, check = _prepare(op)
-    me, size = arena.index, buf.element_size()
-    per = arena.chunk // size
-    views = _staging(arena, buf.dtype, size, per)
-    for i, (m, pieces) in enumerate(_rounds([buf], per)):
-        staged = views[arena.begin_round(check)][root][:m]
-        x = pieces[0][0] if pieces else buf
-        if me == root:
-            staged.copy_(x)
-        else:
-            arena.wait_member(root, arena.posted + 1, check)
-            if i == 0:
-                _verify(op, arena, [root])
-            x.copy_(staged)
-        arena.post()
-
-
 def shm_all_gather(op: Op, outs: list[torch.Tensor], mine: torch.Tensor) -> None:
     """Every member stages its input round by round; everyone copies every piece out.
 
@@ -392,7 +365,7 @@ def shm_all_gather(op: Op, outs: list[torch.Tensor], mine: torch.Tensor) -> None
     arena, check = _prepare(op)
     p, me, size = arena.size, arena.index, mine.element_size()
     per = arena.chunk // size
-    views = _staging(arena, mine.dtype, size, per)
+    views = _staging(arena, mine.dtype, per)
     sizes = [t.numel() for t in outs]
     for i, start in enumerate(range(0, max(max(sizes), 1), per)):
         staged = views[arena.begin_round(check)]
@@ -418,7 +391,7 @@ def shm_reduce_scatter(op: Op, out: torch.Tensor, ins: list[torch.Tensor], redop
     arena, check = _prepare(op)
     p, me, size = arena.size, arena.index, out.element_size()
     per = arena.chunk // size // p  # a round stages one piece for every member
-    views = _staging(arena, out.dtype, size, per * p)
+    views = _staging(arena, out.dtype, per * p)
     kernel = combiner(redop, out.dtype)
     sizes = [t.numel() for t in ins]
     if out.numel() and out.untyped_storage().data_ptr() == ins[me].untyped_storage().data_ptr():
