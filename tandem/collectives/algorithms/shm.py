@@ -44,7 +44,7 @@ from tandem.errors import CollectiveMismatchError, CollectiveTimeoutError, PeerL
 from tandem.transport import Arena
 
 __all__ = ["shm_all_reduce", "shm_all_reduce_many", "shm_all_gather", "shm_reduce_scatter",
-           "SMALL_BYTES", "arena_check"]
+           "SMALL_BYTES", "SlotRing", "arena_check"]
 
 SMALL_BYTES = 64 << 10
 # rounds of the whole-round path: the round's slice of the tensor and a peer's staged
@@ -160,6 +160,40 @@ def _staging(arena: Arena, dtype: torch.dtype, per: int) -> list[list[torch.Tens
     return [table[0][0], table[1][0]]
 
 
+class SlotRing:
+    """Both staging halves as one ring of slots, for a call that streams through them
+    itself (see ``Arena``'s module doc); ``order[r % slots][member]`` holds round r.
+
+    The call starts in the half :meth:`Arena.begin_round` gives. Writing round ``r``
+    over round ``r - slots`` needs every member to have read it; if a member's post of
+    round ``k`` comes after its last read of round ``k - lag``, that is every member
+    having posted round ``r - slots + lag``. The other half is first written only
+    after every member posted round 0 of this call (nobody reads the previous call
+    any more); a call that wrote it must end with :meth:`close`.
+    """
+
+    def __init__(self, arena: Arena, check: Callable[[], None], dtype: torch.dtype,
+                 per: int) -> None:
+        table = arena.slots(dtype, per)
+        h = arena.begin_round(check)
+        self.order = table[h] + table[1 - h]
+        self.half, self.slots = len(table[h]), 2 * len(table[h])
+        self.base = arena.posted  # a member's count after posting round r: base + r + 1
+        self._arena, self._check = arena, check
+
+    def reuse(self, r: int, lag: int) -> list[torch.Tensor]:
+        """Round ``r``'s slot, once every member is done reading what it held."""
+        need = max(r - self.slots + lag, 0 if r >= self.half else -1)
+        if need >= 0:
+            self._arena.wait_all(self.base + need + 1, self._check)
+        return self.order[r % self.slots]
+
+    def close(self, rounds: int) -> None:
+        """After the call's last read (every member, the same ``rounds``)."""
+        if rounds > self.half:
+            self._arena.settle()
+
+
 # A round covers up to ``per`` consecutive elements of the tensors laid end to end; a
 # piece is one tensor's share of it: (view of the tensor, offset in the round).
 Piece = tuple[torch.Tensor, int]
@@ -241,34 +275,23 @@ def _whole_rounds(op: Op, arena: Arena, check: Callable[[], None], tensors: list
     """Every member stages each round whole and reduces all of it itself, staging
     ``ahead`` rounds before it waits for the peers' copies of the current one.
 
-    Both staging halves are cut into ``slots`` slots of ``WHOLE_ROUND_BYTES`` (at most
-    half a half, so that there are at least four); the call
-    starts in the half :meth:`Arena.begin_round` gives. Round ``k`` is posted after the
-    reduction of round ``k - ahead - 1``, so writing round ``r`` over round ``r - slots``
-    needs every member to have posted round ``r - slots + ahead + 1``: with
-    ``slots >= 2 * ahead + 2`` the wait of an earlier round has already seen it. The
-    other half is first written only after every member posted round 0 of this call
-    (then nobody reads the previous call any more), and a call that wrote it ends with
-    :meth:`Arena.settle`.
+    The rounds go through a :class:`SlotRing` of ``WHOLE_ROUND_BYTES`` slots (at most
+    half a half, so that there are at least four). Round ``k`` is posted after the
+    reduction of round ``k - ahead - 1`` (lag ``ahead + 1``); with
+    ``slots >= 2 * ahead + 2`` the wait before an earlier reduction has already seen
+    what reusing a slot needs.
     """
     size = tensors[0].element_size()
     per = max(1, min(arena.chunk // 2, WHOLE_ROUND_BYTES) // size)
-    table = arena.slots(tensors[0].dtype, per)
-    h = arena.begin_round(check)
-    order = table[h] + table[1 - h]
-    half, slots = len(table[h]), 2 * len(table[h])
+    ring = SlotRing(arena, check, tensors[0].dtype, per)
     # one round ahead absorbs a peer's lag of one round (deeper, the round being reduced
     # would have left the cache by the time it is reduced)
-    ahead = min(AHEAD, (slots - 2) // 2)
-    base = arena.posted
+    ahead = min(AHEAD, (ring.slots - 2) // 2)
     rounds = list(_rounds(tensors, per))
 
     def stage(r: int) -> None:
-        need = max(r - slots + ahead + 1, 0 if r >= half else -1)
-        if need >= 0:
-            arena.wait_all(base + need + 1, check)
         m, pieces = rounds[r]
-        _stage_whole(arena, order[r % slots], m, per, pieces, redop)
+        _stage_whole(arena, ring.reuse(r, ahead + 1), m, per, pieces, redop)
         arena.post()
 
     for r in range(min(ahead, len(rounds))):
@@ -276,14 +299,13 @@ def _whole_rounds(op: Op, arena: Arena, check: Callable[[], None], tensors: list
     for r, (m, pieces) in enumerate(rounds):
         if r + ahead < len(rounds):
             stage(r + ahead)
-        arena.wait_all(base + r + 1, check)
+        arena.wait_all(ring.base + r + 1, check)
         if r == 0:
             _verify(op, arena)
-        staged = order[r % slots]
+        staged = ring.order[r % ring.slots]
         _reduce_whole(arena, staged if m == per else [v[:m] for v in staged], pieces, redop,
                       kernel)
-    if len(rounds) > half:
-        arena.settle()
+    ring.close(len(rounds))
 
 
 def _prescaled(redop: ReduceOp, p: int) -> bool:

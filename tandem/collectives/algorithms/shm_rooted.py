@@ -1,11 +1,12 @@
 """Rooted collectives through a same-host group's staging arena (see ``shm``).
 
 Broadcast: the root stages each round once; every other member copies it straight
-out. Reduce: every other member stages its round; the root combines them with its
-own tensor, in member order (the naive algorithm's order, so its bits), straight
-into its tensor. Either way each member posts once per round, the root only after
-it has read what it needed, so :meth:`~tandem.transport.Arena.begin_round`'s one
-wait keeps the two staging halves safe; the non-roots run at most one round ahead.
+out, and the root may run several rounds ahead (``SlotRing``). Reduce: every other
+member stages its round; the root combines them with its own tensor, in member order
+(the naive algorithm's order, so its bits), straight into its tensor. Each member
+posts once per round, the root only after it has read what it needed, so
+:meth:`~tandem.transport.Arena.begin_round`'s one wait keeps the two staging halves
+safe; the non-roots run at most one round ahead.
 
 A broadcast root waits on nobody and checks nothing in its call; ``_verify``
 compares the previous call at its next one. Reduce non-roots wait once, for the
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.collectives.algorithms.shm import _prepare, _rounds, _staging, _verify
+from tandem.collectives.algorithms.shm import SlotRing, _prepare, _rounds, _staging, _verify
 from tandem.collectives.group import Op
 from tandem.collectives.reduce_op import ReduceOp, combiner, finish
 
@@ -28,27 +29,29 @@ __all__ = ["shm_broadcast", "shm_reduce"]
 def shm_broadcast(op: Op, buf: torch.Tensor, root: int) -> None:
     """The root stages each round once; every other member copies it straight out.
 
-    Every member posts once per round (the root when its round is staged, the others
-    when they have copied it out), so the root reuses a staging half only after all
-    have read it. A root waits on nobody in the first round; two ranks that both
-    think they are the root are caught at their next call on the group (``_verify``
-    compares the previous call too).
+    Rounds go through a :class:`SlotRing` of half-halves. Every member posts once per
+    round (the root when its round is staged, the others when they have copied it
+    out: lag 0), so the root runs up to four rounds ahead of the slowest reader. A
+    root waits on nobody in the first round; two ranks that both think they are the
+    root are caught at their next call on the group (``_verify`` compares the
+    previous call too).
     """
     arena, check = _prepare(op)
     me, size = arena.index, buf.element_size()
-    per = arena.chunk // size
-    views = _staging(arena, buf.dtype, per)
-    for i, (m, pieces) in enumerate(_rounds([buf], per)):
-        staged = views[arena.begin_round(check)][root][:m]
+    per = max(1, arena.chunk // 2 // size)
+    ring = SlotRing(arena, check, buf.dtype, per)
+    rounds = list(_rounds([buf], per))
+    for r, (m, pieces) in enumerate(rounds):
         x = pieces[0][0] if pieces else buf
         if me == root:
-            staged.copy_(x)
+            ring.reuse(r, 0)[root][:m].copy_(x)
         else:
-            arena.wait_member(root, arena.posted + 1, check)
-            if i == 0:
+            arena.wait_member(root, ring.base + r + 1, check)
+            if r == 0:
                 _verify(op, arena, [root])
-            x.copy_(staged)
+            x.copy_(ring.order[r % ring.slots][root][:m])
         arena.post()
+    ring.close(len(rounds))
 
 
 def shm_reduce(op: Op, buf: torch.Tensor, root: int, redop: ReduceOp) -> None:
