@@ -28,8 +28,8 @@ Rounds alternate between the two staging halves. Before a member overwrites half
 does only after it finished reading round ``r - 2``: so one wait per round keeps
 the halves safe, and most of the time it is already satisfied.
 
-A call may also cut both halves into slots and stream through them itself (the
-pipelined all-reduce stages a round ahead while its peers catch up): it takes the
+A call may also cut both halves into slots and stream through them itself (a
+broadcast root runs several rounds ahead of its readers that way): it takes the
 half :meth:`begin_round` gives it, writes the other half only once every member has
 posted the call's first phase (then nobody reads the previous call any more), and if
 it did write there, ends with :meth:`settle` (one more post, after its last read),

@@ -51,7 +51,6 @@ SMALL_BYTES = 64 << 10
 # copy then fit in a 1 MiB L2 together (measured, one rank alone: 64 MB in 7.4 ms at
 # 512 KB rounds, 8.5 ms at 1 MiB, 10.3 ms at 256 KB)
 WHOLE_ROUND_BYTES = 512 << 10
-AHEAD = 1
 BACKGROUND_SPIN_S = 5e-6
 
 
@@ -272,39 +271,29 @@ def shm_all_reduce_many(op: Op, tensors: list[torch.Tensor], redop: ReduceOp) ->
 
 def _whole_rounds(op: Op, arena: Arena, check: Callable[[], None], tensors: list[torch.Tensor],
                   redop: ReduceOp, kernel: Combine) -> None:
-    """Every member stages each round whole and reduces all of it itself, staging
-    ``ahead`` rounds before it waits for the peers' copies of the current one.
+    """Every member stages each round whole and reduces all of it itself.
 
-    The rounds go through a :class:`SlotRing` of ``WHOLE_ROUND_BYTES`` slots (at most
-    half a half, so that there are at least four). Round ``k`` is posted after the
-    reduction of round ``k - ahead - 1`` (lag ``ahead + 1``); with
-    ``slots >= 2 * ahead + 2`` the wait before an earlier reduction has already seen
-    what reusing a slot needs.
+    Rounds go through a :class:`SlotRing` of ``WHOLE_ROUND_BYTES`` slots (at most half
+    a half); a member posts round ``k`` after reducing round ``k - 1`` (lag 1). Staging
+    a round ahead while waiting for the peers was measured and dropped: 2 ranks, 64
+    MB, 20 alternated runs against this lockstep, it was ahead in 7 of 10 runs at load
+    11-17 and behind in 8 of 10 at load 7-14 (the round being reduced leaves the L2
+    while the next one is staged).
     """
     size = tensors[0].element_size()
     per = max(1, min(arena.chunk // 2, WHOLE_ROUND_BYTES) // size)
     ring = SlotRing(arena, check, tensors[0].dtype, per)
-    # one round ahead absorbs a peer's lag of one round (deeper, the round being reduced
-    # would have left the cache by the time it is reduced)
-    ahead = min(AHEAD, (ring.slots - 2) // 2)
     rounds = list(_rounds(tensors, per))
-
-    def stage(r: int) -> None:
-        m, pieces = rounds[r]
-        _stage_whole(arena, ring.reuse(r, ahead + 1), m, per, pieces, redop)
-        arena.post()
-
-    for r in range(min(ahead, len(rounds))):
-        stage(r)
     for r, (m, pieces) in enumerate(rounds):
-        if r + ahead < len(rounds):
-            stage(r + ahead)
+        staged = ring.reuse(r, 1)
+        if m < per:
+            staged = [v[:m] for v in staged]
+        _stage_whole(arena, staged, pieces, redop)
+        arena.post()
         arena.wait_all(ring.base + r + 1, check)
         if r == 0:
             _verify(op, arena)
-        staged = ring.order[r % ring.slots]
-        _reduce_whole(arena, staged if m == per else [v[:m] for v in staged], pieces, redop,
-                      kernel)
+        _reduce_whole(arena, staged, pieces, redop, kernel)
     ring.close(len(rounds))
 
 
@@ -315,11 +304,11 @@ def _prescaled(redop: ReduceOp, p: int) -> bool:
     return redop.name == "AVG" and redop.fn is None and p & (p - 1) == 0
 
 
-def _stage_whole(arena: Arena, staged: list[torch.Tensor], m: int, per: int,
-                 pieces: list[Piece], redop: ReduceOp) -> None:
+def _stage_whole(arena: Arena, staged: list[torch.Tensor], pieces: list[Piece],
+                 redop: ReduceOp) -> None:
     p, me = arena.size, arena.index
     prescale = _prescaled(redop, p)
-    mine = staged[me] if m == per else staged[me][:m]
+    mine = staged[me]
     for x, off in pieces:
         into = mine if len(pieces) == 1 else mine[off:off + x.numel()]
         if prescale:
