@@ -277,7 +277,7 @@ def _whole_rounds(op: Op, arena: Arena, check: Callable[[], None], tensors: list
     a half); a member posts round ``k`` after reducing round ``k - 1`` (lag 1). Staging
     a round ahead while waiting for the peers was measured and dropped: 2 ranks, 64
     MB, 20 alternated runs against this lockstep, it was ahead in 7 of 10 runs at load
-    11-17 and behind in 8 of 10 at load 7-14 (the round being reduced leaves the L2
+    11-19 and behind in 8 of 10 at load 7-14 (the round being reduced leaves the L2
     while the next one is staged).
     """
     size = tensors[0].element_size()
