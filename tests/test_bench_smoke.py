@@ -70,6 +70,21 @@ def test_backend_alias_runs_one_backend_and_markdown_keeps_the_columns() -> None
     assert not any(c.startswith(("shm", "auto")) for c in rows[0]), rows[0]
 
 
+def test_rooted_ops_run_checked_against_gloo_with_their_bound() -> None:
+    from tandem.transport.shm import unsupported_reason
+
+    if unsupported_reason():
+        pytest.skip(f"shared memory is unsupported here: {unsupported_reason()}")
+    # each row's op runs once on known values first; a wrong result fails the bench
+    rows = _table(_bench("--backend", "shm", "--ops", "reduce,broadcast", "--markdown"),
+                  markdown=True)
+    assert [(r["op"], r["size"]) for r in rows] == [
+        ("reduce", "4 KB"), ("reduce", "1 MB"), ("broadcast", "4 KB"), ("broadcast", "1 MB")], rows
+    for row in rows:
+        for column in ("gloo busbw", "shm busbw", "shm ratio", "bound busbw", "best/bound"):
+            _positive(row, column)
+
+
 def test_bench_without_a_command_exits_with_usage() -> None:
     proc = subprocess.run([sys.executable, "-m", "tandem.bench"], capture_output=True,
                           text=True, timeout=60)

@@ -30,6 +30,7 @@ busbw = algbw * factor, with bytes and factor per op, p = world size:
 
     all_reduce   bytes = size        factor = 2(p-1)/p
     broadcast    bytes = size        factor = 1
+    reduce       bytes = size        factor = 1        (to rank 0)
     all_gather   bytes = size * p    factor = (p-1)/p
     reduce_scatter bytes = size      factor = (p-1)/p   (reduce_scatter_tensor)
 
@@ -41,7 +42,7 @@ busbw in the rounds interleaved with it: above 1 means tandem is faster. The
 The memory-bandwidth bound. The least memory traffic an op can need is that every
 rank touches its buffers once, all ranks at the same time: for all_reduce every
 rank reads its input and writes its output once, for broadcast every rank writes
-the output once, for all_gather every rank writes its ``size * p`` output once, for
+the output once, for reduce every rank reads its input once, for all_gather every rank writes its ``size * p`` output once, for
 reduce_scatter every rank reads its ``size`` input once.
 That is one copy per rank, so t_copy = the time for every rank to concurrently do
 ``dst.copy_(src)`` of ``size`` bytes (all_gather: ``size * p``) on float32 tensors
@@ -72,7 +73,7 @@ import torch
 
 __all__ = ["main", "Row", "run", "parse_sizes", "parse_backends", "usable_backends"]
 
-OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
+OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter")
 BACKENDS = ("tcp", "shm", "auto")
 _SHARED_MEMORY = ("shm", "auto")
 CONTENDERS = ("tandem", "gloo", "copy")  # rotated through in every (backend, op, size)
@@ -132,6 +133,11 @@ def _check(lib: Any, name: str, op: str, numel: int, rank: int, p: int) -> None:
         t = torch.full((numel,), 7.0) if rank == 0 else torch.zeros(numel)
         lib.broadcast(t, src=0)
         got, want = t, torch.full((numel,), 7.0)
+    elif op == "reduce":  # only the root's result is defined
+        t = torch.full((numel,), float(rank + 1))
+        lib.reduce(t, dst=0)
+        got = t if rank == 0 else torch.full((numel,), float(p * (p + 1) // 2))
+        want = torch.full((numel,), float(p * (p + 1) // 2))
     elif op == "reduce_scatter":
         got = torch.zeros(numel // p)
         lib.reduce_scatter_tensor(got, torch.full((numel,), float(rank + 1)))
@@ -154,6 +160,8 @@ def _step(lib: Any, op: str, numel: int, p: int) -> Callable[[], object]:
         return lambda: lib.all_reduce(t)
     if op == "broadcast":
         return lambda: lib.broadcast(t, src=0)
+    if op == "reduce":
+        return lambda: lib.reduce(t, dst=0)
     if op == "reduce_scatter":
         out = torch.zeros(numel // p)
         return lambda: lib.reduce_scatter_tensor(out, t)

@@ -26,6 +26,7 @@ link, in one direction (reductions within a host cost no link traffic):
     reduce_scatter   (H-1)/H * S       (``reduce_scatter_tensor``: S in, S/(H R) out)
     all_gather       (H-1) * R * S     (every other host's R inputs must come in)
     broadcast        S
+    reduce           S                 (a tree: every host but the root's sends S once)
 
 bound = those bytes / rate, and "x/bound" = bound / x's time: the share of the
 link's rate that x used (100%: the link never idled). Rates count Ethernet frames,

@@ -260,6 +260,11 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op: ReduceOp = ReduceOp
     buf = _Flat(tensor)
 
     def body(o: Op) -> None:
+        if g.shares_memory:  # the arena checks the root itself (algorithms.shm_rooted)
+            algo.shm_reduce(o, buf.flat, root, op)
+            if g.group_rank == root:
+                buf.done()
+            return
         told = _announce_root(o, root)
         algo.tree_reduce(o, buf.flat, root, op)
         o.wait(*told)

@@ -28,6 +28,13 @@ Rounds alternate between the two staging halves. Before a member overwrites half
 does only after it finished reading round ``r - 2``: so one wait per round keeps
 the halves safe, and most of the time it is already satisfied.
 
+A call may also cut both halves into slots and stream through them itself (a
+broadcast root runs several rounds ahead of its readers that way): it takes the
+half :meth:`begin_round` gives it, writes the other half only once every member has
+posted the call's first phase (then nobody reads the previous call any more), and if
+it did write there, ends with :meth:`settle` (one more post, after its last read),
+which the next round waits for.
+
 Ordering rests on x86-64 total store order, as for the rings (see ``_ring``): data
 is stored before the counter that publishes it; a :func:`fence` separates "publish"
 from "is anyone asleep?". Announcements are a seqlock: the sequence word is cleared,
@@ -111,6 +118,9 @@ class Arena:
         self.wait_log: list[tuple[float, float]] | None = None
         self._round = 0
         self._first = [0, 0]  # the value posted first in each of the last two rounds
+        # typed views of the staging slots, made once: a view per round and member
+        # cost more than the copies of small rounds
+        self._views: dict[tuple[torch.dtype, int], list[list[list[torch.Tensor]]]] = {}
 
     # -- lifetime --------------------------------------------------------------------
     def close(self) -> None:
@@ -120,6 +130,7 @@ class Arena:
         views (a staging tensor a caller kept) is left to the garbage collector.
         """
         self._data = []
+        self._views = {}
         for views in (self._ctl, self._text):
             for v in views:
                 v.release()
@@ -136,6 +147,22 @@ class Arena:
         """Member ``member``'s staging half ``half`` as a uint8 tensor of ``chunk`` bytes."""
         return self._data[member][half]
 
+    def slots(self, dtype: torch.dtype, per: int) -> list[list[list[torch.Tensor]]]:
+        """[half][slot][member]: each half cut into ``chunk // (per * itemsize)`` slots of
+        ``per`` elements of ``dtype`` (cached; ``per * itemsize`` at most ``chunk``)."""
+        key = (dtype, per)
+        table = self._views.get(key)
+        if table is None:
+            step = per * torch.empty((), dtype=dtype).element_size()
+            if step > self.chunk or step <= 0:
+                raise ArgumentError(f"a slot of {step} bytes does not fit a {self.chunk}-byte "
+                                    f"staging half")
+            table = [[[self._data[q][h][k * step:(k + 1) * step].view(dtype)
+                       for q in range(self.size)] for k in range(self.chunk // step)]
+                     for h in (0, 1)]
+            self._views[key] = table
+        return table
+
     # -- rounds and phases -----------------------------------------------------------
     def begin_round(self, check: Callable[[], None]) -> int:
         """Start a round; returns the staging half it may write (see the module doc)."""
@@ -145,6 +172,12 @@ class Arena:
         self._first[r % 2] = self.posted + 1
         self._round = r + 1
         return r % 2
+
+    def settle(self) -> None:
+        """End a call that wrote both halves (see the module doc): post once more, after
+        the call's last read, and make the next round wait for that post."""
+        self.post()
+        self._first[(self._round - 1) % 2] = self.posted
 
     def post(self) -> None:
         """Publish one more finished phase; wake members asleep on it."""

@@ -225,3 +225,25 @@ def reduce_scatters(rank: int, p: int) -> dict[str, Any]:
     if not torch.allclose(out, want):
         wrong.append("reduce_scatter/uneven")
     return {"wrong": wrong}
+
+
+def reduces(rank: int, p: int) -> dict[str, Any]:
+    """reduce to every root through the arena: the root gets the member-order reduction
+    bit for bit, every other rank's tensor is left as it was."""
+    wrong = []
+    for dtype, ops in CASES:
+        for op_name in ops[:3]:
+            for n in (1, 3, 5 * 1024 + 7):
+                for root in range(p):
+                    t = value(rank, n, dtype)
+                    dist.reduce(t, dst=root, op=getattr(dist.ReduceOp, op_name))
+                    want = (oracle(list(range(p)), n, dtype, op_name) if rank == root
+                            else value(rank, n, dtype))
+                    if not torch.equal(t, want):
+                        wrong.append(f"{dtype}/{op_name}/{n}/root{root}")
+    base = value(rank, 2000, torch.float32)  # a strided view
+    dist.reduce(base[1::2], dst=p - 1)
+    if rank == p - 1 and not torch.equal(base[1::2], oracle(list(range(p)), 2000, torch.float32,
+                                                            "SUM")[1::2]):
+        wrong.append("strided")
+    return {"wrong": wrong, "arena": default_group().arena is not None}

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from _shm_arena_ranks import (broadcast_and_gather, coalesced, every_dtype_and_op, late_peer,
-                              reduce_scatters, subgroups_concurrently, without_arena)
+                              reduce_scatters, reduces, subgroups_concurrently, without_arena)
 from tandem.testing import launch
 from tandem.transport._arena import default_chunk
 
@@ -70,6 +70,14 @@ def test_the_arena_can_be_switched_off_and_shm_is_then_refused_by_name() -> None
 def test_broadcast_and_all_gather_through_shared_memory(p: int) -> None:
     outcomes = launch(p, broadcast_and_gather, backend="shm", timeout=150, env=SMALL_STAGING)
     for rank, r in enumerate(_values(outcomes)):
+        assert not r["wrong"], f"rank {rank} of {p}: wrong results for {r['wrong']}"
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_reduce_through_shared_memory_gives_the_root_the_member_order_reduction(p: int) -> None:
+    outcomes = launch(p, reduces, backend="shm", timeout=150, env=SMALL_STAGING)
+    for rank, r in enumerate(_values(outcomes)):
+        assert r["arena"], f"rank {rank} of {p}: reduce did not go through the arena"
         assert not r["wrong"], f"rank {rank} of {p}: wrong results for {r['wrong']}"
 
 

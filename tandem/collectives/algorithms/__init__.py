@@ -38,9 +38,9 @@ from tandem.collectives.algorithms.shm import (
     shm_all_gather,
     shm_all_reduce,
     shm_all_reduce_many,
-    shm_broadcast,
     shm_reduce_scatter,
 )
+from tandem.collectives.algorithms.shm_rooted import shm_broadcast, shm_reduce
 from tandem.collectives.algorithms.streamed import (
     hierarchical_all_gather,
     hierarchical_reduce_scatter,
@@ -65,6 +65,7 @@ __all__ = [
     "shm_all_gather",
     "shm_all_reduce_many",
     "shm_broadcast",
+    "shm_reduce",
     "shm_reduce_scatter",
     "tree_broadcast",
     "tree_reduce",

@@ -15,7 +15,7 @@ Every byte of input is read once and every byte of output written once; the
 staging stays in cache. Small tensors (``SMALL_BYTES`` or less) and pairs of ranks skip the
 second wait: each member copies its whole round in and reduces all of it itself.
 
-Broadcast: the root stages each round, the others copy it out. All-gather: each
+Broadcast and reduce (one root) are in ``shm_rooted``. All-gather: each
 member stages its input, everyone copies every member's piece out. Reduce-scatter:
 each member stages its pieces for the others and reduces its own from theirs.
 Combines run in member order on every rank, so results are bit-identical
@@ -43,8 +43,8 @@ from tandem.collectives.reduce_op import Combine, ReduceOp, combiner, finish
 from tandem.errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError
 from tandem.transport import Arena
 
-__all__ = ["shm_all_reduce", "shm_all_reduce_many", "shm_broadcast", "shm_all_gather",
-           "shm_reduce_scatter", "SMALL_BYTES", "arena_check"]
+__all__ = ["shm_all_reduce", "shm_all_reduce_many", "shm_all_gather", "shm_reduce_scatter",
+           "SMALL_BYTES", "SlotRing", "arena_check"]
 
 SMALL_BYTES = 64 << 10
 # rounds of the whole-round path: the round's slice of the tensor and a peer's staged
@@ -153,11 +153,44 @@ def _verify(op: Op, arena: Arena, members: Sequence[int] | None = None) -> None:
                 f"{theirs[1].decode(errors='replace')} at {theirs[2].decode(errors='replace')}")
 
 
-def _staging(arena: Arena, dtype: torch.dtype, size: int, per: int) -> list[list[torch.Tensor]]:
-    """[half][member]: the first ``per`` elements of each staging half, typed (made once
-    per call: a view per round and member cost more than the copies of small rounds)."""
-    return [[arena.data(q, h)[:per * size].view(dtype)
-             for q in range(arena.size)] for h in (0, 1)]
+def _staging(arena: Arena, dtype: torch.dtype, per: int) -> list[list[torch.Tensor]]:
+    """[half][member]: the first ``per`` elements of each staging half, typed."""
+    table = arena.slots(dtype, per)
+    return [table[0][0], table[1][0]]
+
+
+class SlotRing:
+    """Both staging halves as one ring of slots, for a call that streams through them
+    itself (see ``Arena``'s module doc); ``order[r % slots][member]`` holds round r.
+
+    The call starts in the half :meth:`Arena.begin_round` gives. Writing round ``r``
+    over round ``r - slots`` needs every member to have read it; if a member's post of
+    round ``k`` comes after its last read of round ``k - lag``, that is every member
+    having posted round ``r - slots + lag``. The other half is first written only
+    after every member posted round 0 of this call (nobody reads the previous call
+    any more); a call that wrote it must end with :meth:`close`.
+    """
+
+    def __init__(self, arena: Arena, check: Callable[[], None], dtype: torch.dtype,
+                 per: int) -> None:
+        table = arena.slots(dtype, per)
+        h = arena.begin_round(check)
+        self.order = table[h] + table[1 - h]
+        self.half, self.slots = len(table[h]), 2 * len(table[h])
+        self.base = arena.posted  # a member's count after posting round r: base + r + 1
+        self._arena, self._check = arena, check
+
+    def reuse(self, r: int, lag: int) -> list[torch.Tensor]:
+        """Round ``r``'s slot, once every member is done reading what it held."""
+        need = max(r - self.slots + lag, 0 if r >= self.half else -1)
+        if need >= 0:
+            self._arena.wait_all(self.base + need + 1, self._check)
+        return self.order[r % self.slots]
+
+    def close(self, rounds: int) -> None:
+        """After the call's last read (every member, the same ``rounds``)."""
+        if rounds > self.half:
+            self._arena.settle()
 
 
 # A round covers up to ``per`` consecutive elements of the tensors laid end to end; a
@@ -168,7 +201,10 @@ Piece = tuple[torch.Tensor, int]
 def _rounds(tensors: list[torch.Tensor], per: int) -> Iterator[tuple[int, list[Piece]]]:
     """(elements, pieces) of each round; at least one round, even for no elements."""
     if len(tensors) == 1:  # one tensor: its rounds in one call
-        for x in tensors[0].split(per) if tensors[0].numel() else [tensors[0]]:
+        if tensors[0].numel() <= per:
+            yield tensors[0].numel(), [(tensors[0], 0)]
+            return
+        for x in tensors[0].split(per):
             yield x.numel(), [(x, 0)]
         return
     pieces: list[Piece] = []
@@ -219,43 +255,73 @@ def shm_all_reduce_many(op: Op, tensors: list[torch.Tensor], redop: ReduceOp) ->
     arena, check = _prepare(op)
     dtype, size = tensors[0].dtype, tensors[0].element_size()
     n = sum(t.numel() for t in tensors)
-    if arena.size == 2 or n * size <= SMALL_BYTES:
-        per = max(1, min(arena.chunk, WHOLE_ROUND_BYTES) // size)
-        one_round = _whole_round
-    else:
-        per = arena.chunk // size
-        one_round = _sliced_round
-    views = _staging(arena, dtype, size, per)
     kernel = combiner(redop, dtype)
+    if arena.size == 2 or n * size <= SMALL_BYTES:
+        _whole_rounds(op, arena, check, tensors, redop, kernel)
+        return
+    per = arena.chunk // size
+    views = _staging(arena, dtype, per)
     first = True
     for m, pieces in _rounds(tensors, per):
         staged = views[arena.begin_round(check)]
-        one_round(op, arena, check, staged if m == per else [v[:m] for v in staged], pieces,
-                  redop, kernel, first)
+        _sliced_round(op, arena, check, staged if m == per else [v[:m] for v in staged],
+                      pieces, redop, kernel, first)
         first = False
 
 
-def _whole_round(op: Op, arena: Arena, check: Callable[[], None], staged: list[torch.Tensor],
-                 pieces: list[Piece], redop: ReduceOp, kernel: Combine, first: bool) -> None:
-    """Every member stages the whole round and reduces all of it itself.
+def _whole_rounds(op: Op, arena: Arena, check: Callable[[], None], tensors: list[torch.Tensor],
+                  redop: ReduceOp, kernel: Combine) -> None:
+    """Every member stages each round whole and reduces all of it itself.
 
-    AVG over a power-of-two number of members stages each input already divided:
-    dividing by a power of two is exact, so the sum of the quotients has the same bits
-    as the quotient of the sum (subnormals aside), and no pass is spent dividing.
+    Rounds go through a :class:`SlotRing` of ``WHOLE_ROUND_BYTES`` slots (at most half
+    a half); a member posts round ``k`` after reducing round ``k - 1`` (lag 1). Staging
+    a round ahead while waiting for the peers was measured and dropped: 2 ranks, 64
+    MB, 20 alternated runs against this lockstep, it was ahead in 7 of 10 runs at load
+    11-19 and behind in 8 of 10 at load 7-14 (the round being reduced leaves the L2
+    while the next one is staged).
     """
+    size = tensors[0].element_size()
+    per = max(1, min(arena.chunk // 2, WHOLE_ROUND_BYTES) // size)
+    ring = SlotRing(arena, check, tensors[0].dtype, per)
+    rounds = list(_rounds(tensors, per))
+    for r, (m, pieces) in enumerate(rounds):
+        staged = ring.reuse(r, 1)
+        if m < per:
+            staged = [v[:m] for v in staged]
+        _stage_whole(arena, staged, pieces, redop)
+        arena.post()
+        arena.wait_all(ring.base + r + 1, check)
+        if r == 0:
+            _verify(op, arena)
+        _reduce_whole(arena, staged, pieces, redop, kernel)
+    ring.close(len(rounds))
+
+
+def _prescaled(redop: ReduceOp, p: int) -> bool:
+    """AVG over a power-of-two number of members stages each input already divided:
+    dividing by a power of two is exact, so the sum of the quotients has the same bits
+    as the quotient of the sum (subnormals aside), and no pass is spent dividing."""
+    return redop.name == "AVG" and redop.fn is None and p & (p - 1) == 0
+
+
+def _stage_whole(arena: Arena, staged: list[torch.Tensor], pieces: list[Piece],
+                 redop: ReduceOp) -> None:
     p, me = arena.size, arena.index
-    averaging = redop.name == "AVG" and redop.fn is None
-    prescale = averaging and p & (p - 1) == 0
+    prescale = _prescaled(redop, p)
+    mine = staged[me]
     for x, off in pieces:
-        mine = staged[me] if len(pieces) == 1 else staged[me][off:off + x.numel()]
+        into = mine if len(pieces) == 1 else mine[off:off + x.numel()]
         if prescale:
-            torch.mul(x, 1.0 / p, out=mine)
+            torch.mul(x, 1.0 / p, out=into)
         else:
-            mine.copy_(x)
-    arena.post()
-    arena.wait_all(arena.posted, check)
-    if first:
-        _verify(op, arena)
+            into.copy_(x)
+
+
+def _reduce_whole(arena: Arena, staged: list[torch.Tensor], pieces: list[Piece],
+                  redop: ReduceOp, kernel: Combine) -> None:
+    p, me = arena.size, arena.index
+    prescale = _prescaled(redop, p)
+    averaging = redop.name == "AVG" and redop.fn is None
     for x, off in pieces:
         part = staged if len(pieces) == 1 else [s[off:off + x.numel()] for s in staged]
         # combine in member order into x; x is still in cache from the copy, so it is
@@ -291,36 +357,14 @@ def _sliced_round(op: Op, arena: Arena, check: Callable[[], None], staged: list[
             kernel(out, part, out)
         finish(redop, out, p)
     arena.post()
-    arena.wait_all(arena.posted, check)
-    for q, (qa, qb) in enumerate(bounds):
+    # my slice first, then each member's as soon as it is reduced: on a host with fewer
+    # cores than ranks, a rank copies what is ready instead of waiting for the last one
+    for q in [*range(me, p), *range(me)]:
+        if q != me:
+            arena.wait_member(q, arena.posted, check)
+        qa, qb = bounds[q]
         for x, off in _clip(pieces, qa, qb):
             x.copy_(staged[q][off:off + x.numel()])
-
-
-def shm_broadcast(op: Op, buf: torch.Tensor, root: int) -> None:
-    """The root stages each round once; every other member copies it straight out.
-
-    Every member posts once per round (the root when its round is staged, the others
-    when they have copied it out), so the root reuses a staging half only after all
-    have read it. A root waits on nobody in the first round; two ranks that both
-    think they are the root are caught at their next call on the group (``_verify``
-    compares the previous call too).
-    """
-    arena, check = _prepare(op)
-    me, size = arena.index, buf.element_size()
-    per = arena.chunk // size
-    views = _staging(arena, buf.dtype, size, per)
-    for i, (m, pieces) in enumerate(_rounds([buf], per)):
-        staged = views[arena.begin_round(check)][root][:m]
-        x = pieces[0][0] if pieces else buf
-        if me == root:
-            staged.copy_(x)
-        else:
-            arena.wait_member(root, arena.posted + 1, check)
-            if i == 0:
-                _verify(op, arena, [root])
-            x.copy_(staged)
-        arena.post()
 
 
 def shm_all_gather(op: Op, outs: list[torch.Tensor], mine: torch.Tensor) -> None:
@@ -332,7 +376,7 @@ def shm_all_gather(op: Op, outs: list[torch.Tensor], mine: torch.Tensor) -> None
     arena, check = _prepare(op)
     p, me, size = arena.size, arena.index, mine.element_size()
     per = arena.chunk // size
-    views = _staging(arena, mine.dtype, size, per)
+    views = _staging(arena, mine.dtype, per)
     sizes = [t.numel() for t in outs]
     for i, start in enumerate(range(0, max(max(sizes), 1), per)):
         staged = views[arena.begin_round(check)]
@@ -358,7 +402,7 @@ def shm_reduce_scatter(op: Op, out: torch.Tensor, ins: list[torch.Tensor], redop
     arena, check = _prepare(op)
     p, me, size = arena.size, arena.index, out.element_size()
     per = arena.chunk // size // p  # a round stages one piece for every member
-    views = _staging(arena, out.dtype, size, per * p)
+    views = _staging(arena, out.dtype, per * p)
     kernel = combiner(redop, out.dtype)
     sizes = [t.numel() for t in ins]
     if out.numel() and out.untyped_storage().data_ptr() == ins[me].untyped_storage().data_ptr():

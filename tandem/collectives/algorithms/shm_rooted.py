@@ -1,0 +1,84 @@
+"""Rooted collectives through a same-host group's staging arena (see ``shm``).
+
+Broadcast: the root stages each round once; every other member copies it straight
+out, and the root may run several rounds ahead (``SlotRing``). Reduce: every other
+member stages its round; the root combines them with its own tensor, in member order
+(the naive algorithm's order, so its bits), straight into its tensor. Each member
+posts once per round, the root only after it has read what it needed, so
+:meth:`~tandem.transport.Arena.begin_round`'s one wait keeps the two staging halves
+safe; the non-roots run at most one round ahead.
+
+A broadcast root waits on nobody and checks nothing in its call; ``_verify``
+compares the previous call at its next one. Reduce non-roots wait once, for the
+root to take round 0, and then check the root's announcement: two ranks that each
+name the other as the root would otherwise both return (they only stage), and
+nothing else in the call would tell them apart.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.collectives.algorithms.shm import SlotRing, _prepare, _rounds, _staging, _verify
+from tandem.collectives.group import Op
+from tandem.collectives.reduce_op import ReduceOp, combiner, finish
+
+__all__ = ["shm_broadcast", "shm_reduce"]
+
+
+def shm_broadcast(op: Op, buf: torch.Tensor, root: int) -> None:
+    """The root stages each round once; every other member copies it straight out.
+
+    Rounds go through a :class:`SlotRing` of half-halves. Every member posts once per
+    round (the root when its round is staged, the others when they have copied it
+    out: lag 0), so the root runs up to four rounds ahead of the slowest reader. A
+    root waits on nobody in the first round; two ranks that both think they are the
+    root are caught at their next call on the group (``_verify`` compares the
+    previous call too).
+    """
+    arena, check = _prepare(op)
+    me, size = arena.index, buf.element_size()
+    per = max(1, arena.chunk // 2 // size)
+    ring = SlotRing(arena, check, buf.dtype, per)
+    rounds = list(_rounds([buf], per))
+    for r, (m, pieces) in enumerate(rounds):
+        x = pieces[0][0] if pieces else buf
+        if me == root:
+            ring.reuse(r, 0)[root][:m].copy_(x)
+        else:
+            arena.wait_member(root, ring.base + r + 1, check)
+            if r == 0:
+                _verify(op, arena, [root])
+            x.copy_(ring.order[r % ring.slots][root][:m])
+        arena.post()
+    ring.close(len(rounds))
+
+
+def shm_reduce(op: Op, buf: torch.Tensor, root: int, redop: ReduceOp) -> None:
+    """Reduce flat ``buf`` into the root's ``buf``; the others' ``buf`` is left unchanged."""
+    arena, check = _prepare(op)
+    p, me, size = arena.size, arena.index, buf.element_size()
+    per = arena.chunk // size
+    views = _staging(arena, buf.dtype, per)
+    kernel = combiner(redop, buf.dtype)
+    for i, (m, pieces) in enumerate(_rounds([buf], per)):
+        staged = [v[:m] for v in views[arena.begin_round(check)]]
+        x = pieces[0][0] if pieces else buf
+        if me != root:
+            staged[me].copy_(x)
+            arena.post()
+            if i == 0:  # see the module doc: the root has taken round 0, so it is here
+                arena.wait_member(root, arena.posted, check)
+                _verify(op, arena, [root])
+            continue
+        arena.wait_all(arena.posted + 1, check)
+        if i == 0:
+            _verify(op, arena)
+        if root >= 2:  # x accumulates members 0 and 1 first: stage my own value aside
+            staged[me].copy_(x)
+        parts = [x if q == me and root < 2 else staged[q] for q in range(p)]
+        kernel(parts[0], parts[1], x)
+        for part in parts[2:]:
+            kernel(x, part, x)
+        finish(redop, x, p)
+        arena.post()
