@@ -46,9 +46,13 @@ import time  # noqa: E402
 from types import ModuleType  # noqa: E402
 from typing import Any, Dict, List, Tuple  # noqa: E402
 
-# what training scripts import first; each import must start no thread (see warm_up)
-WARM_MODULES = ("torch", "torch.nn.functional", "torch.utils.data", "tandem",
-                "tandem.parallel", "tandem.elastic", "tandem.optim", "tandem.checkpoint")
+# What training scripts import first; each import must start no thread (see warm_up).
+# torch._dynamo is what torch's optimizers import when the first one is made: 800 modules,
+# 1-2.5 s of a new worker's start on a loaded 2-core host, more than anything it runs
+# itself before it joins (the main example, measured).
+WARM_MODULES = ("torch", "torch._dynamo", "torch.nn.functional", "torch.utils.data",
+                "tandem", "tandem.parallel", "tandem.elastic", "tandem.optim",
+                "tandem.checkpoint")
 MAX_REQUEST = 1 << 20  # bytes: the environment of a worker, with room to spare
 ADOPTION_WAIT = 5.0  # seconds for the agent to adopt a new process (it takes microseconds)
 

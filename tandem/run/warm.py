@@ -1,8 +1,8 @@
 """Warm starts: new workers forked from a zygote that has imported torch and tandem.
 
-A worker started the usual way pays for a new interpreter, ``import torch`` and the
-imports of tandem (about 2.5 s on a loaded 2-core machine) before its script does
-anything. When a job runs elastic (:mod:`tandem.run.inplace`), the agent starts one
+A worker started the usual way pays for a new interpreter, ``import torch``, tandem's
+imports and, when its script makes its optimizer, ``torch._dynamo``'s (together 2.5 to
+5 s on a loaded 2-core machine) before it is ready to join. When a job runs elastic (:mod:`tandem.run.inplace`), the agent starts one
 zygote per node (``_zygote.py``, which describes the fork side), and new workers, the
 replacements of lost ones and the spares, are forked from it::
 
@@ -50,7 +50,7 @@ from tandem.run.workers import BOOTSTRAP, WorkerSpec
 __all__ = ["WarmPool", "Adopted", "ZYGOTE"]
 
 ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_zygote.py")
-WARM_WAIT = 30.0  # seconds the zygote may take to import (about 2.5 s on a loaded host)
+WARM_WAIT = 60.0  # seconds the zygote may take to import (4-12 s on a loaded 2-core host)
 REPLY_WAIT = 5.0  # seconds for the zygote to fork a worker (it takes milliseconds)
 # variables that the launcher sets per worker: they may differ from the zygote's
 PER_WORKER = frozenset({

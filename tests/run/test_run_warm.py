@@ -183,7 +183,7 @@ def test_warm_starts_are_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -
 def test_the_zygote_refuses_to_serve_with_threads_and_says_why() -> None:
     code = ("import threading, time, sys; sys.argv = ['z']; "
             "sys.path.insert(0, %r); import _zygote; "
-            "threading.Thread(target=time.sleep, args=(5,), daemon=True).start(); "
+            "threading.Thread(target=time.sleep, args=(600,), daemon=True).start(); "
             "print(_zygote.warm_up())") % str(Path(_zygote_file()).parent)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
