@@ -148,8 +148,12 @@ def measure(mode: str, ranks: int, warmup: int, hosts: int = 1) -> Lost:
         steps, queued = Path(tmp) / "steps", Path(tmp) / "queued"
         steps.mkdir()
         queued.mkdir()
+        # OMP_NUM_THREADS=1 for one worker per host too (tandemrun sets it for more): each
+        # rank trains on one thread anyway, and numpy's BLAS then starts no thread pool
+        # at import, which would keep the launcher's zygote from forking warm workers
         env = {**os.environ, "TANDEM_BENCH_STEPS": str(steps), "TANDEM_BENCH_QUEUED": str(queued),
-               "PYTHONUNBUFFERED": "1", "TANDEM_TRACE_DIR": str(Path(tmp) / "trace")}
+               "PYTHONUNBUFFERED": "1", "TANDEM_TRACE_DIR": str(Path(tmp) / "trace"),
+               "OMP_NUM_THREADS": "1"}
         if hosts > 1:  # the agents of a multi-node job share a secret
             env["TANDEM_SECRET"] = os.urandom(16).hex()
         job_logs = [Path(tmp) / f"job{node}.log" for node in range(hosts)]

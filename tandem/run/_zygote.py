@@ -15,7 +15,9 @@ agent's child like any worker it starts itself: the agent waits for it, kills it
 reads its exit status as usual. The new process starts a session of its own, takes the
 descriptors as its stdio and the environment as its own, and goes on exactly as
 ``_worker.py`` does (its supervisor, then the worker running the script as
-``__main__``), on an interpreter that has torch imported already.
+``__main__``), on an interpreter that has torch imported already. (It keeps the
+zygote's command line: ``ps`` shows warm workers and their supervisors as
+``_zygote.py``.)
 
 Fork safety. The zygote never runs a torch operation (torch's thread pools start on
 the first one), opens no transport and no store connection, and checks that it has one

@@ -114,16 +114,18 @@ def test_a_worker_of_another_program_starts_cold(run: Run, tmp_path: Path) -> No
     assert _check(_results(tmp_path), 20)[-1] == 2
 
 
-def _zygote_of(launcher: int) -> int:
-    """The launcher's child that runs _zygote.py (0: none)."""
+def _forked_by_zygote(launcher: int) -> list[int]:
+    """The launcher's children that run _zygote.py: the zygote and the supervisors of the
+    workers it forked (they keep its command line)."""
+    found = []
     for tid in os.listdir(f"/proc/{launcher}/task"):
         for pid in Path(f"/proc/{launcher}/task/{tid}/children").read_text().split():
             try:
                 if b"_zygote.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    return int(pid)
+                    found.append(int(pid))
             except OSError:
                 continue
-    return 0
+    return found
 
 
 @pytest.mark.timeout(180)
@@ -137,10 +139,10 @@ def test_nothing_outlives_a_launcher_stopped_after_a_warm_replacement(
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "no warm replacement started"
         time.sleep(0.05)
-    zygote = _zygote_of(proc.pid)
-    assert zygote, "the zygote stays ready for the next failure"
     supervisor, _ = _warm(tmp_path)["n0.s1.1"]
-    pids = [zygote, supervisor, *_names(tmp_path).values()]
+    forked = _forked_by_zygote(proc.pid)
+    assert supervisor in forked and len(forked) == 2, "the zygote stays for the next failure"
+    pids = [*forked, *_names(tmp_path).values()]
     proc.send_signal(sig)
     res = finish(proc, 60)
     assert res.code == (128 + sig if sig != signal.SIGKILL else -sig), res.err
