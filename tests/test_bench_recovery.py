@@ -28,9 +28,9 @@ def test_quick_recovery_bench_prints_a_row_per_mode() -> None:
     table = [re.split(r"\s{2,}", ln.strip()) for ln in lines[start:]]
     assert table[0] == HEADER, proc.stdout
     rows = {r[1]: r for r in table[1:]}
-    assert set(rows) == {"restart", "in-place", "spare"}, proc.stdout
+    assert set(rows) == {"restart", "in-place", "cold", "spare"}, proc.stdout
     for mode, row in rows.items():
         resume, full = (float(row[i].split()[0]) for i in (2, 3))
         assert row[0] == "2" and 0 < resume <= full, (mode, proc.stdout)
-    for mode in ("in-place", "spare"):
+    for mode in ("in-place", "cold", "spare"):
         assert float(rows[mode][4]) > 0, (mode, proc.stdout)  # the ratio to restart's

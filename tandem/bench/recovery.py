@@ -28,7 +28,10 @@ for three ways to take the kill, rotated within each repeat so all see the same 
     restart   tandemrun --max-restarts: every worker stops, all restart and resume from
               the example's last checkpoint (``--save-every``, default 20 steps)
     in-place  ``--elastic``: the survivors go on without the lost rank; the launcher
-              starts a replacement, which joins at a commit
+              forks a replacement from its zygote (``tandem.run.warm``: torch and tandem
+              imported), which joins at a commit; the kill waits until the zygote is
+              ready (the launcher says so), as a job's failures come after its start
+    cold      the same with ``--no-warm-start``: the replacement is a new interpreter
     spare     ``--elastic`` with ``--spares 1``: a worker already waits to join and takes
               the lost place in the survivors' own round
 
@@ -61,7 +64,7 @@ __all__ = ["main", "measure", "Lost"]
 
 JOB = Path(__file__).with_name("_recovery_job.py")
 LAB_PORT = "29500"  # the store's port on the first simulated host (a private namespace)
-MODES = ("restart", "in-place", "spare")
+MODES = ("restart", "in-place", "cold", "spare")
 EXAMPLE_ARGS = ("--quick", "--steps", "100000", "--corpus-mb", "0.3")
 WAIT = 120.0  # seconds a run may take to reach each point
 
@@ -111,6 +114,8 @@ def _command(mode: str, ranks: int, out: Path, lab: NetnsLab | None, node: int) 
     launcher += ["--max-restarts", "3"]
     if mode == "spare":
         launcher += ["--spares", "1"]
+    if mode == "cold":
+        launcher += ["--no-warm-start"]
     example = [*EXAMPLE_ARGS, "--out", str(out / "run")]
     example += ["--elastic"] if mode != "restart" else ["--save-every", "20"]
     return [*prefix, sys.executable, "-m", "tandem.run", *launcher, str(JOB), *example]
@@ -143,15 +148,20 @@ def measure(mode: str, ranks: int, warmup: int, hosts: int = 1) -> Lost:
         steps, queued = Path(tmp) / "steps", Path(tmp) / "queued"
         steps.mkdir()
         queued.mkdir()
+        # OMP_NUM_THREADS=1 for one worker per host too (tandemrun sets it for more): each
+        # rank trains on one thread anyway, and numpy's BLAS then starts no thread pool
+        # at import, which would keep the launcher's zygote from forking warm workers
         env = {**os.environ, "TANDEM_BENCH_STEPS": str(steps), "TANDEM_BENCH_QUEUED": str(queued),
-               "PYTHONUNBUFFERED": "1", "TANDEM_TRACE_DIR": str(Path(tmp) / "trace")}
+               "PYTHONUNBUFFERED": "1", "TANDEM_TRACE_DIR": str(Path(tmp) / "trace"),
+               "OMP_NUM_THREADS": "1"}
         if hosts > 1:  # the agents of a multi-node job share a secret
             env["TANDEM_SECRET"] = os.urandom(16).hex()
+        job_logs = [Path(tmp) / f"job{node}.log" for node in range(hosts)]
         with _lab(hosts, Path(tmp) / "lab") as lab, contextlib.ExitStack() as jobs:
             procs = [jobs.enter_context(_job(
                 _command(mode, ranks, Path(tmp), lab, node),
                 {**env, "TANDEM_HOST_ID": f"nshost{node}"} if lab else env,
-                Path(tmp) / f"job{node}.log")) for node in range(hosts)]
+                job_logs[node])) for node in range(hosts)]
 
             def warm() -> bool:
                 logs = _read(steps)
@@ -159,6 +169,10 @@ def measure(mode: str, ranks: int, warmup: int, hosts: int = 1) -> Lost:
                 return len(done) >= ranks and min(done) >= warmup
 
             _wait(f"{warmup} warm-up steps", procs, warm)
+            if mode == "in-place":
+                _wait("the launchers' zygotes", procs, lambda: all(
+                    "warm starts ready" in text or "warm starts off" in text
+                    for text in (log.read_text(errors="replace") for log in job_logs)))
             if mode == "spare":
                 _wait("the spare to wait in the join queue", procs,
                       lambda: any(queued.iterdir()))

@@ -283,6 +283,7 @@ class Agent:
             if group.alive():  # leaving on an error (e.g. the store's host is gone)
                 group.stop(signal.SIGTERM, cfg.shutdown_timeout)
             group.close()
+            inplace.close()  # the zygote, after the workers it forked
             self.group = None
 
     def _dump_recorders(self, group: WorkerGroup, started: float) -> None:

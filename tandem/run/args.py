@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
              "per node started once the job runs, each ready to take a lost worker's place "
              "at once (default 0); a lost worker is otherwise replaced by a new one "
              "(each replacement counts against --max-restarts)")
+    add(*_both("no-warm-start"), action=_EnvFlag,
+        help="tandem only, for scripts under tandem.elastic.run_elastic: start new workers "
+             "(replacements, spares) as new interpreters; by default they are forked from a "
+             "process per node that has imported torch and tandem, seconds sooner")
     add(*_both("monitor-interval"), action=_Env, type=float, default=0.1,
         help="seconds between worker health checks (default 0.1)")
     add(*_both("shutdown-timeout"), action=_Env, type=float, default=5.0,
@@ -146,6 +150,7 @@ def parse(argv: Sequence[str] | None = None) -> LaunchConfig:
         rdzv_conf=parse_rdzv_conf(ns.rdzv_conf),
         max_restarts=int(ns.max_restarts),
         spares=int(ns.spares),
+        warm_start=not ns.no_warm_start,
         monitor_interval=float(ns.monitor_interval),
         shutdown_timeout=float(ns.shutdown_timeout),
         role=str(ns.role),

@@ -16,6 +16,11 @@ worker that fails does not stop the others. The agent
 * keeps ``--spares`` extra workers per node waiting to join, started once the job runs
   elastic, so that a lost worker's place is taken in the survivors' own round (the new
   worker started for the lost slot then waits as the next spare);
+* starts those new workers warm: forked from a zygote that has imported torch and
+  tandem (:mod:`tandem.run.warm`), started once the job runs elastic; a new worker
+  waits for the zygote while it imports (it started earlier, so it is ready sooner
+  than a new interpreter would be), and starts cold, with a line saying why, when the
+  zygote cannot fork it (``--no-warm-start``: always cold);
 * falls back to stopping every worker (and the usual restart) when the workers decided
   the job cannot go on (fewer ranks or nodes than the minimum) or no member is alive.
 
@@ -41,6 +46,7 @@ from tandem.elastic.roster import Roster
 from tandem.run.config import LaunchConfig
 from tandem.run.rendezvous import Assignment
 from tandem.run.rootcause import Failure
+from tandem.run.warm import WarmPool, reap_strays
 from tandem.run.workers import Worker, WorkerGroup, WorkerSpec
 
 __all__ = ["InPlace", "elastic_prefix"]
@@ -81,6 +87,7 @@ class InPlace:
         self._coming: dict[str, Worker] = {}  # joiners started, not yet in the queue
         self._templates: dict[int, WorkerSpec] = {}
         self._spares_started = False
+        self._pool: WarmPool | None = None  # the zygote, once the job runs elastic
 
     # -- the workers' environment ------------------------------------------------------
     def prepare(self, spec: WorkerSpec) -> WorkerSpec:
@@ -166,24 +173,51 @@ class InPlace:
     # -- every look at the workers ----------------------------------------------------------
     def tick(self, group: WorkerGroup) -> None:
         """Start due workers and spares; note joiners that arrived in the queue or died."""
+        if self._cfg.warm_start and self._pool is None and self.roster.is_on():
+            self._pool = WarmPool(self._templates[0], self._say)
+            self._pool.start()  # unless its workers cannot start warm (then it says why)
+        if self._pool is not None:  # hears the zygote; reaps what the agent adopted and is
+            self._pool.ready()     # no worker of it
+            reap_strays([w.pid for w in group.workers] + self._pool.children())
         if self._cfg.spares and not self._spares_started and self.roster.is_on():
             self._spares_started = True
             for i in range(self._cfg.spares):
                 self.roster.expect(+1)  # before it exists: a short round waits for it
-                self._start(group, self._cfg.nproc_per_node + i)
+                self._due.append((0.0, self._cfg.nproc_per_node + i))
         now = time.monotonic()
         for when, slot in [d for d in self._due if d[0] <= now]:
-            self._due.remove((when, slot))
-            self._start(group, slot)  # announced when it was planned
+            if self._start(group, slot):  # announced when it was planned
+                self._due.remove((when, slot))
         if self._coming:
             queued = set(self.roster.joiners())
             for name, w in list(self._coming.items()):
                 if name in queued or not w.alive:
                     self._forget(name)
 
-    def _start(self, group: WorkerGroup, slot: int) -> None:
+    def _start(self, group: WorkerGroup, slot: int) -> bool:
+        """Start a new worker for ``slot``, warm if the zygote can; False to wait for the
+        zygote, which is still importing."""
+        pool = self._pool
+        if pool is not None and pool.warming():
+            return False
         spec = self._joiner_spec(slot)
-        self._coming[spec.env["TANDEM_ELASTIC_ID"]] = group.add(spec)
+        why = pool.unusable(spec) if pool is not None else ""
+        worker = None
+        if pool is not None and not why:
+            try:
+                worker = group.add(spec, launch=pool.launch)
+            except OSError:
+                why = pool.broken
+        if pool is not None and why:
+            self._say(f"worker {spec.env['TANDEM_ELASTIC_ID']} starts cold: {why}")
+        worker = worker or group.add(spec)
+        self._coming[spec.env["TANDEM_ELASTIC_ID"]] = worker
+        return True
+
+    def close(self) -> None:
+        """Stop the zygote; call when the attempt's workers are gone."""
+        if self._pool is not None:
+            self._pool.close()
 
     def running(self) -> bool:
         """Whether the job runs elastic and has not been ended by its workers."""

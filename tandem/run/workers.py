@@ -20,11 +20,12 @@ import subprocess
 import sys
 import threading
 import time
+from typing import IO, Callable, Protocol
 
 from tandem.run._supervisor import KILL_REQUEST, cgroup_remove
 from tandem.run.streams import Console, start_pump
 
-__all__ = ["WorkerSpec", "Worker", "WorkerGroup", "BOOTSTRAP"]
+__all__ = ["WorkerSpec", "Worker", "WorkerGroup", "BOOTSTRAP", "Process", "Launcher"]
 
 BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
 # How long a supervisor asked to kill everything may take before it is killed itself
@@ -46,11 +47,37 @@ class WorkerSpec:
     label: str = ""  # how its output lines are prefixed (default ``rank<rank>``)
 
 
+class Process(Protocol):
+    """The worker's supervisor as the agent sees it: a ``subprocess.Popen``, or a process
+    forked by the zygote (``tandem.run.warm.Adopted``); the agent's child either way."""
+
+    pid: int
+    stdout: IO[bytes] | None
+    stderr: IO[bytes] | None
+
+    def wait(self) -> int: ...
+
+
+# starts ``spec``'s supervisor, giving it the pipe ``report`` (for the worker's pid) and
+# pipes for the streams ``wanted``
+Launcher = Callable[[WorkerSpec, int, "dict[str, bool]"], Process]
+
+
+def popen(spec: WorkerSpec, report: int, wanted: dict[str, bool]) -> Process:
+    """A new interpreter running the bootstrap: the usual (cold) start."""
+    return subprocess.Popen(
+        [*spec.argv[:2], "--report", str(report), *spec.argv[2:]], env=spec.env,
+        start_new_session=True, pass_fds=(report,),
+        stdout=subprocess.PIPE if wanted["stdout"] else subprocess.DEVNULL,
+        stderr=subprocess.PIPE if wanted["stderr"] else subprocess.DEVNULL)
+
+
 class Worker:
-    """One running worker; ``returncode``/``exit_time`` are set by its reaper thread."""
+    """One running worker; ``returncode``/``exit_time`` are set by its reaper thread.
+    ``launch`` starts its supervisor (default: :func:`popen`)."""
 
     def __init__(self, spec: WorkerSpec, out: Console, err: Console,
-                 on_exit: threading.Event) -> None:
+                 on_exit: threading.Event, launch: Launcher = popen) -> None:
         self.spec = spec
         self.returncode: int | None = None
         self.exit_time: float | None = None
@@ -63,11 +90,7 @@ class Worker:
                   "stderr": spec.stderr_console or files["stderr"] is not None}
         self._pid_pipe, report = os.pipe()  # the supervisor writes the worker's pid there
         try:
-            self.proc = subprocess.Popen(
-                [*spec.argv[:2], "--report", str(report), *spec.argv[2:]], env=spec.env,
-                start_new_session=True, pass_fds=(report,),
-                stdout=subprocess.PIPE if wanted["stdout"] else subprocess.DEVNULL,
-                stderr=subprocess.PIPE if wanted["stderr"] else subprocess.DEVNULL)
+            self.proc = launch(spec, report, wanted)
         except BaseException:
             os.close(self._pid_pipe)
             raise
@@ -148,9 +171,9 @@ class WorkerGroup:
         for spec in self.specs:
             self.add(spec)
 
-    def add(self, spec: WorkerSpec) -> Worker:
+    def add(self, spec: WorkerSpec, launch: Launcher = popen) -> Worker:
         """Start one more worker (a replacement or a spare); from the main thread."""
-        worker = Worker(spec, self._out, self._err, self.changed)
+        worker = Worker(spec, self._out, self._err, self.changed, launch)
         self.workers.append(worker)
         return worker
 

@@ -1,10 +1,11 @@
 """The launcher's in-place recovery for jobs under ``tandem.elastic.run_elastic``: a
 SIGKILLed worker is replaced while the survivors go on in the same processes; spares;
 a slot that keeps failing gets a back-off and a limit; the minimum; two nodes; no
-orphans; the summary names every failure."""
+orphans (the launcher's zygote included); the summary names every failure."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -24,6 +25,11 @@ TRAIN = SCRIPTS / "elastic_train.py"
 
 def _names(out: Path) -> dict[str, int]:
     return {p.name[5:]: int(p.read_text()) for p in out.glob("name_*")}
+
+
+def zygotes(err: str) -> list[int]:
+    """The pids of the launchers' zygotes (``tandem.run.warm``), from their ready lines."""
+    return [int(p) for p in re.findall(r"warm starts ready: a zygote \(pid (\d+)\)", err)]
 
 
 def _results(out: Path) -> dict[str, dict[str, Any]]:
@@ -54,7 +60,8 @@ def test_a_killed_worker_is_replaced_while_the_others_go_on(run: Run, tmp_path: 
     assert "in-place recovery" in res.err and "a replacement starts now (restart 1 of 2)" in res.err
     assert "recovered in place from 1 failure(s):" in res.err
     assert "rank 1 (local_rank 1, host" in res.err and "signal 9 (SIGKILL)" in res.err
-    assert not wait_dead(list(names.values()), 10), "a worker outlived the launcher"
+    assert len(zygotes(res.err)) == 1 and (tmp_path / "warm_n0.s1.1").exists(), res.err
+    assert not wait_dead([*names.values(), *zygotes(res.err)], 10), "outlived the launcher"
 
 
 @pytest.mark.timeout(180)
@@ -69,13 +76,15 @@ def test_a_spare_takes_the_lost_place_in_the_same_round(run: Run, tmp_path: Path
     assert _check(results, 24) == [2] * 24
     assert "a spare starts now" in res.err
     assert "the job finished before worker n0.s1.1 was admitted" in res.err, res.err
-    assert not wait_dead(list(names.values()), 10), "a worker outlived the launcher"
+    assert not wait_dead([*names.values(), *zygotes(res.err)], 10), "outlived the launcher"
 
 
 @pytest.mark.timeout(180)
 def test_a_slot_that_keeps_failing_backs_off_and_runs_out(run: Run, tmp_path: Path) -> None:
+    # 30 s of training after the kill: time for the first replacement, which waits for
+    # the zygote still importing (20 s at a load of 20 on 2 cores), then two more
     res = run("--standalone", "--nproc-per-node", "2", "--max-restarts", "3", TRAIN, tmp_path,
-              100, "--kill", "1:5", "--die-slot", "1", "--sleep", "0.1", timeout=150,
+              300, "--kill", "1:5", "--die-slot", "1", "--sleep", "0.1", timeout=150,
               env={"TANDEM_ELASTIC_BACKOFF": "0.5"})
     assert res.code == 0, res.err
     assert "a replacement starts now (restart 1 of 3)" in res.err
@@ -85,7 +94,7 @@ def test_a_slot_that_keeps_failing_backs_off_and_runs_out(run: Run, tmp_path: Pa
     assert "recovered in place from 4 failure(s):" in res.err
     assert res.err.count("RuntimeError: worker n0.s1.") >= 3, res.err
     results = _results(tmp_path)
-    assert set(results) == {"n0.s0.0"} and _check(results, 100) == [2] * 5 + [1] * 95
+    assert set(results) == {"n0.s0.0"} and _check(results, 300) == [2] * 5 + [1] * 295
 
 
 @pytest.mark.timeout(180)
@@ -99,7 +108,7 @@ def test_below_the_minimum_the_job_stops_naming_every_failure(run: Run, tmp_path
     assert summary.count("ElasticError") == 2, summary
     assert "2 rank(s) remain and the job needs at least 3" in summary
     names = _names(tmp_path)
-    assert not [p for p in names.values() if process_alive(p)]
+    assert not [p for p in [*names.values(), *zygotes(res.err)] if process_alive(p)]
 
 
 @pytest.mark.timeout(240)
@@ -123,4 +132,6 @@ def test_two_nodes_replace_a_killed_worker_in_place(launch: Launch, tmp_path: Pa
     assert "recovered in place from 1 failure(s):" in node0.err
     assert "signal 9 (SIGKILL)" in node0.err and "rank 1 (local_rank 1, host" in node0.err
     assert "in-place" not in node1.err and "Root cause" not in node1.err, node1.err
-    assert not wait_dead(list(names.values()), 10), "a worker outlived the launchers"
+    assert (tmp_path / "warm_n0.s1.1").exists(), node0.err
+    started = [*names.values(), *zygotes(node0.err), *zygotes(node1.err)]
+    assert not wait_dead(started, 10), "a process outlived the launchers"

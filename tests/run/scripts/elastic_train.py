@@ -6,7 +6,8 @@ tests/elastic/_elastic_job.py), run by tandemrun on every worker.
                      [--kill-where backward|allreduce|optimizer]
 
 Each worker writes OUT/pid_<pid> and OUT/name_<name> (holding its pid) when it starts
-(<name>: its TANDEM_ELASTIC_ID) and, at
+(<name>: its TANDEM_ELASTIC_ID), OUT/warm_<name> (holding its parent's pid, the
+supervisor's) when it was forked warm (torch already imported), and, at
 the end, OUT/result_<name>.pt (parameters, the steps applied as (step, world size,
 sample position), its final rank and pid). ``--kill`` makes the worker that started
 as RANK SIGKILL itself at that step (repeatable), in backward or ``--kill-where``
@@ -14,15 +15,19 @@ as RANK SIGKILL itself at that step (repeatable), in backward or ``--kill-where`
 training at that step (committing) until the job is back to ``--full`` ranks
 (repeatable); ``--die-slot``
 makes every replacement started for that slot fail at once; ``--wait-spare`` holds
-every worker at that step until a joiner waits in the queue.
+every worker at that step until a joiner waits in the queue; ``--kill-zygote`` makes
+the worker that will kill itself SIGKILL the launcher's zygote a step before.
 """
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
-import torch
+STARTED_WARM = "torch" in sys.modules  # forked from the launcher's zygote (tandem.run.warm)
+
+import torch  # noqa: E402
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "elastic"))
@@ -48,6 +53,7 @@ p.add_argument("--sleep", type=float, default=0.0)
 p.add_argument("--die-slot", type=int, default=-1)
 p.add_argument("--min-ranks", type=int, default=1)
 p.add_argument("--wait-spare", type=int, default=-1)
+p.add_argument("--kill-zygote", action="store_true")
 p.add_argument("--kill-where", choices=["backward", "allreduce", "optimizer"],
                default="backward")
 ns = p.parse_args()
@@ -58,6 +64,35 @@ slot = int(name.split(".")[1][1:])
 joiner = os.environ.get("TANDEM_ELASTIC_JOIN") == "1"
 for note in (f"pid_{os.getpid()}", f"name_{name}"):  # pid_*: the test kit kills leftovers
     (out / f".{note}").write_text(str(os.getpid()))
+    os.replace(out / f".{note}", out / note)
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_bytes().rpartition(b")")[2].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _kill_zygote() -> None:
+    """SIGKILL the launcher's zygote (a child of the launcher running _zygote.py), once
+    it is there."""
+    launcher = _parent(os.getppid())  # our supervisor's parent
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+            try:
+                found = b"_zygote.py" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if found and _parent(pid) == launcher:
+                os.kill(pid, signal.SIGKILL)
+                return
+        time.sleep(0.05)
+
+
+for note in [f"warm_{name}"] if STARTED_WARM else []:  # our supervisor, and its parent
+    (out / f".{note}").write_text(f"{os.getppid()} {_parent(os.getppid())}")
     os.replace(out / f".{note}", out / note)
 if joiner and slot == ns.die_slot:
     raise RuntimeError(f"worker {name} fails at start, as told")
@@ -92,6 +127,8 @@ def train(state: ElasticState) -> None:
     for idx in sampler:
         if state.step >= ns.steps:
             return
+        if victim and ns.kill_zygote and state.step == kills[int(os.environ["RANK"])] - 1:
+            _kill_zygote()
         loss = F.mse_loss(ddp(x[idx]), y[idx])
         opt.zero_grad()
         loss.backward()

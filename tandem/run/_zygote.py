@@ -1,0 +1,198 @@
+"""The zygote: a process that has imported torch and tandem, and forks warm workers.
+
+::
+
+    python tandem/run/_zygote.py --parent PID --socket FD
+
+The launcher's agent starts one per node when a job runs elastic (:mod:`tandem.run.warm`
+is its side). It imports what every worker's script imports first (``WARM_MODULES``),
+then waits on ``FD``, a ``SOCK_SEQPACKET`` socket to the agent. Each request is a JSON
+message (the worker's bootstrap arguments, environment and working directory) with
+three file descriptors (its stdout, its stderr, and the pipe on which its supervisor
+reports the worker's pid). For each, the zygote forks twice: the middle process exits
+at once, so the new process is adopted by the agent (a child subreaper) and is the
+agent's child like any worker it starts itself: the agent waits for it, kills it and
+reads its exit status as usual. The new process starts a session of its own, takes the
+descriptors as its stdio and the environment as its own, and goes on exactly as
+``_worker.py`` does (its supervisor, then the worker running the script as
+``__main__``), on an interpreter that has torch imported already. (It keeps the
+zygote's command line: ``ps`` shows warm workers and their supervisors as
+``_zygote.py``.)
+
+Fork safety. The zygote never runs a torch operation (torch's thread pools start on
+the first one), opens no transport and no store connection, and checks that it has one
+thread (Python's and the kernel's count) before it says it is ready: a process with
+other threads cannot be forked safely (a lock held by one of them stays held forever
+in the child), so such a zygote reports an error instead and the agent starts workers
+the usual way. It imports the standard library only until its warm-up.
+
+Messages to the agent, one JSON object each: ``{"ready": pid}`` once warm, then
+``{"pid": N}`` per request; ``{"error": text}`` when it cannot (it then exits). The
+zygote ends when the agent closes the socket or dies (a parent-death signal).
+"""
+
+import os  # already imported by the interpreter's startup, so never shadowed
+import sys
+
+_HERE = os.path.dirname(os.path.realpath(__file__))
+if sys.path and sys.path[0] and os.path.realpath(sys.path[0]) == _HERE:
+    sys.path.pop(0)  # as _worker.py: our directory must not shadow the script's imports
+
+import importlib  # noqa: E402 - after the path fix above
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from types import ModuleType  # noqa: E402
+from typing import Any, Dict, List, Tuple  # noqa: E402
+
+# What training scripts import first; each import must start no thread (see warm_up).
+# torch._dynamo is what torch's optimizers import when the first one is made: 800 modules,
+# 1-2.5 s of a new worker's start on a loaded 2-core host, more than anything it runs
+# itself before it joins (the main example, measured).
+WARM_MODULES = ("torch", "torch._dynamo", "torch.nn.functional", "torch.utils.data",
+                "tandem", "tandem.parallel", "tandem.elastic", "tandem.optim",
+                "tandem.checkpoint")
+MAX_REQUEST = 1 << 20  # bytes: the environment of a worker, with room to spare
+ADOPTION_WAIT = 5.0  # seconds for the agent to adopt a new process (it takes microseconds)
+
+
+def threads() -> List[str]:
+    """The names of this process's threads, as the kernel counts them."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return ["?"] * threading.active_count()
+    names = []
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            names.append("?")
+    return names
+
+
+def warm_up() -> str:
+    """Import ``WARM_MODULES``; why this process cannot fork warm workers ("" if it can)."""
+    try:
+        for name in WARM_MODULES:
+            importlib.import_module(name)
+    except BaseException as exc:  # noqa: BLE001 - reported to the agent, which starts cold
+        return f"importing {name} failed: {type(exc).__name__}: {exc}"
+    names = threads()
+    if len(names) != 1 or threading.active_count() != 1:
+        return (f"it has {len(names)} threads after importing torch ({', '.join(names)}); "
+                f"a process with threads cannot fork safely (OMP_NUM_THREADS=1 or "
+                f"OPENBLAS_NUM_THREADS=1 keeps numpy's BLAS from starting its pool)")
+    return ""
+
+
+def _send(sock: socket.socket, message: Dict[str, Any]) -> None:
+    sock.send(json.dumps(message).encode())
+
+
+def serve(sock: socket.socket, parent: int) -> Tuple[Dict[str, Any], List[int]]:
+    """Answer the agent's requests; returns only in a new worker process, with its request
+    and descriptors (the zygote itself exits when the agent is gone)."""
+    while True:
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, MAX_REQUEST, 3)
+        except OSError:
+            data, fds = b"", []
+        if not data:
+            os._exit(0)  # the agent closed its end, or died
+        try:
+            request = json.loads(data)
+            if len(fds) != 3:
+                raise ValueError(f"{len(fds)} descriptors, not 3")
+            pid = _fork_adopted(sock)
+        except Exception as exc:  # noqa: BLE001 - the agent hears of it and starts cold
+            _send(sock, {"error": f"{type(exc).__name__}: {exc}"})
+            pid = -1
+        if pid == 0:
+            return request, fds
+        for fd in fds:
+            os.close(fd)  # the new process has them; the pipes must end with it
+        if pid > 0:
+            _send(sock, {"pid": pid})
+
+
+def _fork_adopted(sock: socket.socket) -> int:
+    """Fork a process whose parent becomes the agent: its pid here, 0 in it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    told, tell = os.pipe()
+    middle = os.fork()
+    if middle == 0:  # exits at once; its child goes to the nearest subreaper: the agent
+        child = -1
+        try:
+            os.close(told)
+            child = os.fork()
+            if child == 0:
+                os.close(tell)
+                sock.close()
+                return 0
+            os.write(tell, str(child).encode())
+        finally:
+            if child != 0:
+                os._exit(0)
+    os.close(tell)
+    with os.fdopen(told, "rb") as f:
+        text = f.read(32)
+    os.waitpid(middle, 0)  # once it is reaped, its child has been adopted
+    if not text.isdigit():
+        raise OSError("the middle process could not fork")
+    return int(text)
+
+
+def become(request: Dict[str, Any], fds: List[int], parent: int) -> List[str]:
+    """Turn this new process into what ``_worker.py`` starts as; its bootstrap arguments."""
+    out, err, report = fds
+    os.setsid()  # a session and process group of its own, as any worker's supervisor
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    os.close(out)
+    os.close(err)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    numpy = sys.modules.get("numpy.random")
+    if numpy is not None:  # its global generator was seeded once, in the zygote
+        numpy.seed()
+    deadline = time.monotonic() + ADOPTION_WAIT
+    while os.getppid() != parent and time.monotonic() < deadline:
+        time.sleep(0.0005)  # the middle process is exiting
+    return ["--report", str(report), *(str(a) for a in request["argv"])]
+
+
+def _load_worker() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("tandem.run._worker",
+                                                  os.path.join(_HERE, "_worker.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv: List[str]) -> None:
+    options = dict(zip(argv[::2], argv[1::2]))
+    parent, fd = int(options.get("--parent", "0")), int(options.get("--socket", "-1"))
+    sock = socket.socket(fileno=fd)
+    worker = _load_worker()  # the bootstrap each new process goes on with; stdlib only
+    if not worker._prctl(worker.PR_SET_PDEATHSIG, signal.SIGKILL) or os.getppid() != parent:
+        _send(sock, {"error": "it cannot follow the agent's death (PR_SET_PDEATHSIG)"})
+        os._exit(1)
+    why = warm_up()
+    if why:
+        _send(sock, {"error": why})
+        os._exit(1)
+    _send(sock, {"ready": os.getpid()})
+    request, fds = serve(sock, parent)
+    worker.main(become(request, fds, parent))  # as `python _worker.py ARGS`: exits as it does
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
