@@ -120,6 +120,11 @@ class Agent:
         if self.closed:
             raise StateError(f"{what}: RPC was shut down on this worker")
 
+    def expire_overdue(self) -> None:
+        """Fail the pending calls past their deadline now, as the watch thread does."""
+        if self.monitor is not None:
+            self.monitor.expire(time.monotonic())
+
     # -- calling ---------------------------------------------------------------------
     def timeout_of(self, timeout: float) -> float:
         if timeout is None or timeout == -1.0:

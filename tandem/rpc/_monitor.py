@@ -90,6 +90,10 @@ class Monitor:
             agent.fail_pending(lambda call, rank=rank: call.dest == rank, error)  # type: ignore[misc]
             agent.rrefs.peer_lost(rank)
 
+    def expire(self, now: float) -> None:
+        """Fail every call past its deadline at ``now`` (each round does; so may a caller)."""
+        self._expire(now)
+
     def _expire(self, now: float) -> None:
         agent = self._agent
         expired = []

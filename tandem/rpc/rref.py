@@ -110,6 +110,11 @@ class RRef(Generic[T]):
         """The value: a copy fetched from the owner, or the value itself on the owner."""
         self._agent.check_open("RRef.to_here")
         creation = self._creation
+        if creation is not None and not creation.done() and creation.deadline <= time.monotonic():
+            # past its deadline: fail it now, as the agent's watch thread would at its next
+            # look, so this use reports the creation's timeout even when that thread has
+            # not run since (a busy machine)
+            self._agent.expire_overdue()
         if creation is not None and creation.done() and creation.error is not None:
             raise creation.error
         if self._entry is not None:

@@ -64,6 +64,29 @@ def test_remote_past_its_timeout_fails_at_the_next_use(timeouts: dict[str, Any])
     assert err["type"] == "RpcTimeoutError" and "remote(" in err["msg"], err
 
 
+def _remote_with_a_stalled_watch(rank: int, world: int) -> dict[str, Any]:
+    r: dict[str, Any] = {}
+    if rank == 0:
+        from tandem.rpc import _state
+        monitor = _state.require("test").monitor
+        assert monitor is not None
+        watch = monitor.round
+        monitor.round = lambda: None  # as if the watch thread got no CPU on a busy machine
+        rref = rpc.remote("worker1", sleep_then, args=(3.0,), timeout=0.5)
+        time.sleep(1.0)
+        r["remote"] = attempt(rref.to_here)
+        monitor.round = watch  # type: ignore[method-assign]
+    rpc.shutdown(timeout=30)
+    return r
+
+
+def test_a_remote_past_its_timeout_fails_at_its_use_without_the_watch_thread(
+        tmp_path: Path) -> None:
+    err = run(2, _remote_with_a_stalled_watch, tmp_path, rpc_timeout=5.0)[0]["remote"]
+    assert err["type"] == "RpcTimeoutError" and "remote(" in err["msg"], err
+    assert err["elapsed"] < 1.0, err  # at once, not after to_here's own 5 s
+
+
 def test_the_default_timeout_is_the_rpc_timeout_option(timeouts: dict[str, Any]) -> None:
     err = timeouts["default"]
     assert err["type"] == "RpcTimeoutError" and "timeout 1.5 s" in err["msg"], err
