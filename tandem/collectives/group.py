@@ -29,7 +29,7 @@ from tandem.collectives.recorder import Call, Recorder, clock
 from tandem.collectives.work import Completions, Work
 from tandem.transport import Arena, Header, Kind, Slot, Transport
 
-__all__ = ["ProcessGroup", "NonMemberGroup", "Op", "as_bytes", "bounded", "bounded_cached"]
+__all__ = ["ProcessGroup", "NonMemberGroup", "Op", "as_bytes", "bounded"]
 
 # enum members as module constants: looking one up on its class costs ~10x a global
 _COLL = Kind.COLL

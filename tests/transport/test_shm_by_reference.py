@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import pytest
 
+from _pair import connected_pair
 from tandem.errors import NetworkError, TandemError
-from tandem.store.hash import HashStore
 from tandem.transport import Header, Kind, Slot
 from tandem.transport import _cma
 from tandem.transport.shm import ShmTransport, unsupported_reason
@@ -31,19 +31,8 @@ BIG = 3 << 20  # above BY_REFERENCE_MIN and above the 1 MiB rings below
 
 
 def _pair() -> list[ShmTransport]:
-    store = HashStore()
-    made: list[Any] = [None, None]
-
-    def build(rank: int) -> None:
-        made[rank] = ShmTransport(rank, 2, store, SECRET, ring_bytes=1 << 20, hostname="h")
-
-    threads = [threading.Thread(target=build, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert all(isinstance(m, ShmTransport) for m in made), made
-    return made
+    return connected_pair(lambda rank, store: ShmTransport(
+        rank, 2, store, SECRET, ring_bytes=1 << 20, hostname="h"), ShmTransport)
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from tandem.store.hash import HashStore
+from _pair import connected_pair
 from tandem.transport import Header, Kind
 from tandem.transport import _ring
 from tandem.transport.base import Reader
@@ -30,18 +30,8 @@ FAST = 5.0
 
 @pytest.fixture
 def pair() -> Iterator[list[ShmTransport]]:
-    store = HashStore()
-    made: list[Any] = [None, None]
-
-    def build(rank: int) -> None:
-        made[rank] = ShmTransport(rank, 2, store, SECRET, ring_bytes=1 << 20, hostname="h")
-
-    threads = [threading.Thread(target=build, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert all(isinstance(m, ShmTransport) for m in made), made
+    made = connected_pair(lambda rank, store: ShmTransport(
+        rank, 2, store, SECRET, ring_bytes=1 << 20, hostname="h"), ShmTransport)
     yield made
     for t in made:
         t.close()

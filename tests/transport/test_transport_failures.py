@@ -20,6 +20,7 @@ from tandem.transport import Header, Kind, Slot, Transport
 from tandem.transport.shm import ShmTransport
 from tandem.transport.tcp import TcpTransport
 from _cut import cut_message as _cut_message, vanish as _die
+from _pair import connected_pair
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,18 +36,7 @@ def _make(kind: str, rank: int, store: HashStore, **kw: Any) -> Transport:
 
 @pytest.fixture(params=["tcp", "shm"])
 def pair(request: Any) -> Iterator[list[Transport]]:
-    store = HashStore()
-    made: list[Any] = [None, None]
-
-    def build(rank: int) -> None:
-        made[rank] = _make(request.param, rank, store)
-
-    threads = [threading.Thread(target=build, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert all(isinstance(m, Transport) for m in made), made
+    made = connected_pair(lambda rank, store: _make(request.param, rank, store), Transport)
     yield made
     for t in made:
         t.close()
