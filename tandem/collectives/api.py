@@ -80,6 +80,7 @@ class Sig(str):
 
 
 _SIGS: dict[tuple[Any, ...], Sig] = {}
+_SIZES_SHOWN = 16  # per-tensor sizes shown in a signature; more are summed up by a checksum
 
 
 def _sig(name: str, t: torch.Tensor | None, **extra: Any) -> Sig:
@@ -94,6 +95,15 @@ def _sig(name: str, t: torch.Tensor | None, **extra: Any) -> Sig:
         return sig
     except TypeError:  # an unhashable extra (a list of sizes)
         return _make_sig(name, t, extra)
+
+
+def _sizes(sizes: list[int]) -> str:
+    """Element counts of a call's tensors as signature text: the counts themselves when
+    there are a few (a mismatch then shows them: ``sizes=3,3`` against ``sizes=4,4``),
+    else how many and a checksum. Hashable, so the signature stays cached."""
+    if len(sizes) <= _SIZES_SHOWN:
+        return ",".join(map(str, sizes))
+    return f"{len(sizes)}:{zlib.crc32(struct.pack(f'<{len(sizes)}q', *sizes)):08x}"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -244,9 +254,8 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SU
                     b.flat.copy_(part)
                     b.done()
 
-    layout = zlib.crc32(struct.pack(f"<{len(sizes)}q", *sizes))
     sig = _sig("all_reduce_coalesced", None, dtype=_dtype_name(dtype), tensors=len(sizes),
-               numel=sum(sizes), layout=f"{layout:08x}", op=op.sig, algorithm=name)
+               numel=sum(sizes), sizes=_sizes(sizes), op=op.sig, algorithm=name)
     return _launch(g, "all_reduce_coalesced", sig, body, async_op, list(tensors))
 
 
@@ -308,8 +317,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
             _gather_ring(g, o, outs, tensor)
 
     if g.shares_memory:  # members read each other's sizes from here: all must agree
-        layout = zlib.crc32(struct.pack(f"<{len(outs)}q", *(t.numel() for t in outs)))
-        sig = _sig("all_gather", None, dtype=tensor.dtype, sizes=f"{layout:08x}")
+        sig = _sig("all_gather", None, dtype=tensor.dtype, sizes=_sizes([t.numel() for t in outs]))
     else:
         sig = _sig("all_gather", None, dtype=tensor.dtype)
     return _launch(g, "all_gather", sig, body, async_op, tensor_list)
@@ -421,7 +429,7 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor],
             output.copy_(flat[a:b].view(output.shape))
 
     sig = _sig("reduce_scatter", None, dtype=output.dtype, op=op.sig,
-               sizes=[t.numel() for t in ins])
+               sizes=_sizes([t.numel() for t in ins]))
     return _launch(g, "reduce_scatter", sig, body, async_op, [output])
 
 

@@ -62,6 +62,11 @@ def _reduce_op(rank: int, g: Any, t: torch.Tensor) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)  # site: reduce_op/1
 
 
+def _gather_sizes(rank: int, g: Any, t: torch.Tensor) -> None:
+    # each rank gathers tensors of its own size: the ranks disagree on every size
+    dist.all_gather([torch.zeros_like(t) for _ in range(2)], t, group=g)  # site: gather
+
+
 def _root(rank: int, g: Any, t: torch.Tensor) -> None:
     if rank == 0:
         dist.broadcast(t, src=0, group=g)  # site: root/0
@@ -81,6 +86,7 @@ CASES: dict[str, tuple[Callable[..., None], Callable[[int], torch.Tensor], tuple
                   ("float32[16384]", "float32[16383]")),
     "reduce_op": (_reduce_op, _tensor, ("op=SUM", "op=MAX")),
     "root": (_root, _tensor, ("root=0", "root=1")),
+    "gather_sizes": (_gather_sizes, lambda r: _tensor(r, n=4 + r), ("", "")),
 }
 
 
@@ -101,8 +107,9 @@ def _every_mismatch(rank: int, world_size: int) -> dict[str, Any]:
 def mismatches(request: Any) -> dict[int, Any]:
     # over shm, all_reduce moves no messages (shared staging memory): the calls are
     # compared through each rank's announcements instead
-    return values(launch(2, _every_mismatch, timeout=60, op_timeout=20.0,
-                         backend=request.param), [0, 1])
+    out = values(launch(2, _every_mismatch, timeout=60, op_timeout=20.0,
+                        backend=request.param), [0, 1])
+    return {rank: {**out[rank], "backend": request.param} for rank in out}
 
 
 def _error(case: dict[str, Any]) -> dict[str, Any]:
@@ -157,3 +164,16 @@ def test_next_collective_on_the_group_fails_fast(mismatches: Any, name: str) -> 
             assert "root=0" in then["msg"] and "root=1" in then["msg"], (rank, then)
         else:
             assert then["type"] == "StateError" and "aborted" in then["msg"], (rank, then)
+
+
+def test_all_gather_of_different_sizes_says_which_sizes(mismatches: Any) -> None:
+    # over shm the members compare announced signatures, which list every rank's size;
+    # over tcp the receiver finds a message of the wrong length
+    for rank in (0, 1):
+        err = _error(mismatches[rank]["gather_sizes"])
+        assert err["type"] == "CollectiveMismatchError", (rank, err)
+        if mismatches[rank]["backend"] == "shm":
+            assert "sizes=4,4" in err["msg"] and "sizes=5,5" in err["msg"], (rank, err)
+        else:
+            assert "sent 20 bytes" in err["msg"] or "sent 16 bytes" in err["msg"], (rank, err)
+            assert "expected 16" in err["msg"] or "expected 20" in err["msg"], (rank, err)
