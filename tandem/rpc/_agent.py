@@ -129,7 +129,7 @@ class Agent:
     def timeout_of(self, timeout: float) -> float:
         if timeout is None or timeout == -1.0:
             return self.timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
             raise ArgumentError(f"timeout must be seconds >= 0 (0: none, -1: the default "
                                 f"rpc_timeout), got {timeout!r}")
         return float(timeout)

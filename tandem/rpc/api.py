@@ -30,7 +30,7 @@ from tandem.rpc._agent import Agent
 from tandem.rpc._calls import RpcFuture
 from tandem.rpc._monitor import Monitor
 from tandem.rpc.options import (DEFAULT_NUM_WORKER_THREADS, BackendType, RpcBackendOptions,
-                                TensorPipeRpcBackendOptions, transport_backend)
+                                TensorPipeRpcBackendOptions, check_timeout, transport_backend)
 from tandem.rpc.rref import RRef
 from tandem.rpc.worker import Directory, WorkerInfo, check_name
 from tandem.store.prefix import PrefixStore
@@ -103,7 +103,7 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     agent = _state.require("shutdown")
     try:
         if graceful:
-            _shutdown.drain(agent, float(timeout))
+            _shutdown.drain(agent, check_timeout(timeout, "shutdown's timeout"))
     finally:
         _shutdown.close(agent, "shutdown() was called")
 

@@ -42,10 +42,10 @@ class BackendType(enum.Enum):
     TENSORPIPE = "TENSORPIPE"
 
 
-def _check_timeout(value: object, what: str) -> float:
+def check_timeout(value: object, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ArgumentError(f"{what} must be a number of seconds, got {value!r}")
-    if value < 0:
+    if not value >= 0:  # NaN too
         raise ArgumentError(f"{what} must be >= 0 seconds (0: no deadline), got {value}")
     return float(value)
 
@@ -70,7 +70,7 @@ class RpcBackendOptions:
 
     def __init__(self, rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC,
                  init_method: str = DEFAULT_INIT_METHOD) -> None:
-        self.rpc_timeout = _check_timeout(rpc_timeout, "rpc_timeout")
+        self.rpc_timeout = check_timeout(rpc_timeout, "rpc_timeout")
         if not isinstance(init_method, str) or "://" not in init_method:
             raise ArgumentError(f"init_method must be a URL such as 'env://', "
                                 f"'tcp://host:port' or 'file:///path', got {init_method!r}")

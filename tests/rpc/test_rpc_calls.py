@@ -70,6 +70,7 @@ def _caller(rank: int, world: int) -> dict[str, Any]:
     r["async_error"] = attempt(lambda: rpc.rpc_async("worker1", boom, args=("later",)).wait())
     r["unknown"] = attempt(rpc.rpc_sync, "worker9", echo, args=(1,))
     r["bad_rank"] = attempt(rpc.rpc_sync, 5, echo, args=(1,))
+    r["nan_timeout"] = attempt(rpc.rpc_sync, "worker1", echo, args=(1,), timeout=float("nan"))
     r["lambda"] = attempt(rpc.rpc_sync, "worker1", lambda x: x, args=(1,))
 
     def local(x: Any) -> Any:
@@ -149,6 +150,12 @@ def test_unknown_worker_lists_the_known_names(results: list[dict[str, Any]]) -> 
     assert err["type"] == "ArgumentError"
     assert "'worker9'" in err["msg"] and "'worker0', 'worker1'" in err["msg"], err["msg"]
     assert "out of range" in results[0]["bad_rank"]["msg"]
+
+
+def test_a_timeout_that_is_not_a_number_of_seconds_is_refused(results: list[dict[str, Any]]
+                                                              ) -> None:
+    err = results[0]["nan_timeout"]
+    assert err["type"] == "ArgumentError" and "timeout" in err["msg"], err
 
 
 def test_lambdas_and_closures_are_refused_with_a_message(results: list[dict[str, Any]]) -> None:

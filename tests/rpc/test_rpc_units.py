@@ -71,6 +71,7 @@ def test_options_honour_the_cpu_and_refuse_accelerators() -> None:
 @pytest.mark.parametrize("kwargs, message", [
     ({"num_worker_threads": 0}, "num_worker_threads"),
     ({"rpc_timeout": -1}, "rpc_timeout"),
+    ({"rpc_timeout": float("nan")}, "rpc_timeout"),
     ({"init_method": "localhost:29500"}, "init_method"),
     ({"_transports": ["ibv"]}, "'uv'"),
     ({"_channels": ["cma"]}, "_channels"),
