@@ -237,7 +237,7 @@ class Agent:
         specs = [inplace.prepare(spec) for spec in specs]
         group = self.group = WorkerGroup(specs, self.out, self.err)
         started = time.time()
-        group.start()
+        group.start(lambda: self.ending is not None)
         try:
             while True:
                 if self.ending:

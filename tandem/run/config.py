@@ -50,6 +50,21 @@ class StdMap:
         return dict(self.per_rank).get(local_rank, self.default)
 
 
+WORKER_MEMORY = 64 << 20  # the least any worker needs: a Python process, before torch
+
+
+def workers_that_fit() -> int | None:
+    """How many workers this host's available memory could hold at most (None: unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return max(1, int(line.split()[1]) * 1024 // WORKER_MEMORY)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
     """What to launch and how; see ``python -m tandem.run --help`` for each field's flag."""
@@ -88,6 +103,14 @@ class LaunchConfig:
             raise ArgumentError("give the training script (or -m module) to launch")
         if self.nproc_per_node < 1:
             raise ArgumentError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
+        fit = workers_that_fit()
+        if fit is not None and self.nproc_per_node > fit:
+            # a typo here (100000 for 10) would otherwise start processes until the host
+            # runs out of memory, and take the launcher's signals down with it
+            raise ArgumentError(
+                f"--nproc-per-node {self.nproc_per_node}: this host's available memory holds "
+                f"at most about {fit} workers (at {WORKER_MEMORY >> 20} MiB each, far less "
+                f"than a process that imports torch uses); start fewer workers per node")
         if not 1 <= self.min_nodes <= self.max_nodes:
             raise ArgumentError(
                 f"--nnodes {self.min_nodes}:{self.max_nodes}: need 1 <= MIN <= MAX")

@@ -166,9 +166,12 @@ class WorkerGroup:
         self.workers: list[Worker] = []
         self._out, self._err = out, err
 
-    def start(self) -> None:
-        """Start every worker; call from the main thread (PR_SET_PDEATHSIG follows it)."""
+    def start(self, stop: Callable[[], bool] = lambda: False) -> None:
+        """Start every worker, unless ``stop()`` says the job is ending meanwhile (a
+        signal arrived); call from the main thread (PR_SET_PDEATHSIG follows it)."""
         for spec in self.specs:
+            if stop():
+                return
             self.add(spec)
 
     def add(self, spec: WorkerSpec, launch: Launcher = popen) -> Worker:

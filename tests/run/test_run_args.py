@@ -94,6 +94,32 @@ def test_bad_values_are_refused_with_the_flag_named(
     assert message in capsys.readouterr().err
 
 
+def test_more_workers_than_the_host_could_hold_are_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # a typo (100000 for 10) would start processes until memory ran out
+    from tandem.run import config
+
+    monkeypatch.setattr(config, "workers_that_fit", lambda: 12)
+    assert parse(["--nproc-per-node", "12", "t.py"]).nproc_per_node == 12
+    with pytest.raises(ArgumentError, match="--nproc-per-node 13: .* at most about 12 workers"):
+        parse(["--nproc-per-node", "13", "t.py"])
+    monkeypatch.undo()  # the real count, from /proc/meminfo
+    fit = config.workers_that_fit()
+    assert fit is None or 1 <= fit < 10 ** 6
+    with pytest.raises(ArgumentError, match="start fewer workers per node"):
+        parse(["--nproc-per-node", str(10 ** 9), "t.py"])
+
+
+def test_a_signal_while_workers_start_stops_the_starting() -> None:
+    from tandem.run.workers import WorkerGroup
+
+    started: list[str] = []
+    group = WorkerGroup(["a", "b", "c", "d"], None, None)  # type: ignore[list-item, arg-type]
+    group.add = lambda spec, launch=None: started.append(spec)  # type: ignore[method-assign, assignment, misc]
+    group.start(lambda: len(started) >= 2)  # the ending signal came while starting "b"
+    assert started == ["a", "b"]
+
+
 def test_config_is_usable_without_argparse() -> None:
     cfg = LaunchConfig(entrypoint="t.py", nproc_per_node=2)
     assert cfg.nnodes == 1 and not cfg.multi_node and cfg.console_for(1, Std.ERR)
