@@ -12,6 +12,7 @@ also end the job (exit 128+signal, no restart), a second one skips the grace per
 
 from __future__ import annotations
 
+import errno
 import enum
 import os
 import secrets
@@ -140,6 +141,11 @@ class Agent:
         extra, secret = self._env_extra()
         self._secret = secret
         files_root, self.scratch = self.cfg.log_dir, ""
+        if files_root is not None:
+            _check_log_dir(files_root)
+        note = self.cfg.filter_note()
+        if note:
+            self._say(note)
         if files_root is None and self.cfg.keeps_files:
             files_root = tempfile.mkdtemp(prefix="tandemrun_logs_")  # kept: never swept
             self._say(f"-r/-t without --log-dir: logs go to {files_root}")
@@ -335,3 +341,14 @@ class Agent:
         if since is not None:
             self.stopped = [r for r in self.stopped if r not in {f.rank for f in out}]
         return out
+
+
+def _check_log_dir(path: str) -> None:
+    """Make ``--log-dir`` now, so that a bad one is a one-line error before any worker runs."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "not writable")
+    except OSError as exc:
+        raise ArgumentError(f"--log-dir {path}: cannot write logs there "
+                            f"({exc.strerror or exc})") from None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import os
 import re
 import signal
@@ -131,8 +132,11 @@ class LaunchConfig:
             raise ArgumentError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.spares < 0:
             raise ArgumentError(f"--spares must be >= 0, got {self.spares}")
-        if self.monitor_interval <= 0 or self.shutdown_timeout < 0:
-            raise ArgumentError("--monitor-interval must be > 0 and --shutdown-timeout >= 0")
+        if not (0 < self.monitor_interval < math.inf and 0 <= self.shutdown_timeout < math.inf):
+            raise ArgumentError(f"--monitor-interval must be > 0 and --shutdown-timeout >= 0 "
+                                f"(finite seconds), got {self.monitor_interval} and "
+                                f"{self.shutdown_timeout}")
+
         if self.module and self.no_python:
             raise ArgumentError("-m/--module and --no-python cannot be used together")
         if self.standalone and self.max_nodes != 1:
@@ -153,6 +157,15 @@ class LaunchConfig:
             return default if raw is None else float(raw)
         except ValueError as exc:
             raise ArgumentError(f"--rdzv-conf {key}={raw!r} is not a number") from exc
+
+    def filter_note(self) -> str | None:
+        """What to tell a user whose ``--local-ranks-filter`` names ranks this node does
+        not run (the same command line may serve nodes of different sizes: not an error)."""
+        missing = sorted(r for r in self.local_ranks_filter or () if r >= self.nproc_per_node)
+        if not missing:
+            return None
+        return (f"--local-ranks-filter names local rank(s) {', '.join(map(str, missing))}, "
+                f"but this node runs local ranks 0-{self.nproc_per_node - 1}")
 
     def console_for(self, local_rank: int, stream: Std) -> bool:
         """Whether a stream of this local rank is shown on the launcher's console."""

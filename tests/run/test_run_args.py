@@ -69,6 +69,11 @@ def test_redirect_and_tee_maps_decide_what_reaches_the_console() -> None:
     assert not cfg.console_for(2, Std.OUT)  # filtered out
     assert cfg.keeps_files
     assert not parse(["t.py"]).keeps_files
+    assert parse(["--nproc-per-node", "2", "--local-ranks-filter", "0,1", "t.py"]
+                 ).filter_note() is None
+    assert parse(["--nproc-per-node", "2", "--local-ranks-filter", "1,5,7", "t.py"]
+                 ).filter_note() == ("--local-ranks-filter names local rank(s) 5, 7, but this "
+                                     "node runs local ranks 0-1")
 
 
 def test_signals_rdzv_conf_and_standalone() -> None:
@@ -87,6 +92,9 @@ def test_signals_rdzv_conf_and_standalone() -> None:
     (["-r", "7", "t.py"], "--redirects"),
     (["--rdzv-backend", "etcd", "--nnodes", "2", "t.py"], "static and c10d"),
     (["--spares", "-1", "t.py"], "--spares must be >= 0"),
+    (["--monitor-interval", "nan", "t.py"], "--monitor-interval must be > 0"),
+    (["--monitor-interval", "inf", "t.py"], "--monitor-interval must be > 0"),
+    (["--log-dir", "/proc/no-such-dir", "t.py"], "--log-dir /proc/no-such-dir: cannot write"),
 ])
 def test_bad_values_are_refused_with_the_flag_named(
         argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
