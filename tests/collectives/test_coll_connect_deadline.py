@@ -76,3 +76,38 @@ def test_a_peer_that_never_starts_fails_set_up_within_the_connect_timeout(
     assert f"/{other}" in message or f"[{other}]" in message, (
         f"the message should name rank {other}: {message}")
     assert seconds < CONNECT_TIMEOUT + SLACK, f"took {seconds}s"
+
+
+SIZED = textwrap.dedent("""
+    import datetime, sys, time
+    import tandem, tandem.collectives.world
+    start = time.monotonic()
+    try:
+        tandem.init_process_group("tcp", init_method=sys.argv[1], rank=int(sys.argv[2]),
+                                  world_size=int(sys.argv[3]),
+                                  timeout=datetime.timedelta(seconds=float(sys.argv[4])))
+        print("joined")
+    except Exception as exc:
+        print(f"{type(exc).__name__} {time.monotonic() - start:.2f} {exc}")
+""")
+
+
+def test_the_init_timeout_bounds_connecting_when_it_is_shorter(tmp_path: Path) -> None:
+    # rank 1 believes in a world of 3: it registers, but its connection to rank 0 is
+    # refused, so rank 0 waits for it on its socket, which must end by the init timeout
+    # (2 s), not by TANDEM_CONNECT_TIMEOUT (60 s by default)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TANDEM_TIMEOUT", "TANDEM_CONNECT_TIMEOUT")}
+    store = f"file://{tmp_path}/store"
+    procs = [subprocess.Popen([sys.executable, "-c", SIZED, store, str(rank), str(world), "2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for rank, world in ((0, 2), (1, 3))]
+    try:
+        out = [p.communicate(timeout=LIMIT)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    line = (out[0].strip().splitlines() or [""])[-1]
+    kind, seconds, message = (line.split(" ", 2) + ["0", ""])[:3]
+    assert kind in ("NetworkError", "StoreTimeoutError"), out
+    assert float(seconds) < 2.0 + SLACK, f"took {seconds}s: {message}"
