@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Iterator, Sized
+import operator
+from typing import Any, Iterator, Sized
 
 import torch
 from torch.utils.data import Sampler
@@ -30,6 +31,16 @@ from tandem.collectives.world import get_rank, get_world_size
 from tandem.errors import ArgumentError
 
 __all__ = ["DistributedSampler"]
+
+
+def _whole(what: str, value: Any) -> int:
+    # seed + epoch seed the permutation: anything but an integer failed later, in __iter__
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)  # numpy's integers too
+    except TypeError:
+        raise ArgumentError(f"DistributedSampler: {what} must be an int, got {value!r}") from None
 
 
 class DistributedSampler(Sampler[int]):
@@ -53,10 +64,10 @@ class DistributedSampler(Sampler[int]):
             raise ArgumentError(f"DistributedSampler: rank must be in [0, {num_replicas}) "
                                 f"for num_replicas={num_replicas}, got {rank!r}")
         self.dataset = dataset
+        self.seed = _whole("seed", seed)
         self.num_replicas = num_replicas
         self.rank = rank
         self.shuffle = shuffle
-        self.seed = seed
         self.drop_last = drop_last
         self.epoch = 0
         n = len(dataset)
@@ -85,4 +96,4 @@ class DistributedSampler(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         """Use a different permutation for ``epoch``; call it on every rank before iterating."""
-        self.epoch = epoch
+        self.epoch = _whole("set_epoch: epoch", epoch)

@@ -66,6 +66,18 @@ def test_rank_outside_range_is_an_argument_error(rank: int) -> None:
         DistributedSampler(Sized(10), num_replicas=3, rank=rank)
 
 
+def test_seed_and_epoch_must_be_integers() -> None:
+    import numpy as np
+
+    s = DistributedSampler(Sized(10), num_replicas=2, rank=0, seed=np.int64(4))
+    s.set_epoch(np.int32(2))
+    assert (s.seed, s.epoch) == (4, 2) and len(list(s)) == 5
+    with pytest.raises(ArgumentError, match="seed must be an int, got 'x'"):
+        DistributedSampler(Sized(10), num_replicas=2, rank=0, seed="x")  # type: ignore[arg-type]
+    with pytest.raises(ArgumentError, match="epoch must be an int, got nan"):
+        s.set_epoch(float("nan"))  # type: ignore[arg-type]
+
+
 def test_non_positive_num_replicas_is_an_argument_error() -> None:
     with pytest.raises(ArgumentError, match="num_replicas"):
         DistributedSampler(Sized(10), num_replicas=0, rank=0)
