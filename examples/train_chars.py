@@ -51,6 +51,7 @@ process start-up (importing torch, and torch.optim importing torch._dynamo).
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing
 import os
 import secrets
@@ -136,8 +137,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[RunConfig, argparse.N
     cfg = RunConfig(**values, lr=ns.lr, out=ns.out, resume=ns.resume, seed=ns.seed,
                     save_every=ns.save_every, zero=ns.zero or ns.shard_grads,
                     shard_grads=ns.shard_grads, uneven=ns.uneven, elastic=ns.elastic)
-    for name in ("steps", "batch_size", "seq_len", "dim", "layers", "eval_windows"):
-        if getattr(cfg, name) <= 0:
+    for name in ("steps", "batch_size", "seq_len", "dim", "layers", "eval_windows",
+                 "corpus_mb", "lr"):
+        if not 0 < getattr(cfg, name) < math.inf:  # NaN too
             p.error(f"--{name.replace('_', '-')} must be positive")
     if cfg.dim % cfg.heads:
         p.error(f"--dim must be a multiple of {cfg.heads} (attention heads)")

@@ -165,3 +165,16 @@ def test_help_says_how_many_processes_and_the_launcher_decides(tmp_path: Path) -
             == 1, res.stderr
         assert f"[rank0]: train_chars.py: error: --nproc {nproc}:" in res.stderr  # rank 0's
         assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.timeout(150)
+def test_careless_values_are_refused_with_the_flag_named(tmp_path: Path) -> None:
+    for flag, value in (("--lr", "nan"), ("--corpus-mb", "0"), ("--steps", "0")):
+        res = subprocess.run([sys.executable, str(SCRIPT), *TINY, flag, value], cwd=tmp_path,
+                             env=_env(), capture_output=True, text=True, timeout=60)
+        assert res.returncode == 2 and f"{flag} must be positive" in res.stderr, res.stderr
+    # longer windows than the text read: said before training, not a ZeroDivisionError
+    res = tandemrun(tmp_path, 1, *TINY, "--seq-len", "1000000")
+    assert res.returncode == 1
+    assert "--seq-len 1000000: the text read" in res.stderr, res.stderr[-2000:]
+    assert "ZeroDivisionError" not in res.stderr

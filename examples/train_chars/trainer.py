@@ -148,6 +148,12 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     lead = rank == 0
     torch.manual_seed(cfg.seed)
     train_ids, val_ids, n_files = load_corpus(int(cfg.corpus_mb * 1e6))
+    shortest = min(len(train_ids), len(val_ids)) - 1  # characters that have a next one
+    if shortest < cfg.seq_len * world:
+        raise ValueError(f"--seq-len {cfg.seq_len}: the text read (--corpus-mb "
+                         f"{cfg.corpus_mb:g}: {len(train_ids)} training and {len(val_ids)} "
+                         f"validation characters) holds fewer than one window per rank; "
+                         f"use a shorter --seq-len or a larger --corpus-mb")
     mcfg = ModelConfig(len(VOCAB), cfg.seq_len, cfg.dim, cfg.layers, cfg.heads)
     model = CharTransformer(mcfg)
     if cfg.uneven and cfg.uneven * (world - 1) >= cfg.steps:
