@@ -154,9 +154,13 @@ def format_summary(failures: Sequence[Failure], *, run_id: str, attempts: int,
         else:
             lines.append("  traceback  :")
             lines += ["    " + line for line in root.traceback.rstrip("\n").splitlines()]
+    elif root.returncode is not None and root.returncode > 0:
+        lines.append(f"  exception  : none recorded: the worker exited with status "
+                     f"{root.returncode} itself (sys.exit, argparse refusing its arguments, or "
+                     f"a --no-python command); see its output above")
     else:
-        lines.append("  exception  : none recorded (the worker was killed, exited on its own, "
-                     "or ran with --no-python); see its stderr above")
+        lines.append("  exception  : none recorded (the worker was killed); see its stderr "
+                     "above")
     if root.error_file:
         lines.append(f"  error file : {root.error_file}")
     if root.log_dir:

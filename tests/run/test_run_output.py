@@ -85,6 +85,9 @@ def test_help_and_argparse_errors_of_every_rank_appear_once(run: Run) -> None:
     assert res.code == 1
     assert res.err.count("error: unrecognized arguments: --bogus") == 1, res.err
     assert "[rank0-2]: usage.py: error: unrecognized arguments: --bogus" in res.err
+    # the summary says the script exited by itself, not that it may have been killed
+    assert "exit       : exit code 2" in res.err, res.err
+    assert "the worker exited with status 2 itself (sys.exit, argparse" in res.err, res.err
 
 
 @pytest.mark.timeout(60)
