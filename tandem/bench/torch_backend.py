@@ -153,9 +153,9 @@ def collectives_line(row: dict[str, Any]) -> str:
     shares = ", ".join(
         f"{n} {_time(wall[n] - outside[n])} of {_time(wall[n])} "
         f"({(1 - outside[n] / wall[n]) * 100:.0f}%)" for n in ("gloo", "tandem"))
-    return (f"{_measure(row)} ({row['what']}), time in collectives: {shares}; with tandem's collectives "
-            f"taking no time the step would take {_time(outside['tandem'])}, a ceiling of "
-            f"{wall['gloo'] / outside['tandem']:.2f}x gloo (speed-up now "
+    return (f"{_measure(row)} ({row['what']}), time in collectives: {shares}; with tandem's "
+            f"collectives taking no time the step would take {_time(outside['tandem'])}, a "
+            f"ceiling of {wall['gloo'] / outside['tandem']:.2f}x gloo (speed-up now "
             f"{wall['gloo'] / wall['tandem']:.2f}x)")
 
 
