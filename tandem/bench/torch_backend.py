@@ -6,248 +6,53 @@ Run::
     python -m tandem.bench torch-backend --sizes 4K,64M --parts all_reduce
     python -m tandem.bench torch-backend --markdown    # the table for the README
     python -m tandem.bench torch-backend --quick       # seconds; what the smoke test runs
+    python -m tandem.bench torch-backend --parts fsdp,fsdp-short   # FSDP2, two batch sizes
 
 How it measures. One set of rank processes joins torch.distributed with the backend
 "tandem" (the default group) and builds a gloo group over the same ranks; every
 contender runs torch's own code on one of the two groups, so the library under
-torch's API is the only difference:
-
-* ``all_reduce``: ``torch.distributed.all_reduce(t)`` on each group, float32, after a
-  check on known values. The third contender, "tandem direct", calls
-  ``tandem.all_reduce(t, group=...)`` on the very tandem group under the torch one:
-  the torch layer (torch's Python API and tandem's process-group adapter) is then
-  the only difference, and "torch layer" is its cost, tandem via torch / direct - 1.
-* ``coalesced``: torch's ``_coalescing_manager`` around 8 ``all_gather_single`` calls
-  of 4 KB each (one coalesced call to the group, as functional collectives make too).
-* ``ddp``: a step (forward, backward, SGD) of torch's DistributedDataParallel on the
-  8.4 M-parameter MLP of ``python -m tandem.bench ddp``, batch 32 per rank.
-* ``fsdp``: a step of torch's FSDP2 (``fully_shard`` per layer and at the root, Adam)
-  on a small transformer (4 layers, width 256, 2.6 M parameters), batch 8 x 64 tokens.
+torch's API is the only difference. The parts: single calls
+(:mod:`tandem.bench.torch_backend_calls`: ``all_reduce`` per size, ``coalesced``) and
+training steps (:mod:`tandem.bench.torch_backend_steps`: ``ddp``, ``fsdp``, and
+``fsdp-short`` when asked for).
 
 Rounds rotate through the contenders, each round after a barrier, so all see the
-same machine noise; a round lasts as long as its slowest rank and a contender's
-figure is its best round. "speed-up" = gloo's wall time / tandem's (above 1: tandem
-is faster; 4 KB latency 0.3x = speed-up 3.3). "torch layer" is given in wall time
-and in CPU time per call (each rank process's, every thread; the best round of the
-slowest rank): when more processes want the CPUs than there are, wall time also
-measures who got scheduled, CPU time only the work done.
+same machine noise (:mod:`tandem.bench.torch_backend_rounds`); a round lasts as long
+as its slowest rank and a contender's figure is its best round. "speed-up" = gloo's
+wall time / tandem's (above 1: tandem is faster; 4 KB latency 0.3x = speed-up 3.3).
+"torch layer" is tandem via torch / tandem direct - 1, in wall time and in CPU time per
+call (each rank process's, every thread; the best round of the slowest rank): when
+more processes want the CPUs than there are, wall time also measures who got
+scheduled, CPU time only the work done.
+
+For the FSDP2 step a line below the table gives each backend's time in collectives
+(in the best round, the step's wall time less the slowest rank's time outside
+collectives) and the ceiling: gloo's step over tandem's step without its collectives,
+the speed-up if tandem's collectives took no time at all.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
-import functools
 import socket
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
-from torch import nn
-from torch.nn import functional as F
 
-from tandem.bench.collectives import _fmt_size, machine, parse_sizes
+from tandem.bench.collectives import machine, parse_sizes
+from tandem.bench.torch_backend_calls import all_reduce_part, coalesced_part, layer_cost_seconds
+from tandem.bench.torch_backend_rounds import CLOCKS
+from tandem.bench.torch_backend_steps import TinyTransformer, steps_part
 
-__all__ = ["main", "run", "format_table", "TinyTransformer"]
+__all__ = ["main", "run", "format_table", "collectives_line", "TinyTransformer"]
 
-PARTS = ("all_reduce", "coalesced", "ddp", "fsdp")
-CLOCKS = ("wall", "cpu")
+PARTS = ("all_reduce", "coalesced", "ddp", "fsdp", "fsdp-short")
+DEFAULT_PARTS = PARTS[:4]
 _TIMEOUT_S = 300.0
-
-
-class TinyTransformer(nn.Module):
-    """Embedding, ``layers`` transformer encoder layers, output projection."""
-
-    def __init__(self, vocab: int = 1024, width: int = 256, layers: int = 4) -> None:
-        super().__init__()
-        self.vocab = vocab
-        self.embed = nn.Embedding(vocab, width)
-        self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0, batch_first=True)
-            for _ in range(layers))
-        self.out = nn.Linear(width, vocab)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.out(h)
-
-
-# ---- inside each rank process ---------------------------------------------------------
-
-
-def _best_rounds(contenders: dict[str, tuple[Callable[[], object], Callable[[], object]]],
-                 iters: dict[str, int], rounds: int) -> dict[str, dict[str, list[float]]]:
-    """Per clock ("wall", "cpu": this process's CPU time, every thread) and contender,
-    seconds per iteration in each round; the order of the contenders rotates per round."""
-    names = list(contenders)
-    times: dict[str, dict[str, list[float]]] = {c: {n: [] for n in names} for c in CLOCKS}
-    for r in range(rounds):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
-            barrier, step = contenders[name]
-            barrier()
-            start, used = time.perf_counter(), time.process_time()
-            for _ in range(iters[name]):
-                step()
-            times["wall"][name].append((time.perf_counter() - start) / iters[name])
-            times["cpu"][name].append((time.process_time() - used) / iters[name])
-    return times
-
-
-def _agreed_iters(contenders: dict[str, Any], gloo: Any, round_s: float,
-                  cap: int) -> dict[str, int]:
-    """Iterations per round for each contender; every rank must run the same count."""
-    import torch.distributed as dist
-
-    est = []
-    for barrier, step in contenders.values():
-        barrier()
-        start = time.perf_counter()
-        step()
-        est.append(time.perf_counter() - start)
-    agreed = torch.tensor(est, dtype=torch.float64)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=gloo)
-    return {n: max(1, min(cap, int(round_s / max(e, 1e-9))))
-            for n, e in zip(contenders, agreed.tolist())}
-
-
-def _all_reduce_part(gloo: Any, rank: int, world: int, sizes: Sequence[int], rounds: int,
-                     round_s: float) -> list[dict[str, Any]]:
-    import torch.distributed as dist
-
-    import tandem
-
-    direct = dist.group.WORLD.tandem_group  # type: ignore[union-attr]
-    out = []
-    for size in sizes:
-        numel = max(1, size // 4)
-        calls = {"tandem": lambda t: dist.all_reduce(t),
-                 "gloo": lambda t: dist.all_reduce(t, group=gloo),
-                 "tandem direct": lambda t: tandem.all_reduce(t, group=direct)}
-        for name, call in calls.items():  # the check is also the warm-up
-            t = torch.full((numel,), float(rank + 1))
-            call(t)
-            if not torch.equal(t, torch.full((numel,), float(world * (world + 1) // 2))):
-                raise AssertionError(f"{name} all_reduce of {size} bytes is wrong on rank {rank}")
-        buf = torch.zeros(numel)
-        barriers = {"tandem": dist.barrier, "gloo": lambda: dist.barrier(group=gloo),
-                    "tandem direct": lambda: tandem.barrier(group=direct)}
-        contenders: dict[str, tuple[Callable[[], object], Callable[[], object]]] = {
-            n: (barriers[n], functools.partial(c, buf)) for n, c in calls.items()}
-        iters = _agreed_iters(contenders, gloo, round_s, 4000)
-        out.append({"part": "all_reduce", "what": _fmt_size(size),
-                    "times": _best_rounds(contenders, iters, rounds)})
-    return out
-
-
-def _coalesced_part(gloo: Any, rank: int, world: int, rounds: int,
-                    round_s: float) -> list[dict[str, Any]]:
-    import torch.distributed as dist
-
-    count, numel = 8, 1024
-    ins = [torch.full((numel,), float(rank + 1)) for _ in range(count)]
-    outs = [torch.empty(numel * world) for _ in range(count)]
-    expected = torch.arange(1.0, world + 1).repeat_interleave(numel)
-
-    def gather(group: Any) -> Callable[[], None]:
-        def step() -> None:
-            with dist._coalescing_manager(group=group):
-                for out, inp in zip(outs, ins):
-                    dist.all_gather_single(out, inp, group=group)
-        return step
-
-    steps = {"tandem": gather(None), "gloo": gather(gloo)}
-    for name, step in steps.items():  # the check is also the warm-up
-        for out in outs:
-            out.zero_()
-        step()
-        if not all(torch.equal(out, expected) for out in outs):
-            raise AssertionError(f"{name} coalesced all_gather is wrong on rank {rank}")
-    barriers = {"tandem": dist.barrier, "gloo": lambda: dist.barrier(group=gloo)}
-    contenders: dict[str, tuple[Callable[[], object], Callable[[], object]]] = {
-        n: (barriers[n], s) for n, s in steps.items()}
-    iters = _agreed_iters(contenders, gloo, round_s, 2000)
-    return [{"part": "coalesced", "what": f"{count} x {_fmt_size(numel * 4)} all_gather",
-             "times": _best_rounds(contenders, iters, rounds)}]
-
-
-def _trainers(model: nn.Module, wrap: Callable[[nn.Module], nn.Module], data: Any,
-              loss: Callable[[nn.Module, Any], torch.Tensor],
-              optimizer: Callable[[Any], torch.optim.Optimizer]) -> Callable[[], object]:
-    wrapped = wrap(model)
-    opt = optimizer(wrapped.parameters())
-
-    def step() -> None:
-        opt.zero_grad()
-        loss(wrapped, data).backward()
-        opt.step()
-
-    return step
-
-
-def _steps_part(part: str, gloo: Any, rank: int, world: int, warmup: int, steps: int,
-                rounds: int, small: bool) -> list[dict[str, Any]]:
-    import torch.distributed as dist
-
-    if part == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        from tandem.bench.ddp import build
-
-        model, x, y = build("cnn" if small else "mlp")
-        wraps: dict[str, Callable[[nn.Module], nn.Module]] = {
-            "tandem": lambda m: DDP(m), "gloo": lambda m: DDP(m, process_group=gloo)}
-        data: Any = (x, y)
-        params = sum(p.numel() for p in model.parameters())
-        what = f"{'cnn' if small else 'mlp'}, {params / 1e6:.1f} M params"
-
-        def loss(m: nn.Module, d: Any) -> torch.Tensor:
-            return F.mse_loss(m(d[0]), d[1])
-
-        def optimizer(params: Any) -> torch.optim.Optimizer:
-            return torch.optim.SGD(params, lr=1e-4)
-    else:
-        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        torch.manual_seed(0)
-        model = TinyTransformer(width=64, layers=1) if small else TinyTransformer()
-        meshes = {"tandem": init_device_mesh("cpu", (world,)),
-                  "gloo": DeviceMesh.from_group(gloo, "cpu")}
-
-        def shard(mesh: Any) -> Callable[[nn.Module], nn.Module]:
-            def wrap(m: nn.Module) -> nn.Module:
-                for layer in m.layers:  # type: ignore[union-attr]
-                    fully_shard(layer, mesh=mesh)
-                fully_shard(m, mesh=mesh)
-                return m
-            return wrap
-
-        wraps = {n: shard(mesh) for n, mesh in meshes.items()}
-        data = torch.randint(0, model.vocab, (8, 65), generator=torch.Generator().manual_seed(rank))
-        what = f"transformer, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params"
-
-        def loss(m: nn.Module, d: Any) -> torch.Tensor:
-            logits = m(d[:, :-1])
-            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), d[:, 1:].reshape(-1))
-
-        def optimizer(params: Any) -> torch.optim.Optimizer:
-            return torch.optim.Adam(params, lr=1e-4)
-
-    steppers = {n: _trainers(copy.deepcopy(model), wrap, data, loss, optimizer)
-                for n, wrap in wraps.items()}
-    for step in steppers.values():
-        for _ in range(warmup):
-            step()
-    barriers = {"tandem": dist.barrier, "gloo": lambda: dist.barrier(group=gloo)}
-    contenders = {n: (barriers[n], s) for n, s in steppers.items()}
-    return [{"part": part, "what": what,
-             "times": _best_rounds(contenders, {n: steps for n in contenders}, rounds)}]
 
 
 def _rank_main(rank: int, world: int, tmp: str, parts: Sequence[str], sizes: Sequence[int],
@@ -264,50 +69,18 @@ def _rank_main(rank: int, world: int, tmp: str, parts: Sequence[str], sizes: Seq
         gloo = dist.new_group(backend="gloo")
         rows: list[dict[str, Any]] = []
         if "all_reduce" in parts:
-            rows += _all_reduce_part(gloo, rank, world, sizes, rounds, round_s)
+            rows += all_reduce_part(gloo, rank, world, sizes, rounds, round_s)
         if "coalesced" in parts:
-            rows += _coalesced_part(gloo, rank, world, rounds, round_s)
-        for part in ("ddp", "fsdp"):
+            rows += coalesced_part(gloo, rank, world, rounds, round_s)
+        for part in ("ddp", "fsdp", "fsdp-short"):
             if part in parts:
-                rows += _steps_part(part, gloo, rank, world, warmup, steps, rounds, small)
+                rows += steps_part(part, gloo, rank, world, warmup, steps, rounds, small)
         return rows
     finally:
         dist.destroy_process_group()
 
 
 # ---- in the parent --------------------------------------------------------------------
-
-
-def layer_cost_seconds(numel: int = 1024, number: int = 2000, repeat: int = 15) -> float:
-    """What torch's API and tandem's adapter add per all_reduce call, timed in this process.
-
-    On a one-rank "tandem" group no data moves, so ``torch.distributed.all_reduce`` and
-    ``tandem.all_reduce`` on the group underneath differ only by the torch layer. The
-    two alternate, each keeps its best repeat, and the clock is CPU time: on a shared,
-    oversubscribed machine wall time stretches with every other process's share of the
-    CPU, where CPU time counts only the work done.
-    """
-    import timeit
-
-    import torch.distributed as dist
-
-    import tandem
-    import tandem.torch_backend  # noqa: F401 - registers "tandem"
-
-    dist.init_process_group("tandem", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        group = dist.group.WORLD.tandem_group  # type: ignore[union-attr]
-        t = torch.zeros(numel)
-        best = {"torch": float("inf"), "direct": float("inf")}
-        calls = {"torch": lambda: dist.all_reduce(t),
-                 "direct": lambda: tandem.all_reduce(t, group=group)}
-        for _ in range(repeat):
-            for name, call in calls.items():
-                clock = timeit.Timer(call, timer=time.process_time)
-                best[name] = min(best[name], clock.timeit(number=number) / number)
-        return best["torch"] - best["direct"]
-    finally:
-        dist.destroy_process_group()
 
 
 def run(world: int, parts: Sequence[str], sizes: Sequence[int], *, rounds: int = 7,
@@ -331,8 +104,27 @@ def run(world: int, parts: Sequence[str], sizes: Sequence[int], *, rounds: int =
         # per clock: a round counts as its slowest rank; keep the best round
         best = {c: {n: min(max(r[i]["times"][c][n][k] for r in per_rank) for k in range(rounds))
                     for n in row["times"][c]} for c in CLOCKS}
-        rows.append({"part": row["part"], "what": row["what"], "world": world, **best})
+        out = {"part": row["part"], "what": row["what"], "world": world, **best}
+        if "collectives" in row["times"]:
+            out["outside"] = _outside_collectives([r[i]["times"] for r in per_rank], rounds)
+        rows.append(out)
     return rows
+
+
+def _outside_collectives(per_rank: Sequence[dict[str, dict[str, list[float]]]],
+                         rounds: int) -> dict[str, float]:
+    """Per contender, in its best round (by the slowest rank's wall time), the longest
+    time a rank spent outside collectives: the step's length if they took no time."""
+    out = {}
+    for name in per_rank[0]["wall"]:
+        k = min(range(rounds), key=lambda j: max(t["wall"][name][j] for t in per_rank))
+        out[name] = max(t["wall"][name][k] - t["collectives"][name][k] for t in per_rank)
+    return out
+
+
+def _measure(row: dict[str, Any]) -> str:
+    part = row["part"]
+    return part if part in ("all_reduce", "coalesced") else f"{part.split('-')[0]} step"
 
 
 def _time(s: float) -> str:
@@ -350,9 +142,21 @@ def _cells(row: dict[str, Any]) -> list[str]:
     if direct:
         layer = (f"{(wall['tandem'] / direct - 1) * 100:+.1f}% "
                  f"(CPU {(cpu['tandem'] / cpu['tandem direct'] - 1) * 100:+.1f}%)")
-    measure = row["part"] if row["part"] in ("all_reduce", "coalesced") else f"{row['part']} step"
+    measure = _measure(row)
     return [str(row["world"]), measure, row["what"], _time(wall["gloo"]), _time(wall["tandem"]),
             f"{wall['gloo'] / wall['tandem']:.2f}", _time(direct) if direct else "-", layer]
+
+
+def collectives_line(row: dict[str, Any]) -> str:
+    """For a row timed with its collectives: each backend's time in them and the ceiling."""
+    wall, outside = row["wall"], row["outside"]
+    shares = ", ".join(
+        f"{n} {_time(wall[n] - outside[n])} of {_time(wall[n])} "
+        f"({(1 - outside[n] / wall[n]) * 100:.0f}%)" for n in ("gloo", "tandem"))
+    return (f"{_measure(row)} ({row['what']}), time in collectives: {shares}; with tandem's "
+            f"collectives taking no time the step would take {_time(outside['tandem'])}, a "
+            f"ceiling of {wall['gloo'] / outside['tandem']:.2f}x gloo (speed-up now "
+            f"{wall['gloo'] / wall['tandem']:.2f}x)")
 
 
 def format_table(rows: Sequence[dict[str, Any]], markdown: bool = False) -> str:
@@ -371,8 +175,9 @@ def format_table(rows: Sequence[dict[str, Any]], markdown: bool = False) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tandem.bench torch-backend",
                                      description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--parts", default=",".join(PARTS),
-                        help=f"comma list of {', '.join(PARTS)} (default: all)")
+    parser.add_argument("--parts", default=",".join(DEFAULT_PARTS),
+                        help=f"comma list of {', '.join(PARTS)} (default: "
+                             f"{','.join(DEFAULT_PARTS)})")
     parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
     parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes("4K,64K,1M,16M,64M"),
                         help="all_reduce bytes per rank, comma list (default 4K,64K,1M,16M,64M)")
@@ -414,6 +219,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"torch layer per call (CPU time, one process, best of alternating repeats): "
               f"{cost * 1e6:.1f} us = {cost / direct * 100:.1f}% of the CPU time of a 4 KB "
               f"tandem direct all_reduce above")
+    for row in rows:
+        if "outside" in row:
+            print(collectives_line(row))
     return 0
 
 
