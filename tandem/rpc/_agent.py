@@ -34,6 +34,7 @@ from tandem.autograd._context import Contexts
 from tandem.errors import ArgumentError, PeerLostError, ProtocolError, StateError, TandemError
 from tandem.rpc import _codec
 from tandem.rpc._codec import CALL, ERROR, NOTE, REMOTE, REPLY
+from tandem.rpc._buffers import ReceiveBuffers
 from tandem.rpc._calls import Call, Pending, RpcFuture, rebuild_error, timeout_error, wait_flag
 from tandem.rpc._pool import adopt_thread_settings, role
 from tandem.rpc._rrefs import RRefTable
@@ -107,6 +108,7 @@ class Agent:
         self.closed = False
         self.rrefs = RRefTable(self)
         self.autograd = Contexts(self.rank)
+        self.buffers = ReceiveBuffers()  # large received tensors' memory, recycled
         transport.handle(Kind.RPC, self._on_message)
 
     # -- identity --------------------------------------------------------------------
@@ -223,7 +225,8 @@ class Agent:
 
     def _receive(self, src: int, header: Header, read: Reader) -> None:
         msg = header.step
-        incoming = _codec.read_message(header, read, _Sender(self.workers, src))
+        incoming = _codec.read_message(header, read, _Sender(self.workers, src),
+                                       self.buffers.empty)
         try:
             if msg == CALL or msg == REMOTE:
                 self.server.on_call(src, header.seq, incoming, msg == REMOTE)

@@ -214,9 +214,17 @@ class Incoming:
         self.error = error
 
 
-def read_message(header: Header, read: Reader, src: object) -> Incoming:
+def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+def read_message(header: Header, read: Reader, src: object,
+                 empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] = _empty
+                 ) -> Incoming:
     """Read one message's payload: exactly ``header.nbytes`` bytes, or ProtocolError.
-    ``src`` names the sender in errors (formatted only then)."""
+    ``src`` names the sender in errors (formatted only then); ``empty(shape, dtype)``
+    allocates the tensors that are read straight off the wire (not copied out of a
+    small message), e.g. ``ReceiveBuffers.empty``."""
     meta_len = header.group
     if meta_len < _HEAD.size or meta_len > header.nbytes:
         raise ProtocolError(f"{src} sent an RPC message with a {meta_len}-byte table in a "
@@ -251,15 +259,19 @@ def read_message(header: Header, read: Reader, src: object) -> Incoming:
     base = ctypes.addressof(ctypes.c_char.from_buffer(meta)) if whole else 0
     try:
         for shape, dtype, _ in specs:
-            t = torch.empty(shape, dtype=dtype)
-            size = t.nbytes
-            if size and whole:
-                ctypes.memmove(t.data_ptr(), base + done, size)
-            elif size:
-                read(as_bytes(t))
+            if whole:
+                t = torch.empty(shape, dtype=dtype)
+                size = t.nbytes
+                if size:
+                    ctypes.memmove(t.data_ptr(), base + done, size)
+            else:
+                t = empty(shape, dtype)
+                size = t.nbytes
+                if size:
+                    read(as_bytes(t))
             done += size
             tensors.append(t)
-    except (MemoryError, RuntimeError) as exc:
+    except (MemoryError, RuntimeError, OSError) as exc:
         if not whole:
             _drain(read, header.nbytes - done)
         return Incoming(ctx_id, amsg, [], [], b"", False, StateError(
