@@ -196,7 +196,7 @@ def encode(obj: Any, what: str, fork: Callable[[Any], tuple[Any, ...]] | None = 
     head = _HEAD.pack(ctx_id, amsg, len(tensors), _RREFS if rrefs else 0)
     if not tensors:
         meta = len(head) + len(pickled)
-        return Outgoing([memoryview(head), memoryview(pickled)], meta, meta, rrefs)
+        return Outgoing([memoryview(head + pickled)], meta, meta, rrefs)
     table = bytearray(head)
     views: list[memoryview] = []
     small = bytearray()  # small tensors' bytes, copied: cheaper than a view of each
@@ -215,9 +215,13 @@ def encode(obj: Any, what: str, fork: Callable[[Any], tuple[Any, ...]] | None = 
             views.append(memoryview(small))
             small = bytearray()
         views.append(_payload(t))
+    meta = len(table) + len(pickled)
+    if not views:  # a small message goes in one piece: each piece costs the transport ~1 us
+        table += pickled
+        table += small
+        return Outgoing([memoryview(table)], meta, len(table), rrefs)
     if small:
         views.append(memoryview(small))
-    meta = len(table) + len(pickled)
     nbytes = meta + sum(v.nbytes for v in views)
     return Outgoing([memoryview(table), memoryview(pickled), *views], meta, nbytes, rrefs)
 
