@@ -275,19 +275,22 @@ def read_message(header: Header, read: Reader, src: object,
             shape = _SHAPES[ndim].unpack_from(meta, off + _TENSOR.size)
             off += _TENSOR.size + 8 * ndim
             dtype = _DTYPES[code]
+            if ndim and min(shape) < 0:
+                total = -1
+                break
             total += math.prod(shape) * dtype.itemsize
             specs.append((shape, dtype, flags))
     except (struct.error, IndexError) as exc:
         raise ProtocolError(f"{src} sent a malformed RPC tensor table: {exc}") from exc
-    if off > meta_len or total != header.nbytes or min((min(s) for s, _, _ in specs if s),
-                                                        default=0) < 0:
+    if off > meta_len or total != header.nbytes:
         raise ProtocolError(f"{src} sent an RPC message whose tensors add up to {total} bytes "
                             f"in a {header.nbytes}-byte payload")
     tensors: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
     done = meta_len
     base = ctypes.addressof(ctypes.c_char.from_buffer(meta)) if whole else 0
     try:
-        for shape, dtype, _ in specs:
+        for shape, dtype, flags in specs:
             if whole:
                 t = torch.empty(shape, dtype=dtype)
                 size = t.nbytes
@@ -299,6 +302,13 @@ def read_message(header: Header, read: Reader, src: object,
                 if size:
                     read(as_bytes(t))
             done += size
+            if flags:
+                if flags & _PARAM:
+                    t = torch.nn.Parameter(t, requires_grad=bool(flags & _GRAD))
+                elif flags & _GRAD:
+                    t.requires_grad_(True)
+                if flags & _GRAD:
+                    grads.append(t)
             tensors.append(t)
     except (MemoryError, RuntimeError, OSError) as exc:
         if not whole:
@@ -306,15 +316,6 @@ def read_message(header: Header, read: Reader, src: object,
         return Incoming(ctx_id, amsg, [], [], b"", False, StateError(
             f"could not allocate the tensors of a {header.nbytes}-byte message from {src}: "
             f"{exc}"))
-    grads = []
-    for i, (_, _, flags) in enumerate(specs):
-        t = tensors[i]
-        if flags & _PARAM:
-            t = tensors[i] = torch.nn.Parameter(t, requires_grad=bool(flags & _GRAD))
-        elif flags & _GRAD:
-            t.requires_grad_(True)
-        if flags & _GRAD:
-            grads.append(t)
     return Incoming(ctx_id, amsg, tensors, grads, memoryview(meta)[off:meta_len],
                     bool(mflags & _RREFS))
 
