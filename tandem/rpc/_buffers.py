@@ -63,7 +63,7 @@ class ReceiveBuffers:
         tensor = torch.frombuffer(view, dtype=torch.uint8, count=nbytes, offset=offset)
         # the tensor (and every view of it) keeps ``view`` alive: once the last is freed,
         # the mapping may serve another message
-        weakref.finalize(view, self._give_back, area)
+        weakref.finalize(view, self._give_back, area).atexit = False  # (exit unmaps all)
         del view
         return tensor.view(dtype).view(shape)
 
