@@ -34,6 +34,7 @@ __all__ = ["ReceiveBuffers", "LARGE"]
 
 LARGE = 1 << 20  # tensors at least this large get a mapping of their own
 _HUGE = 2 << 20  # a transparent huge page on x86-64 and arm64 (4 KB base pages)
+_ROUND = 64 << 10  # mapping sizes are multiples of this (sizes that differ a little share)
 _CACHED = 8  # mappings kept for reuse at most
 _CACHED_BYTES = 256 << 20  # and at most this much memory in them
 
@@ -54,12 +55,11 @@ class ReceiveBuffers:
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < LARGE:
             return torch.empty(shape, dtype=dtype)
-        size = -(-nbytes // _HUGE) * _HUGE + _HUGE  # whole huge pages, plus room to align
-        area = self._take(size)
+        # room to start at a huge-page boundary (only whole, aligned 2 MB stretches can be
+        # huge pages); the pages of the slack are never touched, so they cost no memory
+        size = -(-nbytes // _ROUND) * _ROUND + _HUGE
+        area, offset = self._take(size, nbytes)
         view = memoryview(area)
-        # the first huge-page boundary inside the mapping: only whole, aligned 2 MB
-        # stretches can be backed by huge pages
-        offset = -_address(view) % _HUGE
         tensor = torch.frombuffer(view, dtype=torch.uint8, count=nbytes, offset=offset)
         # the tensor (and every view of it) keeps ``view`` alive: once the last is freed,
         # the mapping may serve another message
@@ -81,20 +81,27 @@ class ReceiveBuffers:
             for area in areas:
                 area.close()
 
-    def _take(self, size: int) -> mmap.mmap:
+    def _take(self, size: int, nbytes: int) -> tuple[mmap.mmap, int]:
+        """A mapping of ``size`` bytes and the offset of its first huge-page boundary."""
+        area: mmap.mmap | None = None
         with self._lock:
             areas = self._free.get(size)
             if areas:
                 self._count -= 1
                 self._bytes -= size
-                return areas.pop()  # the most recently used: likeliest still in cache
+                area = areas.pop()  # the most recently used: likeliest still in cache
+        if area is not None:
+            return area, -_address(area) % _HUGE
         area = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux; elsewhere small pages it is
+        offset = -_address(area) % _HUGE
+        huge = nbytes // _HUGE * _HUGE  # only the whole huge pages the tensor fills: a
+        # partly used one would cost up to 2 MB more than the tensor needs
+        if huge and hasattr(mmap, "MADV_HUGEPAGE"):  # Linux; elsewhere small pages it is
             try:
-                area.madvise(mmap.MADV_HUGEPAGE)
+                area.madvise(mmap.MADV_HUGEPAGE, offset, huge)
             except OSError:  # a kernel without transparent huge pages
                 pass
-        return area
+        return area, offset
 
     def _give_back(self, area: mmap.mmap) -> None:
         """The last tensor on ``area`` was freed (runs in whichever thread freed it)."""
@@ -109,6 +116,6 @@ class ReceiveBuffers:
         area.close()  # the cache is full: unmapped now rather than at garbage collection
 
 
-def _address(view: memoryview) -> int:
-    """The address of the first byte of a writable byte view."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+def _address(area: mmap.mmap) -> int:
+    """The address of a mapping's first byte."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(area))
