@@ -103,11 +103,13 @@ class Call:
     """One outstanding ``rpc_sync`` (or ``to_here``) to worker ``dest``; the caller waits
     on ``flag``. ``what`` (for errors) is built only when needed."""
 
-    __slots__ = ("dest", "kind", "func", "timeout", "started", "deadline", "flag", "value",
-                 "error")
+    __slots__ = ("dest", "kind", "func", "timeout", "spin", "started", "deadline", "flag",
+                 "value", "error")
 
-    def __init__(self, dest: int, kind: str, func: Any, timeout: float) -> None:
+    def __init__(self, dest: int, kind: str, func: Any, timeout: float, spin: float = 0.0
+                 ) -> None:
         self.dest, self.kind, self.func, self.timeout = dest, kind, func, timeout
+        self.spin = spin  # seconds the caller polls for the reply before sleeping
         self.started, self.deadline = _window(timeout)
         self.flag = Flag()
         self.value: Any = None
@@ -136,7 +138,7 @@ class RpcFuture(torch.futures.Future):
     def __init__(self, dest: int, kind: str, func: Any, timeout: float, spin: float,
                  poller: Poller | None = None) -> None:
         torch._C.Future.__init__(self, [])
-        self.dest, self.kind, self.func, self.timeout, self._spin = dest, kind, func, timeout, spin
+        self.dest, self.kind, self.func, self.timeout, self.spin = dest, kind, func, timeout, spin
         self._poller = poller
         self.started, self.deadline = _window(timeout)
         self.error: BaseException | None = None
@@ -155,7 +157,7 @@ class RpcFuture(torch.futures.Future):
     def wait(self) -> Any:
         if not self.done():
             _refuse_on_reader("Future.wait()")
-            _spin(self.done, self._spin, self._poller)
+            _spin(self.done, self.spin, self._poller)
             pool = role.pool
             if not self.done() and pool is not None:
                 with pool.blocked():  # the deadline is the monitor's: it fails the future

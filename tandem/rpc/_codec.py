@@ -59,16 +59,36 @@ _DRAIN = 1 << 20
 # memory. Measured (timeit, one process): a 16-float tensor cost ~6 us to view and ~12 us
 # to allocate and read into, against ~1.5 us and ~3 us copied.
 _SMALL = 64 << 10
+_REUSE_PICKLER = 2048  # a thread's pickler is replaced after a pickle larger than this
 
 
+class _Decoding(threading.local):
+    """The message this thread is unpickling (:func:`decode`)."""
+
+    tensors: list[torch.Tensor] | None = None
+    build_rref: Callable[..., Any] | None = None
+
+
+_decoding = _Decoding()
+
+
+# The pickle names these two functions as globals; the C unpickler finds them without a
+# Python ``find_class`` and they look the message up in ``_decoding``. Measured: decoding
+# a call with one tensor took ~11 us through an Unpickler subclass, ~3 us this way.
 def _tensor_ref(index: int) -> Any:
-    """Stands for tensor ``index`` of a message; the receiver substitutes the tensor."""
-    raise StateError("a tandem RPC tensor reference can only be decoded by tandem's RPC")
+    """Stands for tensor ``index`` of a message; decoding substitutes the tensor."""
+    tensors = _decoding.tensors
+    if tensors is None:
+        raise StateError("a tandem RPC tensor reference can only be decoded by tandem's RPC")
+    return tensors[index]
 
 
 def _rref_ref(*fields: Any) -> Any:
-    """Stands for an RRef in a message; the receiver builds it (``build_rref``)."""
-    raise StateError("an RRef can only be received through tandem's RPC")
+    """Stands for an RRef in a message; decoding builds it (``build_rref``)."""
+    build = _decoding.build_rref
+    if build is None:
+        raise StateError("an RRef can only be received through tandem's RPC")
+    return build(*fields)
 
 
 def _payload(t: torch.Tensor) -> memoryview:
@@ -165,13 +185,18 @@ def encode(obj: Any, what: str, fork: Callable[[Any], tuple[Any, ...]] | None = 
         raise
     except Exception as exc:  # noqa: BLE001 - whatever pickle raises, say what failed
         raise ArgumentError(f"cannot send {what}: {type(exc).__name__}: {exc}") from exc
+    if len(pickled) > _REUSE_PICKLER and pickler is _cache.pickler:
+        # a pickler's memo keeps the size of the largest structure it pickled, and every
+        # later clear_memo walks all of it: after one 5,000-item list a 3-item call cost
+        # 133 us instead of 0.4 us (timeit). Start afresh after a large one.
+        _cache.pickler = None
     amsg = 0
     if ctx_id and record is not None:
         amsg = record([t for t in tensors if t.requires_grad])
     head = _HEAD.pack(ctx_id, amsg, len(tensors), _RREFS if rrefs else 0)
     if not tensors:
         meta = len(head) + len(pickled)
-        return Outgoing([memoryview(head), memoryview(pickled)], meta, meta, rrefs)
+        return Outgoing([memoryview(head + pickled)], meta, meta, rrefs)
     table = bytearray(head)
     views: list[memoryview] = []
     small = bytearray()  # small tensors' bytes, copied: cheaper than a view of each
@@ -190,9 +215,13 @@ def encode(obj: Any, what: str, fork: Callable[[Any], tuple[Any, ...]] | None = 
             views.append(memoryview(small))
             small = bytearray()
         views.append(_payload(t))
+    meta = len(table) + len(pickled)
+    if not views:  # a small message goes in one piece: each piece costs the transport ~1 us
+        table += pickled
+        table += small
+        return Outgoing([memoryview(table)], meta, len(table), rrefs)
     if small:
         views.append(memoryview(small))
-    meta = len(table) + len(pickled)
     nbytes = meta + sum(v.nbytes for v in views)
     return Outgoing([memoryview(table), memoryview(pickled), *views], meta, nbytes, rrefs)
 
@@ -214,9 +243,17 @@ class Incoming:
         self.error = error
 
 
-def read_message(header: Header, read: Reader, src: object) -> Incoming:
+def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+def read_message(header: Header, read: Reader, src: object,
+                 empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] = _empty
+                 ) -> Incoming:
     """Read one message's payload: exactly ``header.nbytes`` bytes, or ProtocolError.
-    ``src`` names the sender in errors (formatted only then)."""
+    ``src`` names the sender in errors (formatted only then); ``empty(shape, dtype)``
+    allocates the tensors that are read straight off the wire (not copied out of a
+    small message), e.g. ``ReceiveBuffers.empty``."""
     meta_len = header.group
     if meta_len < _HEAD.size or meta_len > header.nbytes:
         raise ProtocolError(f"{src} sent an RPC message with a {meta_len}-byte table in a "
@@ -238,42 +275,47 @@ def read_message(header: Header, read: Reader, src: object) -> Incoming:
             shape = _SHAPES[ndim].unpack_from(meta, off + _TENSOR.size)
             off += _TENSOR.size + 8 * ndim
             dtype = _DTYPES[code]
+            if ndim and min(shape) < 0:
+                total = -1
+                break
             total += math.prod(shape) * dtype.itemsize
             specs.append((shape, dtype, flags))
     except (struct.error, IndexError) as exc:
         raise ProtocolError(f"{src} sent a malformed RPC tensor table: {exc}") from exc
-    if off > meta_len or total != header.nbytes or min((min(s) for s, _, _ in specs if s),
-                                                        default=0) < 0:
+    if off > meta_len or total != header.nbytes:
         raise ProtocolError(f"{src} sent an RPC message whose tensors add up to {total} bytes "
                             f"in a {header.nbytes}-byte payload")
     tensors: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
     done = meta_len
     base = ctypes.addressof(ctypes.c_char.from_buffer(meta)) if whole else 0
     try:
-        for shape, dtype, _ in specs:
-            t = torch.empty(shape, dtype=dtype)
-            size = t.nbytes
-            if size and whole:
-                ctypes.memmove(t.data_ptr(), base + done, size)
-            elif size:
-                read(as_bytes(t))
+        for shape, dtype, flags in specs:
+            if whole:
+                t = torch.empty(shape, dtype=dtype)
+                size = t.nbytes
+                if size:
+                    ctypes.memmove(t.data_ptr(), base + done, size)
+            else:
+                t = empty(shape, dtype)
+                size = t.nbytes
+                if size:
+                    read(as_bytes(t))
             done += size
+            if flags:
+                if flags & _PARAM:
+                    t = torch.nn.Parameter(t, requires_grad=bool(flags & _GRAD))
+                elif flags & _GRAD:
+                    t.requires_grad_(True)
+                if flags & _GRAD:
+                    grads.append(t)
             tensors.append(t)
-    except (MemoryError, RuntimeError) as exc:
+    except (MemoryError, RuntimeError, OSError) as exc:
         if not whole:
             _drain(read, header.nbytes - done)
         return Incoming(ctx_id, amsg, [], [], b"", False, StateError(
             f"could not allocate the tensors of a {header.nbytes}-byte message from {src}: "
             f"{exc}"))
-    grads = []
-    for i, (_, _, flags) in enumerate(specs):
-        t = tensors[i]
-        if flags & _PARAM:
-            t = tensors[i] = torch.nn.Parameter(t, requires_grad=bool(flags & _GRAD))
-        elif flags & _GRAD:
-            t.requires_grad_(True)
-        if flags & _GRAD:
-            grads.append(t)
     return Incoming(ctx_id, amsg, tensors, grads, memoryview(meta)[off:meta_len],
                     bool(mflags & _RREFS))
 
@@ -286,27 +328,17 @@ def _drain(read: Reader, left: int) -> None:
         left -= n
 
 
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: memoryview | bytes, tensors: list[torch.Tensor],
-                 build_rref: Callable[..., Any] | None) -> None:
-        super().__init__(io.BytesIO(data))
-        self._tensors = tensors
-        self._build_rref = build_rref
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == __name__:
-            if name == "_tensor_ref":
-                return self._tensors.__getitem__
-            if name == "_rref_ref" and self._build_rref is not None:
-                return self._build_rref
-        return super().find_class(module, name)
-
-
 def decode(message: Incoming, build_rref: Callable[..., Any] | None = None) -> Any:
     """Unpickle a message read by :func:`read_message`."""
     if not message.tensors and not message.rrefs:
-        return pickle.loads(message.pickled)  # nothing to substitute: the C unpickler alone
-    return _Unpickler(message.pickled, message.tensors, build_rref).load()
+        return pickle.loads(message.pickled)
+    local = _decoding
+    saved = local.tensors, local.build_rref  # (decoding may nest: an RRef's build sends)
+    local.tensors, local.build_rref = message.tensors, build_rref
+    try:
+        return pickle.loads(message.pickled)
+    finally:
+        local.tensors, local.build_rref = saved
 
 
 def local_reader(parts: list[memoryview]) -> Reader:

@@ -105,6 +105,7 @@ def close(agent: "Agent", why: str) -> None:
     try:
         agent.transport.close()
     finally:
+        agent.buffers.close()
         if agent.base_store is not None:
             agent.base_store.close()
         _state.clear(agent)

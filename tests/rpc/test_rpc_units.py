@@ -222,3 +222,16 @@ def test_remote_devices_name_a_worker_and_the_cpu() -> None:
     for bad in ("a/b/c", "rank:x/cpu", "/cpu", ""):
         with pytest.raises(ArgumentError):
             parse_remote_device(bad)
+
+
+def test_one_large_pickle_does_not_slow_every_later_message() -> None:
+    # a pickler's memo keeps the size of the largest structure it pickled, and clearing
+    # it walks all of it: the thread's pickler is replaced after a large pickle instead
+    _codec.encode((test_directory_resolves_names_ranks_and_infos, (torch.ones(2),), None), "x")
+    small = _codec._cache.pickler
+    assert small is not None
+    _codec.encode([(str(i), i * 1.5) for i in range(5000)], "a large structure")
+    assert _codec._cache.pickler is None
+    _codec.encode((1, 2), "x")
+    assert _codec._cache.pickler is not None and _codec._cache.pickler is not small
+    assert not _codec._cache.pickler.memo.copy()  # nothing of either message is kept
