@@ -1,0 +1,127 @@
+"""All-reduce of large tensors straight between the members' tensors, no staging copy.
+
+The staging path (``shm``) copies every byte of a tensor into shared memory and reads
+it back out, and every member waits for every other at each of its rounds. When the
+kernel lets the members read and write each other's memory (cross-memory attach,
+``tandem.transport._cma``), member ``me`` of ``p`` instead owns one slice of the
+tensor (``even_bounds``) and, an L2-sized chunk at a time:
+
+    1. reads the chunk of every peer's tensor into a private scratch (one syscall each),
+    2. combines all ``p`` contributions in member order into its own tensor,
+    3. writes the result into every peer's tensor at the same place.
+
+Per member that is its tensor read once and written once (its own slice in place,
+the peers' slices by the kernel copy), the bytes the memory-bandwidth bound counts,
+and no wait between the call's start and its end: a member descheduled on a busy
+host delays only the end. Nobody else touches a member's slice of anyone's tensor,
+so no ordering is needed inside the call; the members wait for each other twice:
+after publishing where their tensors are (also the mismatch check), and before
+returning (every peer finished writing into this member's tensor).
+
+Results are bit-identical on every member and equal to the naive algorithm's: each
+slice is combined in member order by one member and copied to the others.
+
+The first call that could go this way also agrees on whether it may: each member
+probes that it may read and write every peer (``Arena.probe_direct``), publishes the
+verdict and waits once more; if any member may not, that call and every later one
+take the staging path. ``MIN_BYTES`` keeps small tensors on the staging path, whose
+rounds cost no system call.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from tandem.collectives.algorithms.ring import even_bounds
+from tandem.collectives.algorithms.shm_checks import verify
+from tandem.collectives.group import Op
+from tandem.collectives.reduce_op import ReduceOp, combiner, finish
+from tandem.errors import PeerLostError, ProtocolError
+from tandem.transport import Arena, _cma
+
+__all__ = ["MIN_BYTES", "CHUNK_BYTES", "direct_applies", "direct_all_reduce"]
+
+MIN_BYTES = 1 << 20
+CHUNK_BYTES = 512 << 10
+
+
+def direct_applies(arena: Arena, tensors: list[torch.Tensor]) -> bool:
+    """Whether a call on ``tensors`` may take this path; the same answer on every member
+    (it depends only on the call's signature and on the members' agreed verdict)."""
+    if len(tensors) != 1 or arena.direct is False or not _cma.available():
+        return False
+    t = tensors[0]
+    return t.numel() * t.element_size() >= MIN_BYTES and t.is_contiguous()
+
+
+def direct_all_reduce(op: Op, arena: Arena, check: Callable[[], None], buf: torch.Tensor,
+                      redop: ReduceOp) -> bool:
+    """All-reduce contiguous ``buf`` in place (see the module doc).
+
+    Returns False, with nothing changed, if the members found they may not reach each
+    other's memory; every member then returns False from the same call.
+    """
+    arena.publish_buffer(buf.data_ptr())
+    arena.post()
+    arena.wait_all(arena.posted, check)
+    verify(op, arena)
+    if arena.direct is None:
+        arena.probe_direct()
+        arena.post()
+        arena.wait_all(arena.posted, check)
+        arena.direct = all(arena.verdict(q) for q in range(arena.size))
+    if not arena.direct:
+        return False
+    _reduce_my_slice(op, arena, buf, redop)
+    arena.post()  # after my last write into a peer's tensor
+    arena.wait_all(arena.posted, check)  # every peer is done with mine
+    return True
+
+
+def _reduce_my_slice(op: Op, arena: Arena, buf: torch.Tensor, redop: ReduceOp) -> None:
+    p, me, size = arena.size, arena.index, buf.element_size()
+    kernel = combiner(redop, buf.dtype)
+    per = max(1, CHUNK_BYTES // size)
+    peers = [q for q in range(p) if q != me]
+    where = {q: arena.buffer_of(q) for q in peers}
+    room = arena.scratch(per * size * (p - 1)).view(buf.dtype)
+    scratch = {q: room[i * per:(i + 1) * per] for i, q in enumerate(peers)}
+    lo, hi = even_bounds(buf.numel(), p)[me]
+    for a in range(lo, hi, per):
+        k = min(per, hi - a)
+        x = buf[a:a + k]
+        parts = [x if q == me else scratch[q][:k] for q in range(p)]
+        for q in peers:
+            _move(op, q, where[q], a * size, parts[q].data_ptr(), k * size, read=True)
+        # fold in member order; the running value goes into x once x itself is folded
+        # in, before that into member 0's scratch (member 0 is a peer then)
+        acc = parts[0]
+        for j in range(1, p):
+            out = x if j >= me else parts[0]
+            kernel(acc, parts[j], out)
+            acc = out
+        finish(redop, x, p)
+        for q in peers:
+            _move(op, q, where[q], a * size, x.data_ptr(), k * size, read=False)
+
+
+def _move(op: Op, member: int, where: tuple[int, int], offset: int, local: int, nbytes: int,
+          read: bool) -> None:
+    """Read ``nbytes`` at ``offset`` of ``member``'s tensor into ``local``, or write them."""
+    pid, base = where
+    try:
+        if read:
+            _cma.read_from(pid, local, base + offset, nbytes)
+        else:
+            _cma.write_to(pid, base + offset, local, nbytes)
+    except OSError as exc:
+        g = op.group
+        rank = g.ranks[member]
+        lost = g.transport.lost(rank)
+        if lost is not None or exc.errno == 3:  # ESRCH: the process is gone
+            raise PeerLostError(f"{op.describe()} failed: rank {rank} (pid {pid}) is gone"
+                                f"{f' ({lost})' if lost else ''}", rank) from exc
+        raise ProtocolError(f"{op.describe()} failed: cannot {'read' if read else 'write'} "
+                            f"the tensor of rank {rank} (pid {pid}): {exc}") from exc
