@@ -208,14 +208,27 @@ class Arena:
         v = self._ctl[member][_VERDICT]
         return None if v == 0 else v == 1
 
+    @staticmethod
+    def direct_possible() -> bool:
+        """Whether this system has cross-memory reads and writes at all."""
+        return _cma.available()
+
+    def read_member(self, member: int, address: int, local: int, nbytes: int) -> None:
+        """Copy ``nbytes`` at ``address`` of ``member``'s process to ``local`` (OSError:
+        the kernel refused, or the process is gone)."""
+        _cma.read_from(int(self._ctl[member][_PID]), local, address, nbytes)
+
+    def write_member(self, member: int, address: int, local: int, nbytes: int) -> None:
+        """Copy ``nbytes`` at ``local`` to ``address`` of ``member``'s process."""
+        _cma.write_to(int(self._ctl[member][_PID]), address, local, nbytes)
+
     def publish_buffer(self, address: int) -> None:
         """Where this member's tensor of the current call is (before the call's post)."""
         self._ctl[self.index][_BUFFER] = address
 
-    def buffer_of(self, member: int) -> tuple[int, int]:
-        """(pid, address) of ``member``'s published tensor."""
-        ctl = self._ctl[member]
-        return int(ctl[_PID]), int(ctl[_BUFFER])
+    def buffer_of(self, member: int) -> int:
+        """The address of ``member``'s published tensor, in its process."""
+        return int(self._ctl[member][_BUFFER])
 
     # -- rounds and phases -----------------------------------------------------------
     def begin_round(self, check: Callable[[], None]) -> int:
