@@ -19,7 +19,7 @@ SIZES = (1, 3, 1000, 5 * 1024 + 7, 40_001)
 
 def every_dtype_and_op(rank: int, p: int) -> dict[str, Any]:
     """Every case through the direct path; returns the wrong ones and the phases posted."""
-    shm_direct.MIN_BYTES, shm_direct.CHUNK_BYTES = 1, 4096
+    shm_direct.MIN_BYTES, shm_direct.MIN_MEMBERS, shm_direct.CHUNK_BYTES = 1, 2, 4096
     dist.all_reduce(torch.ones(8))  # the first call also agrees on the path
     arena = default_group().arena
     assert arena is not None
@@ -47,8 +47,8 @@ def every_dtype_and_op(rank: int, p: int) -> dict[str, Any]:
 
 
 def large_default(rank: int, p: int) -> dict[str, Any]:
-    """A 4 MB float32 sum with the shipped settings: phases posted and the result."""
-    n = (4 << 20) // 4
+    """A 12 MB float32 sum with the shipped settings: phases posted and the result."""
+    n = (12 << 20) // 4
     t = value(rank, n, torch.float32)
     dist.all_reduce(t)
     arena = default_group().arena
@@ -63,6 +63,7 @@ def large_default(rank: int, p: int) -> dict[str, Any]:
 
 def one_rank_may_not(rank: int, p: int) -> dict[str, Any]:
     """The last rank's kernel refuses cross-memory access: everyone keeps the staging."""
+    shm_direct.MIN_MEMBERS = 2
     if rank == p - 1:
         _cma.may_write = lambda pid, address, expected: False  # type: ignore[assignment]
     n = (2 << 20) // 4 + 3
@@ -78,6 +79,7 @@ def one_rank_may_not(rank: int, p: int) -> dict[str, Any]:
 
 def mismatched_sizes(rank: int, p: int) -> dict[str, Any]:
     """Rank 0 reduces 2 MB, the others 3 MB: every rank must raise, nothing combined."""
+    shm_direct.MIN_MEMBERS = 2
     t = torch.full(((2 << 20) // 4 if rank == 0 else (3 << 20) // 4,), float(rank + 1))
     try:
         dist.all_reduce(t)

@@ -3,7 +3,8 @@
 Results are compared bit for bit with the reduction computed locally in member
 order, for every dtype family and reduce op and odd sizes (chunks forced down to
 4 KiB so slices end mid-chunk). The phases a call posts tell the paths apart: the
-direct path posts twice per call, the staging path at least once per round.
+direct path posts twice per call, the staging path at least once per round. Pairs of
+ranks take it only when told to (``MIN_MEMBERS``), as the bodies here do.
 """
 
 from __future__ import annotations
@@ -34,11 +35,16 @@ def test_every_dtype_and_op_matches_the_member_order_reduction(p: int) -> None:
         assert not r["wrong"], f"rank {rank} of {p}: wrong results for {r['wrong']}"
 
 
-@pytest.mark.parametrize("p", [2, 3])
+@pytest.mark.parametrize("p", [3, 4])
 def test_a_large_tensor_takes_the_direct_path_with_the_shipped_settings(p: int) -> None:
-    # 4 MB through 512 KB staging rounds would post at least 8 phases
+    # 12 MB through staging rounds of at most 4 MiB would post at least 6 phases
     for rank, r in enumerate(_values(launch(p, large_default, backend="shm", timeout=120))):
         assert r == {"right": True, "posts": 2, "direct": True}, (rank, p, r)
+
+
+def test_two_ranks_keep_the_staging_path_with_the_shipped_settings() -> None:
+    for rank, r in enumerate(_values(launch(2, large_default, backend="shm", timeout=120))):
+        assert r["right"] and r["direct"] is None and r["posts"] >= 6, (rank, r)
 
 
 def test_one_member_without_cross_memory_access_keeps_everyone_on_the_staging_path() -> None:
