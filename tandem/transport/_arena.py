@@ -16,8 +16,8 @@ and the signalling::
 Segment layout (one per member, created by that member)::
 
     byte 0            posted   u64   phases this member has published
-    byte 8            pid      u64   the member's process id            (direct access:
-    byte 16           here     u64   where it mapped its own segment     see below)
+    byte 8            pid      u64   the member's process id         (direct access,
+    byte 16           here     u64   where it mapped its own segment  see _arena_direct)
     byte 24           verdict  u64   0 not yet, 1 it may read and write every member's
                                      memory, 2 it may not
     byte 32           buffer   u64   address of the tensor of its current call
@@ -40,12 +40,7 @@ posted the call's first phase (then nobody reads the previous call any more), an
 it did write there, ends with :meth:`settle` (one more post, after its last read),
 which the next round waits for.
 
-Direct access: a collective may also move bytes straight between the members'
-tensors with cross-memory reads and writes (``_cma``; the algorithm is
-``tandem.collectives.algorithms.shm_direct``). Each member publishes its pid and the
-address of its own segment at once, so a peer can probe whether the kernel lets it
-read and write this process (:meth:`probe_direct`), and the tensor it works on in a
-call (:meth:`publish_buffer`).
+Direct access (pid, here, verdict, buffer): see ``_arena_direct``.
 
 Ordering rests on x86-64 total store order, as for the rings (see ``_ring``): data
 is stored before the counter that publishes it; a :func:`fence` separates "publish"
@@ -64,7 +59,7 @@ from typing import Callable, Sequence
 import torch
 
 from tandem.errors import ArgumentError
-from tandem.transport import _cma
+from tandem.transport._arena_direct import HERE, PID, DirectAccess
 from tandem.transport._shmem import address_of, fence, futex_wait, futex_wake
 
 __all__ = ["Arena", "MAX_MEMBERS", "CONTROL_BYTES", "segment_bytes", "default_chunk"]
@@ -72,7 +67,6 @@ __all__ = ["Arena", "MAX_MEMBERS", "CONTROL_BYTES", "segment_bytes", "default_ch
 CONTROL_BYTES = 8192
 MAX_MEMBERS = 256
 _POSTED = 0
-_PID, _HERE, _VERDICT, _BUFFER = 1, 2, 3, 4
 _ASLEEP = 8  # u64 index of member 0's sleep flag
 _CALLS = (_ASLEEP + MAX_MEMBERS) * 8  # byte offset of the announcement entries: 2112
 _KEPT = 4  # announcements kept per member
@@ -101,7 +95,7 @@ def default_chunk(local_ranks: int) -> int:
     return chunk
 
 
-class Arena:
+class Arena(DirectAccess):
     """Staging segments of ``members`` (global ranks, in group order); ``index`` is mine.
 
     ``maps[i]`` is member i's segment (mine included). ``spin`` is how long a waiter
@@ -136,11 +130,9 @@ class Arena:
         # cost more than the copies of small rounds
         self._views: dict[tuple[torch.dtype, int], list[list[list[torch.Tensor]]]] = {}
         mine = self._ctl[index]
-        mine[_PID], mine[_HERE] = os.getpid(), self._addr[index]
-        # whether every member may read and write every member's memory: None until
-        # the members agreed (shm_direct does that in its first call)
-        self.direct: bool | None = None
-        self._scratch: torch.Tensor | None = None
+        mine[PID], mine[HERE] = os.getpid(), self._addr[index]
+        self.direct = None
+        self._scratch = None
 
     # -- lifetime --------------------------------------------------------------------
     def close(self) -> None:
@@ -183,52 +175,6 @@ class Arena:
                      for h in (0, 1)]
             self._views[key] = table
         return table
-
-    def scratch(self, nbytes: int) -> torch.Tensor:
-        """A private buffer of at least ``nbytes`` (uint8), kept for the next call."""
-        if self._scratch is None or len(self._scratch) < nbytes:
-            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
-            self._scratch.zero_()  # fault it in now, not inside a timed call
-        return self._scratch
-
-    # -- direct access to the members' memory (see the module doc) -------------------
-    def probe_direct(self) -> bool:
-        """Whether this process may read and write every other member's memory; the
-        answer is published as this member's verdict (:meth:`verdict`)."""
-        ok = _cma.available()
-        for q in range(self.size):
-            if ok and q != self.index:
-                ctl = self._ctl[q]
-                ok = _cma.may_write(int(ctl[_PID]), int(ctl[_HERE]) + 8 * _PID, int(ctl[_PID]))
-        self._ctl[self.index][_VERDICT] = 1 if ok else 2
-        return ok
-
-    def verdict(self, member: int) -> bool | None:
-        """``member``'s published :meth:`probe_direct` answer (None: not yet)."""
-        v = self._ctl[member][_VERDICT]
-        return None if v == 0 else v == 1
-
-    @staticmethod
-    def direct_possible() -> bool:
-        """Whether this system has cross-memory reads and writes at all."""
-        return _cma.available()
-
-    def read_member(self, member: int, address: int, local: int, nbytes: int) -> None:
-        """Copy ``nbytes`` at ``address`` of ``member``'s process to ``local`` (OSError:
-        the kernel refused, or the process is gone)."""
-        _cma.read_from(int(self._ctl[member][_PID]), local, address, nbytes)
-
-    def write_member(self, member: int, address: int, local: int, nbytes: int) -> None:
-        """Copy ``nbytes`` at ``local`` to ``address`` of ``member``'s process."""
-        _cma.write_to(int(self._ctl[member][_PID]), address, local, nbytes)
-
-    def publish_buffer(self, address: int) -> None:
-        """Where this member's tensor of the current call is (before the call's post)."""
-        self._ctl[self.index][_BUFFER] = address
-
-    def buffer_of(self, member: int) -> int:
-        """The address of ``member``'s published tensor, in its process."""
-        return int(self._ctl[member][_BUFFER])
 
     # -- rounds and phases -----------------------------------------------------------
     def begin_round(self, check: Callable[[], None]) -> int:
