@@ -16,6 +16,11 @@ and the signalling::
 Segment layout (one per member, created by that member)::
 
     byte 0            posted   u64   phases this member has published
+    byte 8            pid      u64   the member's process id         (direct access,
+    byte 16           here     u64   where it mapped its own segment  see _arena_direct)
+    byte 24           verdict  u64   0 not yet, 1 it may read and write every member's
+                                     memory, 2 it may not
+    byte 32           buffer   u64   address of the tensor of its current call
     byte 64 + 8 q     asleep   u64   member q sleeps on ``posted`` (one word each)
     byte 2112 + k e   call k   the member's announcement of its call number ``seq``
                                in entry ``k = seq % 4`` (e = 1520 bytes): u64 1 + seq,
@@ -35,6 +40,8 @@ posted the call's first phase (then nobody reads the previous call any more), an
 it did write there, ends with :meth:`settle` (one more post, after its last read),
 which the next round waits for.
 
+Direct access (pid, here, verdict, buffer): see ``_arena_direct``.
+
 Ordering rests on x86-64 total store order, as for the rings (see ``_ring``): data
 is stored before the counter that publishes it; a :func:`fence` separates "publish"
 from "is anyone asleep?". Announcements are a seqlock: the sequence word is cleared,
@@ -52,6 +59,7 @@ from typing import Callable, Sequence
 import torch
 
 from tandem.errors import ArgumentError
+from tandem.transport._arena_direct import HERE, PID, DirectAccess
 from tandem.transport._shmem import address_of, fence, futex_wait, futex_wake
 
 __all__ = ["Arena", "MAX_MEMBERS", "CONTROL_BYTES", "segment_bytes", "default_chunk"]
@@ -87,7 +95,7 @@ def default_chunk(local_ranks: int) -> int:
     return chunk
 
 
-class Arena:
+class Arena(DirectAccess):
     """Staging segments of ``members`` (global ranks, in group order); ``index`` is mine.
 
     ``maps[i]`` is member i's segment (mine included). ``spin`` is how long a waiter
@@ -121,6 +129,10 @@ class Arena:
         # typed views of the staging slots, made once: a view per round and member
         # cost more than the copies of small rounds
         self._views: dict[tuple[torch.dtype, int], list[list[list[torch.Tensor]]]] = {}
+        mine = self._ctl[index]
+        mine[PID], mine[HERE] = os.getpid(), self._addr[index]
+        self.direct = None
+        self._scratch = None
 
     # -- lifetime --------------------------------------------------------------------
     def close(self) -> None:
@@ -131,6 +143,7 @@ class Arena:
         """
         self._data = []
         self._views = {}
+        self._scratch = None
         for views in (self._ctl, self._text):
             for v in views:
                 v.release()

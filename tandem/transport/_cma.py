@@ -15,17 +15,23 @@ refusal leaves the ring path in place. Measured on a 2-core VM: 16 MB read in 3-
 into memory already faulted in (about one memcpy), against two ring copies with a
 wake-up per 1 MiB piece.
 
-    n = read_from(pid, dst_address, src_address, nbytes)   # raises OSError
+    read_from(pid, dst_address, src_address, nbytes)   # raises OSError
+    write_to(pid, dst_address, src_address, nbytes)    # the other way (dst is the peer's)
+
+Shared-memory collectives also use both directions on tensors (see
+``tandem.collectives.algorithms.shm_direct``): there :func:`may_write` proves the
+write direction too, since a write is what they do to a peer.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from typing import Any
 
 import numpy as np
 
-__all__ = ["available", "read_from", "probe", "address_of_view"]
+__all__ = ["available", "read_from", "write_to", "probe", "may_write", "address_of_view"]
 
 
 class _Iovec(ctypes.Structure):
@@ -33,13 +39,16 @@ class _Iovec(ctypes.Structure):
 
 
 _readv = None
+_writev = None
 try:
-    _readv = ctypes.CDLL(None, use_errno=True).process_vm_readv  # releases the GIL
-    _readv.restype = ctypes.c_ssize_t
-    _readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
-                       ctypes.c_ulong, ctypes.c_ulong]
-except (AttributeError, OSError):  # not Linux, or a libc without it
-    _readv = None
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _readv, _writev = _libc.process_vm_readv, _libc.process_vm_writev  # both release the GIL
+    for _fn in (_readv, _writev):
+        _fn.restype = ctypes.c_ssize_t
+        _fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
+                        ctypes.c_ulong, ctypes.c_ulong]
+except (AttributeError, OSError):  # not Linux, or a libc without them
+    _readv = _writev = None
 
 
 def available() -> bool:
@@ -49,16 +58,26 @@ def available() -> bool:
 def read_from(pid: int, dst: int, src: int, nbytes: int) -> None:
     """Copy ``nbytes`` from address ``src`` of process ``pid`` to ``dst`` of this one."""
     assert _readv is not None
-    local, remote = _Iovec(dst, nbytes), _Iovec(src, nbytes)
+    _move(_readv, "process_vm_readv from", pid, dst, src, nbytes)
+
+
+def write_to(pid: int, dst: int, src: int, nbytes: int) -> None:
+    """Copy ``nbytes`` from address ``src`` of this process to ``dst`` of process ``pid``."""
+    assert _writev is not None
+    _move(_writev, "process_vm_writev to", pid, src, dst, nbytes)
+
+
+def _move(call: Any, what: str, pid: int, local_at: int, remote_at: int, nbytes: int) -> None:
+    local, remote = _Iovec(local_at, nbytes), _Iovec(remote_at, nbytes)
     done = 0
-    while done < nbytes:
-        local.base, local.len = dst + done, nbytes - done
-        remote.base, remote.len = src + done, nbytes - done
-        n = _readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    while done < nbytes:  # the kernel may move less than asked (a partial copy)
+        local.base, local.len = local_at + done, nbytes - done
+        remote.base, remote.len = remote_at + done, nbytes - done
+        n = call(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
         if n <= 0:
             err = ctypes.get_errno() if n < 0 else 0
-            raise OSError(err, f"process_vm_readv from pid {pid} read nothing at byte "
-                               f"{done} of {nbytes}: {os.strerror(err) if err else 'EOF'}")
+            raise OSError(err, f"{what} pid {pid} moved nothing at byte {done} of {nbytes}: "
+                               f"{os.strerror(err) if err else 'EOF'}")
         done += n
 
 
@@ -73,6 +92,19 @@ def probe(pid: int, address: int, expected: int) -> bool:
     except OSError:
         return False
     return word.value == expected
+
+
+def may_write(pid: int, address: int, expected: int) -> bool:
+    """Whether this process may also write ``pid``'s memory: the u64 at ``address`` there
+    (which reads as ``expected``) is written back with the value it already holds."""
+    if _writev is None or not probe(pid, address, expected):
+        return False
+    word = ctypes.c_uint64(expected)
+    try:
+        write_to(pid, address, ctypes.addressof(word), 8)
+    except OSError:
+        return False
+    return True
 
 
 def address_of_view(view: memoryview) -> int:

@@ -34,12 +34,8 @@ from tandem.collectives.algorithms.hierarchical import (
 )
 from tandem.collectives.algorithms.naive import naive_all_reduce
 from tandem.collectives.algorithms.ring import even_bounds, ring, ring_all_reduce, segment_bounds
-from tandem.collectives.algorithms.shm import (
-    shm_all_gather,
-    shm_all_reduce,
-    shm_all_reduce_many,
-    shm_reduce_scatter,
-)
+from tandem.collectives.algorithms.shm import shm_all_reduce, shm_all_reduce_many
+from tandem.collectives.algorithms.shm_gather import shm_all_gather, shm_reduce_scatter
 from tandem.collectives.algorithms.shm_rooted import shm_broadcast, shm_reduce
 from tandem.collectives.algorithms.streamed import (
     hierarchical_all_gather,

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from tandem.collectives.algorithms.shm import SlotRing, _prepare, _rounds, _staging, _verify
+from tandem.collectives.algorithms.shm_checks import prepare, verify
+from tandem.collectives.algorithms.shm_slots import SlotRing, rounds, staging
 from tandem.collectives.group import Op
 from tandem.collectives.reduce_op import ReduceOp, combiner, finish
 
@@ -36,32 +37,32 @@ def shm_broadcast(op: Op, buf: torch.Tensor, root: int) -> None:
     root are caught at their next call on the group (``_verify`` compares the
     previous call too).
     """
-    arena, check = _prepare(op)
+    arena, check = prepare(op)
     me, size = arena.index, buf.element_size()
     per = max(1, arena.chunk // 2 // size)
     ring = SlotRing(arena, check, buf.dtype, per)
-    rounds = list(_rounds([buf], per))
-    for r, (m, pieces) in enumerate(rounds):
+    plan = list(rounds([buf], per))
+    for r, (m, pieces) in enumerate(plan):
         x = pieces[0][0] if pieces else buf
         if me == root:
             ring.reuse(r, 0)[root][:m].copy_(x)
         else:
             arena.wait_member(root, ring.base + r + 1, check)
             if r == 0:
-                _verify(op, arena, [root])
+                verify(op, arena, [root])
             x.copy_(ring.order[r % ring.slots][root][:m])
         arena.post()
-    ring.close(len(rounds))
+    ring.close(len(plan))
 
 
 def shm_reduce(op: Op, buf: torch.Tensor, root: int, redop: ReduceOp) -> None:
     """Reduce flat ``buf`` into the root's ``buf``; the others' ``buf`` is left unchanged."""
-    arena, check = _prepare(op)
+    arena, check = prepare(op)
     p, me, size = arena.size, arena.index, buf.element_size()
     per = arena.chunk // size
-    views = _staging(arena, buf.dtype, per)
+    views = staging(arena, buf.dtype, per)
     kernel = combiner(redop, buf.dtype)
-    for i, (m, pieces) in enumerate(_rounds([buf], per)):
+    for i, (m, pieces) in enumerate(rounds([buf], per)):
         staged = [v[:m] for v in views[arena.begin_round(check)]]
         x = pieces[0][0] if pieces else buf
         if me != root:
@@ -69,11 +70,11 @@ def shm_reduce(op: Op, buf: torch.Tensor, root: int, redop: ReduceOp) -> None:
             arena.post()
             if i == 0:  # see the module doc: the root has taken round 0, so it is here
                 arena.wait_member(root, arena.posted, check)
-                _verify(op, arena, [root])
+                verify(op, arena, [root])
             continue
         arena.wait_all(arena.posted + 1, check)
         if i == 0:
-            _verify(op, arena)
+            verify(op, arena)
         if root >= 2:  # x accumulates members 0 and 1 first: stage my own value aside
             staged[me].copy_(x)
         parts = [x if q == me and root < 2 else staged[q] for q in range(p)]

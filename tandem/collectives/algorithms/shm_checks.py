@@ -1,0 +1,138 @@
+"""How a shared-memory collective waits: who is late, who is dead, who is in another call.
+
+Mismatches: a call moving no messages cannot rely on the mailbox's signature check,
+so each member announces every call in its segment (``ProcessGroup`` does), and
+after the first wait of a call every member compares every peer's announcement of
+this call number with its own (:func:`verify`); a peer that is in some other call,
+through shared memory or messages, is found by the same comparison while waiting
+(:func:`arena_check`). Waits end early when the group is aborted or a member dies,
+and at the deadline.
+
+    arena, check = prepare(op)          # the group's arena, and what its waits check
+    arena.post(); arena.wait_all(arena.posted, check)
+    verify(op, arena)                   # after the call's first wait
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Sequence
+
+from tandem.collectives.group import Op
+from tandem.errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError
+from tandem.transport import Arena
+
+__all__ = ["prepare", "arena_check", "verify", "BACKGROUND_SPIN_S"]
+
+BACKGROUND_SPIN_S = 5e-6
+
+
+def _arena(op: Op) -> Arena:
+    arena = op.group.arena
+    assert arena is not None, "the shm algorithm runs only on groups that share memory"
+    return arena
+
+
+def _mismatch(op: Op, member: int, seq: int, sig: bytes, site: bytes) -> CollectiveMismatchError:
+    g = op.group
+    theirs = (f"{sig.decode(errors='replace')} (its call #{seq}, this is #{op.seq})"
+              if seq != op.seq else sig.decode(errors="replace"))
+    return CollectiveMismatchError(
+        f"collective mismatch (group {g.group_id}, sequence {op.seq}): rank "
+        f"{g.ranks[g.group_rank]} called {op.sig.decode(errors='replace')} at "
+        f"{op.site.decode(errors='replace')} but rank {g.ranks[member]} called {theirs} at "
+        f"{site.decode(errors='replace')}")
+
+
+def _differs(op: Op, arena: Arena, member: int, strict: bool) -> CollectiveMismatchError | None:
+    """Whether ``member`` is in another call than ``op``.
+
+    ``strict``: the member has posted the phase this rank waited for, so it must have
+    announced this very call; if it has not, its phase belongs to another call.
+    """
+    seen = None
+    for _ in range(1000):  # None: the member is rewriting the entry right now; re-read
+        seen = arena.announcement(member, op.seq)
+        if seen is not None:
+            break
+    if seen is None:
+        return None
+    seq, sig, site = seen
+    if seq == op.seq and sig == op.sig:
+        return None
+    if seq < op.seq:
+        if not strict:
+            return None  # it has not got here yet
+        seq, sig, site = arena.latest(member)
+        if seq < 0:
+            sig = b"no collective yet"
+    return _mismatch(op, member, seq, sig, site)
+
+
+def arena_check(op: Op, arena: Arena) -> Callable[[], None]:
+    """What a rank waiting in shared memory checks before it sleeps and as it wakes."""
+    g = op.group
+    transport = g.transport
+
+    def check() -> None:
+        failure = transport.aborted(g.group_id)
+        if failure is not None:
+            raise failure
+        for r in g.ranks:
+            lost = transport.lost(r)
+            if lost is not None:
+                raise PeerLostError(f"{op.describe()} failed: {lost}", r) from lost
+        lagging = [q for q in arena.lagging(arena.target) if q != arena.index]
+        for q in lagging:
+            gone = transport.left(g.ranks[q])
+            if gone is not None:
+                raise PeerLostError(f"{op.describe()} failed: {gone}", g.ranks[q]) from gone
+            error = _differs(op, arena, q, strict=False)
+            if error is not None:
+                raise error
+        parked = transport.parked_call(g.group_id, op.seq)
+        if parked is not None:
+            sender, header = parked
+            member = g.ranks.index(sender) if sender in g.ranks else -1
+            raise _mismatch(op, member, header.seq, header.sig, header.site)
+        if time.monotonic() > op.deadline:
+            names = ", ".join(str(g.ranks[q]) for q in lagging)
+            raise CollectiveTimeoutError(
+                f"{op.describe()} timed out: waiting in shared memory on rank(s) {names}",
+                tuple(g.ranks[q] for q in lagging))
+
+    return check
+
+
+def verify(op: Op, arena: Arena, members: Sequence[int] | None = None) -> None:
+    """After the call's first wait on ``members`` (default: all): each announced this
+    very call, and made the same previous call (a call whose root waits on nobody is
+    checked here, next time)."""
+    mine = arena.announcement(arena.index, op.seq - 1) if op.seq else None
+    for q in range(arena.size) if members is None else members:
+        if q == arena.index:
+            continue
+        error = _differs(op, arena, q, strict=True)
+        if error is not None:
+            raise error
+        theirs = arena.announcement(q, op.seq - 1) if mine is not None else None
+        if (mine is not None and theirs is not None and mine[0] == theirs[0] == op.seq - 1
+                and mine[1] != theirs[1]):
+            g = op.group
+            raise CollectiveMismatchError(
+                f"collective mismatch (group {g.group_id}, sequence {op.seq - 1}): rank "
+                f"{g.ranks[arena.index]} called {mine[1].decode(errors='replace')} at "
+                f"{mine[2].decode(errors='replace')} but rank {g.ranks[q]} called "
+                f"{theirs[1].decode(errors='replace')} at {theirs[2].decode(errors='replace')}")
+
+
+def prepare(op: Op) -> tuple[Arena, Callable[[], None]]:
+    """The group's arena set up for this call, and the check its waits run."""
+    arena = _arena(op)
+    # a call queued with async_op=True runs beside the caller's own work (DDP: backward),
+    # so its waits leave the CPU almost at once instead of polling
+    background = threading.current_thread() is op.group.engine_thread
+    arena.spin = BACKGROUND_SPIN_S if background else arena.default_spin
+    arena.wait_log = op.phases  # [timeline hook]
+    return arena, arena_check(op, arena)
