@@ -23,6 +23,7 @@ import hashlib
 import hmac
 import ipaddress
 import os
+import select
 import socket
 import struct
 import time
@@ -55,6 +56,7 @@ MAC = 32
 REFUSED = b"TANDEM: REFUSED, WRONG SECRET..."  # sent in place of the server's MAC
 HANDSHAKE_TIMEOUT = 10.0
 _LEN = struct.Struct("!I")
+_LOWAT_POLL_MS = 1000  # a reader waiting on a low-water mark re-polls this often (a safety net)
 
 
 def _mac(secret: bytes, *parts: bytes) -> bytes:
@@ -282,10 +284,15 @@ class BufferedReader:
     together; reading them with one ``recv`` instead of three saves system calls and
     GIL round trips on the latency path. Large payloads bypass the buffer: what is
     already buffered is copied, the rest is received straight into the destination.
+
+    ``wake_bytes`` (0: off): a payload longer than that is received in steps of that
+    many bytes, the thread woken once per step (``SO_RCVLOWAT``) instead of once per
+    arriving packet (see :meth:`_read_large`).
     """
 
-    def __init__(self, sock: socket.socket, size: int = 64 << 10) -> None:
+    def __init__(self, sock: socket.socket, size: int = 64 << 10, wake_bytes: int = 0) -> None:
         self.sock = sock
+        self.wake_bytes = wake_bytes
         self.buf = bytearray(size)
         self.view = memoryview(self.buf)
         self.start = 0
@@ -319,4 +326,38 @@ class BufferedReader:
             view[:held] = self.view[self.start:self.start + held]
             self.start += held
         if held < len(view):
-            recv_into_exact(self.sock, view[held:])
+            if self.wake_bytes and len(view) - held > self.wake_bytes:
+                self._read_large(view[held:])
+            else:
+                recv_into_exact(self.sock, view[held:])
+
+    def _read_large(self, view: memoryview) -> None:
+        """Fill ``view`` waking once per ``wake_bytes`` arrived.
+
+        A blocked ``recv`` wakes for every packet the kernel queues (64 KB on loopback),
+        whatever its length or ``MSG_WAITALL``. The low-water mark instead makes the
+        socket readable once that many bytes wait. It is never set above what this
+        payload still lacks: the kernel compares it with the bytes queued, not with what
+        a call still needs, so a mark above the rest of a payload whose sender then
+        waits would never be reached. The mark goes back to 1 before any other read.
+        """
+        sock, total, got, mark = self.sock, len(view), 0, 1
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        try:
+            while got < total:
+                want = min(total - got, self.wake_bytes)
+                if want != mark:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                    mark = want
+                poller.poll(_LOWAT_POLL_MS)  # readable, closed, or a second passed
+                try:
+                    n = sock.recv_into(view[got:], total - got, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    continue
+                if n == 0:
+                    raise NetworkError(f"connection closed after {got} of {total} bytes")
+                got += n
+        finally:
+            if mark != 1:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)

@@ -45,6 +45,12 @@ _INLINE_MAX = 256 << 10
 _PURPOSE = b"tandem-transport"
 _IOV_MAX = 1024  # the most buffers one sendmsg takes (Linux)
 _JOIN_S = 2.0  # how long close() waits for this transport's threads to end
+# A reader receiving a large payload wakes once per this many bytes instead of once per
+# 64 KB packet (see _wire.BufferedReader). Measured with loopback all-reduce at real-time
+# priority, alternating runs: tcp busbw +13% at 3 ranks x 64 MB (1236 -> 1391 MB/s,
+# 2 runs each), +6% at 3 x 16 MB, +2% at 4 x 16 MB, -2% at 4 x 64 MB (within the noise);
+# 1 MiB gave +15% at 3 x 64 MB but nothing at 3 x 16 MB, 256 KiB +10% and +3%.
+_WAKE_BYTES = 512 << 10
 
 
 def _sendall_vec(sock: socket.socket, parts: list[memoryview], flags: int = 0) -> None:
@@ -221,7 +227,7 @@ class TcpTransport(BoundedSends, Transport):
 
     # -- data path -------------------------------------------------------------------
     def _read_loop(self, peer: _Peer) -> None:
-        reader = _wire.BufferedReader(peer.sock)
+        reader = _wire.BufferedReader(peer.sock, wake_bytes=_WAKE_BYTES)
         read = reader.read_into
         try:
             while True:
