@@ -115,6 +115,7 @@ class TcpTransport(BoundedSends, Transport):
         self._closing = False
         self._peers: dict[int, _Peer] = {}
         self._hosts: dict[int, str] = {rank: hostname}
+        self._refused: tuple[int, int] | None = None  # (rank, its world_size) at set-up
         self._advertise = advertise or _wire.advertised_address(host, None)
         self._connect(store, host, connect_timeout, hostname)
         self.send_limit = send_limit
@@ -144,14 +145,15 @@ class TcpTransport(BoundedSends, Transport):
         acceptor = None
         try:
             port = listener.getsockname()[1]
-            store.set(f"addr/{self.rank}", f"{self._advertise}:{port}|{hostname}")
+            store.set(f"addr/{self.rank}",
+                      f"{self._advertise}:{port}|{hostname}|{self.world_size}")
             if expected:
                 acceptor = threading.Thread(target=self._accept_loop,
                                             args=(listener, expected, accepted, cond, deadline),
                                             daemon=True, name=f"tandem-accept-{self.rank}")
                 acceptor.start()
             for peer in sorted(p for p in self.links if p < self.rank):
-                addr, _, peer_host = store.get(f"addr/{peer}").decode().partition("|")
+                addr, peer_host, world = self._entry(store, peer)
                 peer_ip, _, peer_port = addr.rpartition(":")
                 self._hosts[peer] = peer_host
                 left = max(0.1, deadline - time.monotonic())
@@ -162,9 +164,14 @@ class TcpTransport(BoundedSends, Transport):
                 except BaseException:
                     sock.close()
                     raise
+                if world != self.world_size:  # after our hello: the peer learns it too
+                    sock.close()
+                    raise self._world_error(peer, world)
                 self._peers[peer] = _Peer(self.rank, peer, sock)
             with cond:
                 while not expected <= accepted.keys():
+                    if self._refused is not None:
+                        raise self._world_error(*self._refused)
                     left = deadline - time.monotonic()
                     if left <= 0:
                         missing = sorted(expected - accepted.keys())
@@ -175,8 +182,7 @@ class TcpTransport(BoundedSends, Transport):
                     cond.wait(left)
             for peer in expected:
                 self._peers[peer] = _Peer(self.rank, peer, accepted[peer])
-                addr = store.get(f"addr/{peer}").decode()
-                self._hosts[peer] = addr.partition("|")[2]
+                self._hosts[peer] = self._entry(store, peer)[1]
         except BaseException:
             for p in self._peers.values():
                 p.sock.close()
@@ -218,8 +224,22 @@ class TcpTransport(BoundedSends, Transport):
                 accepted[peer] = sock
                 cond.notify_all()
                 return
+            if world != self.world_size:  # authenticated: a rank of this job, misconfigured
+                self._refused = (peer, world)
+                cond.notify_all()
         self._debug(f"rejected an authenticated connection claiming rank {peer}/{world}")
         sock.close()
+
+    def _entry(self, store: Store, peer: int) -> tuple[str, str, int]:
+        """``peer``'s published address, host and world size."""
+        addr, _, rest = store.get(f"addr/{peer}").decode().partition("|")
+        host, _, world = rest.partition("|")
+        return addr, host, int(world) if world else self.world_size
+
+    def _world_error(self, peer: int, world: int) -> ArgumentError:
+        return ArgumentError(f"rank {self.rank} was started with world_size={self.world_size} "
+                             f"but rank {peer} with world_size={world}: every rank must be "
+                             f"given the same world size")
 
     def _debug(self, message: str) -> None:
         if self._debug_log:

@@ -92,22 +92,43 @@ SIZED = textwrap.dedent("""
 """)
 
 
-def test_the_init_timeout_bounds_connecting_when_it_is_shorter(tmp_path: Path) -> None:
-    # rank 1 believes in a world of 3: it registers, but its connection to rank 0 is
-    # refused, so rank 0 waits for it on its socket, which must end by the init timeout
-    # (2 s), not by TANDEM_CONNECT_TIMEOUT (60 s by default)
+def _pair(tmp_path: Path, worlds: tuple[int, int], secrets: tuple[str, str]
+          ) -> list[tuple[str, float, str]]:
+    """Start ranks 0 and 1 over tcp (init timeout 2 s) with these world sizes and
+    TANDEM_SECRETs; each one's (error type, seconds, message)."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("TANDEM_TIMEOUT", "TANDEM_CONNECT_TIMEOUT")}
+           if k not in ("TANDEM_TIMEOUT", "TANDEM_CONNECT_TIMEOUT", "TANDEM_SECRET")}
     store = f"file://{tmp_path}/store"
     procs = [subprocess.Popen([sys.executable, "-c", SIZED, store, str(rank), str(world), "2"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for rank, world in ((0, 2), (1, 3))]
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**env, "TANDEM_SECRET": secret})
+             for rank, (world, secret) in enumerate(zip(worlds, secrets))]
     try:
         out = [p.communicate(timeout=LIMIT)[0] for p in procs]
     finally:
         for p in procs:
             p.kill()
-    line = (out[0].strip().splitlines() or [""])[-1]
-    kind, seconds, message = (line.split(" ", 2) + ["0", ""])[:3]
-    assert kind in ("NetworkError", "StoreTimeoutError"), out
-    assert float(seconds) < 2.0 + SLACK, f"took {seconds}s: {message}"
+    results = []
+    for text in out:
+        line = (text.strip().splitlines() or [""])[-1]
+        kind, seconds, message = (line.split(" ", 2) + ["0", ""])[:3]
+        results.append((kind, float(seconds), message))
+    return results
+
+
+def test_the_init_timeout_bounds_connecting_when_it_is_shorter(tmp_path: Path) -> None:
+    # rank 1 holds another secret: it registers, but its connection to rank 0 fails
+    # authentication, so rank 0 waits for it on its socket, which must end by the init
+    # timeout (2 s), not by TANDEM_CONNECT_TIMEOUT (60 s by default)
+    kind, seconds, message = _pair(tmp_path, (2, 2), ("one-secret", "another-secret"))[0]
+    assert kind == "NetworkError" and "[1] did not connect" in message, (kind, message)
+    assert seconds < 2.0 + SLACK, f"took {seconds}s: {message}"
+
+
+def test_ranks_given_different_world_sizes_are_told_at_once(tmp_path: Path) -> None:
+    for rank, (kind, seconds, message) in enumerate(_pair(tmp_path, (2, 3), ("s", "s"))):
+        assert kind == "ArgumentError", (rank, kind, message)
+        world, other = (2, 3) if rank == 0 else (3, 2)
+        assert (f"rank {rank} was started with world_size={world} but rank {1 - rank} with "
+                f"world_size={other}") in message, message
+        assert seconds < SLACK, f"rank {rank} took {seconds}s"
