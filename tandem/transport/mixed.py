@@ -49,9 +49,21 @@ def host_key(hostname: str) -> str:
 
 
 def exchange_hosts(store: Store, rank: int, world_size: int, hostname: str) -> list[str]:
-    """Publish this rank's host key and return every rank's (index = rank)."""
-    store.set(f"topology/host/{rank}", host_key(hostname))
-    return [store.get(f"topology/host/{r}").decode() for r in range(world_size)]
+    """Publish this rank's host key and return every rank's (index = rank).
+
+    Each entry carries its rank's world size too: ranks started with different ones are
+    told at once, naming both, instead of waiting for a rank that will never come.
+    """
+    store.set(f"topology/host/{rank}", f"{host_key(hostname)}#{world_size}")
+    hosts = []
+    for r in range(world_size):
+        key, _, world = store.get(f"topology/host/{r}").decode().rpartition("#")
+        if world.isdigit() and int(world) != world_size:
+            raise ArgumentError(f"rank {rank} was started with world_size={world_size} but "
+                                f"rank {r} with world_size={world}: every rank must be given "
+                                f"the same world size")
+        hosts.append(key if world.isdigit() else f"{key}#{world}" if key else world)
+    return hosts
 
 
 def same_host(hosts: list[str], rank: int) -> list[int]:

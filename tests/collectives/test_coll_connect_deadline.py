@@ -83,7 +83,7 @@ SIZED = textwrap.dedent("""
     import tandem, tandem.collectives.world
     start = time.monotonic()
     try:
-        tandem.init_process_group("tcp", init_method=sys.argv[1], rank=int(sys.argv[2]),
+        tandem.init_process_group(sys.argv[5], init_method=sys.argv[1], rank=int(sys.argv[2]),
                                   world_size=int(sys.argv[3]),
                                   timeout=datetime.timedelta(seconds=float(sys.argv[4])))
         print("joined")
@@ -92,14 +92,15 @@ SIZED = textwrap.dedent("""
 """)
 
 
-def _pair(tmp_path: Path, worlds: tuple[int, int], secrets: tuple[str, str]
-          ) -> list[tuple[str, float, str]]:
-    """Start ranks 0 and 1 over tcp (init timeout 2 s) with these world sizes and
+def _pair(tmp_path: Path, worlds: tuple[int, int], secrets: tuple[str, str],
+          backend: str = "tcp") -> list[tuple[str, float, str]]:
+    """Start ranks 0 and 1 on ``backend`` (init timeout 2 s) with these world sizes and
     TANDEM_SECRETs; each one's (error type, seconds, message)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("TANDEM_TIMEOUT", "TANDEM_CONNECT_TIMEOUT", "TANDEM_SECRET")}
     store = f"file://{tmp_path}/store"
-    procs = [subprocess.Popen([sys.executable, "-c", SIZED, store, str(rank), str(world), "2"],
+    procs = [subprocess.Popen([sys.executable, "-c", SIZED, store, str(rank), str(world), "2",
+                               backend],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**env, "TANDEM_SECRET": secret})
              for rank, (world, secret) in enumerate(zip(worlds, secrets))]
@@ -125,8 +126,12 @@ def test_the_init_timeout_bounds_connecting_when_it_is_shorter(tmp_path: Path) -
     assert seconds < 2.0 + SLACK, f"took {seconds}s: {message}"
 
 
-def test_ranks_given_different_world_sizes_are_told_at_once(tmp_path: Path) -> None:
-    for rank, (kind, seconds, message) in enumerate(_pair(tmp_path, (2, 3), ("s", "s"))):
+@pytest.mark.parametrize("backend", ["tcp", "auto"])
+def test_ranks_given_different_world_sizes_are_told_at_once(tmp_path: Path, backend: str
+                                                            ) -> None:
+    # tcp compares in each connection's hello; auto and shm in the host exchange
+    for rank, (kind, seconds, message) in enumerate(_pair(tmp_path, (2, 3), ("s", "s"),
+                                                          backend)):
         assert kind == "ArgumentError", (rank, kind, message)
         world, other = (2, 3) if rank == 0 else (3, 2)
         assert (f"rank {rank} was started with world_size={world} but rank {1 - rank} with "
