@@ -49,6 +49,15 @@ def oracle(ranks: list[int], n: int, dtype: torch.dtype, op_name: str) -> torch.
     return out
 
 
+def custom_op_is_right(rank: int, p: int, n: int) -> bool:
+    """A user-defined op (largest magnitude) over ``n`` floats equals the naive result."""
+    absmax = dist.ReduceOp.custom(lambda a, b: torch.maximum(a.abs(), b.abs()), "ABSMAX")
+    t = value(rank, n, torch.float32) - 1.5
+    dist.all_reduce(t, op=absmax)
+    want = torch.stack([(value(r, n, torch.float32) - 1.5).abs() for r in range(p)]).amax(0)
+    return torch.equal(t, want)
+
+
 def every_dtype_and_op(rank: int, p: int) -> dict[str, Any]:
     """all_reduce through the arena for every case; returns the names that went wrong."""
     group = default_group()
@@ -66,11 +75,7 @@ def every_dtype_and_op(rank: int, p: int) -> dict[str, Any]:
     want = oracle(list(range(p)), 2000, torch.float32, "SUM")[::2]
     if not torch.equal(base[::2], want) or not torch.equal(base[1::2], value(rank, 2000, torch.float32)[1::2]):
         wrong.append("strided")
-    absmax = dist.ReduceOp.custom(lambda a, b: torch.maximum(a.abs(), b.abs()), "ABSMAX")
-    t = value(rank, 3000, torch.float32) - 1.5
-    dist.all_reduce(t, op=absmax)
-    want = torch.stack([(value(r, 3000, torch.float32) - 1.5).abs() for r in range(p)]).amax(0)
-    if not torch.equal(t, want):
+    if not custom_op_is_right(rank, p, 3000):
         wrong.append("custom")
     return {"wrong": wrong, "chunk": group.arena.chunk if group.arena else None,
             "algorithm": dist.get_backend()}
