@@ -18,12 +18,12 @@ import collections
 import hashlib
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
 from tandem.config import Settings
-from tandem.errors import (CollectiveError, CollectiveTimeoutError, StateError,
+from tandem.errors import (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, StateError,
                            TandemError)
 from tandem.collectives.recorder import Call, Recorder, clock
 from tandem.collectives.work import Completions, Work
@@ -163,6 +163,7 @@ class ProcessGroup:
         self.shares_memory = (self.group_size > 1 and settings.shm_arena
                               and transport.shares_memory_with(self.ranks))
         self.arena: Arena | None = None
+        self.compared = -1  # the last call whose previous call was compared (compare_previous)
         # [flight recorder hook] this group's last calls (tandem/collectives/recorder.py)
         self.recorder = Recorder(settings.flight_recorder, group_name)
 
@@ -279,6 +280,12 @@ class ProcessGroup:
                 # different call can tell (see algorithms.shm)
                 self.arena.announce(op.seq, op.sig, op.site)
             fn(op)
+            if self.arena is not None and self.compared != op.seq:
+                # a call that moved only messages (barrier, all_to_all, gather, scatter)
+                # checks the previous call here, as the shared-memory ones do after their
+                # first wait: a previous call whose root waited on nobody (a broadcast
+                # with a different root on each rank) is otherwise never compared
+                self.compare_previous(op, range(self.group_size))
             self.transport.finished(self.group_id, op.seq, op.sig, op.site)
         except CollectiveError as exc:
             self.abort(exc)
@@ -298,6 +305,26 @@ class ProcessGroup:
             raise
         if recorded:
             recorder.end(op)
+
+    def compare_previous(self, op: Op, members: Sequence[int]) -> None:
+        """Raise if a member of ``members`` announced another call than this rank's as the
+        call before ``op`` (same-host groups announce every call in their arena)."""
+        arena = self.arena
+        self.compared = op.seq
+        if arena is None or not op.seq:
+            return
+        mine = arena.announcement(arena.index, op.seq - 1)
+        if mine is None or mine[0] != op.seq - 1:
+            return
+        for q in members:
+            theirs = arena.announcement(q, op.seq - 1) if q != arena.index else None
+            # a member rewriting the entry (None) or already past it has nothing to compare
+            if theirs is not None and theirs[0] == op.seq - 1 and theirs[1] != mine[1]:
+                raise CollectiveMismatchError(
+                    f"collective mismatch (group {self.group_id}, sequence {op.seq - 1}): rank "
+                    f"{self.ranks[arena.index]} called {mine[1].decode(errors='replace')} at "
+                    f"{mine[2].decode(errors='replace')} but rank {self.ranks[q]} called "
+                    f"{theirs[1].decode(errors='replace')} at {theirs[2].decode(errors='replace')}")
 
     def _make_arena(self, op: Op) -> Arena:
         try:

@@ -177,3 +177,40 @@ def test_all_gather_of_different_sizes_says_which_sizes(mismatches: Any) -> None
         else:
             assert "sent 20 bytes" in err["msg"] or "sent 16 bytes" in err["msg"], (rank, err)
             assert "expected 16" in err["msg"] or "expected 20" in err["msg"], (rank, err)
+
+
+# calls that move only messages, even on a group that shares memory
+MESSAGE_ONLY: dict[str, Callable[[int, Any], Any]] = {
+    "barrier": lambda rank, g: dist.barrier(group=g),
+    "monitored_barrier": lambda rank, g: dist.monitored_barrier(group=g),
+    "all_to_all": lambda rank, g: dist.all_to_all_single(torch.empty(4), torch.ones(4), group=g),
+    "gather": lambda rank, g: dist.gather(
+        torch.ones(2), [torch.empty(2), torch.empty(2)] if rank == 0 else None, group_dst=0, group=g),
+    "scatter": lambda rank, g: dist.scatter(
+        torch.empty(2), [torch.ones(2), torch.ones(2)] if rank == 0 else None, group_src=0, group=g),
+}
+
+
+def _root_then_messages(rank: int, world_size: int) -> dict[str, Any]:
+    out = {}
+    for name, call in MESSAGE_ONLY.items():
+        g = dist.new_group([0, 1], timeout=GROUP_TIMEOUT, group_desc=f"then-{name}")
+        dist.broadcast(_tensor(rank), src=rank, group=g)  # each rank its own root: no wait
+        out[name] = [attempt(call, rank, g), attempt(dist.all_reduce, torch.ones(1), group=g)]
+    dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_a_root_mismatch_is_found_by_a_call_that_moves_only_messages(backend: str) -> None:
+    # a broadcast whose root is a different rank on each rank waits on nobody; over shm
+    # the next call compares the previous call's announcements, whatever it moves
+    out = values(launch(2, _root_then_messages, timeout=60, op_timeout=20.0,
+                        backend=backend), [0, 1])
+    for rank in (0, 1):
+        for name, (then, after) in out[rank].items():
+            err = then if not then["ok"] else after  # this call, or the one after it
+            assert not err["ok"], f"rank {rank}: {name} after mismatched roots: {then}, {after}"
+            assert err["type"] in ("CollectiveMismatchError", "StateError"), (rank, name, err)
+            assert "root=0" in err["msg"] and "root=1" in err["msg"], (rank, name, err)
+            assert err["elapsed"] < FAST, (rank, name, err)

@@ -109,22 +109,14 @@ def verify(op: Op, arena: Arena, members: Sequence[int] | None = None) -> None:
     """After the call's first wait on ``members`` (default: all): each announced this
     very call, and made the same previous call (a call whose root waits on nobody is
     checked here, next time)."""
-    mine = arena.announcement(arena.index, op.seq - 1) if op.seq else None
     for q in range(arena.size) if members is None else members:
-        if q == arena.index:
-            continue
-        error = _differs(op, arena, q, strict=True)
-        if error is not None:
-            raise error
-        theirs = arena.announcement(q, op.seq - 1) if mine is not None else None
-        if (mine is not None and theirs is not None and mine[0] == theirs[0] == op.seq - 1
-                and mine[1] != theirs[1]):
-            g = op.group
-            raise CollectiveMismatchError(
-                f"collective mismatch (group {g.group_id}, sequence {op.seq - 1}): rank "
-                f"{g.ranks[arena.index]} called {mine[1].decode(errors='replace')} at "
-                f"{mine[2].decode(errors='replace')} but rank {g.ranks[q]} called "
-                f"{theirs[1].decode(errors='replace')} at {theirs[2].decode(errors='replace')}")
+        if q != arena.index:
+            error = _differs(op, arena, q, strict=True)
+            if error is not None:
+                raise error
+    # every member that has announced the previous call is compared, not only those
+    # waited on: a root that waits on nobody still sees a previous call that differed
+    op.group.compare_previous(op, range(arena.size))
 
 
 def prepare(op: Op) -> tuple[Arena, Callable[[], None]]:
