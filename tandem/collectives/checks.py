@@ -30,6 +30,9 @@ def tensor_arg(t: Any, what: str, name: str) -> torch.Tensor:
         raise ArgumentError(f"{what}: {name} is on {t.device}; tandem collectives take CPU tensors")
     if t.layout != torch.strided:
         raise ArgumentError(f"{what}: {name} has layout {t.layout}; only dense tensors are supported")
+    if t.is_nested:
+        raise ArgumentError(f"{what}: {name} is a nested tensor; pass its components "
+                            f"({name}.unbind()) or a padded tensor ({name}.to_padded_tensor(0))")
     return t
 
 

@@ -16,7 +16,7 @@ import torch
 from tandem.collectives import api, p2p
 from tandem.collectives.checks import check_cpu_device, root_rank
 from tandem.collectives.world import AnyGroup, resolve_group
-from tandem.errors import ArgumentError
+from tandem.errors import ArgumentError, CollectiveMismatchError
 
 __all__ = ["broadcast_object_list", "all_gather_object", "gather_object",
            "scatter_object_list", "send_object_list", "recv_object_list"]
@@ -53,7 +53,15 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None,
     if g.group_rank == root:
         packed = [_pack(o) for o in object_list]
         sizes = torch.tensor([t.numel() for t in packed], dtype=torch.int64)
-    api.broadcast(sizes, group=group, group_src=root)
+    try:
+        api.broadcast(sizes, group=group, group_src=root)
+    except CollectiveMismatchError as exc:
+        # the sizes' shape is the list's length: a rank whose list is longer or shorter
+        # than the source's made a different call
+        raise CollectiveMismatchError(
+            f"broadcast_object_list: object_list has {len(object_list)} entries on rank "
+            f"{g.ranks[g.group_rank]}, and another rank's list has a different length; every rank passes "
+            f"a list as long as the source's ({exc})") from exc
     data = torch.cat(packed) if packed else torch.empty(int(sizes.sum()), dtype=torch.uint8)
     api.broadcast(data, group=group, group_src=root)
     if g.group_rank != root:

@@ -40,6 +40,12 @@ def test_sparse_tensor_is_refused(g) -> None:
         tandem.all_reduce(torch.zeros(3, 3).to_sparse(), group=g)
 
 
+def test_nested_tensor_is_refused_with_what_to_pass_instead(g) -> None:
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(ArgumentError, match="all_reduce: tensor is a nested tensor.*unbind"):
+        tandem.all_reduce(nested, group=g)
+
+
 def test_torch_reduce_op_instead_of_tandem_one_is_refused(g) -> None:
     with pytest.raises(ArgumentError, match="tandem ReduceOp"):
         tandem.all_reduce(f(2), op="sum", group=g)  # type: ignore[arg-type]

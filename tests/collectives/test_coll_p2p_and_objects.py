@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tandem
-from tandem.errors import CollectiveMismatchError, CollectiveTimeoutError
+from tandem.errors import CollectiveMismatchError, CollectiveTimeoutError, StateError
 from tandem.testing import run_threads
 
 from _coll_util import assert_equal
@@ -224,6 +224,21 @@ def test_broadcast_object_list_replaces_every_entry_on_receivers() -> None:
         for i, (got, want) in enumerate(zip(objs, OBJECTS)):
             same = torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want
             assert same, f"rank {rank}: broadcast_object_list entry {i} is {got!r}, expected {want!r}"
+
+
+def test_broadcast_object_list_of_another_length_names_the_lists() -> None:
+    def body(group):
+        objs = list(OBJECTS) if group.rank() != 0 else [None]  # rank 0's list is too short
+        try:
+            tandem.broadcast_object_list(objs, src=1, group=group)
+        except (CollectiveMismatchError, StateError) as exc:
+            return exc  # the others learn of it from rank 0
+        return objs
+
+    out = run_threads(3, body)
+    assert isinstance(out[0], CollectiveMismatchError), out[0]
+    assert "broadcast_object_list: object_list has 1 entries on rank 0" in str(out[0]), out[0]
+    assert "as long as the source's" in str(out[0]), out[0]
 
 
 def test_all_gather_object_collects_objects_of_different_sizes() -> None:
