@@ -28,11 +28,11 @@ def tensor_arg(t: Any, what: str, name: str) -> torch.Tensor:
         raise ArgumentError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
         raise ArgumentError(f"{what}: {name} is on {t.device}; tandem collectives take CPU tensors")
-    if t.layout != torch.strided:
-        raise ArgumentError(f"{what}: {name} has layout {t.layout}; only dense tensors are supported")
     if t.is_nested:
         raise ArgumentError(f"{what}: {name} is a nested tensor; pass its components "
                             f"({name}.unbind()) or a padded tensor ({name}.to_padded_tensor(0))")
+    if t.layout != torch.strided:
+        raise ArgumentError(f"{what}: {name} has layout {t.layout}; only dense tensors are supported")
     return t
 
 

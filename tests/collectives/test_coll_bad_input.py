@@ -40,8 +40,9 @@ def test_sparse_tensor_is_refused(g) -> None:
         tandem.all_reduce(torch.zeros(3, 3).to_sparse(), group=g)
 
 
-def test_nested_tensor_is_refused_with_what_to_pass_instead(g) -> None:
-    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+@pytest.mark.parametrize("layout", [torch.jagged, torch.strided])
+def test_nested_tensor_is_refused_with_what_to_pass_instead(g, layout) -> None:
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=layout)
     with pytest.raises(ArgumentError, match="all_reduce: tensor is a nested tensor.*unbind"):
         tandem.all_reduce(nested, group=g)
 
