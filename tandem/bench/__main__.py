@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+from types import FrameType
 from typing import Sequence
 
 # name -> module exposing main(argv); imported lazily so one command's imports
@@ -40,5 +42,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return int(module.main(args[1:]))
 
 
+def _exit(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
 if __name__ == "__main__":
+    # a benchmark stopped with SIGTERM or SIGHUP (a timeout, a closed terminal) unwinds
+    # like one interrupted with Ctrl-C: its simulated hosts' namespaces, delay processes
+    # and ranks are removed by their context managers instead of being left running
+    for _sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(_sig, _exit)
     sys.exit(main())

@@ -3,7 +3,7 @@
 Run inside one host's namespace by :class:`tandem.testing.netns.NetnsLab`::
 
     ip netns exec HOST python -m tandem.testing._delay --iface eth0 --delay 0.0002 \\
-        [--loss 0.001] [--seed 7]
+        [--loss 0.001] [--seed 7] [--parent PID]
 
 Every IPv4 packet arriving on ``--iface`` is queued in the kernel (``_netlink``: an
 nf_tables rule owned by this process, so it disappears with it) and released
@@ -35,6 +35,7 @@ from tandem.testing._netlink import PacketQueue, queue_rule
 
 __all__ = ["main"]
 
+_PR_SET_PDEATHSIG = 1
 _PR_SET_TIMERSLACK = 29
 
 
@@ -54,6 +55,18 @@ def _tight_timers() -> None:
     except (OSError, AttributeError):
         with contextlib.suppress(OSError):
             os.nice(-20)
+
+
+def _die_with(parent: int) -> None:
+    """Exit when ``parent`` (the lab that started this process) does, however it ends.
+
+    A lab killed outright cannot stop this process, and a real-time process left
+    behind in a namespace keeps its rule and its priority on the machine.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0)  # SIGKILL
+    if parent and os.getppid() != parent:  # it ended before the line above
+        raise SystemExit(1)
 
 
 def relay(queue: PacketQueue, delay: float, loss: float, rng: random.Random) -> None:
@@ -83,7 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--delay", type=float, required=True, help="seconds")
     parser.add_argument("--loss", type=float, default=0.0, help="probability, 0..1")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--parent", type=int, default=0, help="exit when this process does")
     args = parser.parse_args(argv)
+    _die_with(args.parent)
     _tight_timers()
     queue = PacketQueue(args.queue)  # bound first, so no packet meets a queue without reader
     rule = queue_rule(args.iface, args.queue)

@@ -108,6 +108,13 @@ def _remove_stale() -> None:
         name = line.split()[0] if line.split() else ""
         pid = name[len(PREFIX):].partition("-")[0]
         if name.startswith(PREFIX) and pid.isdigit() and not process_alive(int(pid)):
+            # a run killed outright (SIGKILL) leaves its delay processes and ranks running
+            # in its namespaces: they go first, or they would hold the namespace alive
+            inside = subprocess.run(["ip", "netns", "pids", name], capture_output=True,
+                                    text=True, timeout=20)
+            for left in inside.stdout.split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(left), signal.SIGKILL)
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
 
 
@@ -175,7 +182,7 @@ class NetnsLab:
         for h, ns in enumerate(self.names):
             cmd = [*self._exec(h), "-m", "tandem.testing._delay", "--iface", "eth0",
                    "--delay", repr(self.link.delay_s), "--loss", repr(self.link.loss),
-                   "--seed", str(h)]
+                   "--seed", str(h), "--parent", str(os.getpid())]
             log = open(self.workdir / f"delay-h{h}.log", "wb")
             with log:
                 proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log,

@@ -18,15 +18,23 @@ iproute2; elsewhere every test skips, saying why. About 40 s on 2 cores.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import secrets
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 
+import tandem
+
+from tandem._proc import process_alive
 from tandem.testing.netns import PREFIX, RankRun, Unavailable, netns_lab, unavailable_reason
 from _netns_rank import expected_for
 
@@ -200,10 +208,103 @@ def test_namespaces_of_a_killed_run_are_removed_by_the_next_lab(tmp_path: Path) 
     made = subprocess.run(["ip", "netns", "add", stale], capture_output=True, text=True)
     if made.returncode != 0:
         pytest.skip(f"network namespaces are unavailable: {made.stderr.strip()}")
+    # what the killed run left running in it (a link's delay process, a rank)
+    left = subprocess.Popen(["ip", "netns", "exec", stale, "sleep", "120"])
     try:
         with netns_lab(2, tmp_path):
             pass
         spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
         assert stale not in spaces.stdout.split(), spaces.stdout
+        assert left.wait(timeout=10) == -signal.SIGKILL, "the stale run's process still runs"
     finally:
+        left.kill()
+        left.wait()
         subprocess.run(["ip", "netns", "del", stale], capture_output=True)
+
+
+def _namespaces_of(pid: int) -> list[str]:
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20)
+    return [line.split()[0] for line in listing.stdout.splitlines()
+            if line.startswith(f"{PREFIX}{pid}-")]
+
+
+def test_a_benchmark_stopped_with_sigterm_removes_its_hosts(tmp_path: Path) -> None:
+    why = unavailable_reason()
+    if why:
+        pytest.skip(f"network namespaces are unavailable: {why}")
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "tandem.bench", "collectives", "--hosts", "2",
+         "--ranks-per-host", "1", "--link", "1gbit:0.2ms", "--ops", "all_reduce",
+         "--sizes", "4K", "--rounds", "50"],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(Path(tandem.__file__).parent.parent)},
+        start_new_session=True)
+    inside: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and bench.poll() is None:
+            spaces = _namespaces_of(bench.pid)
+            # the hosts are up once a link's delay process runs in one of them
+            inside = [int(p) for ns in spaces for p in subprocess.run(
+                ["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()]
+            if inside:
+                break
+            time.sleep(0.2)
+        assert inside, f"the benchmark made no hosts: {bench.stderr.read() if bench.stderr else ''}"
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=30) == 128 + signal.SIGTERM
+        assert _namespaces_of(bench.pid) == []
+        assert [p for p in inside if process_alive(p)] == [], "processes left in its hosts"
+    finally:
+        if bench.poll() is None:
+            os.killpg(bench.pid, signal.SIGKILL)
+            bench.wait()
+        for ns in _namespaces_of(bench.pid):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+_HOLD_A_LAB = """
+import sys, time
+from pathlib import Path
+from tandem.testing.links import LinkShape
+from tandem.testing.netns import netns_lab
+with netns_lab(2, Path(sys.argv[1]), LinkShape(delay_s=0.0002)) as lab:
+    print(" ".join(str(p.pid) for p in lab._helpers), flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_lab_killed_outright_takes_its_delay_processes_with_it(tmp_path: Path) -> None:
+    why = unavailable_reason()
+    if why:
+        pytest.skip(f"network namespaces are unavailable: {why}")
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_A_LAB, str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ,
+                                   "PYTHONPATH": str(Path(tandem.__file__).parent.parent)})
+    helpers: list[int] = []
+    try:
+        assert holder.stdout is not None
+        line = holder.stdout.readline()  # the holder's own deadline: its sleep
+        if not line:
+            err = holder.stderr.read() if holder.stderr else ""
+            if "Unavailable" in err:
+                pytest.skip(f"links cannot be delayed here: {err[-500:]}")
+            raise AssertionError(f"the lab did not start: {err[-2000:]}")
+        helpers = [int(p) for p in line.split()]
+        assert len(helpers) == 2 and all(process_alive(p) for p in helpers), line
+        holder.kill()  # SIGKILL: no finally block runs in the holder
+        holder.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(process_alive(p) for p in helpers):
+            time.sleep(0.05)
+        assert not [p for p in helpers if process_alive(p)], "delay processes outlived their lab"
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+        for p in helpers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        for ns in _namespaces_of(holder.pid):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
