@@ -20,8 +20,10 @@ Three measurements, most trusted first:
   ``TANDEM_STALL_WARN=0`` (no recording, no watchdog), alternating, each run's best
   round. Run-to-run noise on a shared machine is about as large as the effect.
 * the recording work alone in one process (``timeit``), and the whole call path on a
-  one-rank group with recording on and off. In place the same work costs 2-3x more
-  (cold caches), and a 2-rank call's wall time pays for it on both ranks.
+  one-rank group with recording on and off. In place the same steps cost 2-3x more:
+  the rest of a 2-rank call's memory evicts theirs between calls. The ranks' shares
+  overlap only in part: recording on one rank alone measured +0.6 to +1.9 us, on both
+  +1.7 to +1.9 us (at load 45, so roughly).
 
 For steadier figures on a busy machine, run it at real-time priority as root
 (``chrt -f 10 python -m tandem.bench recorder``): other processes then wait.
