@@ -6,8 +6,9 @@ Run::
     python -m tandem.bench recorder --backend tcp
 
 Every call on a group is recorded (``tandem.collectives.recorder``): the call's op goes
-into the group's ring (it is its own record), with three clock reads and its state; the
-per-op totals are added up every 64 calls. The budget is 2% of a 4 KB all_reduce.
+into the group's ring at its sequence number (it is its own record), with its size and
+start and end times (one clock read more than an unrecorded call); the per-op totals are
+added up once per lap of the ring. The budget is 2% of a 4 KB all_reduce.
 
 Three measurements, most trusted first:
 
@@ -19,8 +20,10 @@ Three measurements, most trusted first:
   ``TANDEM_STALL_WARN=0`` (no recording, no watchdog), alternating, each run's best
   round. Run-to-run noise on a shared machine is about as large as the effect.
 * the recording work alone in one process (``timeit``), and the whole call path on a
-  one-rank group with recording on and off. In place the same work costs 2-3x more
-  (cold caches), and a 2-rank call's wall time pays for it on both ranks.
+  one-rank group with recording on and off. In place the same steps cost 2-3x more:
+  the rest of a 2-rank call's memory evicts theirs between calls. The ranks' shares
+  overlap only in part: recording on one rank alone measured +0.6 to +1.9 us, on both
+  +1.7 to +1.9 us (at load 45, so roughly).
 
 For steadier figures on a busy machine, run it at real-time priority as root
 (``chrt -f 10 python -m tandem.bench recorder``): other processes then wait.
@@ -79,13 +82,14 @@ def _paired_rank(rank: int, world_size: int, numel: int, iters: int, pairs: int
 
 
 def recording_seconds(numel: int = 1024) -> float:
-    """Per-call cost of recording one blocking collective, timed in this process."""
+    """Per-call cost of recording one blocking collective, timed in this process: the
+    steps ``ProcessGroup._execute`` takes when recording is on."""
     import timeit
 
-    from tandem.collectives.recorder import Call, Recorder
+    from tandem.collectives.recorder import Call, Recorder, clock
 
     recorder = Recorder(2000, "default")
-    result = [torch.ones(numel)]
+    nbytes = numel * 4
     sig, site = b"all_reduce float32[1024] op=SUM algorithm=shm", b"train.py:42"
     seq = iter(range(10 ** 9))
 
@@ -94,9 +98,15 @@ def recording_seconds(numel: int = 1024) -> float:
         # recording's cost, since every call makes its op, so this errs high
         call = Call()
         call.op, call.seq, call.sig, call.site = "all_reduce", next(seq), sig, site
-        recorder.begin(call, result)
-        recorder.start(call)
-        recorder.end(call)
+        capacity = recorder.capacity
+        if capacity:
+            call.t_start = clock()
+            call.nbytes = nbytes
+            i = call.seq % capacity
+            if not i:
+                recorder.lap(call.seq)
+            recorder.ring[i] = call
+            call.t_end = clock()
 
     # CPU time of this process: other processes on a shared machine do not inflate it
     return min(timeit.repeat(record, number=20000, repeat=7, timer=time.process_time)) / 20000

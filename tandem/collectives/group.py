@@ -21,11 +21,12 @@ import time
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
+import torch.autograd.profiler as _torch_profiler
 
 from tandem.config import Settings
 from tandem.errors import (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, StateError,
                            TandemError)
-from tandem.collectives.recorder import Call, Recorder, clock
+from tandem.collectives.recorder import Call, Recorder, clock, payload_bytes
 from tandem.collectives.work import Completions, Work
 from tandem.transport import Arena, Header, Kind, Slot, Transport
 
@@ -84,12 +85,12 @@ class Op(Call):
 
     An op is also its own flight-recorder entry (a :class:`Call`): recording a call
     then copies nothing, which keeps it off the latency of small calls (measured).
-    ``recorded`` says whether its group's recorder holds it. (A reference from the op
-    to itself would instead leave every recorded op for the cycle collector, which then
-    ran every ~700 calls: measured, +2.5 us per 4 KB all_reduce.)
+    (A reference from the op to itself would instead leave every recorded op for the
+    cycle collector, which then ran every ~700 calls: measured, +2.5 us per 4 KB
+    all_reduce.)
     """
 
-    __slots__ = ("group", "name", "algorithm", "recorded")
+    __slots__ = ("group", "name", "algorithm")
 
     def __init__(self, group: "ProcessGroup", name: str, seq: int, sig: bytes, site: bytes) -> None:
         self.group = group
@@ -97,9 +98,7 @@ class Op(Call):
         self.seq = seq
         self.sig = sig
         self.site = site
-        self.deadline = 0.0
         self.algorithm = ""
-        self.recorded = False
 
     def send(self, to: int, step: int, view: memoryview) -> Slot:
         g = self.group
@@ -207,14 +206,13 @@ class ProcessGroup:
                     self._busy = True
             if inline:
                 try:
-                    op.recorded = self.recorder.begin(op, result, nbytes, True)  # [recorder]
-                    self._execute(op, fn, started=True)
+                    self._execute(op, fn, result, nbytes)
                 finally:
                     with self._cv:
                         self._busy = False
                         self._cv.notify_all()
                 return None
-        op.recorded = self.recorder.begin(op, result, nbytes)  # [recorder] queued
+        self.recorder.queued(op, result, nbytes)  # [recorder]
         work = Work(op.describe(), result, self.completions)
         with self._cv:
             if self._closed:
@@ -246,7 +244,7 @@ class ProcessGroup:
                     op, fn, work = self._queue.popleft()
                     self._busy = True
                 try:
-                    self._execute(op, fn)
+                    self._execute(op, fn, queued=True)
                     work._complete()
                 except BaseException as exc:  # noqa: BLE001 - handed to the waiter
                     work._complete(error=exc)
@@ -267,11 +265,28 @@ class ProcessGroup:
         for _, _, work in queued:
             work._complete(error=error)
 
-    def _execute(self, op: Op, fn: Callable[[Op], Any], started: bool = False) -> None:
-        op.deadline = time.monotonic() + self.timeout
-        recorder, recorded = self.recorder, op.recorded  # [recorder] start, then end
-        if recorded and not started:
-            recorder.start(op)
+    def _execute(self, op: Op, fn: Callable[[Op], Any], result: Any = None, nbytes: int = -1,
+                 queued: bool = False) -> None:
+        """Run ``fn(op)`` now; ``queued``: the op was issued to the queue (and recorded)
+        earlier, else ``result`` and ``nbytes`` are :meth:`run`'s, for the recorder."""
+        now = clock()
+        op.deadline = now + self.timeout
+        # [recorder] written out here rather than called: in place, each method call and
+        # clock read cost 2-3x what a tight loop says, on both ranks (see recorder.py)
+        recorder = self.recorder
+        capacity = recorder.capacity
+        watched = False
+        if capacity:
+            op.t_start = now
+            if not queued:
+                op.nbytes = nbytes if nbytes >= 0 else payload_bytes(result)
+                i = op.seq % capacity
+                if not i:
+                    recorder.lap(op.seq)
+                recorder.ring[i] = op
+            if recorder.timeline is not None or _torch_profiler._is_profiler_enabled:
+                watched = True
+                recorder.watch(op)
         try:
             if self.shares_memory:
                 if self.arena is None:
@@ -289,22 +304,24 @@ class ProcessGroup:
             self.transport.finished(self.group_id, op.seq, op.sig, op.site)
         except CollectiveError as exc:
             self.abort(exc)
-            if recorded:
-                recorder.end(op, exc)
+            if capacity:
+                recorder.fail(op, exc, watched)
             raise
         except Exception as exc:
             # e.g. a custom reduce op raised: the peers must not wait for us until the deadline
             self.abort(StateError(f"{op.describe()} failed on rank {self.ranks[self.group_rank]}: "
                                   f"{type(exc).__name__}: {exc}"))
-            if recorded:
-                recorder.end(op, exc)
+            if capacity:
+                recorder.fail(op, exc, watched)
             raise
         except BaseException as exc:  # KeyboardInterrupt: the call did not finish
-            if recorded:
-                recorder.end(op, exc)
+            if capacity:
+                recorder.fail(op, exc, watched)
             raise
-        if recorded:
-            recorder.end(op)
+        if capacity:
+            op.t_end = clock()
+            if watched:
+                recorder.unwatch(op)
 
     def compare_previous(self, op: Op, members: Sequence[int]) -> None:
         """Raise if a member of ``members`` announced another call than this rank's as the

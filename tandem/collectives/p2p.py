@@ -47,7 +47,7 @@ def _work(g: ProcessGroup, slot: Slot, what: str, result: Any, call: Call | None
         work._source = g.ranks.index(s.peer) if s.peer in g.ranks else -1
         if call is not None:  # [recorder] the send or receive finished
             call.peer = s.peer if s.peer >= 0 else call.peer
-            g.recorder.end(call, s.error)
+            g.recorder.end_p2p(call, s.error)
         work._complete(error=s.error)
 
     def drive(timeout: float | None) -> None:

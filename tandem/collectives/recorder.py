@@ -12,14 +12,22 @@ stalled calls (:mod:`tandem.collectives.stall`), the dump writes it out as JSON
     >>> tandem.stats()["default"]["all_reduce"]
     OpStats(count=120, bytes=491520, seconds=0.0131, failed=0)
 
-Recording is on the latency path of every call, so it is kept to plain attribute
-stores: a collective's op is its own record (a point-to-point call gets one small
-object), one list store into the ring, three clock reads; per-op totals are added up
-every ``FOLD_EVERY`` calls.
-``python -m tandem.bench recorder`` measures what it costs against a 4 KB
-all_reduce.
+Recording is on the latency path of every call, so a blocking collective pays for
+it with a few attribute stores and one clock read, written out in
+``ProcessGroup._execute`` (the ``[recorder]`` lines) rather than called here:
 
-Calls on one group run one at a time, so the collective path needs no lock;
+* the op is its own record, stored at ``ring[seq % capacity]``; a point-to-point call
+  gets one small object in a ring of its own;
+* its start time is the clock reading its deadline is made from (:data:`clock` is the
+  deadline's clock), its end time the one clock read recording adds;
+* its state follows from what is set (times, error), so it is never stored;
+* per-op totals are added up once per lap of the ring (:meth:`Recorder.lap`), and a
+  reader adds the calls of the current lap itself.
+
+Each step was measured in place (two ranks, recording toggled on their group):
+``python -m tandem.bench recorder``.
+
+Calls on one group are issued one at a time, so the collective path needs no lock;
 point-to-point calls complete on transport threads and take one for the counters.
 """
 
@@ -29,7 +37,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 import torch.autograd.profiler as _torch_profiler
@@ -42,8 +50,9 @@ __all__ = ["Call", "Recorder", "OpStats", "QUEUED", "STARTED", "COMPLETED", "FAI
 
 QUEUED, STARTED, COMPLETED, FAILED = 0, 1, 2, 3
 STATE_NAMES = ("queued", "started", "completed", "failed")
-FOLD_EVERY = 64  # collectives whose totals are added up at once (see Recorder.end)
-clock = time.perf_counter  # the clock of every timestamp here (and of DDP's own timings)
+# The clock of every timestamp here, of deadlines (a call's start is its deadline's
+# reading) and of DDP's own timings. On Linux it is the clock of time.perf_counter too.
+clock = time.monotonic
 _profiling = torch._C._autograd._profiler_enabled  # per thread, as record_function records
 _new = object.__new__
 
@@ -53,29 +62,38 @@ class Call:
 
     ``seq`` is the group's sequence number of a collective (-1 for point-to-point);
     ``peer`` is the other side's global rank for point-to-point (-1 for a receive from
-    any rank, and for collectives). Made by :meth:`Recorder.begin`, which stores only
-    what differs from the class-level defaults below: recording runs on the latency
-    path of every call.
+    any rank, and for collectives). A recorded call stores only what differs from the
+    class-level defaults below: recording runs on the latency path of every call.
     """
 
-    index: int  # position in its recorder's order of calls
     op: str
     seq: int
     sig: bytes
     site: bytes
-    nbytes: int
-    t_queued: float
+    nbytes = 0
     peer = -1
     tag = 0
-    state = QUEUED
+    t_issued = 0.0  # when a call that waited in the group's queue was issued
     t_start = 0.0
-    t_end = 0.0
-    deadline = 0.0  # time.monotonic() at which the call fails, once started
+    t_end = 0.0  # set last: a reader that sees it sees the call's error too
+    deadline = 0.0  # clock() at which the call fails, once started
     error = ""
     warned = 0  # stall warnings logged so far
     phases: list[tuple[float, float]] | None = None  # waits, while a timeline runs
     profile: Any = None  # the open torch.profiler range
     thread = 0  # the thread that ran it, while a timeline runs
+
+    @property
+    def t_queued(self) -> float:
+        """When the call was issued: its start, unless it waited in the queue first."""
+        return self.t_issued or self.t_start
+
+    @property
+    def state(self) -> int:
+        """QUEUED, STARTED, COMPLETED or FAILED, from the times and error set so far."""
+        if self.t_end:
+            return FAILED if self.error else COMPLETED
+        return STARTED if self.t_start else QUEUED
 
     @property
     def is_p2p(self) -> bool:
@@ -114,6 +132,13 @@ def payload_bytes(result: Any) -> int:
 class Recorder:
     """The ring of one group's last ``capacity`` calls and its per-op totals.
 
+    A collective op is recorded by its group (``ProcessGroup._execute``): when
+    ``capacity`` is not 0, it sets the op's ``nbytes`` and ``t_start``, calls
+    :meth:`lap` if ``seq % capacity`` is 0, stores the op at ``ring[seq % capacity]``,
+    and sets ``t_end`` when the call returns (:meth:`fail` when it raises). While a
+    timeline or a torch profiler runs (``timeline`` is set, or torch's
+    ``_is_profiler_enabled``), it also calls :meth:`watch` and :meth:`unwatch`.
+
     ``timeline`` (set while a timeline runs) receives every finished call;
     ``on_failure(reason)`` is called when a call fails (the process's dumper).
     """
@@ -121,39 +146,75 @@ class Recorder:
     def __init__(self, capacity: int, name: str = "") -> None:
         self.capacity = capacity
         self.name = name  # the group's
-        self._ring: list[Call | None] = [None] * capacity
-        self._next = itertools.count()  # next() is atomic: p2p calls record from any thread
+        self.ring: list[Call | None] = [None] * capacity  # collectives, at seq % capacity
+        self._p2p: list[Call | None] = [None] * capacity
+        self._p2p_next = itertools.count()  # next() is atomic: p2p calls record from any thread
         self._totals: dict[str, list[Any]] = {}  # op -> see _add_up
-        self._ended: list[Call] = []  # collectives ended since the last _fold
+        self._folded = 0  # collectives below this sequence number are in _totals or _late
+        self._late: list[Call] = []  # collectives still running when their lap was added up
         self._lock = threading.Lock()
-        self.issued = 0  # collective calls issued on the group (the next sequence number)
         self.timeline: Timeline | None = None
         self.on_failure: Callable[[str], object] | None = None
 
-    # -- the call path ---------------------------------------------------------------
-    def begin(self, call: Call, result: Any, nbytes: int = -1, running: bool = False) -> bool:
-        """Record the collective ``call`` (its group's :class:`~tandem.collectives.group.Op`,
-        which is its own record) as issued, or with ``running`` as issued and started at
-        once; False when recording is off.
+    # -- the collective path (the rest is written out in ProcessGroup._execute) --------
+    def queued(self, call: Call, result: Any, nbytes: int = -1) -> None:
+        """Record the collective ``call`` as issued to the group's queue (async_op=True).
 
         The call's bytes are ``nbytes``, or when that is -1 those of ``result``, the list
         of tensors it returns.
         """
         capacity = self.capacity
         if not capacity:
-            return False
+            return
         call.nbytes = nbytes if nbytes >= 0 else payload_bytes(result)
-        call.t_queued = now = clock()
-        call.index = i = next(self._next)
-        self._ring[i % capacity] = call
-        self.issued = call.seq + 1
-        if running:  # one clock read and one call fewer for a call that runs at once
-            call.state = STARTED
-            call.t_start = now
-            if self.timeline is not None or _torch_profiler._is_profiler_enabled:
-                self._watch(call)
-        return True
+        call.t_issued = clock()
+        i = call.seq % capacity
+        if not i:
+            self.lap(call.seq)
+        self.ring[i] = call
 
+    def lap(self, seq: int) -> None:
+        """The ring is about to overwrite its oldest lap with collective ``seq``: add up
+        the finished calls before it (running ones wait in a list until they end)."""
+        with self._lock:
+            done = [c for c in self._late if c.t_end]
+            self._late = [c for c in self._late if not c.t_end]
+            for c in self.ring:
+                if c is not None and self._folded <= c.seq < seq:
+                    (done if c.t_end else self._late).append(c)
+            _add_up(self._totals, done)
+            self._folded = seq
+
+    def watch(self, call: Call) -> None:
+        """The call starts while a timeline or a profiler runs: give it phases, and a
+        profiler range if torch's profiler records this thread."""
+        if self.timeline is not None:
+            call.phases = []
+            call.thread = threading.get_ident()
+        if _torch_profiler._is_profiler_enabled and _profiling():
+            # torch.profiler records this thread: show the call as a range
+            call.profile = torch.profiler.record_function(f"tandem.{call.op}")
+            call.profile.__enter__()
+
+    def unwatch(self, call: Call) -> None:
+        """The watched call ended (its ``t_end`` is set): close its range, hand it to the
+        timeline."""
+        if call.profile is not None:
+            call.profile.__exit__(None, None, None)
+            call.profile = None
+        if self.timeline is not None:
+            self.timeline.call(call, self.name)
+
+    def fail(self, call: Call, error: BaseException, watched: bool = False) -> None:
+        """The recorded call raised ``error`` (``watched``: it was started watched)."""
+        call.error = f"{type(error).__name__}: {error}"
+        call.t_end = clock()
+        if watched:
+            self.unwatch(call)
+        if self.on_failure is not None:
+            self.on_failure(f"{call.what()} failed: {call.error}")
+
+    # -- point-to-point ------------------------------------------------------------------
     def begin_p2p(self, op: str, peer: int, tag: int, nbytes: int, site: str) -> Call | None:
         """Record a send or receive as posted (it runs from then on)."""
         capacity = self.capacity
@@ -167,87 +228,53 @@ class Recorder:
         call.nbytes = nbytes
         call.peer = peer
         call.tag = tag
-        call.state = STARTED
-        call.t_start = call.t_queued = clock()
-        call.index = i = next(self._next)
-        self._ring[i % capacity] = call
+        call.t_start = clock()
+        self._p2p[next(self._p2p_next) % capacity] = call
         return call
 
-    def start(self, call: Call) -> None:
-        """The collective ``call``, queued until now, starts running in this thread."""
-        call.state = STARTED
-        call.t_start = clock()
-        if self.timeline is not None or _torch_profiler._is_profiler_enabled:
-            self._watch(call)
-
-    def _watch(self, call: Call) -> None:
-        # a timeline or a profiler runs (torch's own flag says cheaply whether any does)
-        if self.timeline is not None:
-            call.phases = []
-            call.thread = threading.get_ident()
-        if _profiling():  # torch.profiler records this thread: show the call as a range
-            call.profile = torch.profiler.record_function(f"tandem.{call.op}")
-            call.profile.__enter__()
-
-    def end(self, call: Call, error: BaseException | None = None) -> None:
-        """The call finished (``error``: it failed with it)."""
+    def end_p2p(self, call: Call, error: BaseException | None = None) -> None:
+        """The send or receive finished (``error``: it failed with it)."""
+        if error is not None:
+            call.error = f"{type(error).__name__}: {error}"
         call.t_end = clock()
-        if call.profile is not None:
-            call.profile.__exit__(None, None, None)
-            call.profile = None
-        if error is None and call.seq >= 0:
-            # the common case. Collectives on a group end one at a time, and their
-            # totals are added up FOLD_EVERY calls at once: counting each call as it
-            # ended cost ~0.3 us more per small call (measured in place)
-            call.state = COMPLETED
-            ended = self._ended
-            ended.append(call)
-            if len(ended) >= FOLD_EVERY:
-                self._fold()
-        else:
-            self._end_slow(call, error)
+        with self._lock:  # transport threads end them, concurrently
+            _add_up(self._totals, [call])
         if self.timeline is not None:
             self.timeline.call(call, self.name)
-
-    def _fold(self) -> None:
-        with self._lock:
-            _add_up(self._totals, self._ended)
-            self._ended.clear()
-
-    def _end_slow(self, call: Call, error: BaseException | None) -> None:
-        # point-to-point calls end on transport threads, concurrently; failures are rare
-        with self._lock:
-            _add_up(self._totals, [call])
-            if error is not None:
-                self._totals[call.op][3] += 1
-        if error is None:
-            call.state = COMPLETED
-            return
-        call.error = f"{type(error).__name__}: {error}"
-        call.state = FAILED
-        if self.on_failure is not None:
+        if error is not None and self.on_failure is not None:
             self.on_failure(f"{call.what()} failed: {call.error}")
 
     # -- readers (the watchdog, dumps, stats) ----------------------------------------
+    def _recorded(self) -> Iterable[Call]:
+        # one copy of each ring: writers keep going meanwhile
+        return (c for c in [*self.ring, *self._p2p] if c is not None)
+
     def calls(self) -> list[Call]:
         """The recorded calls, oldest first."""
-        ring = list(self._ring)  # one copy: writers keep going meanwhile
-        return sorted((c for c in ring if c is not None), key=lambda c: c.index)
+        return sorted(self._recorded(), key=_issue_order)
 
     def in_flight(self) -> list[Call]:
         """Calls issued or running, oldest first."""
-        ring = list(self._ring)
-        return sorted((c for c in ring if c is not None and c.state < COMPLETED),
-                      key=lambda c: c.index)
+        return sorted((c for c in self._recorded() if not c.t_end), key=_issue_order)
+
+    @property
+    def issued(self) -> int:
+        """Collective calls recorded on the group so far (the next sequence number)."""
+        return max((c.seq for c in list(self.ring) if c is not None), default=-1) + 1
 
     def totals(self) -> dict[str, OpStats]:
         with self._lock:
             totals = {op: list(t) for op, t in self._totals.items()}
-            # collectives ended since the last fold count in this copy: only their
-            # writer folds them (it appends without the lock, folds with it)
-            _add_up(totals, list(self._ended))
+            # the current lap's finished calls count in this copy: only the group's own
+            # thread adds them up (in lap), under this lock
+            current = [c for c in list(self.ring) if c is not None and c.seq >= self._folded]
+            _add_up(totals, [c for c in [*current, *self._late] if c.t_end])
         return {op: OpStats(int(t[0]), int(t[1]), float(t[2]), int(t[3]))
                 for op, t in sorted(totals.items())}
+
+
+def _issue_order(c: Call) -> tuple[float, int]:
+    return c.t_queued, c.seq
 
 
 def _add_up(totals: dict[str, list[Any]], calls: list[Call]) -> None:
@@ -259,3 +286,5 @@ def _add_up(totals: dict[str, list[Any]], calls: list[Call]) -> None:
         t[0] += 1
         t[1] += c.nbytes
         t[2] += c.t_end - c.t_start
+        if c.error:
+            t[3] += 1

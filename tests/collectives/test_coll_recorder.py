@@ -113,39 +113,50 @@ def test_totals_count_calls_bytes_seconds_and_failures_per_op() -> None:
         assert totals["all_gather"][:2] == (1, 2 * 3 * 4), totals  # the whole output
 
 
-def test_totals_are_exact_across_the_batches_they_are_added_up_in() -> None:
-    # totals of collectives are added up FOLD_EVERY calls at once; a reader counts the
-    # rest itself, so every count is exact whenever it is read, and sizes of every kind
-    # (the signature's tensor, a non-contiguous one, several outputs) are counted
-    from tandem.collectives.recorder import FOLD_EVERY
+def test_totals_are_exact_across_the_laps_they_are_added_up_in() -> None:
+    # totals of collectives are added up once per lap of the ring; a reader counts the
+    # current lap itself, so every count is exact whenever it is read, and sizes of every
+    # kind (the signature's tensor, a non-contiguous one) are counted
+    laps = 3
 
     def body(g: ProcessGroup) -> list[tuple[int, int]]:
         seen = []
-        for n in range(1, 2 * FOLD_EVERY + 3):
+        for n in range(1, laps * 4 + 3):
             api.all_reduce(torch.ones(4, 2).t(), group=g)  # 32 bytes, not contiguous
             totals = g.recorder.totals()["all_reduce"]
             seen.append((totals.count, totals.bytes))
         return seen
 
-    expected = [(n, 32 * n) for n in range(1, 2 * FOLD_EVERY + 3)]
-    assert run_threads(2, body) == [expected, expected]
+    expected = [(n, 32 * n) for n in range(1, laps * 4 + 3)]
+    assert run_threads(2, body, settings=Settings(flight_recorder=4)) == [expected, expected]
+
+
+def test_totals_count_queued_calls_that_end_after_their_lap_was_added_up() -> None:
+    # async calls still queued when the ring wraps are added up once they end, once
+    def body(g: ProcessGroup) -> tuple[int, int, int]:
+        works = [api.all_reduce(torch.ones(2), group=g, async_op=True) for _ in range(9)]
+        for w in works:
+            assert w is not None
+            w.wait()
+        api.all_reduce(torch.ones(2), group=g)  # a lap: adds up what the queue finished
+        totals = g.recorder.totals()["all_reduce"]
+        return totals.count, totals.bytes, totals.failed
+
+    assert run_threads(2, body, settings=Settings(flight_recorder=2)) == [(10, 80, 0)] * 2
 
 
 def test_a_recorded_call_is_freed_when_the_ring_lets_it_go() -> None:
     # no reference cycle through a recorded op: the cycle collector would otherwise
-    # have to find every op the ring lets go (measured: +2.5 us per small call). The
-    # totals not yet added up hold their calls until then.
+    # have to find every op the ring lets go (measured: +2.5 us per small call)
     import gc
     import weakref
-
-    from tandem.collectives.recorder import FOLD_EVERY
 
     def body(g: ProcessGroup) -> bool:
         api.all_reduce(torch.ones(2), group=g)
         first = weakref.ref(_calls(g)[0])
         gc.disable()
         try:
-            for _ in range(FOLD_EVERY + 2):
+            for _ in range(3):
                 api.all_reduce(torch.ones(2), group=g)
             return first() is None
         finally:
