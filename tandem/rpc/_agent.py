@@ -207,6 +207,8 @@ class Agent:
             self._receive(dest, header, _codec.local_reader(out.parts))
             return
         try:
+            if self.transport.send_now(dest, header, out.parts):
+                return
             slot = self.transport.isendv(dest, header, out.parts)
             if wait and not slot.done() and not role.reader:
                 deadline = time.monotonic() + (self.timeout or 3600.0)

@@ -150,6 +150,31 @@ class Ring:
         if head != published:
             self._publish(_HEAD, head, _CSLEEP, self._head_addr)
 
+    def try_write(self, parts: Sequence[bytes | memoryview]) -> bool:
+        """Append ``parts`` (small 1-D byte buffers) and publish, if all of them fit in the
+        free space now; False, writing nothing, if they do not. Never waits: the small-frame
+        path of a sender that must not block (one slice assignment per part, one publish)."""
+        head = self._head
+        n = 0
+        for part in parts:
+            n += len(part)
+        if n > self.capacity - (head - self._ctl[_TAIL]):
+            return False
+        data, cap = self._data, self.capacity
+        for part in parts:
+            k = len(part)
+            pos = head & self._mask
+            if pos + k <= cap:
+                data[pos:pos + k] = part
+            else:  # wraps around the end of the ring
+                first = cap - pos
+                data[pos:] = part[:first]
+                data[:k - first] = part[first:]
+            head += k
+        self._head = head
+        self._publish(_HEAD, head, _CSLEEP, self._head_addr)
+        return True
+
     def _publish(self, word: int, value: int, flag: int, addr: int) -> None:
         ctl = self._ctl
         ctl[word] = value
