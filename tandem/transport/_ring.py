@@ -210,6 +210,20 @@ class Ring:
         if release and tail != ctl[_TAIL]:
             self._publish(_TAIL, tail, _PSLEEP, self._tail_addr)
 
+    def peek(self, n: int) -> memoryview | None:
+        """The next ``n`` unread bytes as a view of the ring itself, if all of them are
+        there and do not wrap around its end; else None. Valid until :meth:`skip`."""
+        tail = self._tail
+        pos = tail & self._mask
+        if self._ctl[_HEAD] - tail < n or pos + n > self.capacity:
+            return None
+        return self._data[pos:pos + n]
+
+    def skip(self, n: int) -> None:
+        """Count ``n`` peeked bytes as read (handed back to the producer at the next
+        release)."""
+        self._tail += n
+
     def release(self) -> None:
         """Hand everything read so far back to the producer."""
         if self._tail != self._ctl[_TAIL]:
