@@ -150,6 +150,31 @@ class Ring:
         if head != published:
             self._publish(_HEAD, head, _CSLEEP, self._head_addr)
 
+    def try_write(self, parts: Sequence[bytes | memoryview]) -> bool:
+        """Append ``parts`` (small 1-D byte buffers) and publish, if all of them fit in the
+        free space now; False, writing nothing, if they do not. Never waits: the small-frame
+        path of a sender that must not block (one slice assignment per part, one publish)."""
+        head = self._head
+        n = 0
+        for part in parts:
+            n += len(part)
+        if n > self.capacity - (head - self._ctl[_TAIL]):
+            return False
+        data, cap = self._data, self.capacity
+        for part in parts:
+            k = len(part)
+            pos = head & self._mask
+            if pos + k <= cap:
+                data[pos:pos + k] = part
+            else:  # wraps around the end of the ring
+                first = cap - pos
+                data[pos:] = part[:first]
+                data[:k - first] = part[first:]
+            head += k
+        self._head = head
+        self._publish(_HEAD, head, _CSLEEP, self._head_addr)
+        return True
+
     def _publish(self, word: int, value: int, flag: int, addr: int) -> None:
         ctl = self._ctl
         ctl[word] = value
@@ -184,6 +209,20 @@ class Ring:
                 self._publish(_TAIL, tail, _PSLEEP, self._tail_addr)
         if release and tail != ctl[_TAIL]:
             self._publish(_TAIL, tail, _PSLEEP, self._tail_addr)
+
+    def peek(self, n: int) -> memoryview | None:
+        """The next ``n`` unread bytes as a view of the ring itself, if all of them are
+        there and do not wrap around its end; else None. Valid until :meth:`skip`."""
+        tail = self._tail
+        pos = tail & self._mask
+        if self._ctl[_HEAD] - tail < n or pos + n > self.capacity:
+            return None
+        return self._data[pos:pos + n]
+
+    def skip(self, n: int) -> None:
+        """Count ``n`` peeked bytes as read (handed back to the producer at the next
+        release)."""
+        self._tail += n
 
     def release(self) -> None:
         """Hand everything read so far back to the producer."""

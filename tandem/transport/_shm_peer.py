@@ -7,7 +7,9 @@ Sending (:meth:`ShmPeer.send`): a frame that fits in the ring's free space right
 now is copied in by the caller, which therefore never waits on the peer; any other
 frame is queued to this peer's writer thread (started on first use), which waits
 for space as long as it takes. Frames leave in the order they were sent, inline
-or queued. Receiving is the other half (:mod:`~tandem.transport._shm_receive`): the
+or queued. A small message may skip even that (:meth:`ShmPeer.send_now`, the RPC hot
+path): header and payload go into the ring at once, with no send handle, when nothing is
+queued before them. Receiving is the other half (:mod:`~tandem.transport._shm_receive`): the
 peer's reader thread, or a thread that waits for a frame and reads it itself.
 
 Large payloads go *by reference* once the peer has probed that it may read this
@@ -20,7 +22,7 @@ pieces, so the memory stays valid; close waits for outstanding acknowledgements 
 it waits for queued sends.
 
     peer = ShmPeer(link, inbound_ring, outbound_ring, me=0, hostname="h")
-    peer.send(header, payload, slot, check)       # caller thread
+    peer.send_now(header, views) or peer.post(header, views, slot)  # caller thread
     peer.read_loop(mailbox, max_frame)            # reader thread
     peer.watch(True); peer.poll(); peer.watch(False)  # any thread that waits for a frame
 """
@@ -40,11 +42,14 @@ from tandem.transport._shm_setup import Link
 from tandem.transport.message import Header, Slot
 from tandem.transport.sendqueue import SendQueue
 
-__all__ = ["ShmPeer", "Closed", "frame", "BY_REFERENCE_MIN"]
+__all__ = ["ShmPeer", "Closed", "frame", "BY_REFERENCE_MIN", "NOW_MAX"]
 
 # Pieces at least this large go by reference. Below ~1 MiB the ring's two copies are cheap
 # and need no acknowledgement; measured in tandem.bench rpc (16 MB echo).
 BY_REFERENCE_MIN = 1 << 20
+# Messages up to this size may skip the send queue (``send_now``): copied under the GIL in
+# one slice assignment per piece (larger copies release it; see ``_ring``).
+NOW_MAX = 64 << 10
 
 
 def _head(header: Header, flags: int = 0) -> bytes:
@@ -94,6 +99,20 @@ class ShmPeer(Receiver):
             return
         self.send(frame(header, views[0] if views else memoryview(b"")) + views[1:], header,
                   slot)
+
+    def send_now(self, header: Header, views: list[memoryview]) -> bool:
+        """Write one small message (``views``: 1-D byte views, at most ``NOW_MAX`` bytes in
+        all) into the ring now, if nothing is queued before it and it fits without waiting;
+        whether it was written (complete: nothing to wait for). False: nothing was written,
+        send it with :meth:`post`. No Slot, no Condition: the hot path of small RPCs."""
+        if header.nbytes > NOW_MAX or not self._wlock.acquire(False):
+            return False
+        try:  # a queued frame, or one being written by the writer thread, goes first
+            if self.queue or self.closing:
+                return False
+            return self.outbound.try_write([_head(header), *views])
+        finally:
+            self._wlock.release()
 
     def _post_by_reference(self, header: Header, views: list[memoryview], slot: Slot) -> None:
         token = next(self._tokens)

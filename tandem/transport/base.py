@@ -99,6 +99,13 @@ class Transport(abc.ABC):
         tcp and shm write the pieces without joining them."""
         return self.isend(peer, header, memoryview(b"".join(parts)))
 
+    def send_now(self, peer: int, header: Header, parts: Sequence[memoryview]) -> bool:
+        """Send a small message at once if that needs no waiting and no send handle: True
+        if it was sent (as complete as a finished ``isendv``); False if nothing was sent,
+        and ``isendv`` must send it (which also reports a lost peer). Transports without
+        such a path (tcp) always answer False."""
+        return False
+
     def handle(self, kind: int, handler: Handler | None) -> None:
         """Hand every arriving message of ``kind`` to ``handler(peer, header, read)``
         instead of matching it with a posted receive: for messages that arrive

@@ -121,6 +121,9 @@ class MixedTransport(Transport):
     def isendv(self, peer: int, header: Header, pieces: Sequence[memoryview]) -> Slot:
         return self.route(peer).isendv(peer, header, pieces)
 
+    def send_now(self, peer: int, header: Header, pieces: Sequence[memoryview]) -> bool:
+        return self.route(peer).send_now(peer, header, pieces)
+
     def host_of(self, rank: int) -> str:
         return self.route(rank).host_of(rank)
 

@@ -135,3 +135,41 @@ def test_a_reader_sleeps_without_spinning_while_the_ring_is_empty(pair: Any) -> 
     pair[0].write([memoryview(b"x")], never)
     reader.join(5)
     assert not reader.is_alive()
+
+
+def test_try_write_writes_everything_now_or_nothing(pair: Any) -> None:
+    producer, consumer = pair
+    rng = random.Random(5)
+    sent = []
+    for _ in range(200):  # many laps: frames straddle the end of the ring
+        frame = rng.randbytes(rng.randrange(1, CAP // 3))
+        if not producer.try_write([memoryview(frame[:5]), frame[5:]]):
+            assert len(frame) > producer.free()
+            got = bytearray(sum(len(f) for f in sent))
+            consumer.read_into(memoryview(got), never)
+            assert got == b"".join(sent), "frames written at once differ"
+            sent = []
+            assert producer.try_write([memoryview(frame[:5]), frame[5:]])
+        sent.append(frame)
+    too_big = bytes(producer.free() + 1)
+    before = producer.free()
+    assert not producer.try_write([too_big]) and producer.free() == before
+    got = bytearray(sum(len(f) for f in sent))
+    consumer.read_into(memoryview(got), never)
+    assert got == b"".join(sent) and consumer.empty()
+
+
+def test_peek_shows_only_bytes_that_are_there_in_one_piece(pair: Any) -> None:
+    producer, consumer = pair
+    assert consumer.peek(1) is None  # nothing written yet
+    producer.write([memoryview(bytes(CAP - 10))], never)
+    consumer.read_into(memoryview(bytearray(CAP - 10)), never)
+    producer.write([memoryview(b"abcdefghijklmnopqrst")], never)  # wraps after 10 bytes
+    assert consumer.peek(21) is None, "peeked past what was written"
+    assert consumer.peek(11) is None, "peeked across the end of the ring"
+    view = consumer.peek(10)
+    assert view is not None and bytes(view) == b"abcdefghij"
+    consumer.skip(10)
+    consumer.release()
+    assert bytes(consumer.peek(10) or b"") == b"klmnopqrst"
+    assert producer.free() == CAP - 10
