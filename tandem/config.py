@@ -31,7 +31,7 @@ TANDEM_CHUNK_BYTES             smallest pipeline chunk of the ring algorithm; a 
                                segment is cut into eight chunks (1 MiB)
 TANDEM_LINK_CHUNK_BYTES        the same for a group whose ranks are on several hosts,
                                one per host (ring chunks, recursive doubling's pieces),
-                               when smaller than TANDEM_CHUNK_BYTES (131072)
+                               when smaller than TANDEM_CHUNK_BYTES (262144)
 TANDEM_SHM_ARENA               0: same-host groups do not share staging memory, so
                                collectives go through the message rings only (1)
 TANDEM_SHM_CHUNK               staging bytes per rank and half of a shared-memory arena,
@@ -120,7 +120,7 @@ class Settings:
     algorithm: str = "auto"
     ring_threshold: int = 512 << 10
     chunk_bytes: int = 1 << 20
-    link_chunk_bytes: int = 128 << 10
+    link_chunk_bytes: int = 256 << 10
     shm_arena: bool = True
     shm_chunk: int = 0
     debug: bool = False
