@@ -27,7 +27,7 @@ from tandem.collectives.reduce_op import ReduceOp, combine, finish
 from tandem.config import Settings
 
 __all__ = ["ring", "ring_pieces", "even_bounds", "segment_bounds", "ring_all_reduce",
-           "link_chunk"]
+           "link_chunk", "ring_gather_into", "separate"]
 
 Bounds = list[tuple[int, int]]
 Hook = Callable[[int, int], None]
@@ -185,3 +185,47 @@ def ring(op: Op, buf: torch.Tensor, bounds: Bounds, redop: ReduceOp | None,
 def ring_all_reduce(op: Op, buf: torch.Tensor, redop: ReduceOp) -> None:
     ring(op, buf, even_bounds(buf.numel(), op.group.group_size), redop, True, True,
          chunk_bytes=link_chunk(op.group))
+
+
+def separate(ts: list[torch.Tensor]) -> bool:
+    """Whether every tensor of ``ts`` is contiguous and none shares memory with another:
+    then :func:`ring_gather_into` can write each in place."""
+    spans = []
+    for t in ts:
+        if not t.is_contiguous():
+            return False
+        if t.numel():
+            start = t.data_ptr()
+            spans.append((start, start + t.numel() * t.element_size()))
+    spans.sort()
+    return all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
+
+
+def ring_gather_into(op: Op, outs: list[torch.Tensor], chunk_bytes: int | None = None) -> None:
+    """The ring's all-gather over separate tensors (see :func:`separate`): group rank ``m``
+    holds its part in ``outs[m]``, and every rank ends with all of them.
+
+    Each part lands in its tensor and is forwarded from there, so a list all-gather
+    copies nothing but its input: through one flat buffer it copied every part twice
+    (at 4 ranks x 1 MB, 5 MB of copies per call on the calling thread).
+    """
+    g = op.group
+    p, r = g.group_size, g.group_rank
+    if p == 1:
+        return
+    nxt, prv = (r + 1) % p, (r - 1) % p
+    size = outs[0].element_size()
+    views = [as_bytes(t) for t in outs]
+    pieces = ring_pieces(g.settings, [(0, t.numel()) for t in outs], size, chunk_bytes)
+    stride = max(len(c) for c in pieces)
+    # step t sends part r - t and receives part r - t - 1, which the next step sends on
+    order = [(r - t - 1) % p for t in range(p - 1)]
+    posted = [[op.recv(prv, t * stride + c, views[part][a * size:b * size])
+               for c, (a, b) in enumerate(pieces[part])] for t, part in enumerate(order)]
+    sends = [op.send(nxt, c, views[r][a * size:b * size]) for c, (a, b) in enumerate(pieces[r])]
+    for t, part in enumerate(order[:-1]):
+        for c, slot in enumerate(posted[t]):
+            op.wait(slot)
+            a, b = pieces[part][c]
+            sends.append(op.send(nxt, (t + 1) * stride + c, views[part][a * size:b * size]))
+    op.wait(*posted[-1], *sends)
