@@ -7,8 +7,8 @@ power of two first fold their data into a partner and get the result back at the
 end. Partners combine in the same argument order, so results are bit-identical.
 
 When the group spans hosts (:func:`~tandem.collectives.algorithms.ring.link_chunk`),
-each round's swap travels in pieces of up to eight, and a piece is combined as soon
-as it arrived, while the next ones are still on the wire.
+each round's swap travels in pieces of up to eight, each within tcp's inline limit, so
+they leave from the caller without waking the writer thread.
 """
 
 from __future__ import annotations
@@ -55,8 +55,11 @@ def doubling_all_reduce(op: Op, buf: torch.Tensor, redop: ReduceOp) -> None:
                for c, (a, b) in enumerate(pieces)]
         sent = [op.send(partner, step * _STRIDE + c, view[a * size:b * size])
                 for c, (a, b) in enumerate(pieces)]
-        for c, (a, b) in enumerate(pieces):
-            op.wait(got[c], sent[c])  # the piece's send must finish before it changes
+        # one wait for the whole round: if a peer fails, every posted piece is cancelled
+        # with it (a receive left posted could land in working memory a later call uses);
+        # sends must finish before buf changes
+        op.wait(*got, *sent)
+        for a, b in pieces:
             if partner < r:
                 merge(tmp[a:b], buf[a:b], buf[a:b])
             else:
