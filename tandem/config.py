@@ -29,6 +29,9 @@ TANDEM_RING_THRESHOLD          all-reduce payloads of at least this many bytes u
                                ranks use four times this (524288)
 TANDEM_CHUNK_BYTES             smallest pipeline chunk of the ring algorithm; a larger
                                segment is cut into eight chunks (1 MiB)
+TANDEM_LINK_CHUNK_BYTES        the same for a group whose ranks are on several hosts,
+                               one per host (ring chunks, recursive doubling's pieces),
+                               when smaller than TANDEM_CHUNK_BYTES (262144)
 TANDEM_SHM_ARENA               0: same-host groups do not share staging memory, so
                                collectives go through the message rings only (1)
 TANDEM_SHM_CHUNK               staging bytes per rank and half of a shared-memory arena,
@@ -117,6 +120,7 @@ class Settings:
     algorithm: str = "auto"
     ring_threshold: int = 512 << 10
     chunk_bytes: int = 1 << 20
+    link_chunk_bytes: int = 256 << 10
     shm_arena: bool = True
     shm_chunk: int = 0
     debug: bool = False
@@ -148,6 +152,9 @@ class Settings:
             raise ArgumentError(f"TANDEM_ALGORITHM must name an algorithm, e.g. {ALGORITHMS}")
         if self.chunk_bytes < 4096:
             raise ArgumentError(f"TANDEM_CHUNK_BYTES must be >= 4096, got {self.chunk_bytes}")
+        if self.link_chunk_bytes < 4096:
+            raise ArgumentError(
+                f"TANDEM_LINK_CHUNK_BYTES must be >= 4096, got {self.link_chunk_bytes}")
         if self.shm_chunk and (self.shm_chunk < 4096 or self.shm_chunk & (self.shm_chunk - 1)):
             raise ArgumentError(
                 f"TANDEM_SHM_CHUNK must be 0 or a power of two >= 4096, got {self.shm_chunk}")
@@ -214,6 +221,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         algorithm=env.get("TANDEM_ALGORITHM", base.algorithm) or base.algorithm,
         ring_threshold=_number(env, "TANDEM_RING_THRESHOLD", int, base.ring_threshold),
         chunk_bytes=_number(env, "TANDEM_CHUNK_BYTES", int, base.chunk_bytes),
+        link_chunk_bytes=_number(env, "TANDEM_LINK_CHUNK_BYTES", int, base.link_chunk_bytes),
         shm_arena=_flag(env, "TANDEM_SHM_ARENA", base.shm_arena),
         shm_chunk=_number(env, "TANDEM_SHM_CHUNK", int, base.shm_chunk),
         debug=_flag(env, "TANDEM_DEBUG", base.debug),

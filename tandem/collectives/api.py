@@ -285,6 +285,11 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op: ReduceOp = ReduceOp
 
 
 def _gather_ring(g: ProcessGroup, op: Op, outs: list[torch.Tensor], mine: torch.Tensor) -> None:
+    if algo.host_layout(g) is None and algo.separate(outs):
+        # one rank per host, or one host: the ring writes each part in its own tensor
+        outs[g.group_rank].copy_(mine.reshape(outs[g.group_rank].shape))
+        algo.ring_gather_into(op, outs, algo.link_chunk(g))
+        return
     bounds = algo.segment_bounds([t.numel() for t in outs])
     # the group's working memory, not a fresh buffer: at 4 x 64 MB, faulting a new one in
     # cost more than the copies (an all-gather's ring and leaders use no scratch)

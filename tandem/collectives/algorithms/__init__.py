@@ -33,7 +33,15 @@ from tandem.collectives.algorithms.hierarchical import (
     host_layout,
 )
 from tandem.collectives.algorithms.naive import naive_all_reduce
-from tandem.collectives.algorithms.ring import even_bounds, ring, ring_all_reduce, segment_bounds
+from tandem.collectives.algorithms.ring import (
+    even_bounds,
+    link_chunk,
+    ring,
+    ring_all_reduce,
+    ring_gather_into,
+    segment_bounds,
+    separate,
+)
 from tandem.collectives.algorithms.shm import shm_all_reduce, shm_all_reduce_many
 from tandem.collectives.algorithms.shm_gather import shm_all_gather, shm_reduce_scatter
 from tandem.collectives.algorithms.shm_rooted import shm_broadcast, shm_reduce
@@ -58,6 +66,10 @@ __all__ = [
     "hierarchical_broadcast",
     "hierarchical_reduce_scatter",
     "ring",
+    "ring_gather_into",
+    "link_chunk",
+    "separate",
+    "host_layout",
     "shm_all_gather",
     "shm_all_reduce_many",
     "shm_broadcast",

@@ -1,7 +1,8 @@
 """Ring algorithms: reduce-scatter, all-gather, and all-reduce as the two in a row.
 
 The buffer is cut into one segment per rank (``bounds``), and every segment into
-chunks of ``chunk_bytes`` (at most eight per segment). Every receive of the call is
+chunks of ``chunk_bytes`` (at most eight per segment; ``link_chunk_bytes`` when the
+group spans hosts, see :func:`link_chunk`). Every receive of the call is
 posted before the first send. Messages travel to the next rank only. Each received
 chunk is reduced and immediately forwarded, so the wire, the reduction kernel and
 the peer's reduction overlap (a pipelined ring). Every rank sends and receives
@@ -21,11 +22,12 @@ from typing import Callable
 
 import torch
 
-from tandem.collectives.group import Op, as_bytes
+from tandem.collectives.group import Op, ProcessGroup, as_bytes
 from tandem.collectives.reduce_op import ReduceOp, combine, finish
 from tandem.config import Settings
 
-__all__ = ["ring", "ring_pieces", "even_bounds", "segment_bounds", "ring_all_reduce"]
+__all__ = ["ring", "ring_pieces", "even_bounds", "segment_bounds", "ring_all_reduce",
+           "link_chunk", "ring_gather_into", "separate"]
 
 Bounds = list[tuple[int, int]]
 Hook = Callable[[int, int], None]
@@ -55,21 +57,49 @@ def _chunks(bounds: tuple[int, int], chunk: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk, b)) for s in range(a, b, chunk)]
 
 
-def ring_pieces(settings: Settings, bounds: Bounds, itemsize: int) -> list[list[tuple[int, int]]]:
-    """The chunks (element ranges) :func:`ring` cuts each segment of ``bounds`` into."""
+def link_chunk(group: ProcessGroup) -> int | None:
+    """The pipeline chunk in bytes of a flat algorithm over ``group`` when its ranks are on
+    several hosts (the smaller of ``link_chunk_bytes`` and ``chunk_bytes``), else None.
+
+    Every rank of the group gets the same answer, as the ring's pieces must agree.
+    """
+    # A link between hosts has a delay: a ring that forwards a segment only once all of
+    # it arrived leaves each link idle for a one-way delay, a wake-up and a reduction at
+    # every step (2 (p-1) steps per all-reduce); in pieces a few bandwidth-delay
+    # products long (1 Gbit/s x 0.75 ms ~ 94 KB), the next piece is on the wire while
+    # this one is forwarded. A piece within tcp's inline limit (256 KiB) also goes out
+    # from the caller, without waking the writer thread. But every piece costs ~50 us of
+    # Python on each side, which decides once ranks wait for a core: measured in the same
+    # processes at 1 Gbit/s, 0.2 ms, 1 MB, 256 KiB against 128 KiB pieces took 25-40%
+    # less CPU on the calling thread and as long or less (4x1 all-reduce 17.1 against
+    # 19.6 ms at load 15; 2x1 recursive doubling 8.9 ms either way, whole 1 MB swaps
+    # 9.3 ms). On one host there is no delay to hide, so the larger chunk_bytes stays.
+    host_of = group.transport.host_of
+    hosts = {host_of(rank) for rank in group.ranks}
+    if len(hosts) < 2 or "" in hosts:
+        return None
+    settings = group.settings
+    return min(settings.link_chunk_bytes, settings.chunk_bytes)
+
+
+def ring_pieces(settings: Settings, bounds: Bounds, itemsize: int,
+                chunk_bytes: int | None = None) -> list[list[tuple[int, int]]]:
+    """The chunks (element ranges) :func:`ring` cuts each segment of ``bounds`` into
+    (of ``chunk_bytes``, default ``settings.chunk_bytes``, at most eight per segment)."""
     longest = max(b - a for a, b in bounds)
     # chunks of chunk_bytes, but never more than _MAX_CHUNKS per segment: every message
     # keeps a few Python objects alive while it is posted, and past ~700 of them the
     # cyclic GC runs, every ~20 calls a full collection of the whole process (167k
     # objects with torch: 50-1000 ms holding the GIL, measured at 3 ranks x 64 MB);
     # eight chunks per step already keep the wire, the reduction and the peer busy
-    chunk = max(1, settings.chunk_bytes // max(1, itemsize), -(-longest // _MAX_CHUNKS))
+    nbytes = chunk_bytes or settings.chunk_bytes
+    chunk = max(1, nbytes // max(1, itemsize), -(-longest // _MAX_CHUNKS))
     return [_chunks(b, chunk) for b in bounds]
 
 
 def ring(op: Op, buf: torch.Tensor, bounds: Bounds, redop: ReduceOp | None,
          reduce_scatter: bool, all_gather: bool, ready: Hook | None = None,
-         done: Hook | None = None) -> None:
+         done: Hook | None = None, chunk_bytes: int | None = None) -> None:
     """Run the reduce-scatter and/or all-gather phase on flat ``buf`` in place.
 
     ``ready(a, b)`` is called for every chunk (see :func:`ring_pieces`) before this
@@ -77,7 +107,7 @@ def ring(op: Op, buf: torch.Tensor, bounds: Bounds, redop: ReduceOp | None,
     final bytes (a chunk this rank finished reducing, or of its own segment in an
     all-gather, right after it went out; every chunk the all-gather brings), so a
     caller can produce the input and consume the output chunk by chunk while the
-    ring runs.
+    ring runs. ``chunk_bytes`` overrides ``settings.chunk_bytes`` (see :func:`link_chunk`).
     """
     g = op.group
     p, r = g.group_size, g.group_rank
@@ -96,7 +126,7 @@ def ring(op: Op, buf: torch.Tensor, bounds: Bounds, redop: ReduceOp | None,
     if all_gather:
         steps += [(False, (r - t) % p, (r - t - 1) % p) for t in range(p - 1)]
     longest = max(b - a for a, b in bounds)
-    pieces = ring_pieces(g.settings, bounds, buf.element_size())
+    pieces = ring_pieces(g.settings, bounds, buf.element_size(), chunk_bytes)
     stride = max(len(c) for c in pieces)
     scratch: list[torch.Tensor] = []
     if reduce_scatter:
@@ -153,4 +183,49 @@ def ring(op: Op, buf: torch.Tensor, bounds: Bounds, redop: ReduceOp | None,
 
 
 def ring_all_reduce(op: Op, buf: torch.Tensor, redop: ReduceOp) -> None:
-    ring(op, buf, even_bounds(buf.numel(), op.group.group_size), redop, True, True)
+    ring(op, buf, even_bounds(buf.numel(), op.group.group_size), redop, True, True,
+         chunk_bytes=link_chunk(op.group))
+
+
+def separate(ts: list[torch.Tensor]) -> bool:
+    """Whether every tensor of ``ts`` is contiguous and none shares memory with another:
+    then :func:`ring_gather_into` can write each in place."""
+    spans = []
+    for t in ts:
+        if not t.is_contiguous():
+            return False
+        if t.numel():
+            start = t.data_ptr()
+            spans.append((start, start + t.numel() * t.element_size()))
+    spans.sort()
+    return all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
+
+
+def ring_gather_into(op: Op, outs: list[torch.Tensor], chunk_bytes: int | None = None) -> None:
+    """The ring's all-gather over separate tensors (see :func:`separate`): group rank ``m``
+    holds its part in ``outs[m]``, and every rank ends with all of them.
+
+    Each part lands in its tensor and is forwarded from there, so a list all-gather
+    copies nothing but its input: through one flat buffer it copied every part twice
+    (at 4 ranks x 1 MB, 5 MB of copies per call on the calling thread).
+    """
+    g = op.group
+    p, r = g.group_size, g.group_rank
+    if p == 1:
+        return
+    nxt, prv = (r + 1) % p, (r - 1) % p
+    size = outs[0].element_size()
+    views = [as_bytes(t) for t in outs]
+    pieces = ring_pieces(g.settings, [(0, t.numel()) for t in outs], size, chunk_bytes)
+    stride = max(len(c) for c in pieces)
+    # step t sends part r - t and receives part r - t - 1, which the next step sends on
+    order = [(r - t - 1) % p for t in range(p - 1)]
+    posted = [[op.recv(prv, t * stride + c, views[part][a * size:b * size])
+               for c, (a, b) in enumerate(pieces[part])] for t, part in enumerate(order)]
+    sends = [op.send(nxt, c, views[r][a * size:b * size]) for c, (a, b) in enumerate(pieces[r])]
+    for t, part in enumerate(order[:-1]):
+        for c, slot in enumerate(posted[t]):
+            op.wait(slot)
+            a, b = pieces[part][c]
+            sends.append(op.send(nxt, (t + 1) * stride + c, views[part][a * size:b * size]))
+    op.wait(*posted[-1], *sends)

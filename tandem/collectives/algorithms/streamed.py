@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from tandem.collectives.algorithms._phases import PHASE, Phase, host_layout, host_of_rank
-from tandem.collectives.algorithms.ring import Bounds, even_bounds, ring, ring_pieces
+from tandem.collectives.algorithms.ring import Bounds, even_bounds, link_chunk, ring, ring_pieces
 from tandem.collectives.group import Op, as_bytes
 from tandem.collectives.reduce_op import ReduceOp, combine, finish
 from tandem.transport.base import Slot
@@ -168,7 +168,8 @@ def hierarchical_all_gather(op: Op, flat: torch.Tensor, bounds: Bounds) -> None:
     layout = host_layout(op.group)
     blocks = _host_blocks(layout, bounds)
     if blocks is None or layout is None:
-        ring(op, flat, bounds, None, reduce_scatter=False, all_gather=True)
+        ring(op, flat, bounds, None, reduce_scatter=False, all_gather=True,
+             chunk_bytes=link_chunk(op.group))
         return
     end = flat.numel()
     # a rank gets back everything but its own piece (at 2x2 hosts, 64 MB each: a quarter
@@ -187,7 +188,8 @@ def hierarchical_reduce_scatter(op: Op, flat: torch.Tensor, bounds: Bounds,
     layout = host_layout(op.group)
     blocks = _host_blocks(layout, bounds)
     if blocks is None or layout is None or not streamed_fits(layout, flat):
-        ring(op, flat, bounds, redop, reduce_scatter=True, all_gather=False)
+        ring(op, flat, bounds, redop, reduce_scatter=True, all_gather=False,
+             chunk_bytes=link_chunk(op.group))
         return
     everything = (0, flat.numel())
     inner, divide = _sum_for(redop)
