@@ -19,6 +19,7 @@ import tandem
 from tandem.collectives.algorithms.ring import link_chunk
 from tandem.collectives.group import Op, ProcessGroup
 from tandem.config import Settings
+from tandem.errors import TandemError
 from tandem.testing import run_threads
 from tandem.transport.base import Slot
 
@@ -141,3 +142,20 @@ def test_all_gather_and_reduce_scatter_across_hosts_are_exact(world_size: int) -
         assert_equal(got, gathered, f"rank {rank}: all_gather_into_tensor across hosts")
         assert_equal(part, total.chunk(world_size)[rank],
                      f"rank {rank}: reduce_scatter_tensor across hosts")
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "doubling"])
+def test_a_call_that_fails_leaves_no_receive_posted(algorithm: str) -> None:
+    # rank 2 never calls: the others fail (timeout, or the abort that follows it) with
+    # receives for later pieces and steps already posted; each must be withdrawn (the
+    # group's abort does), or a late message could land in scratch memory or a tensor
+    # that a later call uses
+    def body(group: ProcessGroup) -> int | None:
+        if group.rank() == 2:
+            return None
+        group.algorithm_override["all_reduce"] = algorithm
+        with pytest.raises(TandemError):
+            tandem.all_reduce(torch.ones(3 * 4096), group=group)
+        return len(group.transport.mailbox._posted)
+
+    assert run_threads(3, body, settings=LINK, hosts=HOSTS[3], op_timeout=1.0)[:2] == [0, 0]
