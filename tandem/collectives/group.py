@@ -24,13 +24,13 @@ import torch
 import torch.autograd.profiler as _torch_profiler
 
 from tandem.config import Settings
-from tandem.errors import (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, StateError,
-                           TandemError)
+from tandem.errors import (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError,
+                           StateError, TandemError)
 from tandem.collectives.recorder import Call, Recorder, clock, payload_bytes
 from tandem.collectives.work import Completions, Work
 from tandem.transport import Arena, Header, Kind, Slot, Transport
 
-__all__ = ["ProcessGroup", "NonMemberGroup", "Op", "as_bytes", "bounded"]
+__all__ = ["ProcessGroup", "NonMemberGroup", "Op", "as_bytes", "bounded", "spans_hosts"]
 
 # enum members as module constants: looking one up on its class costs ~10x a global
 _COLL = Kind.COLL
@@ -75,6 +75,14 @@ def as_bytes(t: torch.Tensor) -> memoryview:
     if flat.numel() == 0:
         return memoryview(bytearray(0))
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+
+
+def spans_hosts(group: "ProcessGroup") -> bool:
+    """Whether ``group``'s ranks are on two or more hosts, every rank's host known (a
+    group or a phase's view of one: anything with ``transport`` and ``ranks``)."""
+    host_of = group.transport.host_of
+    hosts = {host_of(rank) for rank in group.ranks}
+    return len(hosts) > 1 and "" not in hosts
 
 
 class Op(Call):

@@ -60,8 +60,8 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None,
         # than the source's made a different call
         raise CollectiveMismatchError(
             f"broadcast_object_list: object_list has {len(object_list)} entries on rank "
-            f"{g.ranks[g.group_rank]}, and another rank's list has a different length; every rank passes "
-            f"a list as long as the source's ({exc})") from exc
+            f"{g.ranks[g.group_rank]}, and another rank's list has a different length; "
+            f"every rank passes a list as long as the source's ({exc})") from exc
     data = torch.cat(packed) if packed else torch.empty(int(sizes.sum()), dtype=torch.uint8)
     api.broadcast(data, group=group, group_src=root)
     if g.group_rank != root:

@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from tandem.collectives.api import all_reduce, all_reduce_coalesced
-from tandem.collectives.group import ProcessGroup
+from tandem.collectives.group import ProcessGroup, spans_hosts
 from tandem.collectives.reduce_op import ReduceOp
 from tandem.errors import ArgumentError, StateError
 from tandem.parallel._buckets import Bucket, GradBucket, assign_buckets
@@ -545,9 +545,7 @@ def message_cap(group: ProcessGroup) -> int | None:
     380-390 ms with 4 MiB pieces, 378 ms with 16 MiB ones and 365 ms with whole
     buckets (torch: 487-505 ms), for ~34 MiB more peak memory on the leaders.
     """
-    host_of = group.transport.host_of
-    hosts = {host_of(rank) for rank in group.ranks}
-    return None if len(hosts - {""}) > 1 else MAX_MESSAGE_BYTES
+    return None if spans_hosts(group) else MAX_MESSAGE_BYTES
 
 
 def _remove_handles(handles: list[Any]) -> None:

@@ -37,19 +37,17 @@ import time
 from tandem.errors import PeerLostError, ProtocolError, StateError, TandemError
 from tandem.transport import _cma
 from tandem.transport._ring import Ring
-from tandem.transport._shm_receive import _DESC, _HDR, _PIECE, _REF, Closed, Receiver
+from tandem.transport._shm_receive import (_DESC, _HDR, _PIECE, _REF, SMALL_FRAME, Closed,
+                                           Receiver)
 from tandem.transport._shm_setup import Link
 from tandem.transport.message import Header, Slot
 from tandem.transport.sendqueue import SendQueue
 
-__all__ = ["ShmPeer", "Closed", "frame", "BY_REFERENCE_MIN", "NOW_MAX"]
+__all__ = ["ShmPeer", "Closed", "frame", "BY_REFERENCE_MIN"]
 
 # Pieces at least this large go by reference. Below ~1 MiB the ring's two copies are cheap
 # and need no acknowledgement; measured in tandem.bench rpc (16 MB echo).
 BY_REFERENCE_MIN = 1 << 20
-# Messages up to this size may skip the send queue (``send_now``): copied under the GIL in
-# one slice assignment per piece (larger copies release it; see ``_ring``).
-NOW_MAX = 64 << 10
 
 
 def _head(header: Header, flags: int = 0) -> bytes:
@@ -101,11 +99,11 @@ class ShmPeer(Receiver):
                   slot)
 
     def send_now(self, header: Header, views: list[memoryview]) -> bool:
-        """Write one small message (``views``: 1-D byte views, at most ``NOW_MAX`` bytes in
-        all) into the ring now, if nothing is queued before it and it fits without waiting;
+        """Write one small message (``views``: 1-D byte views, at most ``SMALL_FRAME`` bytes
+        in all) into the ring now, if nothing is queued before it and it fits without waiting;
         whether it was written (complete: nothing to wait for). False: nothing was written,
         send it with :meth:`post`. No Slot, no Condition: the hot path of small RPCs."""
-        if header.nbytes > NOW_MAX or not self._wlock.acquire(False):
+        if header.nbytes > SMALL_FRAME or not self._wlock.acquire(False):
             return False
         try:  # a queued frame, or one being written by the writer thread, goes first
             if self.queue or self.closing:

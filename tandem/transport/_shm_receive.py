@@ -33,16 +33,18 @@ from tandem.transport.base import Reader, check_size
 from tandem.transport.mailbox import Mailbox
 from tandem.transport.message import Header, Slot
 
-__all__ = ["Receiver", "Closed"]
+__all__ = ["Receiver", "Closed", "SMALL_FRAME"]
 
 _HDR = struct.Struct("<BIQiQHH")
 _REF, _ACK = 0x80, 0x40  # kind-byte flags: the payload goes by reference; an acknowledgement
 _DESC = struct.Struct("<QI")  # by reference: token, number of pieces
 _PIECE = struct.Struct("<QQ")  # address in the sender (0: the bytes follow in the ring), length
 _MAX_PIECES = 1 << 16
-# Frames up to this size are delivered straight from the ring when wholly there (see
-# ``Receiver._in_place``): copied under the GIL, like the sender's ``send_now``.
-_IN_PLACE = 64 << 10
+# Small frames have a short path each way: up to this size a frame is written into the
+# ring at once by its sender (``ShmPeer.send_now``) and delivered straight from it when
+# wholly there (``Receiver._in_place``). Both copy under the GIL in one slice assignment
+# per piece (larger copies release it; see ``_ring``).
+SMALL_FRAME = 64 << 10
 _LOCK_S = 0.1  # the reader thread re-checks the transport's state this often while a
 # polling thread reads
 
@@ -164,7 +166,7 @@ class Receiver:
         whole = ring.peek(_HDR.size)
         if whole is not None:
             fields = _HDR.unpack(whole)
-            if (not fields[0] & (_ACK | _REF) and fields[4] <= _IN_PLACE
+            if (not fields[0] & (_ACK | _REF) and fields[4] <= SMALL_FRAME
                     and self._in_place(mailbox, max_frame, fields)):
                 return
         head = self._head

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from tandem.collectives.group import Op, ProcessGroup, as_bytes
+from tandem.collectives.group import Op, ProcessGroup, as_bytes, spans_hosts
 from tandem.collectives.reduce_op import ReduceOp, combine, finish
 from tandem.config import Settings
 
@@ -74,9 +74,7 @@ def link_chunk(group: ProcessGroup) -> int | None:
     # less CPU on the calling thread and as long or less (4x1 all-reduce 17.1 against
     # 19.6 ms at load 15; 2x1 recursive doubling 8.9 ms either way, whole 1 MB swaps
     # 9.3 ms). On one host there is no delay to hide, so the larger chunk_bytes stays.
-    host_of = group.transport.host_of
-    hosts = {host_of(rank) for rank in group.ranks}
-    if len(hosts) < 2 or "" in hosts:
+    if not spans_hosts(group):
         return None
     settings = group.settings
     return min(settings.link_chunk_bytes, settings.chunk_bytes)
