@@ -349,7 +349,7 @@ def job_init_process_group() -> None:
                               group_name="main", pg_options=None, device_id="cpu")
     assert tandem.is_initialized() and tandem.is_available()
     g = default_group()
-    assert (g.group_name, g.timeout, tandem.get_backend()) == ("main", 42.0, "tcp")
+    assert (g.group_name, g.timeout, tandem.get_backend()) == ("main", 42.0, "auto")
     tandem.destroy_process_group()
     with tempfile.TemporaryDirectory() as tmp:
         tandem.init_process_group("tcp", init_method=f"file://{tmp}/s?rank=0&world_size=1")

@@ -6,8 +6,10 @@ naming the hosts) and ``"auto"`` (the default: decided from the host identities
 the ranks publish at rendezvous: shm when all ranks share a host, tcp when no two
 do, and in between a mixed transport: shm between same-host ranks, tcp across
 hosts; tcp wherever shm is unsupported, e.g. not Linux x86-64). torch's names are
-understood: ``"gloo"`` runs on tcp, the closest match; ``"nccl"``, ``"mpi"`` and
-``"ucc"`` are refused with a message saying what to use.
+understood: ``"gloo"`` (torch's CPU backend, which nearly every CPU script names) means
+``"auto"``, so a script ported by changing its imports gets shared memory within a host
+rather than loopback TCP; ``"nccl"``, ``"mpi"`` and ``"ucc"`` are refused with a message
+saying what to use.
 
 A custom backend is a factory returning a :class:`~tandem.transport.base.Transport`;
 the collective algorithms then run over it unchanged::
@@ -138,7 +140,7 @@ def resolve_backend(backend: str | None) -> str:
             raise ArgumentError(f"backend {backend!r} names no CPU backend; use 'auto' or 'tcp'")
         name = parts["cpu"]
     if name == "gloo":
-        return Backend.TCP
+        return Backend.AUTO
     if name in Backend._factories:
         return name
     why = Backend._refused.get(name, "it is not registered")

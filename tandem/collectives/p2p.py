@@ -67,38 +67,49 @@ def _work(g: ProcessGroup, slot: Slot, what: str, result: Any, call: Call | None
 
 def isend(tensor: torch.Tensor, dst: int | None = None, group: AnyGroup | None = None,
           tag: int = 0, group_dst: int | None = None) -> Work:
-    g = resolve_group(group, "isend")
-    tag_arg(tag, "isend")
-    peer = _peer(g, "isend", dst, group_dst, "dst")
-    view, site = as_bytes(_contiguous(tensor, "isend")), call_site()
+    return _isend(tensor, dst, group, tag, group_dst, "isend")
+
+
+def _isend(tensor: torch.Tensor, dst: int | None, group: AnyGroup | None, tag: int,
+           group_dst: int | None, name: str) -> Work:
+    # ``name`` is the function the user called, so that an error names send or isend
+    g = resolve_group(group, name)
+    tag_arg(tag, name)
+    peer = _peer(g, name, dst, group_dst, "dst")
+    view, site = as_bytes(_contiguous(tensor, name)), call_site()
     call = g.recorder.begin_p2p("send", g.ranks[peer], tag, len(view), site)  # [recorder]
     slot = g.p2p_send(peer, tag, view, site)
-    return _work(g, slot, f"isend to rank {g.ranks[peer]} (tag {tag})", [tensor], call)
+    return _work(g, slot, f"{name} to rank {g.ranks[peer]} (tag {tag})", [tensor], call)
 
 
 def irecv(tensor: torch.Tensor, src: int | None = None, group: AnyGroup | None = None,
           tag: int = 0, group_src: int | None = None) -> Work:
-    g = resolve_group(group, "irecv")
-    tag_arg(tag, "irecv")
-    peer = None if src is None and group_src is None else _peer(g, "irecv", src, group_src, "src")
-    view = as_bytes(_contiguous(tensor, "irecv", output=True))
+    return _irecv(tensor, src, group, tag, group_src, "irecv")
+
+
+def _irecv(tensor: torch.Tensor, src: int | None, group: AnyGroup | None, tag: int,
+           group_src: int | None, name: str) -> Work:
+    g = resolve_group(group, name)
+    tag_arg(tag, name)
+    peer = None if src is None and group_src is None else _peer(g, name, src, group_src, "src")
+    view = as_bytes(_contiguous(tensor, name, output=True))
     call = g.recorder.begin_p2p("recv", -1 if peer is None else g.ranks[peer], tag,  # [recorder]
                                 len(view), call_site())
     slot = g.p2p_recv(peer, tag, view)
     who = "any rank" if peer is None else f"rank {g.ranks[peer]}"
-    return _work(g, slot, f"irecv from {who} (tag {tag})", [tensor], call)
+    return _work(g, slot, f"{name} from {who} (tag {tag})", [tensor], call)
 
 
 def send(tensor: torch.Tensor, dst: int | None = None, group: AnyGroup | None = None,
          tag: int = 0, group_dst: int | None = None) -> None:
-    isend(tensor, dst, group, tag, group_dst).wait()
+    _isend(tensor, dst, group, tag, group_dst, "send").wait()
 
 
 def recv(tensor: torch.Tensor, src: int | None = None, group: AnyGroup | None = None,
          tag: int = 0, group_src: int | None = None) -> int:
     """Receive into ``tensor``; return the sender's global rank (useful with src=None)."""
     g = resolve_group(group, "recv")
-    work = irecv(tensor, src, group, tag, group_src)
+    work = _irecv(tensor, src, group, tag, group_src, "recv")
     work.wait()
     return g.ranks[work._source]
 

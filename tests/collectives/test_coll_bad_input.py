@@ -210,6 +210,13 @@ def test_recv_from_outside_the_group_is_named(g) -> None:
         tandem.irecv(f(2), src=9, group=g)
 
 
+@pytest.mark.parametrize("name", ["send", "isend", "recv", "irecv"])
+def test_a_p2p_error_names_the_function_called(g, name) -> None:
+    peer = {"dst": 9} if "send" in name else {"src": 9}
+    with pytest.raises(ArgumentError, match=rf"^{name}: (dst|src)=9 is not a member"):
+        getattr(tandem, name)(f(2), group=g, **peer)
+
+
 def test_non_contiguous_p2p_tensor_is_refused(g) -> None:
     with pytest.raises(ArgumentError, match="contiguous"):
         tandem.isend(f(4, 4).t(), dst=0, group=g)

@@ -154,6 +154,17 @@ def stranger_knocks(rank: int, p: int, store: str) -> Any:
     return {"knocks": knocks, "sum": t[0].item()}
 
 
+def named_gloo(rank: int, p: int, store: str) -> Any:
+    """init_process_group("gloo") as a torch script writes it; which transport it got."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=p,
+                            timeout=30)
+    t = torch.full((10,), float(rank))
+    dist.all_reduce(t)
+    transport = type(world().default.transport).__name__
+    dist.destroy_process_group()
+    return {"transport": transport, "sum": t[0].item()}
+
+
 def idle_waiter_cpu(rank: int, p: int, store: str) -> Any:
     """Rank 0 sleeps 2 s before joining an all_reduce; the others wait for it meanwhile."""
     dist.init_process_group("shm", init_method=f"file://{store}", rank=rank, world_size=p,

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from _shm_fault_ranks import hosts_differ, idle_waiter_cpu, mismatched, stranger_knocks
+from _shm_fault_ranks import hosts_differ, idle_waiter_cpu, mismatched, named_gloo, stranger_knocks
 from tandem.collectives import backend as backend_module
 from tandem.collectives.backend import BackendOptions, resolve_backend
 from tandem.config import Settings
@@ -37,6 +37,14 @@ def test_machines_sharing_a_host_name_are_told_apart_by_boot_id() -> None:
 def test_shm_is_a_known_backend_name() -> None:
     assert resolve_backend("shm") == "shm"
     assert resolve_backend("SHM") == "shm"
+
+
+def test_torch_s_gloo_name_gets_shared_memory_on_one_host(tmp_path: Any) -> None:
+    # a script ported by changing its imports keeps init_process_group("gloo"): it must get
+    # the same-host fast path, not loopback tcp
+    assert resolve_backend("gloo") == resolve_backend("cpu:gloo,cuda:nccl") == "auto"
+    for r in spawn(2, named_gloo, (str(tmp_path / "store"),), init=False, timeout=60):
+        assert r == {"transport": "ShmTransport", "sum": 1.0}, r
 
 
 def _options(world_size: int = 1) -> BackendOptions:
