@@ -143,6 +143,7 @@ class Agent:
         files_root, self.scratch = self.cfg.log_dir, ""
         if files_root is not None:
             _check_log_dir(files_root)
+        self.cfg.check_script()
         note = self.cfg.filter_note()
         if note:
             self._say(note)

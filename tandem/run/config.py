@@ -142,6 +142,14 @@ class LaunchConfig:
         if self.standalone and self.max_nodes != 1:
             raise ArgumentError("--standalone is a single-node job; drop --nnodes or use 1")
 
+    def check_script(self) -> None:
+        """Refuse a training script that is not there, once, before any worker starts (each
+        worker would otherwise fail on it, and the job be reported as a failed job)."""
+        if self.module or self.no_python or os.path.exists(self.entrypoint):
+            return  # python also runs a directory or a zip file holding __main__.py
+        raise ArgumentError(f"training script {self.entrypoint!r} not found "
+                            f"(in {os.getcwd()}); give its path, or -m for a module")
+
     @property
     def nnodes(self) -> int:
         return self.max_nodes

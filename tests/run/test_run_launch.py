@@ -114,11 +114,14 @@ def test_main_runs_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 
 @pytest.mark.timeout(60)
-def test_missing_script_fails_with_the_python_error(run: Run, tmp_path: Path) -> None:
+def test_a_missing_script_is_refused_before_any_worker_starts(run: Run, tmp_path: Path) -> None:
     res = run(tmp_path / "nope.py")
-    assert res.code == 1
-    assert "exception  : FileNotFoundError: [Errno 2] No such file" in res.err
-    assert "rank       : 0" in res.err
+    assert res.code == 2, res.err
+    assert f"tandemrun: error: training script '{tmp_path / 'nope.py'}' not found" in res.err
+    assert "[rank" not in res.out + res.err and "Root cause" not in res.err  # nothing ran
+    # a module or a program is the workers' to find
+    res = run("-m", "tandem_no_such_module")
+    assert res.code == 1 and "No module named tandem_no_such_module" in res.err, res.err
 
 
 @pytest.mark.timeout(60)
