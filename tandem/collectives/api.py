@@ -30,7 +30,8 @@ from tandem.transport.base import Slot
 
 __all__ = [
     "broadcast", "all_reduce", "checked_all_reduce", "all_reduce_coalesced", "reduce",
-    "all_gather", "all_gather_into_tensor", "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor", "call_site",
+    "all_gather", "all_gather_into_tensor", "gather", "scatter", "reduce_scatter",
+    "reduce_scatter_tensor", "call_site",
 ]
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -16,8 +16,9 @@ import torch
 from tandem.collectives.group import ProcessGroup
 from tandem.errors import ArgumentError
 
-__all__ = ["tensor_arg", "tensors_arg", "output_arg", "plain_output", "sizes_match", "root_rank", "tag_arg",
-           "int_list", "check_cpu_device", "refuse_pg_options", "TAG_MIN", "TAG_MAX"]
+__all__ = ["tensor_arg", "tensors_arg", "output_arg", "plain_output", "sizes_match",
+           "root_rank", "tag_arg", "int_list", "check_cpu_device", "refuse_pg_options",
+           "TAG_MIN", "TAG_MAX"]
 
 # a p2p tag travels as a signed 32-bit field of the message header
 TAG_MIN, TAG_MAX = -(2 ** 31), 2 ** 31 - 1
