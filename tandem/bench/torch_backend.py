@@ -214,8 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     direct = next((r["cpu"]["tandem direct"] for r in rows
                    if r["part"] == "all_reduce" and r["what"] == "4 KB"), None)
     if direct is not None:
-        cost = layer_cost_seconds(number=200 if args.quick else 2000,
-                                  repeat=3 if args.quick else 15)
+        cost = layer_cost_seconds(repeat=10 if args.quick else 150)
         print(f"torch layer per call (CPU time, one process, best of alternating repeats): "
               f"{cost * 1e6:.1f} us = {cost / direct * 100:.1f}% of the CPU time of a 4 KB "
               f"tandem direct all_reduce above")

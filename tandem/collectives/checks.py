@@ -16,8 +16,9 @@ import torch
 from tandem.collectives.group import ProcessGroup
 from tandem.errors import ArgumentError
 
-__all__ = ["tensor_arg", "tensors_arg", "output_arg", "sizes_match", "root_rank", "tag_arg",
-           "int_list", "check_cpu_device", "refuse_pg_options", "TAG_MIN", "TAG_MAX"]
+__all__ = ["tensor_arg", "tensors_arg", "output_arg", "plain_output", "sizes_match",
+           "root_rank", "tag_arg", "int_list", "check_cpu_device", "refuse_pg_options",
+           "TAG_MIN", "TAG_MAX"]
 
 # a p2p tag travels as a signed 32-bit field of the message header
 TAG_MIN, TAG_MAX = -(2 ** 31), 2 ** 31 - 1
@@ -65,6 +66,14 @@ def output_arg(t: Any, what: str, name: str) -> torch.Tensor:
             f"that overlap in memory, e.g. made by expand(); results cannot be written into "
             f"it: pass a tensor of its own (.clone())")
     return t
+
+
+def plain_output(t: Any) -> bool:
+    """Whether ``t`` is a CPU tensor that :func:`output_arg` accepts as it is, answered in
+    a few attribute reads for the common case (dense, contiguous, so no two elements
+    share memory). False says nothing: ``output_arg`` then gives the verdict."""
+    return (isinstance(t, torch.Tensor) and t.is_cpu and t.layout is torch.strided
+            and not t.is_nested and t.is_contiguous())
 
 
 def tensors_arg(ts: Any, what: str, name: str, count: int, dtype: torch.dtype,

@@ -30,7 +30,8 @@ import torch
 
 from tandem.errors import ArgumentError
 
-__all__ = ["ReduceOp", "Combine", "combine", "combiner", "finish", "check_dtype", "fingerprint"]
+__all__ = ["ReduceOp", "Combine", "combine", "combiner", "finish", "check_dtype", "accepts",
+           "fingerprint"]
 
 _BITWISE_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
 # dtypes whose CPU kernels cover every combine below; torch's uint16/32/64, complex32 and
@@ -203,3 +204,24 @@ def finish(op: ReduceOp, t: torch.Tensor, world: int) -> None:
     """Post-processing after the combine (AVG divides by the number of ranks)."""
     if op.name == "AVG" and op.fn is None:
         t.div_(world)
+
+
+def _passes(op: ReduceOp, dtype: torch.dtype) -> bool:
+    try:
+        check_dtype(op, dtype)
+    except ArgumentError:
+        return False
+    return True
+
+
+# every (built-in op, dtype) pair check_dtype lets through
+_ACCEPTED = frozenset((op, dtype) for op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT,
+                                             ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND,
+                                             ReduceOp.BOR, ReduceOp.BXOR)
+                      for dtype in _REDUCIBLE_DTYPES if _passes(op, dtype))
+
+
+def accepts(op: ReduceOp, dtype: torch.dtype) -> bool:
+    """Whether :func:`check_dtype` lets a built-in ``op`` on ``dtype`` through, in one set
+    lookup. False for custom ops, whatever they take: ``check_dtype`` decides those."""
+    return (op, dtype) in _ACCEPTED

@@ -19,7 +19,9 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from tandem.collectives import alltoall, api
+from tandem.collectives.checks import plain_output
 from tandem.collectives.group import ProcessGroup
+from tandem.collectives.reduce_op import ReduceOp, accepts
 from tandem.errors import ArgumentError, TandemError
 from tandem.torch_backend._options import (cpu_tensors, one_tensor, premultiplied, reduce_op,
                                            root_tensor_zero)
@@ -35,6 +37,15 @@ def _pairs(outputs: Sequence[Any], inputs: Sequence[Any], what: str) -> None:
     cpu_tensors(inputs, what, "inputs")
 
 
+def _all_reduce(t: torch.Tensor, op: ReduceOp, g: ProcessGroup, async_op: bool) -> Any:
+    """tandem's all_reduce, without its argument checks when ``t`` and ``op`` plainly pass
+    them (torch hands over checked tensors nearly always); else with them, for their
+    messages."""
+    if plain_output(t) and accepts(op, t.dtype):
+        return api.checked_all_reduce(g, t, op, async_op)
+    return api.all_reduce(t, op, g, async_op)
+
+
 def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     """Tensors grouped by dtype, in order of first appearance (alike on every rank)."""
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -48,6 +59,8 @@ class Collectives:
 
     _call: Callable[..., dist.Work | None]
     _coalesced: list[Any] | None
+    _group: ProcessGroup
+    _config_checked: bool
 
     def _usable(self) -> ProcessGroup:
         raise NotImplementedError  # the process group's tandem group, checked on first use
@@ -58,16 +71,19 @@ class Collectives:
     # -- all-reduce family -------------------------------------------------------------
     def allreduce(self, tensors: Sequence[torch.Tensor],
                   opts: c10d.AllreduceOptions | None = None) -> dist.Work | None:
-        opts = opts or c10d.AllreduceOptions()
-        g = self._usable()
+        # the small-message latency path, every step counted: each pybind11 option read
+        # costs 0.1-0.2 us, and checks tandem's all_reduce would repeat are made once
+        if opts is None:
+            opts = c10d.AllreduceOptions()
+        g = self._group if self._config_checked else self._usable()
         t = one_tensor(tensors, "allreduce")
         op, factor = reduce_op(opts.reduceOp, "allreduce")
         if factor is not None:
             premultiplied(t, factor, in_place=True)
         if opts.asyncOp or opts.timeout > NO_TIMEOUT or self._coalesced is not None:
-            return self._call("allreduce", opts, api.all_reduce, (t, op, g), [t])
-        try:  # _call's inline case, spelled out: this is the small-message latency path
-            api.all_reduce(t, op, g, False)
+            return self._call("allreduce", opts, _all_reduce, (t, op, g), [t])
+        try:  # _call's inline case, spelled out
+            _all_reduce(t, op, g, False)
         except TandemError as exc:
             self._reraise(exc)
         return None

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 import tandem.torch_backend as tb
-from tandem.collectives.reduce_op import ReduceOp
+from tandem.collectives.checks import output_arg, plain_output
+from tandem.collectives.reduce_op import ReduceOp, accepts, check_dtype
 from tandem.collectives.work import Work
 from tandem.errors import (ArgumentError, CollectiveMismatchError, CollectiveTimeoutError,
                            PeerLostError, StateError, StoreTimeoutError, TandemError)
@@ -104,6 +105,70 @@ def test_premul_sum_sums_after_multiplying_by_its_factor() -> None:
         assert premultiplied(t, got, in_place=True) is t and torch.equal(t, torch.tensor([1., 2.]))
     with pytest.raises(ArgumentError, match="one-element CPU tensor"):
         reduce_op(dist._make_nccl_premul_sum(torch.tensor(0.5, device="meta")), "allreduce")
+
+
+def _plain_and_not() -> tuple[list[torch.Tensor], list[Any]]:
+    plain = [torch.ones(3), torch.ones(2, 3, dtype=torch.int64), torch.ones((), dtype=torch.bool),
+             torch.empty(0), torch.ones(4, 4)[1:3]]
+    other = [torch.ones(3, 2).t(), torch.ones(1).expand(4), torch.ones(4, device="meta"),
+             torch.sparse_coo_tensor([[0]], [1.0], (4,)),
+             torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), [1.0], None]
+    return plain, other
+
+
+def test_a_plain_output_is_one_that_tandems_checks_accept() -> None:
+    # the adapter skips tandem's own checks for plain outputs: a tensor taken for plain
+    # that output_arg refuses would reach the engine unchecked
+    plain, other = _plain_and_not()
+    for t in plain:
+        assert plain_output(t) and output_arg(t, "x", "t") is t
+    for t in other:
+        assert not plain_output(t), t
+
+
+def _all_dtypes() -> list[torch.dtype]:
+    return sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+
+
+def test_accepts_agrees_with_check_dtype_for_every_builtin_op_and_dtype() -> None:
+    ops = [getattr(ReduceOp, n) for n in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND",
+                                          "BOR", "BXOR")]
+    verdicts = []
+    for op in ops:
+        for dtype in _all_dtypes():
+            try:
+                check_dtype(op, dtype)
+                passes = True
+            except ArgumentError:
+                passes = False
+            assert accepts(op, dtype) == passes, (op, dtype)
+            verdicts.append(passes)
+    assert any(verdicts) and not all(verdicts)
+    assert not accepts(ReduceOp.custom(torch.add), torch.float32)  # check_dtype decides
+
+
+def test_allreduce_through_torch_keeps_tandems_argument_checks() -> None:
+    dist.init_process_group("tandem", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        pg = dist.group.WORLD
+        inline = dist.AllreduceOptions()
+        inline.asyncOp = False
+        with pytest.raises(ArgumentError, match="overlap in memory"):
+            pg.allreduce([torch.ones(1).expand(4)], inline)
+        with pytest.raises(ArgumentError, match="only dense tensors"):
+            pg.allreduce([torch.sparse_coo_tensor([[0]], [1.0], (4,))], inline)
+        with pytest.raises(ArgumentError, match="AVG needs a floating"):
+            dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.AVG)
+        with pytest.raises(ArgumentError, match="AVG needs a floating"):
+            dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.AVG,
+                            async_op=True)
+        strided = torch.arange(6.0).reshape(3, 2).t()  # not plain: takes tandem's checks
+        dist.all_reduce(strided, op=dist.ReduceOp.MAX)
+        assert torch.equal(strided, torch.arange(6.0).reshape(3, 2).t())
+        work = dist.all_reduce(torch.ones(3), async_op=True)
+        assert work is not None and work.wait()
+    finally:
+        dist.destroy_process_group()
 
 
 def test_options_name_the_transports() -> None:
