@@ -12,9 +12,11 @@ Two common messages have a short form with no structure to pickle or unpickle ar
 their tensors: a bare tensor (most results: ``BARE``, one tensor, an empty pickle) and a
 call whose arguments are all tensors, each once, of a function that travels by name
 (``ARGS``: the pickle is the function alone; the arguments are the table's tensors in
-order, no keywords). Each saves a tensor reference per tensor on both sides and the
-structure's pickling; measured (one process, CPU time, best of 25): a 16-float echo's
-two messages cost 38 us to encode, read and decode through the pickle, 28 us this way.
+order, no keywords; the function's pickle is remembered per function). Each saves the
+structure's pickling and a tensor reference per tensor on both sides; measured (one
+process, CPU time, best of 25, 3 runs): a 16-float echo's call and reply cost 37.5 us to
+encode, read and decode through the pickle, 23.6 us this way (encoding 18.8 -> 8.8 us,
+decoding 4.7 -> 1.4 us; reading the table and the tensor, ~7 us each, is unchanged).
 
 The header's ``group`` field carries ``len(table) + len(pickle)``, so the receiver reads
 those in one go, allocates every tensor with its final shape and dtype, and reads the
