@@ -340,3 +340,58 @@ def test_a_remembered_function_name_never_stands_for_an_object_bound_to_it() -> 
     items.append(2)
     second = _decode_wire(_codec.encode_call(items.copy, (x,), None, "a call"))[0]
     assert first() == [1] and second() == [1, 2]
+
+
+def test_an_autograd_context_rides_on_every_form_with_the_tensors_that_need_grad() -> None:
+    from tandem.transport.base import Header, Kind
+
+    w = torch.randn(3, requires_grad=True)
+    plain = torch.ones(2)
+    encoded = {"args": _codec.encode_call(torch.mul, (w, plain), None, "a call", None, 7,
+                                          lambda ts: 41 if ts == [w] else -1),
+               "bare": _codec.encode(w, "the result", None, 7, lambda ts: 42 if ts == [w] else -1),
+               "pickled": _codec.encode({"w": w, "n": 1}, "x", None, 7,
+                                        lambda ts: 43 if ts == [w] else -1)}
+    for name, out in encoded.items():
+        header = Header(Kind.RPC, out.meta_bytes, 1, 0, out.nbytes)
+        message = _codec.read_message(header, _codec.local_reader(out.parts), "me")
+        assert message.ctx_id == 7 and message.amsg == {"args": 41, "bare": 42,
+                                                        "pickled": 43}[name], name
+        assert len(message.grads) == 1 and message.grads[0].requires_grad, name
+        assert torch.equal(message.grads[0].detach(), w.detach()), name
+
+
+class _FakeRRef:
+    """Stands for tandem's RRef in the codec: reduced through the fork callback."""
+
+    _tandem_rref = True
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __reduce__(self) -> Any:  # as tandem's RRef: never pickled outside RPC
+        raise StateError("an RRef cannot be pickled")
+
+
+def test_rrefs_in_a_call_go_through_the_fork_callback_and_come_back_built() -> None:
+    from tandem.transport.base import Header, Kind
+
+    forked: list[int] = []
+
+    def fork(rref: Any) -> tuple[Any, ...]:
+        forked.append(rref.n)
+        return (1, (1, rref.n), (0, 100 + rref.n), 0)
+
+    a, b = _FakeRRef(5), _FakeRRef(6)
+    x = torch.ones(2)
+    out = _codec.encode_call(torch.add, (a, x), {"other": [b]}, "a call", fork)
+    assert forked == [5, 6] and [f for _, f in out.rrefs] == [(0, 105), (0, 106)]
+    assert _form(out) == _codec._RREFS  # an RRef argument keeps the pickled structure
+    header = Header(Kind.RPC, out.meta_bytes, 1, 0, out.nbytes)
+    message = _codec.read_message(header, _codec.local_reader(out.parts), "me")
+    built = _codec.decode(message, lambda *fields: ("rref", fields))
+    assert built[0] is torch.add and built[1][0] == ("rref", (1, (1, 5), (0, 105), 0))
+    assert torch.equal(built[1][1], x) and built[2] == {"other": [("rref", (1, (1, 6),
+                                                                            (0, 106), 0))]}
+    with pytest.raises(ArgumentError, match="cannot be pickled"):  # no fork: not via RPC
+        _codec.encode(_FakeRRef(1), "x")
