@@ -162,7 +162,8 @@ class Agent:
         call_id = call_id or next(self._ids)
         seconds = self.timeout if timeout == -1.0 else self.timeout_of(timeout)
         ctx = self.autograd.current_id()
-        out = self.encode((func, args, kwargs), dest, kind, ctx)
+        record = functools.partial(self.autograd.record_send, ctx, dest) if ctx else None
+        out = _codec.encode_call(func, args, kwargs, kind, self._forks[dest], ctx, record)
         spin = self.spin
         if out.nbytes >= LARGE and self.spin > _SHORT_SPIN:
             # the reply cannot come before the callee has read the call: polling that long

@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from tandem.errors import RpcTimeoutError
 from tandem.rpc._calls import wait_flag
@@ -140,7 +140,7 @@ class RRefTable:
             return rref._owner, rref._id, None, self.me
         return rref._owner, rref._id, (self.me, self.agent.new_id()), self.me
 
-    def commit(self, dest: int, sent: list[tuple[Any, Any]]) -> None:
+    def commit(self, dest: int, sent: Sequence[tuple[Any, Any]]) -> None:
         for rref, fork in sent:
             if fork is None:
                 continue
@@ -149,7 +149,7 @@ class RRefTable:
             else:
                 self.children[fork] = (rref, dest)
 
-    def undo(self, dest: int, sent: list[tuple[Any, Any]]) -> None:
+    def undo(self, dest: int, sent: Sequence[tuple[Any, Any]]) -> None:
         for rref, fork in sent:
             if fork is None:
                 continue

@@ -235,3 +235,163 @@ def test_one_large_pickle_does_not_slow_every_later_message() -> None:
     _codec.encode((1, 2), "x")
     assert _codec._cache.pickler is not None and _codec._cache.pickler is not small
     assert not _codec._cache.pickler.memo.copy()  # nothing of either message is kept
+
+
+def _form(out: _codec.Outgoing) -> int:
+    """The message-level flags an encoded message carries (its short form, if any)."""
+    return _codec._HEAD.unpack_from(bytes(out.parts[0]))[3]
+
+
+def _decode_wire(out: _codec.Outgoing) -> Any:
+    from tandem.transport.base import Header, Kind
+
+    header = Header(Kind.RPC, out.meta_bytes, 1, 0, out.nbytes)
+    return _codec.decode(_codec.read_message(header, _codec.local_reader(out.parts), "me"))
+
+
+def _same_tensor(a: Any, b: torch.Tensor) -> bool:
+    return (type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
+            and a.requires_grad == b.requires_grad and torch.equal(a.detach(), b.detach()))
+
+
+def test_a_call_of_tensors_only_travels_without_a_structure_and_decodes_alike() -> None:
+    w = torch.nn.Parameter(torch.randn(3, 2))
+    big = torch.arange(1 << 16, dtype=torch.float64)  # 512 KB: sent as a view of its memory
+    args_sets = [(torch.ones(16),), (torch.arange(6).reshape(2, 3).t(), torch.tensor(2.5)),
+                 (torch.randn(4, requires_grad=True), w), (big, torch.zeros(0, 3)),
+                 (torch.randn(3, dtype=torch.complex64).conj(),)]
+    for args in args_sets:
+        out = _codec.encode_call(torch.add, args, None, "a call")
+        assert _form(out) == _codec._ARGS, [tuple(a.shape) for a in args]
+        plain = _decode_wire(_codec.encode((torch.add, args, None), "a call"))
+        func, got, kwargs = _decode_wire(out)
+        assert func is torch.add is plain[0] and kwargs is None is plain[2]
+        assert type(got) is tuple and len(got) == len(args) == len(plain[1])
+        for mine, theirs, sent in zip(got, plain[1], args):
+            assert _same_tensor(mine, sent) and _same_tensor(theirs, sent)
+            assert not sent.numel() or mine.data_ptr() != sent.data_ptr()  # a copy
+
+
+def test_calls_that_are_not_only_tensors_keep_the_pickled_structure() -> None:
+    x = torch.ones(3)
+    bound = x.add
+    # one tensor twice (both arguments stay one object), a non-tensor, keywords, nesting...
+    calls: list[tuple[Any, tuple[Any, ...], Any]] = [
+             (torch.add, (x, x), None), (torch.add, (x, 1), None), (torch.add, (x,), {"alpha": 2}),
+             (torch.cat, ([x, {"y": x * 2}],), None), (test_form_of_a_result_tensor, (), None),
+             (bound, (x * 3,), None)]  # a builtin bound to a tensor carries that tensor
+    for func, args, kwargs in calls:
+        out = _codec.encode_call(func, args, kwargs, "a call")
+        assert _form(out) & _codec._FORMS == 0, (func, args, kwargs)
+        got_func, got_args, got_kwargs = _decode_wire(out)
+        assert got_kwargs == kwargs
+        if func is bound:
+            assert torch.equal(got_func(*got_args), func(*args))
+        else:
+            assert got_func is func
+        assert repr(got_args) == repr(args)
+    got = _decode_wire(_codec.encode_call(torch.add, (x, x), None, "a call"))[1]
+    assert got[0] is got[1]
+    with pytest.raises(ArgumentError, match="module level"):
+        _codec.encode_call(lambda t: t, (x,), None, "a call")
+
+
+def test_form_of_a_result_tensor() -> None:
+    x = torch.randn(5, 4)
+    for value in (x, x.t(), torch.tensor(3), torch.nn.Parameter(x), x.requires_grad_(False),
+                  torch.zeros(0), torch.arange(1 << 15, dtype=torch.int64)):
+        out = _codec.encode(value, "the result")
+        assert _form(out) == _codec._BARE
+        assert _same_tensor(_decode_wire(out), value)
+    sparse = torch.eye(3).to_sparse()  # torch pickles it: no short form
+    out = _codec.encode(sparse, "the result")
+    assert _form(out) == 0 and torch.equal(_decode_wire(out).to_dense(), torch.eye(3))
+
+
+def test_a_short_form_that_contradicts_its_table_is_a_protocol_error() -> None:
+    from tandem.errors import ProtocolError
+    from tandem.transport.base import Header, Kind
+
+    def forged(flags: int, obj: Any) -> bytes:
+        wire = bytearray(b"".join(bytes(p) for p in _codec.encode(obj, "x").parts))
+        wire[_codec._HEAD.size - 1] = flags
+        return bytes(wire)
+
+    x = torch.ones(2)
+    for flags, obj in [(_codec._BARE, (x, x * 2)), (_codec._BARE, [x]),
+                       (_codec._ARGS, (1, 2)), (_codec._BARE | _codec._ARGS, x),
+                       (_codec._ARGS | _codec._RREFS, x), (0x40, x)]:
+        wire = forged(flags, obj)
+        out = _codec.encode(obj, "x")
+        header = Header(Kind.RPC, out.meta_bytes, 1, 0, len(wire))
+        with pytest.raises(ProtocolError):
+            _codec.read_message(header, _codec.local_reader([memoryview(wire)]), "w1")
+
+
+def test_a_remembered_function_name_never_stands_for_an_object_bound_to_it() -> None:
+    # module-level and builtin functions are pickled once and remembered; a builtin bound
+    # to an object carries that object, whose state may change between calls
+    x = torch.ones(2)
+    items = [1]
+    for _ in range(2):
+        assert _decode_wire(_codec.encode_call(torch.neg, (x,), None, "a call"))[0] is torch.neg
+    assert _codec._NAMES.get(torch.neg) is not None
+    first = _decode_wire(_codec.encode_call(items.copy, (x,), None, "a call"))[0]
+    items.append(2)
+    second = _decode_wire(_codec.encode_call(items.copy, (x,), None, "a call"))[0]
+    assert first() == [1] and second() == [1, 2]
+
+
+def test_an_autograd_context_rides_on_every_form_with_the_tensors_that_need_grad() -> None:
+    from tandem.transport.base import Header, Kind
+
+    w = torch.randn(3, requires_grad=True)
+    plain = torch.ones(2)
+    encoded = {"args": _codec.encode_call(torch.mul, (w, plain), None, "a call", None, 7,
+                                          lambda ts: 41 if ts == [w] else -1),
+               "bare": _codec.encode(w, "the result", None, 7, lambda ts: 42 if ts == [w] else -1),
+               "pickled": _codec.encode({"w": w, "n": 1}, "x", None, 7,
+                                        lambda ts: 43 if ts == [w] else -1)}
+    for name, out in encoded.items():
+        header = Header(Kind.RPC, out.meta_bytes, 1, 0, out.nbytes)
+        message = _codec.read_message(header, _codec.local_reader(out.parts), "me")
+        assert message.ctx_id == 7 and message.amsg == {"args": 41, "bare": 42,
+                                                        "pickled": 43}[name], name
+        assert len(message.grads) == 1 and message.grads[0].requires_grad, name
+        assert torch.equal(message.grads[0].detach(), w.detach()), name
+
+
+class _FakeRRef:
+    """Stands for tandem's RRef in the codec: reduced through the fork callback."""
+
+    _tandem_rref = True
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __reduce__(self) -> Any:  # as tandem's RRef: never pickled outside RPC
+        raise StateError("an RRef cannot be pickled")
+
+
+def test_rrefs_in_a_call_go_through_the_fork_callback_and_come_back_built() -> None:
+    from tandem.transport.base import Header, Kind
+
+    forked: list[int] = []
+
+    def fork(rref: Any) -> tuple[Any, ...]:
+        forked.append(rref.n)
+        return (1, (1, rref.n), (0, 100 + rref.n), 0)
+
+    a, b = _FakeRRef(5), _FakeRRef(6)
+    x = torch.ones(2)
+    out = _codec.encode_call(torch.add, (a, x), {"other": [b]}, "a call", fork)
+    assert forked == [5, 6] and [f for _, f in out.rrefs] == [(0, 105), (0, 106)]
+    assert _form(out) == _codec._RREFS  # an RRef argument keeps the pickled structure
+    header = Header(Kind.RPC, out.meta_bytes, 1, 0, out.nbytes)
+    message = _codec.read_message(header, _codec.local_reader(out.parts), "me")
+    built = _codec.decode(message, lambda *fields: ("rref", fields))
+    assert built[0] is torch.add and built[1][0] == ("rref", (1, (1, 5), (0, 105), 0))
+    assert torch.equal(built[1][1], x) and built[2] == {"other": [("rref", (1, (1, 6),
+                                                                            (0, 106), 0))]}
+    with pytest.raises(ArgumentError, match="cannot be pickled"):  # no fork: not via RPC
+        _codec.encode(_FakeRRef(1), "x")
