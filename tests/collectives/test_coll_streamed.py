@@ -100,7 +100,8 @@ def test_reduce_scatter_with_uneven_pieces_and_a_custom_op() -> None:
         assert_equal(got, want, f"rank {rank}: reduce_scatter(GCD) of {sizes[rank]} elements")
 
 
-def _traffic(hosts: list[str], call: Callable[[ProcessGroup], None]) -> list[list[tuple[int, int]]]:
+def _traffic(hosts: list[str], call: Callable[[ProcessGroup], None],
+             settings: Settings = SETTINGS) -> list[list[tuple[int, int]]]:
     """Per rank: (peer, bytes) of every collective message it sent while ``call`` ran."""
 
     def body(group: ProcessGroup) -> list[tuple[int, int]]:
@@ -115,7 +116,7 @@ def _traffic(hosts: list[str], call: Callable[[ProcessGroup], None]) -> list[lis
         call(group)
         return seen
 
-    return run_threads(len(hosts), body, settings=SETTINGS, hosts=hosts)
+    return run_threads(len(hosts), body, settings=settings, hosts=hosts)
 
 
 def test_only_leaders_cross_hosts_and_each_host_sends_its_share_once() -> None:
@@ -135,6 +136,31 @@ def test_only_leaders_cross_hosts_and_each_host_sends_its_share_once() -> None:
             for rank, sent in enumerate(traffic) if rank in (0, 2)}
     # all-gather: the 3 pieces the other rank lacks; reduce-scatter: its own piece
     assert down == {0: 3 * 4 * n + 4 * n, 2: 3 * 4 * n + 4 * n}
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "reduce_scatter"])
+def test_leaders_send_link_sized_pieces_across_hosts(collective: str) -> None:
+    # pieces of link_chunk_bytes, not of the (larger) chunk_bytes of a ring on one host
+    hosts, n = list("aabb"), 1 << 12  # floats per rank: 16 KiB, 4 pieces of 4 KiB per rank
+    link = Settings(link_chunk_bytes=4096, ring_threshold=4096)
+
+    def call(group: ProcessGroup) -> None:
+        if collective == "all_reduce":
+            tandem.all_reduce(torch.ones(n), group=group)
+        elif collective == "all_gather":
+            tandem.all_gather_into_tensor(torch.empty(len(hosts) * n), torch.ones(n),
+                                          group=group)
+        else:
+            tandem.reduce_scatter_tensor(torch.empty(n), torch.ones(len(hosts) * n),
+                                         group=group)
+
+    for rank, sent in enumerate(_traffic(hosts, call, link)):
+        across = [b for peer, b in sent if hosts[peer] != hosts[rank]]
+        if rank in (0, 2):
+            assert across and max(across) == 4096, (
+                f"rank {rank}: {collective} sent {across} bytes at a time across hosts")
+        else:
+            assert not across, f"rank {rank} is no leader but sent {across} across hosts"
 
 
 def test_interleaved_hosts_use_the_flat_ring() -> None:
