@@ -27,6 +27,16 @@ of ``ru_maxrss`` from a mark taken after a local forward/backward/step (so grads
 autograd workspace and optimizer imports are already counted) to the end: DDP's
 buckets, communication buffers and allocator slack. The largest rank counts.
 
+Across simulated hosts every host shares the machine's cores. Under ``chrt -f`` (equal
+real-time priority, no time slices) a host that finishes a step first runs its next
+forward and backward on every core, and the other host's threads, with the last of
+the step's gradients already in their sockets, run only once it blocks: with tandem,
+where one host's leader finishes the 29.4 MB bucket before the other (each host ends
+one link time after the *other* host's leader started sending), that host's end
+slipped by as long as the first host computed (an all-reduce followed by 80 ms of
+compute on the first host: the second ended 80-95 ms after it, 20-30 ms without the
+compute; without ``chrt`` no such slip). Real hosts have cores of their own.
+
 ratio = torch step time / tandem step time: above 1 means tandem is faster.
 mem ratio = torch peak / tandem peak: above 1 means tandem uses less memory.
 """

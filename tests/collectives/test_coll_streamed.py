@@ -15,10 +15,11 @@ import pytest
 import torch
 
 import tandem
-from tandem.collectives.group import ProcessGroup
+from tandem.collectives.algorithms._phases import PHASE
+from tandem.collectives.group import Op, ProcessGroup
 from tandem.config import Settings
 from tandem.testing import run_threads
-from tandem.transport.base import Kind
+from tandem.transport.base import Kind, Slot
 
 from _coll_util import assert_equal, rank_input, reduce_locally
 
@@ -99,7 +100,8 @@ def test_reduce_scatter_with_uneven_pieces_and_a_custom_op() -> None:
         assert_equal(got, want, f"rank {rank}: reduce_scatter(GCD) of {sizes[rank]} elements")
 
 
-def _traffic(hosts: list[str], call: Callable[[ProcessGroup], None]) -> list[list[tuple[int, int]]]:
+def _traffic(hosts: list[str], call: Callable[[ProcessGroup], None],
+             settings: Settings = SETTINGS) -> list[list[tuple[int, int]]]:
     """Per rank: (peer, bytes) of every collective message it sent while ``call`` ran."""
 
     def body(group: ProcessGroup) -> list[tuple[int, int]]:
@@ -114,7 +116,7 @@ def _traffic(hosts: list[str], call: Callable[[ProcessGroup], None]) -> list[lis
         call(group)
         return seen
 
-    return run_threads(len(hosts), body, settings=SETTINGS, hosts=hosts)
+    return run_threads(len(hosts), body, settings=settings, hosts=hosts)
 
 
 def test_only_leaders_cross_hosts_and_each_host_sends_its_share_once() -> None:
@@ -136,6 +138,31 @@ def test_only_leaders_cross_hosts_and_each_host_sends_its_share_once() -> None:
     assert down == {0: 3 * 4 * n + 4 * n, 2: 3 * 4 * n + 4 * n}
 
 
+@pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "reduce_scatter"])
+def test_leaders_send_link_sized_pieces_across_hosts(collective: str) -> None:
+    # pieces of link_chunk_bytes, not of the (larger) chunk_bytes of a ring on one host
+    hosts, n = list("aabb"), 1 << 12  # floats per rank: 16 KiB, 4 pieces of 4 KiB per rank
+    link = Settings(link_chunk_bytes=4096, ring_threshold=4096)
+
+    def call(group: ProcessGroup) -> None:
+        if collective == "all_reduce":
+            tandem.all_reduce(torch.ones(n), group=group)
+        elif collective == "all_gather":
+            tandem.all_gather_into_tensor(torch.empty(len(hosts) * n), torch.ones(n),
+                                          group=group)
+        else:
+            tandem.reduce_scatter_tensor(torch.empty(n), torch.ones(len(hosts) * n),
+                                         group=group)
+
+    for rank, sent in enumerate(_traffic(hosts, call, link)):
+        across = [b for peer, b in sent if hosts[peer] != hosts[rank]]
+        if rank in (0, 2):
+            assert across and max(across) == 4096, (
+                f"rank {rank}: {collective} sent {across} bytes at a time across hosts")
+        else:
+            assert not across, f"rank {rank} is no leader but sent {across} across hosts"
+
+
 def test_interleaved_hosts_use_the_flat_ring() -> None:
     hosts, n = list("abab"), 1 << 12
 
@@ -145,3 +172,50 @@ def test_interleaved_hosts_use_the_flat_ring() -> None:
 
     traffic = _traffic(hosts, call)
     assert all({peer for peer, _ in sent} == {(rank + 1) % 4} for rank, sent in enumerate(traffic))
+
+
+@pytest.mark.parametrize("topology", ["2x2", "3+1", "3-hosts"])
+def test_ranks_send_pieces_up_in_the_order_their_leader_reads_them(
+        topology: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A leader's first send across hosts waits for the first piece it reads from each of
+    # its host's ranks; a rank that sent its pieces in buffer order would make the
+    # leaders of all but one host wait for most of the buffer first (slower, same bits).
+    hosts, n = TOPOLOGIES[topology], 1 << 14
+    leader = {r: hosts.index(h) for r, h in enumerate(hosts)}
+    sent: dict[int, list[int]] = {r: [] for r in range(len(hosts))}
+    read: dict[int, list[int]] = {r: [] for r in range(len(hosts))}
+    plain_wait = Op.wait
+
+    def wait(self: Op, *slots: Slot) -> None:
+        me = self.group.transport.rank
+        for slot in slots:  # pieces sent up: lift steps, below the ring's PHASE
+            peer, step = slot.key[0], slot.key[-1]
+            if len(slots) == 1 and step < PHASE and peer != me and leader[peer] == me:
+                read[peer].append(step)
+        plain_wait(self, *slots)
+
+    monkeypatch.setattr(Op, "wait", wait)
+
+    def body(group: ProcessGroup) -> torch.Tensor:
+        transport, plain = group.transport, group.transport.isend
+        me = group.rank()
+
+        def isend(peer: int, header: Any, payload: memoryview) -> Any:
+            if header.kind == Kind.COLL and header.step < PHASE and peer == leader[me] != me:
+                sent[me].append(header.step)
+            return plain(peer, header, payload)
+
+        transport.isend = isend  # type: ignore[method-assign]
+        x = torch.full((n,), float(me + 1))
+        tandem.all_reduce(x, group=group)
+        return x
+
+    total = float(sum(range(1, len(hosts) + 1)))
+    for rank, x in enumerate(run_threads(len(hosts), body, settings=SETTINGS, hosts=hosts)):
+        assert_equal(x, torch.full((n,), total), f"rank {rank}: all_reduce")
+    for rank in range(len(hosts)):
+        if leader[rank] != rank:
+            assert len(sent[rank]) > 2, f"rank {rank} sent {sent[rank]} up: not streamed"
+            assert sent[rank] == read[rank], (
+                f"rank {rank} sent its pieces up in the order {sent[rank]}; its leader, rank "
+                f"{leader[rank]}, read them in the order {read[rank]}")
