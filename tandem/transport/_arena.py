@@ -73,6 +73,7 @@ _KEPT = 4  # announcements kept per member
 _ENTRY = (CONTROL_BYTES - _CALLS) // _KEPT  # bytes per entry: 1520
 _HOT_S = 5e-6
 _SLEEP_S = 0.1
+_HEADS_KEPT = 64  # (dtype, numel) shapes whose staging heads stay cached
 
 
 def segment_bytes(chunk: int) -> int:
@@ -129,6 +130,7 @@ class Arena(DirectAccess):
         # typed views of the staging slots, made once: a view per round and member
         # cost more than the copies of small rounds
         self._views: dict[tuple[torch.dtype, int], list[list[list[torch.Tensor]]]] = {}
+        self._heads: dict[tuple[torch.dtype, int], list[list[torch.Tensor]]] = {}
         mine = self._ctl[index]
         mine[PID], mine[HERE] = os.getpid(), self._addr[index]
         self.direct = None
@@ -143,6 +145,7 @@ class Arena(DirectAccess):
         """
         self._data = []
         self._views = {}
+        self._heads = {}
         self._scratch = None
         for views in (self._ctl, self._text):
             for v in views:
@@ -174,6 +177,24 @@ class Arena(DirectAccess):
                        for q in range(self.size)] for k in range(self.chunk // step)]
                      for h in (0, 1)]
             self._views[key] = table
+        return table
+
+    def heads(self, dtype: torch.dtype, numel: int) -> list[list[torch.Tensor]]:
+        """[half][member]: the first ``numel`` elements of ``dtype`` of each staging half,
+        for a call that fits one round (cached for up to ``_HEADS_KEPT`` shapes; a training
+        loop repeats a few)."""
+        key = (dtype, numel)
+        table = self._heads.get(key)
+        if table is None:
+            step = numel * torch.empty((), dtype=dtype).element_size()
+            if step > self.chunk or numel < 0:
+                raise ArgumentError(f"{numel} elements of {dtype} do not fit a "
+                                    f"{self.chunk}-byte staging half")
+            if len(self._heads) >= _HEADS_KEPT:
+                self._heads.clear()
+            table = [[self._data[q][h][:step].view(dtype) for q in range(self.size)]
+                     for h in (0, 1)]
+            self._heads[key] = table
         return table
 
     # -- rounds and phases -----------------------------------------------------------

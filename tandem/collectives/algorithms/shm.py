@@ -56,6 +56,11 @@ def shm_all_reduce_many(op: Op, tensors: list[torch.Tensor], redop: ReduceOp) ->
     arena, check = prepare(op)
     if direct_applies(arena, tensors) and direct_all_reduce(op, arena, check, tensors[0], redop):
         return
+    if len(tensors) == 1:
+        x = tensors[0]
+        if x.numel() * x.element_size() <= min(SMALL_BYTES, arena.chunk // 2):
+            _one_round(op, arena, check, x, redop)
+            return
     dtype, size = tensors[0].dtype, tensors[0].element_size()
     n = sum(t.numel() for t in tensors)
     kernel = combiner(redop, dtype)
@@ -98,6 +103,21 @@ def _whole_rounds(op: Op, arena: Arena, check: Callable[[], None], tensors: list
             verify(op, arena)
         _reduce_whole(arena, staged, pieces, redop, kernel)
     ring.close(len(plan))
+
+
+def _one_round(op: Op, arena: Arena, check: Callable[[], None], x: torch.Tensor,
+               redop: ReduceOp) -> None:
+    """:func:`_whole_rounds` for one tensor that fits one round, without its per-round
+    bookkeeping: the same phases and staging memory (round 0 of the half
+    :meth:`Arena.begin_round` gives, one post, no settle), with the staging views taken
+    from the arena's cache."""
+    staged = arena.heads(x.dtype, x.numel())[arena.begin_round(check)]
+    pieces = [(x, 0)]
+    _stage_whole(arena, staged, pieces, redop)
+    arena.post()
+    arena.wait_all(arena.posted, check)
+    verify(op, arena)
+    _reduce_whole(arena, staged, pieces, redop, combiner(redop, x.dtype))
 
 
 def _prescaled(redop: ReduceOp, p: int) -> bool:
