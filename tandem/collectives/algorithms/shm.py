@@ -13,7 +13,8 @@ All-reduce, one round (``m`` elements, cut into one slice per member)::
 
 Every byte of input is read once and every byte of output written once; the
 staging stays in cache. Small tensors (``SMALL_BYTES`` or less) and pairs of ranks skip the
-second wait: each member copies its whole round in and reduces all of it itself.
+second wait: each member copies its whole round in and reduces all of it itself; one small
+tensor that fits one round takes the shortest path (``_one_round``).
 
 Large contiguous tensors skip the staging where the kernel lets members read and
 write each other's memory (``shm_direct``). Broadcast and reduce (one root) are in
@@ -110,7 +111,8 @@ def _one_round(op: Op, arena: Arena, check: Callable[[], None], x: torch.Tensor,
     """:func:`_whole_rounds` for one tensor that fits one round, without its per-round
     bookkeeping: the same phases and staging memory (round 0 of the half
     :meth:`Arena.begin_round` gives, one post, no settle), with the staging views taken
-    from the arena's cache."""
+    from the arena's cache. Measured, 2 ranks, 4 KB, the two paths toggled in one loop
+    (load 7-8): 43 -> 28 us per call in this module outside its waits, wall 188 -> 145 us."""
     staged = arena.heads(x.dtype, x.numel())[arena.begin_round(check)]
     pieces = [(x, 0)]
     _stage_whole(arena, staged, pieces, redop)
