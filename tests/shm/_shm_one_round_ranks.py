@@ -24,7 +24,7 @@ MANY_ROUNDS = (3 << 20) // 4  # float32 elements: several 512 KiB rounds over bo
 
 
 def one_round_limits(rank: int, p: int) -> dict[str, Any]:
-    """Single tensors at, just under and just over the one-round path's limit, one
+    """Single tensors at, just under and just over the one-round path's limit, none or one
     element, and a strided one, for each case; every call's inputs differ from the
     previous ones (so a read of stale staging shows), one member lags now and then (so
     members are in different calls and halves), and a call through many rounds and both
@@ -59,7 +59,7 @@ def one_round_limits(rank: int, p: int) -> dict[str, Any]:
     for dtype, ops in CASES:
         limit = shm.SMALL_BYTES // torch.empty((), dtype=dtype).element_size()
         for op_name in ops:
-            for n in (1, limit - 1, limit, limit + 1):
+            for n in (0, 1, limit - 1, limit, limit + 1):
                 check("flat", n, dtype, op_name)
             check("strided", limit, dtype, op_name, stride=2)
         check("many-rounds", MANY_ROUNDS, torch.float32, "SUM")
