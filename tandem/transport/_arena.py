@@ -73,6 +73,7 @@ _KEPT = 4  # announcements kept per member
 _ENTRY = (CONTROL_BYTES - _CALLS) // _KEPT  # bytes per entry: 1520
 _HOT_S = 5e-6
 _SLEEP_S = 0.1
+_HEADS_KEPT = 64  # (dtype, numel) shapes whose staging heads stay cached
 
 
 def segment_bytes(chunk: int) -> int:
@@ -114,7 +115,6 @@ class Arena(DirectAccess):
         self.spin = spin  # for the call at hand: callers lower it when others need the CPU
         self._maps = list(maps)
         self._ctl = [memoryview(m)[:CONTROL_BYTES].cast("Q") for m in self._maps]
-        self._text = [memoryview(m)[:CONTROL_BYTES] for m in self._maps]
         self._addr = [address_of(m) for m in self._maps]
         whole = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
         self._data = [(w[CONTROL_BYTES:CONTROL_BYTES + chunk],
@@ -129,6 +129,7 @@ class Arena(DirectAccess):
         # typed views of the staging slots, made once: a view per round and member
         # cost more than the copies of small rounds
         self._views: dict[tuple[torch.dtype, int], list[list[list[torch.Tensor]]]] = {}
+        self._heads: dict[tuple[torch.dtype, int], list[list[torch.Tensor]]] = {}
         mine = self._ctl[index]
         mine[PID], mine[HERE] = os.getpid(), self._addr[index]
         self.direct = None
@@ -143,11 +144,11 @@ class Arena(DirectAccess):
         """
         self._data = []
         self._views = {}
+        self._heads = {}
         self._scratch = None
-        for views in (self._ctl, self._text):
-            for v in views:
-                v.release()
-        self._ctl, self._text = [], []
+        for v in self._ctl:
+            v.release()
+        self._ctl = []
         for m in self._maps:
             try:
                 m.close()
@@ -174,6 +175,24 @@ class Arena(DirectAccess):
                        for q in range(self.size)] for k in range(self.chunk // step)]
                      for h in (0, 1)]
             self._views[key] = table
+        return table
+
+    def heads(self, dtype: torch.dtype, numel: int) -> list[list[torch.Tensor]]:
+        """[half][member]: the first ``numel`` elements of ``dtype`` of each staging half,
+        for a call that fits one round (cached for up to ``_HEADS_KEPT`` shapes; a training
+        loop repeats a few)."""
+        key = (dtype, numel)
+        table = self._heads.get(key)
+        if table is None:
+            step = numel * torch.empty((), dtype=dtype).element_size()
+            if step > self.chunk or numel < 0:
+                raise ArgumentError(f"{numel} elements of {dtype} do not fit a "
+                                    f"{self.chunk}-byte staging half")
+            if len(self._heads) >= _HEADS_KEPT:
+                self._heads.clear()
+            table = [[self._data[q][h][:step].view(dtype) for q in range(self.size)]
+                     for h in (0, 1)]
+            self._heads[key] = table
         return table
 
     # -- rounds and phases -----------------------------------------------------------
@@ -265,13 +284,13 @@ class Arena(DirectAccess):
     # -- announcements (which call each member is in) --------------------------------
     def announce(self, seq: int, sig: bytes, site: bytes) -> None:
         base = _CALLS + (seq % _KEPT) * _ENTRY
-        ctl, text, w = self._ctl[self.index], self._text[self.index], base // 8
+        ctl, w = self._ctl[self.index], base // 8
         room = _ENTRY - 24
         sig = sig[:room]
         site = site[:room - len(sig)]
         ctl[w] = 0
-        text[base + 24:base + 24 + len(sig)] = sig
-        text[base + 24 + len(sig):base + 24 + len(sig) + len(site)] = site
+        # through the mapping itself: a third of the cost of a memoryview slice (measured)
+        self._maps[self.index][base + 24:base + 24 + len(sig) + len(site)] = sig + site
         ctl[w + 1] = len(sig)
         ctl[w + 2] = len(site)
         ctl[w] = seq + 1
@@ -288,15 +307,26 @@ class Arena(DirectAccess):
         rewriting the entry right now.
         """
         base = _CALLS + (seq % _KEPT) * _ENTRY
-        ctl, text, w = self._ctl[member], self._text[member], base // 8
+        ctl, w = self._ctl[member], base // 8
         before = ctl[w]
         n_sig, n_site = ctl[w + 1], ctl[w + 2]
         if before == 0:
             return (-1, b"", b"") if n_sig == 0 and n_site == 0 else None
         if 24 + n_sig + n_site > _ENTRY:
             return None
-        sig = bytes(text[base + 24:base + 24 + n_sig])
-        site = bytes(text[base + 24 + n_sig:base + 24 + n_sig + n_site])
+        mapped = self._maps[member]
+        sig = mapped[base + 24:base + 24 + n_sig]
+        site = mapped[base + 24 + n_sig:base + 24 + n_sig + n_site]
         if ctl[w] != before:
             return None
         return before - 1, sig, site
+
+    def holds(self, member: int, seq: int, sig: bytes) -> bool:
+        """Whether ``member``'s entry for ``seq`` holds call ``seq`` with signature ``sig``
+        (the common answer, found without copying; False: :meth:`announcement` tells
+        what it holds instead)."""
+        base = _CALLS + (seq % _KEPT) * _ENTRY
+        ctl, w = self._ctl[member], base // 8
+        return (ctl[w] == seq + 1 and ctl[w + 1] == len(sig)
+                and self._maps[member][base + 24:base + 24 + len(sig)] == sig
+                and ctl[w] == seq + 1)

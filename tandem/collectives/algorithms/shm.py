@@ -13,7 +13,8 @@ All-reduce, one round (``m`` elements, cut into one slice per member)::
 
 Every byte of input is read once and every byte of output written once; the
 staging stays in cache. Small tensors (``SMALL_BYTES`` or less) and pairs of ranks skip the
-second wait: each member copies its whole round in and reduces all of it itself.
+second wait: each member copies its whole round in and reduces all of it itself; one small
+tensor that fits one round takes the shortest path (``_one_round``).
 
 Large contiguous tensors skip the staging where the kernel lets members read and
 write each other's memory (``shm_direct``). Broadcast and reduce (one root) are in
@@ -56,6 +57,11 @@ def shm_all_reduce_many(op: Op, tensors: list[torch.Tensor], redop: ReduceOp) ->
     arena, check = prepare(op)
     if direct_applies(arena, tensors) and direct_all_reduce(op, arena, check, tensors[0], redop):
         return
+    if len(tensors) == 1:
+        x = tensors[0]
+        if x.numel() * x.element_size() <= min(SMALL_BYTES, arena.chunk // 2):
+            _one_round(op, arena, check, x, redop)
+            return
     dtype, size = tensors[0].dtype, tensors[0].element_size()
     n = sum(t.numel() for t in tensors)
     kernel = combiner(redop, dtype)
@@ -98,6 +104,22 @@ def _whole_rounds(op: Op, arena: Arena, check: Callable[[], None], tensors: list
             verify(op, arena)
         _reduce_whole(arena, staged, pieces, redop, kernel)
     ring.close(len(plan))
+
+
+def _one_round(op: Op, arena: Arena, check: Callable[[], None], x: torch.Tensor,
+               redop: ReduceOp) -> None:
+    """:func:`_whole_rounds` for one tensor that fits one round, without its per-round
+    bookkeeping: the same phases and staging memory (round 0 of the half
+    :meth:`Arena.begin_round` gives, one post, no settle), with the staging views taken
+    from the arena's cache. Measured, 2 ranks, 4 KB, the two paths toggled in one loop
+    (load 7-8): 43 -> 28 us per call in this module outside its waits, wall 188 -> 145 us."""
+    staged = arena.heads(x.dtype, x.numel())[arena.begin_round(check)]
+    pieces = [(x, 0)]
+    _stage_whole(arena, staged, pieces, redop)
+    arena.post()
+    arena.wait_all(arena.posted, check)
+    verify(op, arena)
+    _reduce_whole(arena, staged, pieces, redop, combiner(redop, x.dtype))
 
 
 def _prescaled(redop: ReduceOp, p: int) -> bool:

@@ -51,6 +51,8 @@ def _differs(op: Op, arena: Arena, member: int, strict: bool) -> CollectiveMisma
     ``strict``: the member has posted the phase this rank waited for, so it must have
     announced this very call; if it has not, its phase belongs to another call.
     """
+    if arena.holds(member, op.seq, op.sig):
+        return None
     seen = None
     for _ in range(1000):  # None: the member is rewriting the entry right now; re-read
         seen = arena.announcement(member, op.seq)

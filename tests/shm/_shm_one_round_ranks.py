@@ -1,0 +1,74 @@
+"""Rank bodies of the one-round all-reduce tests (importable by spawned children)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+import tandem as dist
+from _shm_arena_ranks import oracle, value
+from tandem.collectives.algorithms import shm
+
+# (dtype, reduce ops): AVG both prescaled (2 members) and divided after (3 members)
+CASES: list[tuple[torch.dtype, tuple[str, ...]]] = [
+    (torch.float32, ("SUM", "AVG", "PRODUCT", "MIN", "MAX")),
+    (torch.float64, ("SUM", "AVG")),
+    (torch.bfloat16, ("SUM",)),
+    (torch.int64, ("BXOR", "MIN")),
+    (torch.bool, ("PRODUCT",)),
+    (torch.complex64, ("AVG",)),
+]
+MANY_ROUNDS = (3 << 20) // 4  # float32 elements: several 512 KiB rounds over both halves
+
+
+def one_round_limits(rank: int, p: int) -> dict[str, Any]:
+    """Single tensors at, just under and just over the one-round path's limit, none or one
+    element, and a strided one, for each case; every call's inputs differ from the
+    previous ones (so a read of stale staging shows), one member lags now and then (so
+    members are in different calls and halves), and a call through many rounds and both
+    halves comes between cases. Returns what went wrong and how often the path ran."""
+    taken = [0]
+    inner = shm._one_round
+
+    def counting(*args: Any) -> None:
+        taken[0] += 1
+        inner(*args)
+
+    shm._one_round = counting  # type: ignore[assignment]
+    wrong: list[str] = []
+    expected = 0
+    call = 0
+
+    def check(name: str, n: int, dtype: torch.dtype, op_name: str, stride: int = 1) -> None:
+        nonlocal call, expected
+        ranks = [q + p * call for q in range(p)]  # this call's inputs, per member
+        base = value(ranks[rank], n * stride, dtype)
+        t = base[::stride]
+        if call % 5 == rank % 5:
+            time.sleep(0.002)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op_name))
+        want = oracle(ranks, n * stride, dtype, op_name)[::stride]
+        if not torch.equal(t, want):
+            wrong.append(f"{name}/{dtype}/{op_name}/{n}")
+        if n * t.element_size() <= shm.SMALL_BYTES:
+            expected += 1
+        call += 1
+
+    for dtype, ops in CASES:
+        limit = shm.SMALL_BYTES // torch.empty((), dtype=dtype).element_size()
+        for op_name in ops:
+            for n in (0, 1, limit - 1, limit, limit + 1):
+                check("flat", n, dtype, op_name)
+            check("strided", limit, dtype, op_name, stride=2)
+        check("many-rounds", MANY_ROUNDS, torch.float32, "SUM")
+    absmax = dist.ReduceOp.custom(lambda a, b: torch.maximum(a.abs(), b.abs()), "ABSMAX")
+    n = shm.SMALL_BYTES // 4
+    t = value(rank, n, torch.float32) - 1.5
+    dist.all_reduce(t, op=absmax)
+    expected += 1
+    want = torch.stack([(value(q, n, torch.float32) - 1.5).abs() for q in range(p)]).amax(0)
+    if not torch.equal(t, want):
+        wrong.append("custom")
+    return {"wrong": wrong, "taken": taken[0], "expected": expected}
