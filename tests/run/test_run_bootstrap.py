@@ -63,6 +63,9 @@ def failing(tmp_path: Path, body: str, **env: str) -> tuple[subprocess.Completed
         error_file.unlink()
     res = bootstrap("--parent", str(os.getpid()), str(script),
                     env={**os.environ, "TANDEM_ERROR_FILE": str(error_file), **env})
+    # (once in a full run the record was missing: say what the worker did instead)
+    assert error_file.exists(), (f"no error record; exit {res.returncode}, "
+                                 f"stdout {res.stdout!r}, stderr {res.stderr!r}")
     return res, json.loads(error_file.read_text())
 
 
