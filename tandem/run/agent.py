@@ -12,6 +12,7 @@ also end the job (exit 128+signal, no restart), a second one skips the grace per
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import enum
 import os
@@ -34,7 +35,7 @@ from tandem.run.config import LaunchConfig
 from tandem.run.containment import Containment, make_scratch
 from tandem.run.dumps import DUMP_WAIT, fresh_dumps, merge_job_timeline, request_dumps
 from tandem.run.inplace import InPlace, elastic_prefix
-from tandem.run.rendezvous import Assignment, LocalRendezvous, Rendezvous
+from tandem.run.rendezvous import Assignment, LocalRendezvous, Rendezvous, StillWaiting
 from tandem.run.rootcause import (EXIT_GRACE, Failure, format_summary, let_failing_ranks_exit,
                                   load_record, pick_root_cause)
 from tandem.run.streams import Console
@@ -113,6 +114,18 @@ class Agent:
 
         return StoreRendezvous(self.cfg, secret)
 
+    def _still_waiting(self, rdzv: Rendezvous | None) -> StillWaiting | contextlib.nullcontext[None]:
+        """Notices while the nodes meet: reaching the store (``rdzv`` None), then a round."""
+        if not self.cfg.multi_node:
+            return contextlib.nullcontext()
+        from tandem.run.multinode import JOIN_TIMEOUT, connect_waiting
+
+        if rdzv is None:
+            describe, timeout = connect_waiting(self.cfg)
+        else:
+            describe, timeout = rdzv.waiting, self.cfg.conf("join_timeout", JOIN_TIMEOUT)
+        return StillWaiting(self._say, describe, timeout)
+
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         group = self.group
         if group is not None:
@@ -157,7 +170,8 @@ class Agent:
         previous = self._install_signals()
         rdzv = None
         try:
-            rdzv = self._blocking(self._rendezvous, secret)
+            with self._still_waiting(None):
+                rdzv = self._blocking(self._rendezvous, secret)
             return self._loop(rdzv, extra, files_root)
         except _Interrupted:
             return self._signaled()
@@ -202,7 +216,8 @@ class Agent:
         cfg = self.cfg
         attempt, restarts = 0, 0
         while True:
-            a: Assignment = self._blocking(rdzv.next_round, attempt, restarts)
+            with self._still_waiting(rdzv):
+                a: Assignment = self._blocking(rdzv.next_round, attempt, restarts)
             attempt, restarts = a.attempt, a.restart_count
             outcome = self._attempt(rdzv, a, extra, files_root)
             if self.inplace is not None:  # workers replaced in place used restarts

@@ -25,7 +25,7 @@ import time
 
 from tandem.errors import StoreTimeoutError
 from tandem.run.config import LaunchConfig
-from tandem.run.multinode import StoreRendezvous
+from tandem.run.multinode import StoreRendezvous, gives_up
 
 __all__ = ["DynamicRendezvous"]
 
@@ -61,6 +61,7 @@ class DynamicRendezvous(StoreRendezvous):
         attempt = max(attempt, self._latest())
         deadline = time.monotonic() + self._timeout
         while True:
+            self._joining = attempt
             self._raise_latest(attempt)
             index = self.store.add(self._key(attempt, "order"), 1) - 1
             self.store.set(self._key(attempt, f"node/{index}"), self._info(restarts))
@@ -71,6 +72,12 @@ class DynamicRendezvous(StoreRendezvous):
             # too late for this round: ask its members to make room, meet them in the next
             self.store.add(self._key(attempt, "waiting"), 1)
             attempt += 1
+
+    def waiting(self, seconds: float) -> str:
+        joined = self.store.add(self._key(self._joining, "order"), 0)
+        return (f"still waiting for the other nodes after {seconds:.0f}s: {joined} joined "
+                f"round {self._joining} of the rendezvous at {self._where_text()}, at least "
+                f"{self._cfg.min_nodes} needed; {gives_up(self._timeout)}")
 
     def _await_close(self, attempt: int, deadline: float) -> int:
         """Close round ``attempt`` when its rules allow; return its size once closed."""

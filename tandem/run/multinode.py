@@ -37,7 +37,7 @@ from tandem.run.rootcause import Failure
 from tandem.store.base import Store
 from tandem.store.tcp import TCPStore
 
-__all__ = ["StoreRendezvous", "local_address"]
+__all__ = ["StoreRendezvous", "local_address", "connect_waiting", "gives_up"]
 
 JOIN_TIMEOUT = 600.0  # seconds every node has to join a round (--rdzv-conf join_timeout)
 LEAVE_TIMEOUT = 10.0  # how long the store's host waits for the agents that joined to leave
@@ -58,6 +58,31 @@ def _endpoint(cfg: LaunchConfig) -> tuple[str, int]:
     if not host:
         host, port = cfg.rdzv_endpoint or cfg.master_addr, ""
     return host, int(port) if port else 29400
+
+
+def gives_up(timeout: float) -> str:
+    return f"gives up after {timeout:.0f}s (--rdzv-conf join_timeout=SECONDS)"
+
+
+def connect_waiting(cfg: LaunchConfig) -> tuple[Callable[[float], str], float]:
+    """What a node that cannot reach the rendezvous store yet says it waits for (a
+    :class:`~tandem.run.rendezvous.StillWaiting` description), and the timeout."""
+    host, port = _endpoint(cfg)
+    timeout = cfg.conf("join_timeout", JOIN_TIMEOUT)
+
+    def describe(seconds: float) -> str:
+        try:  # a name that does not resolve may still come up (a late host), so say it
+            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            why = ("node 0 serves it: is it started, with this --master-addr and "
+                   "--master-port?" if cfg.rdzv_backend == "static" else
+                   "the first node that can bind it serves it: is one started, with this "
+                   "--rdzv-endpoint?")
+        except socket.gaierror as exc:
+            why = f"the host name {host!r} does not resolve ({exc})"
+        return (f"still waiting for the rendezvous store at {host}:{port} after "
+                f"{seconds:.0f}s ({why}); {gives_up(timeout)}")
+
+    return describe, timeout
 
 
 def _lost_agent(node_rank: int, node: dict[str, Any], first_rank: int) -> Failure:
@@ -99,6 +124,7 @@ class StoreRendezvous(Rendezvous):
         self._heartbeat = Heartbeat(self.store, self._agent, interval)
         self._watch = Watch(self.store, interval, int(cfg.conf("keep_alive_max_attempt", 5)))
         self._peers: dict[str, Failure] = {}  # agent id -> what to report if it is lost
+        self._joining = 0  # the round being joined, for :meth:`waiting`
 
     def _key(self, attempt: int, name: str) -> str:
         return f"tandemrun/{attempt}/{name}"
@@ -111,9 +137,17 @@ class StoreRendezvous(Rendezvous):
                            "role": self._cfg.role, "restarts": restarts,
                            "agent": self._agent}).encode()
 
+    def waiting(self, seconds: float) -> str:
+        n = self._cfg.nnodes
+        joined = self.store.add(self._key(self._joining, "joined"), 0)
+        return (f"still waiting for the other nodes after {seconds:.0f}s: {joined} of {n} "
+                f"joined round {self._joining} of the rendezvous at {self._where_text()}; "
+                f"{gives_up(self._timeout)}")
+
     def _join(self, attempt: int, restarts: int) -> tuple[int, int, int]:
         """Static: claim ``--node-rank`` and wait for all; (round, node rank, nodes)."""
         n = self._cfg.nnodes
+        self._joining = attempt
         info = self._info(restarts)
         if self.store.compare_set(self._key(attempt, f"node/{self._node}"), b"", info) != info:
             raise ArgumentError(f"two agents claim --node-rank {self._node}; each node "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import threading
 import time
 from typing import Callable
 
@@ -24,7 +25,9 @@ from tandem.run.config import LaunchConfig
 from tandem.run.rootcause import Failure
 from tandem.store.base import Store
 
-__all__ = ["Assignment", "Rendezvous", "LocalRendezvous", "reserve_port"]
+__all__ = ["Assignment", "Rendezvous", "LocalRendezvous", "StillWaiting", "reserve_port"]
+
+NOTICE_AFTER = 30.0  # seconds a rendezvous step may block before the launcher says so
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +57,45 @@ def reserve_port(host: str, port: int = 0) -> socket.socket:
     return sock
 
 
+class StillWaiting:
+    """While a rendezvous step blocks, say now and then that the launcher still waits.
+
+    A node started alone (the others forgotten, or given a mistyped address) would
+    otherwise print nothing until the join timeout, 600 s by default. ``say`` gets
+    ``describe(seconds waited)`` after a quarter of ``timeout`` (at most
+    :data:`NOTICE_AFTER` seconds), then at doubling intervals. It runs on a thread of
+    its own, so the blocking call itself is not touched; use it as a context manager.
+    """
+
+    def __init__(self, say: Callable[[str], None], describe: Callable[[float], str],
+                 timeout: float) -> None:
+        self._say, self._describe = say, describe
+        self._first, self._timeout = min(NOTICE_AFTER, timeout / 4), timeout
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tandemrun-waiting", daemon=True)
+
+    def __enter__(self) -> "StillWaiting":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1.0)  # a describe() still asking the store must not hold us
+
+    def _run(self) -> None:
+        start, after = time.monotonic(), self._first
+        # none at the timeout itself: the step's own error says it then
+        while after < self._timeout and not self._stop.wait(
+                max(0.0, start + after - time.monotonic())):
+            try:
+                text = self._describe(time.monotonic() - start)
+            except Exception as exc:  # the store itself may be what is missing
+                text = f"still waiting for the rendezvous ({type(exc).__name__}: {exc})"
+            if not self._stop.is_set():
+                self._say(text)
+            after *= 2
+
+
 class Rendezvous:
     """Agreement between the agents of a job; a single node agrees with itself."""
 
@@ -64,6 +106,10 @@ class Rendezvous:
         highest among the nodes of the round.
         """
         raise NotImplementedError
+
+    def waiting(self, seconds: float) -> str:
+        """What :meth:`next_round` waits for, ``seconds`` into it (see :class:`StillWaiting`)."""
+        return f"still waiting for the other nodes after {seconds:.0f}s"
 
     def membership_changed(self, attempt: int) -> bool:
         """Whether a new node waits to join and there is room: restart to admit it."""

@@ -109,6 +109,41 @@ def test_a_missing_node_times_out_the_rendezvous(launch: Launch) -> None:
     assert "only 1 of 2 nodes joined attempt 0" in res.err and "join_timeout" in res.err
 
 
+def notices(err: str) -> list[str]:
+    return [line for line in err.splitlines() if "still waiting" in line]
+
+
+@pytest.mark.timeout(60)
+def test_a_node_alone_says_what_it_waits_for_before_the_timeout(launch: Launch) -> None:
+    # join_timeout=8: notices after 2 and 4 s (a quarter of it, then doubling), none at 8
+    res = finish(launch("--nnodes", "2", "--node-rank", "0", "--master-port", free_port(),
+                        "--rdzv-conf", "join_timeout=8", SCRIPTS / "dump_env.py", ".",
+                        env=SECRET))
+    assert res.code == 1 and "only 1 of 2 nodes joined" in res.err, res.err
+    said = notices(res.err)
+    assert [line.split(" after ")[1].split("s:")[0] for line in said] == ["2", "4"], res.err
+    assert all("1 of 2 joined round 0 of the rendezvous at" in line and "join_timeout" in line
+               for line in said), res.err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["unresolvable", "nobody-listens"])
+def test_a_node_that_cannot_reach_the_store_says_why_while_it_waits(
+        launch: Launch, where: str) -> None:
+    if where == "unresolvable":
+        args = ("--rdzv-backend", "c10d", "--rdzv-endpoint", "nohost.invalid:29400")
+        why = "the host name 'nohost.invalid' does not resolve"
+    else:
+        args = ("--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", free_port())
+        why = "node 0 serves it: is it started"
+    res = finish(launch("--nnodes", "2", *args, "--rdzv-conf", "join_timeout=6",
+                        SCRIPTS / "dump_env.py", ".", env=SECRET))
+    assert res.code == 1 and "could not connect to the store" in res.err, res.err
+    said = notices(res.err)
+    assert said and all("still waiting for the rendezvous store at" in line and why in line
+                        for line in said), res.err
+
+
 @pytest.mark.timeout(120)
 def test_losing_node_zero_ends_the_other_node_and_its_workers(launch: Launch,
                                                                tmp_path: Path) -> None:
