@@ -215,8 +215,8 @@ def _visible_gpus() -> int:
 def parse_nproc(text: str) -> int:
     """An int, ``cpu`` (os.cpu_count()), ``gpu`` (visible GPUs) or ``auto`` (GPUs, else CPUs)."""
     text = str(text).strip()
-    if text.isdigit():
-        return int(text)
+    if text.isdigit() or text[:1] == "-" and text[1:].isdigit():
+        return int(text)  # a negative count is refused with the bounds, like 0
     if text == "cpu":
         return os.cpu_count() or 1
     if text in ("gpu", "cuda"):

@@ -87,7 +87,8 @@ def test_signals_rdzv_conf_and_standalone() -> None:
 @pytest.mark.parametrize("argv, message", [
     (["--standalone", "--nnodes", "2", "t.py"], "--standalone"),
     (["-m", "--no-python", "t.py"], "cannot be used together"),
-    (["--nproc-per-node", "0", "t.py"], "nproc-per-node"),
+    (["--nproc-per-node", "0", "t.py"], "--nproc-per-node must be >= 1, got 0"),
+    (["--nproc-per-node", "-2", "t.py"], "--nproc-per-node must be >= 1, got -2"),
     (["--nnodes", "2", "--node-rank", "2", "t.py"], "node-rank"),
     (["-r", "7", "t.py"], "--redirects"),
     (["--rdzv-backend", "etcd", "--nnodes", "2", "t.py"], "static and c10d"),
