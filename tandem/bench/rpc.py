@@ -22,11 +22,27 @@ the median of the rounds and the ratio of the medians (tandem / torch: below 1 i
 faster for times, above 1 is faster for throughput), with the range of per-round
 ratios. Targets: echo <= 0.3x, throughput >= 2x, 16 MB <= 0.5x on shared memory, and
 no slower than torch over tcp.
+
+``--per-round`` also prints every round's figures with the minor page faults per call of
+caller and callee (``getrusage``, asked for by one call on each side of the timed part).
+A ratio that moves between rounds may move with either library. Measured on a 2-CPU VM,
+where memory touched for the first time costs ~6.7 ms per 16 MB against ~0.7 ms to
+rewrite it: torch's 16 MB echoes whose caller faulted ~4,100 pages (16 MB of 4 KB pages)
+took 20-33 ms, the others 8-19 ms (30 echoes, load ~6); in one run at load ~40, torch
+faulted 2,045-3,278 pages per call as caller and 397-2,633 as callee in every round, and
+tandem none on either side (its large receives reuse mappings, ``tandem.rpc._buffers``).
+
+Both libraries live in both processes, and torch's agent keeps one busy-polling thread per
+process even while idle (TensorPipe's shared-memory reactor: 178-180 of 200 scheduler
+ticks in 2 s), so tandem's turns share the 2 CPUs with them. Measured by demoting those
+threads to ``SCHED_IDLE`` during alternate blocks of tandem's calls (load ~5): tandem's echo
+162 us against 231 us beside them, its 16 MB echo 6.48 ms against 6.64 ms.
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import sys
 import tempfile
@@ -74,32 +90,46 @@ def _join(tmp: str, transport: str, rank: int) -> dict[str, Any]:
     return {"tandem": tandem_rpc, "torch": torch_rpc}
 
 
-def _case(lib: Any, case: str, sizes: dict[str, int]) -> float:
-    """Seconds per call (echo, 16 MB) or calls per second (throughput)."""
+def _faults() -> int:
+    """Minor page faults of this process so far (pages touched for the first time)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _case(lib: Any, case: str, sizes: dict[str, int]) -> tuple[float, float, float]:
+    """Seconds per call (echo, 16 MB) or calls per second (throughput), and the minor page
+    faults per call of the caller and of the callee while the calls ran (asked for by one
+    more call on each side of the timed part)."""
+    callee = lib.rpc_sync("w1", _faults)
     if case == "echo":
         x, n = torch.ones(16), sizes["echo"]
-        start = time.perf_counter()
+        caller, start = _faults(), time.perf_counter()
         for _ in range(n):
             lib.rpc_sync("w1", _echo, args=(x,))
-        return (time.perf_counter() - start) / n
-    if case == "throughput":
+        value = (time.perf_counter() - start) / n
+    elif case == "throughput":
         n = sizes["calls"]
-        start = time.perf_counter()
+        caller, start = _faults(), time.perf_counter()
         futures = [lib.rpc_async("w1", _echo, args=(1,)) for _ in range(n)]
         torch.futures.wait_all(futures)
-        return n / (time.perf_counter() - start)
-    x, n = torch.ones(sizes["big"] // 4), sizes["big_trips"]
-    start = time.perf_counter()
-    for _ in range(n):
-        lib.rpc_sync("w1", _echo, args=(x,))
-    return (time.perf_counter() - start) / n
+        value = n / (time.perf_counter() - start)
+    else:
+        x, n = torch.ones(sizes["big"] // 4), sizes["big_trips"]
+        caller, start = _faults(), time.perf_counter()
+        for _ in range(n):
+            lib.rpc_sync("w1", _echo, args=(x,))
+        value = (time.perf_counter() - start) / n
+    caller = _faults() - caller
+    return value, caller / n, (lib.rpc_sync("w1", _faults) - callee) / n
 
 
 def _process(rank: int, world: int, tmp: str, transport: str, rounds: int,
-             sizes: dict[str, int]) -> dict[str, dict[str, list[float]]]:
+             sizes: dict[str, int]) -> dict[str, dict[str, list[tuple[float, float, float]]]]:
+    """Per case and library, each round's (figure, caller's and callee's page faults
+    per call)."""
     torch.set_num_threads(1)
     libs = _join(tmp, transport, rank)
-    results: dict[str, dict[str, list[float]]] = {c: {lib: [] for lib in LIBS} for c in CASES}
+    results: dict[str, dict[str, list[tuple[float, float, float]]]] = {
+        c: {lib: [] for lib in LIBS} for c in CASES}
     try:
         if rank == 0:
             for lib in LIBS:  # warm up: connections, imports, allocator
@@ -121,7 +151,8 @@ def _process(rank: int, world: int, tmp: str, transport: str, rounds: int,
 
 def run(transports: Sequence[str], rounds: int, sizes: dict[str, int],
         timeout: float = 900.0) -> list[dict[str, Any]]:
-    """One row per (transport, case): median per library, ratio, per-round ratio range."""
+    """One row per (transport, case): median per library, ratio, per-round ratio range,
+    and each round's (tandem, torch) figures and page faults per call."""
     from tandem.testing import spawn
 
     rows = []
@@ -130,12 +161,14 @@ def run(transports: Sequence[str], rounds: int, sizes: dict[str, int],
             results = spawn(2, _process, (tmp, transport, rounds, sizes), init=False,
                             timeout=timeout)[0]
         for case in CASES:
-            mine, theirs = results[case]["tandem"], results[case]["torch"]
+            mine = [r[0] for r in results[case]["tandem"]]
+            theirs = [r[0] for r in results[case]["torch"]]
             per_round = [a / b for a, b in zip(mine, theirs)]
             rows.append({"transport": transport, "case": case,
                          "tandem": statistics.median(mine), "torch": statistics.median(theirs),
                          "ratio": statistics.median(mine) / statistics.median(theirs),
-                         "low": min(per_round), "high": max(per_round)})
+                         "low": min(per_round), "high": max(per_round),
+                         "rounds": list(zip(results[case]["tandem"], results[case]["torch"]))})
     return rows
 
 
@@ -159,6 +192,19 @@ def format_table(rows: Sequence[dict[str, Any]], markdown: bool = False) -> str:
                      for cells in [header, *body])
 
 
+def format_rounds(rows: Sequence[dict[str, Any]]) -> str:
+    """Every round of every row: both figures, the ratio, and each library's minor page
+    faults per call (caller + callee)."""
+    lines = []
+    for r in rows:
+        for i, (mine, theirs) in enumerate(r["rounds"], 1):
+            lines.append(f"{r['transport']} {r['case']} round {i}: tandem "
+                         f"{_value(r['case'], mine[0])} ({mine[1]:.0f}+{mine[2]:.0f} faults/call)"
+                         f", torch {_value(r['case'], theirs[0])} ({theirs[1]:.0f}+"
+                         f"{theirs[2]:.0f} faults/call), ratio {mine[0] / theirs[0]:.2f}")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from tandem.bench.collectives import machine
 
@@ -172,6 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--echo-calls", type=int, default=1000,
                         help="rpc_sync calls per echo round (default 1000)")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    parser.add_argument("--per-round", action="store_true",
+                        help="also print every round's figures and page faults per call")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 2 rounds, 200 calls, 64 KB instead of 16 MB")
     args = parser.parse_args(argv)
@@ -191,6 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"each; median of {rounds} alternating rounds; ratio = tandem / torch "
           f"(times: < 1 is faster; throughput: > 1 is faster); {time.monotonic() - start:.0f} s")
     print(format_table(rows, markdown=args.markdown))
+    if args.per_round:
+        print(format_rounds(rows))
     return 0
 
 
