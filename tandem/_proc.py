@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["process_alive"]
+__all__ = ["process_alive", "process_stopped"]
 
 
 def process_alive(pid: int) -> bool:
@@ -30,9 +30,19 @@ def process_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    return _state(pid) != b"Z"  # no /proc (not Linux): kill(0) succeeded, so it exists
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped by a signal (SIGSTOP, SIGTSTP; not a tracer)."""
+    return _state(pid) == b"T"
+
+
+def _state(pid: int) -> bytes:
+    """The state letter of ``pid`` in /proc (R, S, T, Z, ...); empty if unknown."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             # "pid (comm) state ...": comm may hold spaces and parentheses
-            return f.read().rpartition(b")")[2].split()[0] != b"Z"
+            return f.read().rpartition(b")")[2].split()[0]
     except (OSError, IndexError):
-        return True  # no /proc (not Linux): kill(0) succeeded, so it exists
+        return b""

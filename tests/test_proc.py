@@ -1,13 +1,15 @@
-"""process_alive: the one answer to "is that process still there?" used by every sweep."""
+"""process_alive: the one answer to "is that process still there?" used by every sweep;
+process_stopped: whether it is held by SIGSTOP (the test harness stops waiting for it)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
 
-from tandem._proc import process_alive
+from tandem._proc import process_alive, process_stopped
 
 
 def test_a_running_process_is_alive() -> None:
@@ -28,3 +30,23 @@ def test_a_zombie_is_dead_although_its_pid_still_exists() -> None:
 
 def test_process_group_numbers_are_not_processes() -> None:
     assert not process_alive(0) and not process_alive(-os.getpid())
+
+
+def test_a_stopped_process_is_stopped_until_continued() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert not process_stopped(child.pid)
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while not process_stopped(child.pid):
+            assert time.monotonic() < deadline, "the child was never seen stopped"
+            time.sleep(0.01)
+        assert process_alive(child.pid)
+        os.kill(child.pid, signal.SIGCONT)
+        while process_stopped(child.pid):
+            assert time.monotonic() < deadline, "the child was never seen running again"
+            time.sleep(0.01)
+    finally:
+        child.kill()
+        child.wait(10)
+    assert not process_stopped(child.pid)  # gone: neither stopped nor anything else

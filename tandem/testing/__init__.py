@@ -32,6 +32,8 @@ import time
 import traceback
 from typing import Any, Callable, Sequence
 
+from tandem._proc import process_stopped
+
 __all__ = ["spawn", "launch", "Outcome", "run_threads", "RankFailed"]
 
 
@@ -102,7 +104,9 @@ def launch(world_size: int, fn: Callable[..., Any], args: Sequence[Any] = (), *,
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; never raises for ranks.
 
     Ranks still running at ``timeout`` are killed and reported with
-    ``error == "deadline"``.
+    ``error == "deadline"``. Ranks left stopped (SIGSTOP) once every other rank has
+    exited, which nothing here would resume, are killed then, without waiting for the
+    deadline, and reported with ``error == "stopped"``.
     """
     ctx = _mp()
     results = ctx.Queue()
@@ -129,6 +133,7 @@ def launch(world_size: int, fn: Callable[..., Any], args: Sequence[Any] = (), *,
                  for r in range(world_size)]
         deadline = time.monotonic() + timeout
         outcomes: dict[int, Outcome] = {}
+        stopped: list[int] = []
         try:
             for p in procs:
                 p.start()
@@ -146,6 +151,9 @@ def launch(world_size: int, fn: Callable[..., Any], args: Sequence[Any] = (), *,
                                 outcomes[r] = Outcome(r, False, error=f"exited with code "
                                                       f"{p.exitcode} without a result",
                                                       error_type="exit", exitcode=p.exitcode)
+                    stopped = _only_stopped_left(procs, outcomes)
+                    if stopped:
+                        break
         finally:
             started = [p for p in procs if p.pid is not None]
             for p in started:
@@ -158,9 +166,21 @@ def launch(world_size: int, fn: Callable[..., Any], args: Sequence[Any] = (), *,
             results.close()
         for r, p in enumerate(procs):
             if r not in outcomes:
-                outcomes[r] = Outcome(r, False, error="deadline", error_type="deadline")
+                why = "stopped" if r in stopped else "deadline"
+                outcomes[r] = Outcome(r, False, error=why, error_type=why)
             outcomes[r].exitcode = p.exitcode
         return [outcomes[r] for r in range(world_size)]
+
+
+def _only_stopped_left(procs: Sequence[Any], outcomes: dict[int, Outcome]) -> list[int]:
+    """The ranks without an outcome if every one of them is stopped and every other rank
+    has exited (then nothing here can resume them); else []."""
+    left = [r for r in range(len(procs)) if r not in outcomes]
+    if any(procs[r].exitcode is None for r in outcomes):
+        return []
+    if left and all(process_stopped(procs[r].pid) for r in left):
+        return left
+    return []
 
 
 def _drain(results: Any, outcomes: dict[int, Outcome]) -> None:

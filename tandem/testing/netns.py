@@ -206,10 +206,12 @@ class NetnsLab:
                            f"{self.workdir}/delay-h*.log")
 
     # -- measuring the links ---------------------------------------------------------
-    def ping(self, src: int, dst: int, count: int = 20, timeout: float = 60.0) -> list[float | None]:
-        """Round trips in seconds of ``count`` pings from host ``src`` to host ``dst``."""
+    def ping(self, src: int, dst: int, count: int = 20, timeout: float = 60.0,
+             wait: float = 1.0) -> list[float | None]:
+        """Round trips in seconds of ``count`` pings from host ``src`` to host ``dst``
+        (None: no reply within ``wait`` seconds)."""
         cmd = [*self._exec(src), "-m", "tandem.testing._probe", "ping", self.addrs[dst],
-               "--count", str(count)]
+               "--count", str(count), "--wait", repr(wait)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0:
             raise LabError(f"ping from host {src} to {dst} failed: {done.stderr[-2000:]}")

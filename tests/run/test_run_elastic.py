@@ -81,18 +81,21 @@ def test_a_leaving_node_shrinks_the_job(launch: Launch, tmp_path: Path) -> None:
     leaver = elastic(launch, port, tmp_path, 2, "tandem", 1, restarts=1)
     wait_for(lambda: len([n for n in seen(tmp_path) if n.startswith("seen_ws4")]) == 4,
              [host, leaver], "the two-node round")
-    leaving_workers = []
-    deadline = time.monotonic() + 60
-    while len(leaving_workers) < 2 and time.monotonic() < deadline:
-        leaving_workers = [pid for pid in worker_pids(tmp_path)
-                           if _parent(pid) == leaver.pid]
-        time.sleep(0.05)
+    wait_for(lambda: len(_workers_of(leaver.pid, tmp_path)) == 2, [host, leaver],
+             "the leaving node's two workers")
+    leaving_workers = _workers_of(leaver.pid, tmp_path)
     os.kill(leaver.pid, signal.SIGKILL)
     res = finish(host, 200)
     assert res.code == 0, res.err
     assert {"seen_ws2_rank0_restart1", "seen_ws2_rank1_restart1"} <= seen(tmp_path)
     assert "restart 1 of 1" in res.err
     assert [p for p in leaving_workers if process_alive(p)] == []
+
+
+def _workers_of(agent: int, directory: Path) -> list[int]:
+    """The workers an agent started: each one's parent is its supervisor
+    (tandem/run/_worker.py), whose parent is the agent."""
+    return [pid for pid in worker_pids(directory) if _parent(_parent(pid)) == agent]
 
 
 def _parent(pid: int) -> int:

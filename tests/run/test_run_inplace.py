@@ -81,11 +81,10 @@ def test_a_spare_takes_the_lost_place_in_the_same_round(run: Run, tmp_path: Path
 
 @pytest.mark.timeout(180)
 def test_a_slot_that_keeps_failing_backs_off_and_runs_out(run: Run, tmp_path: Path) -> None:
-    # 30 s of training after the kill: time for the first replacement, which waits for
-    # the zygote still importing (20 s at a load of 20 on 2 cores), then two more
+    # the survivor trains on once the launcher has dealt with the slot's fourth death
     res = run("--standalone", "--nproc-per-node", "2", "--max-restarts", "3", TRAIN, tmp_path,
-              300, "--kill", "1:5", "--die-slot", "1", "--sleep", "0.1", timeout=150,
-              env={"TANDEM_ELASTIC_BACKOFF": "0.5"})
+              20, "--kill", "1:5", "--die-slot", "1", "--wait-exit", "10:n0.s1.3",
+              timeout=150, env={"TANDEM_ELASTIC_BACKOFF": "0.5"})
     assert res.code == 0, res.err
     assert "a replacement starts now (restart 1 of 3)" in res.err
     assert "a replacement starts in 0.5s (death 2 of this slot) (restart 2 of 3)" in res.err
@@ -94,7 +93,7 @@ def test_a_slot_that_keeps_failing_backs_off_and_runs_out(run: Run, tmp_path: Pa
     assert "recovered in place from 4 failure(s):" in res.err
     assert res.err.count("RuntimeError: worker n0.s1.") >= 3, res.err
     results = _results(tmp_path)
-    assert set(results) == {"n0.s0.0"} and _check(results, 300) == [2] * 5 + [1] * 295
+    assert set(results) == {"n0.s0.0"} and _check(results, 20) == [2] * 5 + [1] * 15
 
 
 @pytest.mark.timeout(180)

@@ -3,7 +3,7 @@ tests/elastic/_elastic_job.py), run by tandemrun on every worker.
 
     elastic_train.py OUT STEPS [--kill RANK:STEP]... [--wait-full STEP]... [--sleep S]
                      [--die-slot SLOT] [--min-ranks N] [--full N] [--wait-spare STEP]
-                     [--kill-where backward|allreduce|optimizer]
+                     [--kill-where backward|allreduce|optimizer] [--wait-exit STEP:NAME]
 
 Each worker writes OUT/pid_<pid> and OUT/name_<name> (holding its pid) when it starts
 (<name>: its TANDEM_ELASTIC_ID), OUT/warm_<name> (holding its parent's pid, the
@@ -15,8 +15,10 @@ as RANK SIGKILL itself at that step (repeatable), in backward or ``--kill-where`
 training at that step (committing) until the job is back to ``--full`` ranks
 (repeatable); ``--die-slot``
 makes every replacement started for that slot fail at once; ``--wait-spare`` holds
-every worker at that step until a joiner waits in the queue; ``--kill-zygote`` makes
-the worker that will kill itself SIGKILL the launcher's zygote a step before.
+every worker at that step until a joiner waits in the queue; ``--wait-exit`` holds
+every worker at STEP until the launcher has recorded the exit of worker NAME in the
+roster (which it does after saying what it does about that death); ``--kill-zygote``
+makes the worker that will kill itself SIGKILL the launcher's zygote a step before.
 """
 import argparse
 import os
@@ -24,6 +26,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 STARTED_WARM = "torch" in sys.modules  # forked from the launcher's zygote (tandem.run.warm)
 
@@ -53,6 +56,7 @@ p.add_argument("--sleep", type=float, default=0.0)
 p.add_argument("--die-slot", type=int, default=-1)
 p.add_argument("--min-ranks", type=int, default=1)
 p.add_argument("--wait-spare", type=int, default=-1)
+p.add_argument("--wait-exit", default="")
 p.add_argument("--kill-zygote", action="store_true")
 p.add_argument("--kill-where", choices=["backward", "allreduce", "optimizer"],
                default="backward")
@@ -113,13 +117,17 @@ if victim:
     arm_kill(kills[int(os.environ["RANK"])], ns.kill_where, net, opt, state)
 
 
-def _await_spare() -> None:
-    """Until a joiner waits in the queue (a spare that will take a lost worker's place)."""
+def _await(seen: Callable[[Roster], object], seconds: float = 60) -> None:
+    """Until ``seen(roster)`` holds (or ``seconds`` pass: the test's checks then fail)."""
     store, prefix = open_elastic_store(os.environ["TANDEM_ELASTIC_STORE"], load_settings())
-    deadline = time.monotonic() + 60
-    while not Roster(store, prefix).joiners() and time.monotonic() < deadline:
+    roster = Roster(store, prefix)
+    deadline = time.monotonic() + seconds
+    while not seen(roster) and time.monotonic() < deadline:
         time.sleep(0.05)
     store.close()
+
+
+wait_exit_step, _, wait_exit_name = ns.wait_exit.partition(":")
 
 
 @run_elastic(state)
@@ -136,8 +144,12 @@ def train(state: ElasticState) -> None:
         state.history.append((state.step, state.world_size, sampler.position_at(state.step)))
         state.step += 1
         time.sleep(ns.sleep)
-        if state.step == ns.wait_spare:
-            _await_spare()
+        if state.step == ns.wait_spare:  # a spare that will take a lost worker's place
+            _await(Roster.joiners)
+        if wait_exit_name and state.step == int(wait_exit_step):
+            # as long as the first replacement may wait for the zygote still importing (20 s
+            # at a load of 20 on 2 cores), and then for the replacements after it
+            _await(lambda roster: wait_exit_name in roster.exited(), 120)
         deadline = time.monotonic() + 60
         while (state.step in ns.wait_full and state.world_size < ns.full
                and time.monotonic() < deadline):
