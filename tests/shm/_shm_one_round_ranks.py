@@ -15,7 +15,8 @@ from tandem.collectives.algorithms import shm
 CASES: list[tuple[torch.dtype, tuple[str, ...]]] = [
     (torch.float32, ("SUM", "AVG", "PRODUCT", "MIN", "MAX")),
     (torch.float64, ("SUM", "AVG")),
-    (torch.bfloat16, ("SUM",)),
+    (torch.bfloat16, ("SUM", "AVG")),
+    (torch.float16, ("AVG",)),
     (torch.int64, ("BXOR", "MIN")),
     (torch.bool, ("PRODUCT",)),
     (torch.complex64, ("AVG",)),
