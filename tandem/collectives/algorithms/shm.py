@@ -25,6 +25,7 @@ rank, so results are bit-identical everywhere (and equal to the naive algorithm'
 
 from __future__ import annotations
 
+from ctypes import memmove
 from typing import Callable
 
 import torch
@@ -114,12 +115,20 @@ def _one_round(op: Op, arena: Arena, check: Callable[[], None], x: torch.Tensor,
     from the arena's cache. Measured, 2 ranks, 4 KB, the two paths toggled in one loop
     (load 7-8): 43 -> 28 us per call in this module outside its waits, wall 188 -> 145 us."""
     staged = arena.heads(x.dtype, x.numel())[arena.begin_round(check)]
-    pieces = [(x, 0)]
-    _stage_whole(arena, staged, pieces, redop)
+    p = arena.size
+    mine = staged[arena.index]
+    if _prescaled(redop, p):
+        torch.mul(x, _scale(x.dtype, p), out=mine)
+    elif x.is_contiguous():
+        # the staging head has x's dtype and length: a plain byte copy, without torch's
+        # dispatch (4 KB: 2.0 us by copy_, 0.5 us this way, measured)
+        memmove(mine.data_ptr(), x.data_ptr(), x.numel() * x.element_size())
+    else:
+        mine.copy_(x)
     arena.post()
     arena.wait_all(arena.posted, check)
     verify(op, arena)
-    _reduce_whole(arena, staged, pieces, redop, combiner(redop, x.dtype))
+    _reduce_whole(arena, staged, [(x, 0)], redop, combiner(redop, x.dtype))
 
 
 def _prescaled(redop: ReduceOp, p: int) -> bool:
