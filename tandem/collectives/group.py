@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import itertools
 import threading
 import time
 from typing import Any, Callable, Iterable, Sequence
@@ -157,7 +156,7 @@ class ProcessGroup:
         self.settings = settings
         self.backend = backend
         self.algorithm_override: dict[str, str] = {}
-        self._seqs = itertools.count()  # next() on it is atomic: no lock per call
+        self._seq = 0
         self._p2p_sent: collections.Counter[tuple[int, int]] = collections.Counter()
         self._p2p_recv: collections.Counter[tuple[int, int]] = collections.Counter()
         self._cv = threading.Condition()
@@ -194,7 +193,10 @@ class ProcessGroup:
     def new_op(self, name: str, sig: str, site: str) -> Op:
         if self._closed:
             raise StateError(f"process group '{self.group_name}' was destroyed")
-        return Op(self, name, next(self._seqs), bounded_cached(sig), bounded_cached(site))
+        with self._cv:
+            seq = self._seq
+            self._seq += 1
+        return Op(self, name, seq, bounded_cached(sig), bounded_cached(site))
 
     def run(self, op: Op, fn: Callable[[Op], Any], async_op: bool, result: Any = None,
             nbytes: int = -1) -> Work | None:
@@ -218,9 +220,7 @@ class ProcessGroup:
                 finally:
                     with self._cv:
                         self._busy = False
-                        # only the engine (for a queued call) and close() wait for this
-                        if self._queue or self._closed:
-                            self._cv.notify_all()
+                        self._cv.notify_all()
                 return None
         self.recorder.queued(op, result, nbytes)  # [recorder]
         work = Work(op.describe(), result, self.completions)
