@@ -80,7 +80,10 @@ class History:
         self._done: dict[int, collections.deque[tuple[int, bytes, bytes]]] = {}
 
     def record(self, group: int, seq: int, sig: bytes, site: bytes) -> None:
-        done = self._done.setdefault(group, collections.deque(maxlen=_KEPT_CALLS))
+        # every call records itself: no deque made per call only to be thrown away
+        done = self._done.get(group)
+        if done is None:
+            done = self._done[group] = collections.deque(maxlen=_KEPT_CALLS)
         done.append((seq, sig, site))
 
     def stray(self, peer: int, header: Header) -> CollectiveMismatchError | None:

