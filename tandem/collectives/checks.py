@@ -34,6 +34,12 @@ def tensor_arg(t: Any, what: str, name: str) -> torch.Tensor:
                             f"({name}.unbind()) or a padded tensor ({name}.to_padded_tensor(0))")
     if t.layout != torch.strided:
         raise ArgumentError(f"{what}: {name} has layout {t.layout}; only dense tensors are supported")
+    if t.is_conj() or t.is_neg():
+        # its memory holds the conjugates (negatives) of its elements, and collectives move
+        # memory: refused rather than sent or filled wrong (torch's gloo refuses most too)
+        kind, fix = ("conjugate", "resolve_conj()") if t.is_conj() else ("negative", "resolve_neg()")
+        raise ArgumentError(f"{what}: {name} is a {kind} view, whose memory does not hold its "
+                            f"elements; pass {name}.{fix}")
     return t
 
 
@@ -73,7 +79,7 @@ def plain_output(t: Any) -> bool:
     a few attribute reads for the common case (dense, contiguous, so no two elements
     share memory). False says nothing: ``output_arg`` then gives the verdict."""
     return (isinstance(t, torch.Tensor) and t.is_cpu and t.layout is torch.strided
-            and not t.is_nested and t.is_contiguous())
+            and not t.is_nested and t.is_contiguous() and not t.is_conj() and not t.is_neg())
 
 
 def tensors_arg(ts: Any, what: str, name: str, count: int, dtype: torch.dtype,

@@ -47,6 +47,29 @@ def test_nested_tensor_is_refused_with_what_to_pass_instead(g, layout) -> None:
         tandem.all_reduce(nested, group=g)
 
 
+VIEWS = {"conj": (lambda: torch.zeros(3, dtype=torch.complex64).conj(), "conjugate", "resolve_conj"),
+         "neg": (lambda: torch.zeros(3)._neg_view(), "negative", "resolve_neg")}
+CALLS = {
+    "all_reduce": lambda g, t: tandem.all_reduce(t, group=g),
+    "broadcast": lambda g, t: tandem.broadcast(t, 0, group=g),
+    "all_gather in": lambda g, t: tandem.all_gather([t.resolve_conj().resolve_neg().clone()
+                                                     for _ in range(P)], t, group=g),
+    "all_gather out": lambda g, t: tandem.all_gather([t] * P, torch.zeros(3, dtype=t.dtype),
+                                                     group=g),
+    "send": lambda g, t: tandem.send(t, 0, group=g),
+    "recv": lambda g, t: tandem.recv(t, 0, group=g),
+}
+
+
+@pytest.mark.parametrize("view", list(VIEWS))
+@pytest.mark.parametrize("call", list(CALLS))
+def test_a_conjugate_or_negative_view_is_refused_with_what_to_pass(g, view, call) -> None:
+    # its memory holds other values than its elements: moved as memory it would be wrong
+    make, kind, fix = VIEWS[view]
+    with pytest.raises(ArgumentError, match=f"is a {kind} view.*{fix}"):
+        CALLS[call](g, make())
+
+
 def test_torch_reduce_op_instead_of_tandem_one_is_refused(g) -> None:
     with pytest.raises(ArgumentError, match="tandem ReduceOp"):
         tandem.all_reduce(f(2), op="sum", group=g)  # type: ignore[arg-type]

@@ -89,12 +89,18 @@ def strided_input(rank: int, p: int) -> dict[str, Any]:
     taken = _count_one_rounds()
     g = default_group()
     right = {}
-    for op_name in ("SUM", "AVG"):
-        n = 257
-        x = value(rank, 2 * n, torch.float32)[::2]
-        op = g.new_op("all_reduce", f"strided one-round test {op_name}", "test")
+    n = 257
+    # (strided, then conjugate and negative views: contiguous, but their memory holds
+    # other values than their elements, so a byte copy of it would be wrong)
+    for name, dtype, op_name, view in (
+            ("SUM", torch.float32, "SUM", None), ("AVG", torch.float32, "AVG", None),
+            ("conj", torch.complex64, "SUM", torch.Tensor.conj),
+            ("neg", torch.float64, "SUM", torch.Tensor._neg_view)):
+        x = value(rank, 2 * n, dtype)[::2] if view is None else view(value(rank, n, dtype))
+        op = g.new_op("all_reduce", f"strided one-round test {name}", "test")
         redop = getattr(dist.ReduceOp, op_name)
         g.run(op, lambda o: shm.shm_all_reduce_many(o, [x], redop), False)
-        right[op_name] = torch.equal(x, oracle(list(range(p)), 2 * n, torch.float32,
-                                               op_name)[::2])
+        want = (oracle(list(range(p)), 2 * n, dtype, op_name)[::2] if view is None
+                else view(oracle(list(range(p)), n, dtype, op_name)))  # exact: signs only
+        right[name] = torch.equal(x, want)
     return {"right": right, "taken": taken[0]}
