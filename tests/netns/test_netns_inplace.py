@@ -75,18 +75,22 @@ def test_a_worker_killed_on_one_host_is_replaced_in_place_across_hosts(tmp_path:
     history = check_against_oracle(list(results.values()))
     sizes = [w for _, w, _ in history]
     assert len(sizes) == STEPS, history
-    first = sizes.index(3)
-    back = sizes.index(4, first)
-    second = sizes.index(3, back)
-    again = sizes.index(4, second)
-    assert sizes == ([4] * first + [3] * (back - first) + [4] * (second - back)
-                     + [3] * (again - second) + [4] * (STEPS - again)), sizes
+    assert set(sizes) <= {3, 4} and sizes[0] == sizes[-1] == 4, sizes
+    # After each kill the survivors go on with 3 ranks until the replacement is let in at
+    # a commit, by the step where training waits for it at the latest. A replacement
+    # already queued when the recovery round closes is let in by that round, and no step
+    # runs with 3 ranks (seen once in a full suite run: a warm start beat the survivors
+    # noticing the loss). The names, results and logs checked here show both kills.
+    threes = [i for i, w in enumerate(sizes) if w == 3 and (i == 0 or sizes[i - 1] == 4)]
     # killed in backward, before its gradients were sent, the step runs again with fewer
     # ranks; killed once they were sent (all-reduce, optimizer), the step may stand with
     # every rank's gradient (the oracle check above holds either way)
     late = (0,) if where == "backward" else (0, 1)
-    assert first - 7 in late and second - 25 in late, sizes
-    assert back <= WAIT_FULL[0] and again <= WAIT_FULL[1], sizes
+    for start in threes:
+        kill, full = (7, WAIT_FULL[0]) if start < 25 else (25, WAIT_FULL[1])
+        assert start - kill in late, sizes
+        assert sizes.index(4, start) <= full, sizes
+    assert len({start < 25 for start in threes}) == len(threes), sizes  # one per kill
     for node, rank in ((node0, 1), (node1, 2)):
         assert "recovered in place from 1 failure(s):" in node.log, logs
         assert f"rank {rank} (local_rank {rank % 2}, host" in node.log, logs
