@@ -116,16 +116,7 @@ def _one_round(op: Op, arena: Arena, check: Callable[[], None], x: torch.Tensor,
     (load 7-8): 43 -> 28 us per call in this module outside its waits, wall 188 -> 145 us."""
     staged = arena.heads(x.dtype, x.numel())[arena.begin_round(check)]
     p = arena.size
-    mine = staged[arena.index]
-    if _prescaled(redop, p):
-        torch.mul(x, _scale(x.dtype, p), out=mine)
-    elif x.is_contiguous() and not (x.is_conj() or x.is_neg()):
-        # the staging head has x's dtype and length, and x's memory holds its elements
-        # (a conjugate or negative view's does not): a plain byte copy, without torch's
-        # dispatch (4 KB: 2.0 us by copy_, 0.5 us this way, measured)
-        memmove(mine.data_ptr(), x.data_ptr(), x.numel() * x.element_size())
-    else:
-        mine.copy_(x)
+    _stage(x, staged[arena.index], p, _prescaled(redop, p))
     arena.post()
     arena.wait_all(arena.posted, check)
     verify(op, arena)
@@ -152,17 +143,25 @@ def _scale(dtype: torch.dtype, p: int) -> torch.Tensor:
     return scale
 
 
+def _stage(x: torch.Tensor, into: torch.Tensor, p: int, prescale: bool) -> None:
+    """Copy ``x`` into its staging view ``into`` (contiguous, of x's dtype and length),
+    divided by ``p`` when ``prescale``."""
+    if prescale:
+        torch.mul(x, _scale(x.dtype, p), out=into)
+    elif x.is_contiguous() and not (x.is_conj() or x.is_neg()):
+        # x's memory holds its elements (a conjugate or negative view's does not): a plain
+        # byte copy, without torch's dispatch (4 KB: 2.0 us by copy_, 0.5 us this way)
+        memmove(into.data_ptr(), x.data_ptr(), x.numel() * x.element_size())
+    else:
+        into.copy_(x)
+
+
 def _stage_whole(arena: Arena, staged: list[torch.Tensor], pieces: list[Piece],
                  redop: ReduceOp) -> None:
-    p, me = arena.size, arena.index
+    p, mine = arena.size, staged[arena.index]
     prescale = _prescaled(redop, p)
-    mine = staged[me]
     for x, off in pieces:
-        into = mine if len(pieces) == 1 else mine[off:off + x.numel()]
-        if prescale:
-            torch.mul(x, _scale(x.dtype, p), out=into)
-        else:
-            into.copy_(x)
+        _stage(x, mine if len(pieces) == 1 else mine[off:off + x.numel()], p, prescale)
 
 
 def _reduce_whole(arena: Arena, staged: list[torch.Tensor], pieces: list[Piece],
