@@ -54,6 +54,16 @@ class _Stop(Exception):
     """Raised by the KILL_REQUEST handler to leave the supervisor's wait."""
 
 
+def _say(line: str) -> None:
+    """One line on stderr: a pipe to the launcher, with no reader once it has died
+    (Python ignores SIGPIPE, so the write raises): that must not stop a clean-up."""
+    try:
+        sys.stderr.write(f"tandemrun supervisor: {line}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
 def cgroup_kill(path: str) -> None:
     """SIGKILL every process in the cgroup at ``path`` (with ``cgroup.kill``, Linux 5.14+,
     also those of the cgroups below it)."""
@@ -197,7 +207,7 @@ class Supervisor:
             os.mkdir(path)
             self.cgroup = path
         except OSError as exc:
-            sys.stderr.write(f"tandemrun supervisor: cannot create the cgroup {path}: {exc}\n")
+            _say(f"cannot create the cgroup {path}: {exc}")
 
     def _contain(self) -> None:
         """Move the worker into its cgroup, while it starts: a move takes 5-10 ms (the
@@ -217,8 +227,8 @@ class Supervisor:
         except ProcessLookupError:
             pass  # the worker exited already; the clean-up finds what it left
         except OSError as exc:
-            sys.stderr.write(f"tandemrun supervisor: cannot move the worker into the cgroup "
-                             f"{self.cgroup}: {exc}; the supervisor alone cleans up after it\n")
+            _say(f"cannot move the worker into the cgroup {self.cgroup}: {exc}; the "
+                 f"supervisor alone cleans up after it")
         finally:
             if procs >= 0:
                 os.close(procs)
@@ -265,20 +275,31 @@ class Supervisor:
         self._waiting = False
         # nothing is forwarded any more: the worker's pid is about to be released
         signal.pthread_sigmask(signal.SIG_BLOCK, self._blocked)
-        status = self._end_everything()
-        if self.cgroup:
-            cgroup_remove(self.cgroup, KILL_TIMEOUT)
-        if os.getppid() != self.parent:  # the launcher is gone: clean up after it too
-            if self.job_cgroup:
+        status = 1 << 8  # exit code 1, should _end_everything itself fail
+        try:
+            status = self._end_everything()
+            # the launcher is gone: clean up after it too. The scratch directory first:
+            # nothing below us can write there any more, and removing our cgroup may
+            # wait for the kernel (up to KILL_TIMEOUT)
+            self._remove_scratch()
+            if self.cgroup:
+                cgroup_remove(self.cgroup, KILL_TIMEOUT)
+            if self.job_cgroup and os.getppid() != self.parent:
                 try:
                     os.rmdir(self.job_cgroup)  # the last supervisor to leave succeeds
                 except OSError:
                     pass
-            if self.scratch:
-                import shutil  # only here: 3 ms of imports nobody else needs
+        finally:
+            self._remove_scratch()  # the launcher may have died meanwhile
+            self._exit_like(status)
 
-                shutil.rmtree(self.scratch, ignore_errors=True)
-        self._exit_like(status)
+    def _remove_scratch(self) -> None:
+        if self.scratch and os.getppid() != self.parent:
+            import shutil  # only here: 3 ms of imports nobody else needs
+
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            if not os.path.exists(self.scratch):
+                self.scratch = ""
 
     def _end_everything(self) -> int:
         """SIGKILL the worker and everything below it, wherever it went; collect them all
@@ -306,8 +327,8 @@ class Supervisor:
             except ChildProcessError:
                 return status  # nothing is left at all
             if time.monotonic() >= deadline:
-                sys.stderr.write(f"tandemrun supervisor: processes {sorted(left)} did not "
-                                 f"die within {KILL_TIMEOUT:.0f}s of SIGKILL\n")
+                _say(f"processes {sorted(left)} did not die within {KILL_TIMEOUT:.0f}s "
+                     f"of SIGKILL")
                 return status
             time.sleep(0.005)
 

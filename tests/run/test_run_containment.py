@@ -66,14 +66,38 @@ def test_nothing_survives_a_sigkilled_launcher(launch: Launch, tmp_path: Path,
     pids = started(tmp_path, 2, proc)
     scratch = scratch_of(tmp_path)
     assert scratch.is_dir()
+    supervisors = [parent_of(pid) for pid in pids[:2]]  # the workers' parents
     os.kill(proc.pid, signal.SIGKILL)
     finish(proc, 30)
     assert wait_dead(pids, 15) == [], "outlived the launcher"
-    deadline = time.monotonic() + 15
+    # each supervisor removes the scratch directory once all below it is dead, then its
+    # cgroup, which may take up to its KILL_TIMEOUT (10 s)
+    deadline = time.monotonic() + 25
     while (scratch.exists() or job_cgroups(proc.pid)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not scratch.exists(), f"{scratch} was left behind"
+    assert not scratch.exists(), (f"{scratch} was left behind: it holds "
+                                  f"{sorted(str(p.relative_to(scratch)) for p in scratch.rglob('*'))}"
+                                  f"; supervisors {supervisors}: {describe(supervisors)}")
     assert job_cgroups(proc.pid) == []
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def describe(pids: list[int]) -> list[str]:
+    """What each of ``pids`` is doing, for a failure's message."""
+    said = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{pid}/wchan") as f:
+                said.append(f"{pid}: state {state}, waiting in {f.read() or '-'}")
+        except OSError:
+            said.append(f"{pid}: gone")
+    return said
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -150,3 +174,25 @@ def test_a_worker_killed_by_a_signal_is_reported_with_that_signal(tmp_path: Path
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == -signal.SIGSEGV, res
     assert not list(Path(".").glob("core*"))
+
+
+def run_with_a_readerless_stderr(code: str) -> subprocess.CompletedProcess[str]:
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run([sys.executable, "-c", code], stderr=write,
+                              stdout=subprocess.PIPE, text=True, timeout=60,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    finally:
+        os.close(write)
+
+
+def test_a_supervisor_goes_on_after_a_write_to_its_dead_launcher() -> None:
+    """A supervisor's stderr is a pipe to the launcher; once the launcher has died, a line
+    it writes (about a process that would not die, say) must not stop its clean-up."""
+    plain = run_with_a_readerless_stderr(
+        "import sys; sys.stderr.write('x\\n'); sys.stderr.flush(); print('went on')")
+    assert plain.returncode != 0 and plain.stdout == ""  # what such a write does
+    said = run_with_a_readerless_stderr(
+        "from tandem.run._supervisor import _say; _say('a'); _say('b'); print('went on')")
+    assert said.returncode == 0 and said.stdout == "went on\n"
