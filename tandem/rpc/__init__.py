@@ -19,16 +19,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem.rpc import functions
-from tandem.rpc.api import (get_worker_info, init_rpc, is_available, remote, rpc_async,
-                            rpc_sync, shutdown)
+from tandem.rpc import constants, functions
+from tandem.rpc.api import (get_rpc_timeout, get_worker_info, init_rpc, is_available, remote,
+                            rpc_async, rpc_sync, shutdown)
 from tandem.rpc.options import BackendType, RpcBackendOptions, TensorPipeRpcBackendOptions
 from tandem.rpc.rref import RRef
 from tandem.rpc.worker import WorkerInfo
 
-__all__ = ["init_rpc", "shutdown", "get_worker_info", "rpc_sync", "rpc_async", "remote",
-           "is_available", "RRef", "WorkerInfo", "BackendType", "RpcBackendOptions",
-           "TensorPipeRpcBackendOptions", "functions"]
+__all__ = ["init_rpc", "shutdown", "get_worker_info", "get_rpc_timeout", "rpc_sync",
+           "rpc_async", "remote", "is_available", "RRef", "WorkerInfo", "BackendType",
+           "RpcBackendOptions", "TensorPipeRpcBackendOptions", "functions", "constants"]
 
 
 def _get_debug_info() -> dict[str, Any]:

@@ -108,6 +108,12 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         _shutdown.close(agent, "shutdown() was called")
 
 
+def get_rpc_timeout() -> float:
+    """The default deadline of this worker's calls, in seconds: ``rpc_timeout`` of the
+    options given to ``init_rpc`` (0: no deadline)."""
+    return _state.require("get_rpc_timeout").timeout
+
+
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
     """``WorkerInfo`` of ``worker_name`` (this worker's when None)."""
     agent = _state.require("get_worker_info")

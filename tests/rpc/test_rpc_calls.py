@@ -39,6 +39,7 @@ def _caller(rank: int, world: int) -> dict[str, Any]:
     r["by_rank"] = rpc.rpc_sync(1, whoami)
     r["by_info"] = rpc.rpc_sync(rpc.get_worker_info("worker1"), whoami)
     r["kwargs"] = rpc.rpc_sync("worker1", add, kwargs={"a": 2, "b": 40})
+    r["rpc_timeout"] = rpc.get_rpc_timeout()
     r["info"] = (rpc.get_worker_info().name, rpc.get_worker_info().id,
                  rpc.get_worker_info("worker1").id)
     sent = _tensors()
@@ -94,12 +95,14 @@ def _caller(rank: int, world: int) -> dict[str, Any]:
     rpc.rpc_async("worker1", sleep_then, args=(1.0,))
     rpc.shutdown()
     r["after_shutdown"] = attempt(rpc.rpc_sync, "worker1", echo, args=(1,))
+    r["timeout_after_shutdown"] = attempt(rpc.get_rpc_timeout)
     return r
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run(2, _caller, tmp_path_factory.mktemp("calls"), num_worker_threads=1)
+    return run(2, _caller, tmp_path_factory.mktemp("calls"), num_worker_threads=1,
+               rpc_timeout=45)
 
 
 def test_to_accepts_a_name_a_rank_or_a_worker_info(results: list[dict[str, Any]]) -> None:
@@ -194,6 +197,14 @@ def test_graceful_shutdown_waits_for_outstanding_work(results: list[dict[str, An
 def test_rpc_after_shutdown_is_a_clear_error(results: list[dict[str, Any]]) -> None:
     err = results[0]["after_shutdown"]
     assert err["type"] == "StateError" and "init_rpc" in err["msg"], err
+
+
+def test_get_rpc_timeout_is_the_one_given_to_init_rpc(results: list[dict[str, Any]]) -> None:
+    assert results[0]["rpc_timeout"] == 45.0 and type(results[0]["rpc_timeout"]) is float
+    err = results[0]["timeout_after_shutdown"]
+    assert err["type"] == "StateError" and "get_rpc_timeout" in err["msg"], err
+    assert rpc.constants.DEFAULT_RPC_TIMEOUT_SEC == 60.0  # torch's default, in seconds
+    assert rpc.constants.UNSET_RPC_TIMEOUT == -1.0  # the calls' default timeout argument
 
 
 def test_rpc_before_init_is_a_clear_error() -> None:
