@@ -24,6 +24,7 @@ _EXPORTS: dict[str, str] = {
     "register_algorithm": "tandem.collectives.algorithms",
     "all_gather": "tandem.collectives.api",
     "all_gather_into_tensor": "tandem.collectives.api",
+    "all_gather_single": "tandem.collectives.api",
     "all_reduce": "tandem.collectives.api",
     "all_reduce_coalesced": "tandem.collectives.api",
     "all_to_all": "tandem.collectives.alltoall",
@@ -34,6 +35,7 @@ _EXPORTS: dict[str, str] = {
     "monitored_barrier": "tandem.collectives.barriers",
     "reduce": "tandem.collectives.api",
     "reduce_scatter": "tandem.collectives.api",
+    "reduce_scatter_single": "tandem.collectives.api",
     "reduce_scatter_tensor": "tandem.collectives.api",
     "scatter": "tandem.collectives.api",
     "OpStats": "tandem.collectives.observe",
@@ -71,6 +73,25 @@ _EXPORTS: dict[str, str] = {
     "init_process_group": "tandem.collectives.world",
     "is_available": "tandem.collectives.world",
     "is_initialized": "tandem.collectives.world",
+    "GroupMember": "tandem.collectives.porting",
+    "default_pg_timeout": "tandem.collectives.porting",
+    "get_default_backend_for_device": "tandem.collectives.porting",
+    "get_node_local_rank": "tandem.collectives.porting",
+    "get_pg_count": "tandem.collectives.porting",
+    "group": "tandem.collectives.porting",
+    "is_backend_available": "tandem.collectives.porting",
+    "is_gloo_available": "tandem.collectives.porting",
+    "is_mpi_available": "tandem.collectives.porting",
+    "is_nccl_available": "tandem.collectives.porting",
+    "is_torchelastic_launched": "tandem.collectives.porting",
+    "is_ucc_available": "tandem.collectives.porting",
+    "is_xccl_available": "tandem.collectives.porting",
+    "supports_complex": "tandem.collectives.porting",
+    "DistBackendError": "tandem.errors",
+    "DistError": "tandem.errors",
+    "DistNetworkError": "tandem.errors",
+    "DistStoreError": "tandem.errors",
+    "QueueEmptyError": "tandem.errors",
     "FileStore": "tandem.store",
     "HashStore": "tandem.store",
     "PrefixStore": "tandem.store",
@@ -84,6 +105,10 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str) -> _Any:
     module = _EXPORTS.get(name)
     if module is None:
+        if not name.startswith("_"):  # a torch.distributed name tandem refuses: say why
+            refused = _importlib.import_module("tandem.collectives.porting").refusal(name)
+            if refused is not None:
+                raise refused
         raise AttributeError(f"module 'tandem' has no attribute {name!r}")
     value = getattr(_importlib.import_module(module), name)
     globals()[name] = value  # later lookups skip this function
@@ -101,12 +126,14 @@ if _TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eager
     from tandem.collectives.api import (
         all_gather,
         all_gather_into_tensor,
+        all_gather_single,
         all_reduce,
         all_reduce_coalesced,
         broadcast,
         gather,
         reduce,
         reduce_scatter,
+        reduce_scatter_single,
         reduce_scatter_tensor,
         scatter,
     )
@@ -131,6 +158,22 @@ if _TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eager
         send_object_list,
     )
     from tandem.collectives.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+    from tandem.collectives.porting import (
+        GroupMember,
+        default_pg_timeout,
+        get_default_backend_for_device,
+        get_node_local_rank,
+        get_pg_count,
+        group,
+        is_backend_available,
+        is_gloo_available,
+        is_mpi_available,
+        is_nccl_available,
+        is_torchelastic_launched,
+        is_ucc_available,
+        is_xccl_available,
+        supports_complex,
+    )
     from tandem.collectives.reduce_op import ReduceOp
     from tandem.collectives.work import Work
     from tandem.collectives.world import (
@@ -141,5 +184,12 @@ if _TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eager
         init_process_group,
         is_available,
         is_initialized,
+    )
+    from tandem.errors import (
+        DistBackendError,
+        DistError,
+        DistNetworkError,
+        DistStoreError,
+        QueueEmptyError,
     )
     from tandem.store import FileStore, HashStore, PrefixStore, Store, TCPStore

@@ -32,6 +32,13 @@ traceback::
 
 A :class:`CollectiveError` base groups the errors raised by collective and p2p
 calls (timeouts are reported through ``CollectiveTimeoutError``).
+
+torch's names for these failures are here too, so that a ported ``except`` clause
+catches what it caught under torch: ``DistError`` (a ``RuntimeError``) and below it
+``DistBackendError`` (every ``CollectiveError``), ``DistNetworkError`` (every
+``NetworkError``), ``DistStoreError`` (every ``StoreError`` and ``StoreTimeoutError``)
+and ``QueueEmptyError`` (tandem's stores have no queues: nothing raises it). tandem's
+classes derive from them, so one tree serves both sets of names.
 """
 
 from __future__ import annotations
@@ -55,7 +62,33 @@ __all__ = [
     "CollectiveMismatchError",
     "RpcError",
     "RpcTimeoutError",
+    "DistError",
+    "DistBackendError",
+    "DistNetworkError",
+    "DistStoreError",
+    "QueueEmptyError",
 ]
+
+
+class DistError(RuntimeError):
+    """torch's base of distributed failures (see the module docstring)."""
+
+
+class DistBackendError(DistError):
+    """torch's name for a failed collective or p2p call: every :class:`CollectiveError`."""
+
+
+class DistNetworkError(DistError):
+    """torch's name for a failed connection: every :class:`NetworkError`."""
+
+
+class DistStoreError(DistError):
+    """torch's name for a failed store call: every :class:`StoreError` and
+    :class:`StoreTimeoutError`."""
+
+
+class QueueEmptyError(DistStoreError):
+    """torch's error for reading an empty store queue (tandem's stores have none)."""
 
 
 class TandemError(Exception):
@@ -78,11 +111,11 @@ class TimeoutError(TandemError, builtins.TimeoutError):  # noqa: A001 - delibera
     """A deadline passed."""
 
 
-class StoreTimeoutError(TimeoutError):
+class StoreTimeoutError(TimeoutError, DistStoreError):
     """A store operation (connect, get, wait) did not finish before its deadline."""
 
 
-class CollectiveError(TandemError, RuntimeError):
+class CollectiveError(TandemError, DistBackendError):
     """Base class of errors raised by collective and point-to-point operations."""
 
 
@@ -97,11 +130,11 @@ class CollectiveTimeoutError(TimeoutError, CollectiveError):
         self.missing = missing
 
 
-class StoreError(TandemError, RuntimeError):
+class StoreError(TandemError, DistStoreError):
     """The key-value store failed."""
 
 
-class NetworkError(TandemError, ConnectionError):
+class NetworkError(TandemError, DistNetworkError, ConnectionError):
     """A connection could not be established or broke."""
 
 
@@ -135,3 +168,4 @@ class RpcError(TandemError, RuntimeError):
 
 class RpcTimeoutError(TimeoutError, RpcError):
     """A remote call did not complete before its deadline."""
+

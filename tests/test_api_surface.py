@@ -40,7 +40,8 @@ FUNCTIONS = [
     "new_subgroups_by_enumeration", "get_group_rank", "get_global_rank",
     "get_process_group_ranks",
     "broadcast", "all_reduce", "all_reduce_coalesced", "reduce", "all_gather",
-    "all_gather_into_tensor", "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor",
+    "all_gather_into_tensor", "all_gather_single", "gather", "scatter", "reduce_scatter",
+    "reduce_scatter_tensor", "reduce_scatter_single",
     "all_to_all", "all_to_all_single",
     "barrier", "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
     "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
@@ -145,6 +146,13 @@ def check_all_gather_into_tensor(r: int, rev: ProcessGroup) -> None:
     assert out.tolist() == [2.0, 2.0, 1.0, 1.0]
 
 
+def check_all_gather_single(r: int, rev: ProcessGroup) -> None:
+    out = torch.empty(2, 2)  # the stacked form
+    _done(tandem.all_gather_single(output_tensor=out, input_tensor=_full(r), group=rev,
+                                   async_op=True))
+    assert out.tolist() == [[2.0, 2.0], [1.0, 1.0]]
+
+
 def check_gather(r: int, rev: ProcessGroup) -> None:
     out = [torch.empty(2), torch.empty(2)] if r == 0 else None
     tandem.gather(tensor=_full(r), gather_list=out, dst=0, group=rev, async_op=False)
@@ -179,6 +187,13 @@ def check_reduce_scatter_tensor(r: int, rev: ProcessGroup) -> None:
     _done(tandem.reduce_scatter_tensor(output=out, input=torch.tensor([1.0, 2.0]) * (r + 1),
                                        op=tandem.ReduceOp.MAX, group=rev, async_op=True))
     assert out.tolist() == ([2.0] if r == 1 else [4.0])
+
+
+def check_reduce_scatter_single(r: int, rev: ProcessGroup) -> None:
+    out = torch.empty(1)
+    tandem.reduce_scatter_single(output=out, input=torch.tensor([1.0, 2.0]) * (r + 1),
+                                 op=tandem.ReduceOp.SUM, group=rev, async_op=False)
+    assert out.tolist() == ([3.0] if r == 1 else [6.0])
 
 
 def check_all_to_all(r: int, rev: ProcessGroup) -> None:

@@ -32,7 +32,7 @@ from tandem.transport.base import Slot
 __all__ = [
     "broadcast", "all_reduce", "checked_all_reduce", "all_reduce_coalesced", "reduce",
     "all_gather", "all_gather_into_tensor", "gather", "scatter", "reduce_scatter",
-    "reduce_scatter_tensor", "call_site",
+    "reduce_scatter_tensor", "all_gather_single", "reduce_scatter_single", "call_site",
 ]
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -482,3 +482,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor,
 
     sig = _sig("reduce_scatter_tensor", output, op=op.sig)
     return _launch(g, "reduce_scatter_tensor", sig, body, async_op, [output], sig.nbytes)
+
+
+# torch's newer names for the same two calls
+all_gather_single = all_gather_into_tensor
+reduce_scatter_single = reduce_scatter_tensor

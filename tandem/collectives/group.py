@@ -38,6 +38,7 @@ _P2P = Kind.P2P
 
 _SCRATCH_KEEP = 256 << 20  # larger working buffers are not kept between calls
 _TEXT_KEEP = 1024  # bytes of a signature or call site kept as text; the rest is hashed
+NON_GROUP_MEMBER = -100  # torch's value for "not a member"; a NonMemberGroup equals it
 _CLOSE_S = 1.0  # how long close() waits for the running call to fail and return
 
 
@@ -473,3 +474,12 @@ class NonMemberGroup:
 
     def __repr__(self) -> str:
         return f"<NonMemberGroup '{self.group_name}' ranks={self.ranks}>"
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to itself, and to torch's ``GroupMember.NON_GROUP_MEMBER`` (-100), which
+        is what ported scripts compare ``new_group``'s result against."""
+        if other is self:
+            return True
+        return type(other) is int and other == NON_GROUP_MEMBER
+
+    __hash__ = object.__hash__
