@@ -1,8 +1,20 @@
 """Training algorithms built on tandem's collectives: the ``torch.distributed.algorithms`` names.
 
 ``tandem.algorithms.join`` has ``Join``, ``Joinable`` and ``JoinHook`` (training on uneven
-inputs); ``tandem.algorithms.ddp_comm_hooks.ddp_zero_hook`` has ``hook_with_zero_step``
-(the ZeroRedundancyOptimizer step run inside DDP's gradient synchronisation).
+inputs), also importable from this package as from torch's;
+``tandem.algorithms.ddp_comm_hooks`` has torch's hook modules (``default_hooks``,
+``powerSGD_hook``, ``ddp_zero_hook``: the ZeroRedundancyOptimizer step run inside DDP's
+gradient synchronisation).
 """
 
-__all__ = ["join"]
+from typing import Any as _Any
+
+__all__ = ["join", "Join", "JoinHook", "Joinable"]
+
+
+def __getattr__(name: str) -> _Any:  # loaded on first use: importing the package stays cheap
+    if name in ("Join", "JoinHook", "Joinable"):
+        from tandem.algorithms import join
+
+        return getattr(join, name)
+    raise AttributeError(f"module 'tandem.algorithms' has no attribute {name!r}")

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from typing import Any, Callable, Iterator
 
 import torch
@@ -65,17 +66,72 @@ def _ignored(module: nn.Module) -> set[str]:
     return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()) or ())
 
 
+_UNSUPPORTED = {
+    "delay_all_reduce_named_params": "tandem reduces every parameter's gradient during "
+                                     "backward; leave these parameters out of the DDP module",
+    "param_to_hook_all_reduce": "see delay_all_reduce_named_params",
+    "mixed_precision": "compute in low precision with torch.autocast, and reduce in fp16/bf16 "
+                       "with register_comm_hook(None, tandem.parallel.comm_hooks.fp16_compress_"
+                       "hook) (or bf16_compress_hook)",
+    "device_mesh": "pass process_group= (a tandem group) instead",
+    "bucket_cap_mb_list": "give one size for every bucket with bucket_cap_mb",
+    "skip_all_reduce_unused_params": "tandem reduces every bucket whole, unused parameters' "
+                                     "zeros included",
+}
+
+
+def _refuse_unsupported(**given: Any) -> None:
+    """Refuse the arguments of DDP features tandem does not have, when they are set."""
+    for name, value in given.items():
+        if value is not None and value is not False:
+            raise ArgumentError(f"DistributedDataParallel: {name}={value!r} is not supported "
+                                f"by tandem; {_UNSUPPORTED[name]}")
+
+
+def _buffer_sync(broadcast_buffers: bool | None,
+                 forward_sync_buffers: bool | None) -> tuple[bool, bool]:
+    """(sync buffers at construction, sync them before each training forward), from
+    torch's two arguments: the older ``broadcast_buffers`` says both, the newer
+    ``forward_sync_buffers`` only the second, and wins where both are given."""
+    for name, value in (("broadcast_buffers", broadcast_buffers),
+                        ("forward_sync_buffers", forward_sync_buffers)):
+        if value is not None and not isinstance(value, bool):
+            raise ArgumentError(f"DistributedDataParallel: {name} must be True, False or "
+                                f"None, got {value!r}")
+    if (broadcast_buffers is not None and forward_sync_buffers is not None
+            and broadcast_buffers != forward_sync_buffers):
+        warnings.warn(f"DistributedDataParallel: broadcast_buffers={broadcast_buffers} and "
+                      f"forward_sync_buffers={forward_sync_buffers} disagree: the forward "
+                      f"follows forward_sync_buffers, the sync at construction "
+                      f"broadcast_buffers", stacklevel=3)
+    init = broadcast_buffers is not False
+    forward = forward_sync_buffers if forward_sync_buffers is not None else init
+    return init, forward
+
+
 class DistributedDataParallel(nn.Module, GroupJoinable):
     """Wrap ``module`` so that ``backward()`` averages its gradients over the group."""
 
     join_kwargs = frozenset({"divide_by_initial_world_size"})
 
     def __init__(self, module: nn.Module, device_ids: Any = None, output_device: Any = None,
-                 dim: int = 0, broadcast_buffers: bool = True,
+                 dim: int = 0, broadcast_buffers: bool | None = None, init_sync: bool = True,
                  process_group: ProcessGroup | NonMemberGroup | None = None,
-                 bucket_cap_mb: float | None = 25, find_unused_parameters: bool = False,
+                 bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False,
-                 static_graph: bool = False, *, init_sync: bool = True) -> None:
+                 static_graph: bool = False, delay_all_reduce_named_params: Any = None,
+                 param_to_hook_all_reduce: Any = None, mixed_precision: Any = None,
+                 device_mesh: Any = None, skip_all_reduce_unused_params: bool = False,
+                 bucket_cap_mb_list: Any = None, batched_grad_copy: bool = False,
+                 forward_sync_buffers: bool | None = None) -> None:
+        """torch's arguments, in torch's order. Buffers: ``forward_sync_buffers`` (None:
+        True) says whether a training forward first copies rank 0's buffers to every
+        rank; the older ``broadcast_buffers`` says it too when that is not given, and
+        ``broadcast_buffers=False`` also keeps buffers out of the sync at construction.
+        ``check_reduction`` does nothing, in torch as here; ``batched_grad_copy`` picks
+        how torch copies gradients into its buckets, and tandem's own copy path gives the
+        same result, so it is accepted and changes nothing. The arguments for features
+        tandem does not have are refused when set (see :func:`_refuse_unsupported`)."""
         super().__init__()
         Joinable.__init__(self)
         if not isinstance(module, nn.Module):
@@ -85,6 +141,20 @@ class DistributedDataParallel(nn.Module, GroupJoinable):
             raise ArgumentError(
                 f"DistributedDataParallel: device_ids={device_ids!r} and output_device="
                 f"{output_device!r} must be None; tandem trains CPU modules")
+        _refuse_unsupported(delay_all_reduce_named_params=delay_all_reduce_named_params,
+                            param_to_hook_all_reduce=param_to_hook_all_reduce,
+                            mixed_precision=mixed_precision, device_mesh=device_mesh,
+                            bucket_cap_mb_list=bucket_cap_mb_list,
+                            skip_all_reduce_unused_params=skip_all_reduce_unused_params)
+        for name, flag in (("init_sync", init_sync), ("find_unused_parameters",
+                           find_unused_parameters), ("check_reduction", check_reduction),
+                           ("gradient_as_bucket_view", gradient_as_bucket_view),
+                           ("static_graph", static_graph),
+                           ("batched_grad_copy", batched_grad_copy)):
+            if not isinstance(flag, bool):
+                raise ArgumentError(f"DistributedDataParallel: {name} must be True or False, "
+                                    f"got {flag!r}")
+        init_buffers, forward_buffers = _buffer_sync(broadcast_buffers, forward_sync_buffers)
         bucket_cap_mb = 25 if bucket_cap_mb is None else bucket_cap_mb
         if not bucket_cap_mb > 0:
             raise ArgumentError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
@@ -106,7 +176,9 @@ class DistributedDataParallel(nn.Module, GroupJoinable):
         self.device_ids = None
         self.output_device = None
         self.dim = dim
-        self.broadcast_buffers = broadcast_buffers
+        self.broadcast_buffers = forward_buffers  # what a forward does (torch's attribute)
+        self.forward_sync_buffers = forward_buffers
+        self.batched_grad_copy = batched_grad_copy
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
@@ -121,7 +193,7 @@ class DistributedDataParallel(nn.Module, GroupJoinable):
         if init_sync:
             verify_same_model(group, describe_module(named_params, named_buffers))
             states = [p.detach() for _, p in named_params]
-            if broadcast_buffers:  # as torch: buffers stay per rank otherwise
+            if init_buffers:  # as torch: buffers stay per rank otherwise
                 states += [b for _, b in named_buffers]
             with torch.no_grad():
                 broadcast_tensors(group, states)

@@ -49,6 +49,7 @@ PAIRS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "Join.notify_join_context": (torch_join.Join.notify_join_context,
                                  our_join.Join.notify_join_context),
     "JoinHook.post_hook": (torch_join.JoinHook.post_hook, our_join.JoinHook.post_hook),
+    "DistributedDataParallel": (TorchDDP.__init__, OurDDP.__init__),
     "DistributedDataParallel.join": (TorchDDP.join, OurDDP.join),
     "DataParallel": (torch_parallel.DataParallel.__init__, our_parallel.DataParallel.__init__),
     "data_parallel": (torch_parallel.data_parallel, our_parallel.data_parallel),
@@ -84,3 +85,10 @@ def test_public_names_exist_where_torch_has_them() -> None:
     assert "ZeroRedundancyOptimizer" in our_optim.__all__
     ported = importlib.import_module("tandem.algorithms.ddp_comm_hooks.ddp_zero_hook")
     assert ported.hook_with_zero_step is our_optim.hook_with_zero_step
+    package = importlib.import_module("tandem.algorithms")  # torch's package-level names
+    assert (package.Join, package.JoinHook, package.Joinable) == (
+        our_join.Join, our_join.JoinHook, our_join.Joinable)
+    power = importlib.import_module("tandem.algorithms.ddp_comm_hooks.powerSGD_hook")
+    comm_hooks = importlib.import_module("tandem.parallel.comm_hooks")
+    assert power.PowerSGDState is comm_hooks.PowerSGDState
+    assert power.powerSGD_hook is comm_hooks.powerSGD_hook
