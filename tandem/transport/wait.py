@@ -14,6 +14,8 @@ peer which ranks it was waiting on, and listens briefly for their reports. A ran
 that reports is alive, so it is never blamed; what remains of everyone's waits are
 the ranks that stalled. In a ring where rank 2 is stopped, rank 3 waits on 2, rank 0
 on 3 and rank 1 on 0: ranks 0, 1 and 3 report, and all three name rank 2 alone.
+Where every rank waited on reports, none is stopped: a rank came late, and the ranks
+the timeout named are kept (a verdict never names nobody).
 """
 
 from __future__ import annotations
@@ -131,4 +133,10 @@ def _verdict(group: int, mine: set[int], cause: CollectiveTimeoutError, mailbox:
     missing = set(mine) | set(cause.missing)
     for _, e in reports:
         missing |= set(e.missing)
-    return missing - reporters - {me}
+    stalled = missing - reporters - {me}
+    if not stalled:
+        # every rank waited on reported: none is stopped, so one came late (it entered
+        # the call after its peers' deadline, and its report says only whom it then
+        # waited on). What the timeout named stands: on the late rank that is itself
+        stalled = set(cause.missing) or mine - {me}
+    return stalled
