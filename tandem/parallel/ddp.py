@@ -95,7 +95,7 @@ def _buffer_sync(broadcast_buffers: bool | None,
     ``forward_sync_buffers`` only the second, and wins where both are given."""
     for name, value in (("broadcast_buffers", broadcast_buffers),
                         ("forward_sync_buffers", forward_sync_buffers)):
-        if value is not None and not isinstance(value, bool):
+        if value is not None and (isinstance(value, str) or value not in (True, False)):
             raise ArgumentError(f"DistributedDataParallel: {name} must be True, False or "
                                 f"None, got {value!r}")
     if (broadcast_buffers is not None and forward_sync_buffers is not None
@@ -104,8 +104,8 @@ def _buffer_sync(broadcast_buffers: bool | None,
                       f"forward_sync_buffers={forward_sync_buffers} disagree: the forward "
                       f"follows forward_sync_buffers, the sync at construction "
                       f"broadcast_buffers", stacklevel=3)
-    init = broadcast_buffers is not False
-    forward = forward_sync_buffers if forward_sync_buffers is not None else init
+    init = broadcast_buffers is None or bool(broadcast_buffers)
+    forward = bool(forward_sync_buffers) if forward_sync_buffers is not None else init
     return init, forward
 
 
@@ -151,7 +151,7 @@ class DistributedDataParallel(nn.Module, GroupJoinable):
                            ("gradient_as_bucket_view", gradient_as_bucket_view),
                            ("static_graph", static_graph),
                            ("batched_grad_copy", batched_grad_copy)):
-            if not isinstance(flag, bool):
+            if isinstance(flag, str) or flag not in (True, False):  # 0, 1, numpy bools pass
                 raise ArgumentError(f"DistributedDataParallel: {name} must be True or False, "
                                     f"got {flag!r}")
         init_buffers, forward_buffers = _buffer_sync(broadcast_buffers, forward_sync_buffers)

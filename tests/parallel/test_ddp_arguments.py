@@ -100,8 +100,10 @@ def test_the_buffer_arguments_combine_as_torchs() -> None:
             warnings.simplefilter("always")
             assert _buffer_sync(bb, fsb) == expected, (bb, fsb)
         assert bool(seen) == (bb is not None and fsb is not None and bb != fsb), (bb, fsb)
+    with pytest.warns(UserWarning, match="disagree"):
+        assert _buffer_sync(0, 1) == (False, True)  # 0 and 1 pass as False and True
     with pytest.raises(ArgumentError, match="forward_sync_buffers"):
-        _buffer_sync(None, 1)  # type: ignore[arg-type]
+        _buffer_sync(None, "no")  # type: ignore[arg-type]
 
 
 # -- the behaviour, on 2 ranks ----------------------------------------------------------------
@@ -207,6 +209,8 @@ def test_a_ported_call_with_torchs_keywords_runs(monkeypatch: pytest.MonkeyPatch
                     batched_grad_copy=False, forward_sync_buffers=None)
         model(torch.ones(1, 2)).sum().backward()
         assert model.module.weight.grad is not None
+        flags = DDP(nn.Linear(2, 2), find_unused_parameters=1, static_graph=0)  # as torch
+        assert flags.find_unused_parameters and not flags.static_graph
     finally:
         tandem.destroy_process_group()
 
