@@ -53,6 +53,36 @@ class _EnvFlag(argparse.Action):
         setattr(namespace, self.dest, True)
 
 
+class _Refused(argparse.Action):
+    """A torchrun flag for something tandem does not have: given, it stops the launch
+    with what to do instead (never silently dropped)."""
+
+    def __init__(self, why: str, **kwargs: Any) -> None:
+        self.why = why
+        super().__init__(default=None, help=f"refused: {why}", **kwargs)
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        parser.error(f"{option} is a torchrun flag tandemrun does not support: {self.why}")
+
+
+# torchrun's flags for what tandemrun lacks, with why and what to do instead
+REFUSED_FLAGS = {
+    "event-log-handler": ("torchelastic's event handlers do not exist here; the launcher's "
+                          "summary and --log-dir record each worker's end", None),
+    "logs-specs": ("torchelastic's LogsSpecs plugins do not exist here; use --log-dir, "
+                   "-r/--redirects, -t/--tee and --local-ranks-filter", None),
+    "duplicate-stdout-filters": ("copy matching lines with --log-dir (every rank's stdout.log) "
+                                 "and grep", None),
+    "duplicate-stderr-filters": ("copy matching lines with --log-dir (every rank's stderr.log) "
+                                 "and grep", None),
+    "numa-binding": ("it binds workers to CPUs near their GPUs, and tandem's workers use no "
+                     "GPU; run tandemrun under numactl or taskset (workers inherit the "
+                     "binding)", None),
+    "virtual-local-rank": ("it maps each worker's GPU to device 0, and tandem's workers use "
+                           "no GPU", 0),
+}
+
+
 def _both(name: str) -> list[str]:
     """``--nproc-per-node`` and ``--nproc_per_node``."""
     spellings = [f"--{name}"]
@@ -120,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="show streams on the console and in the log files (same values as -r)")
     add(*_both("local-ranks-filter"), action=_Env, default="",
         help="comma-separated local ranks whose output reaches the console")
+    for flag, (why, nargs) in REFUSED_FLAGS.items():
+        add(*_both(flag), action=_Refused, why=why, nargs=nargs, dest=f"refused_{flag}",
+            metavar="VALUE")
     add("training_script", help="the script (or module with -m, program with --no-python)")
     add("training_script_args", nargs=argparse.REMAINDER)
     return p

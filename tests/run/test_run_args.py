@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 
@@ -9,7 +10,7 @@ import pytest
 
 from tandem.errors import ArgumentError
 from tandem.run import main
-from tandem.run.args import parse
+from tandem.run.args import REFUSED_FLAGS, build_parser, parse
 from tandem.run.config import LaunchConfig, Std, StdMap
 
 pytestmark = pytest.mark.timeout(30)
@@ -101,6 +102,25 @@ def test_bad_values_are_refused_with_the_flag_named(
         argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", sorted(REFUSED_FLAGS))
+def test_torchruns_flags_for_what_tandemrun_lacks_are_refused_saying_why(
+        flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    why, nargs = REFUSED_FLAGS[flag]
+    for spelling in {f"--{flag}", "--" + flag.replace("-", "_")}:
+        with pytest.raises(SystemExit) as info:
+            parse([spelling, *(["x"] if nargs is None else []), "t.py"])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"{spelling} is a torchrun flag tandemrun does not support: {why}" in err, err
+
+
+def test_every_torchrun_flag_is_taken_or_refused() -> None:
+    torchrun = importlib.import_module("torch.distributed.run").get_args_parser()
+    ours = {s for a in build_parser()._actions for s in a.option_strings}
+    theirs = {s for a in torchrun._actions for s in a.option_strings} - {"-h", "--help"}
+    assert theirs <= ours, f"torchrun flags tandemrun neither takes nor refuses: {theirs - ours}"
 
 
 def test_more_workers_than_the_host_could_hold_are_refused(
