@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime
 import types
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -180,3 +180,22 @@ def test_a_real_timeout_is_caught_as_a_dist_backend_error(monkeypatch: pytest.Mo
     store.set_timeout(datetime.timedelta(seconds=0.1))
     with pytest.raises(tandem.DistStoreError):
         store.get("never-set")
+
+
+def test_torchelastics_record_decorator_at_tandems_path(monkeypatch: pytest.MonkeyPatch,
+                                                        tmp_path: Any) -> None:
+    from tandem.elastic.multiprocessing.errors import record
+
+    def main() -> None:
+        raise ValueError("bad batch")
+
+    for name in ("TORCHELASTIC_ERROR_FILE", "TANDEM_ERROR_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    assert record(main) is main  # tandemrun's bootstrap records what escapes
+    with pytest.raises(ArgumentError, match="error_handler"):
+        record(main, error_handler=object())
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))  # as torchrun sets it
+    with pytest.raises(ValueError):
+        record(main)()
+    assert "bad batch" in error_file.read_text()  # torch's decorator wrote torchrun's file

@@ -15,8 +15,10 @@ Run = Callable[..., Result]
 
 
 @pytest.mark.timeout(60)
-def test_an_exception_is_reported_with_rank_type_message_and_traceback(run: Run) -> None:
-    res = run("--nproc-per-node", "2", SCRIPTS / "raise_on_rank.py", "1")
+@pytest.mark.parametrize("wrapped", [[], ["record"]], ids=["plain", "torchs_record"])
+def test_an_exception_is_reported_with_rank_type_message_and_traceback(
+        run: Run, wrapped: list[str]) -> None:
+    res = run("--nproc-per-node", "2", SCRIPTS / "raise_on_rank.py", "1", *wrapped)
     assert res.code == 1
     summary = res.err[res.err.index("Root cause"):]
     assert "rank       : 1 (local_rank 1, node 0, role default)" in summary

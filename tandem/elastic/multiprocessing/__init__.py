@@ -1,0 +1,1 @@
+"""torch's ``torch.distributed.elastic.multiprocessing`` path, for ported imports: ``errors``."""
