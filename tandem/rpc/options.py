@@ -118,6 +118,12 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
                    for k, v in device_map.items()}
         self.device_maps.setdefault(to, {}).update(mapping)
 
+    def set_devices(self, devices: list[Any]) -> None:
+        """The devices this worker uses: the CPU only."""
+        if isinstance(devices, (str, bytes)) or not isinstance(devices, (list, tuple)):
+            raise ArgumentError(f"set_devices: devices must be a list, got {devices!r}")
+        self.devices = [_check_cpu(d, "devices") for d in devices]
+
 
 def transport_backend(transports: list[str] | None) -> str:
     """The tandem transport backend for TensorPipe transport names (None: "auto")."""

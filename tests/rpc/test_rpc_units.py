@@ -66,6 +66,15 @@ def test_options_honour_the_cpu_and_refuse_accelerators() -> None:
         rpc.TensorPipeRpcBackendOptions(device_maps={"w1": {0: 1}})
     with pytest.raises(ArgumentError, match="CPU tensors only"):
         opts.set_device_map("w1", {"cpu": "cuda:1"})
+    opts.set_devices(["cpu", torch.device("cpu")])
+    assert opts.devices == [torch.device("cpu")] * 2
+    with pytest.raises(ArgumentError, match="CPU tensors only"):
+        opts.set_devices(["cuda:0"])
+    with pytest.raises(ArgumentError, match="must be a list"):
+        opts.set_devices("cpu")
+    methods = {m for m in dir(torch_rpc.TensorPipeRpcBackendOptions) if not m.startswith("_")
+               and callable(getattr(torch_rpc.TensorPipeRpcBackendOptions, m))}
+    assert methods <= set(dir(rpc.TensorPipeRpcBackendOptions)), methods
 
 
 @pytest.mark.parametrize("kwargs, message", [
