@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from tandem import _dcp
 from tandem._proc import process_alive
 from tandem.collectives.api import broadcast
 from tandem.collectives.groups import get_global_rank
@@ -104,13 +105,37 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def save(obj: Any, path: PathLike) -> None:
+def save(obj: Any = None, path: PathLike | None = None, *, state_dict: Any = None,
+         checkpoint_id: PathLike | None = None, storage_writer: Any = None,
+         planner: Any = None, process_group: AnyGroup | None = None, no_dist: bool = False,
+         use_collectives: bool = True) -> None:
     """Write ``obj`` with ``torch.save`` to ``path`` atomically (see the module docstring).
 
     Creates the parent directory if needed. If the save fails (disk full, an object
     that cannot be pickled), the exception propagates, the temporary file is removed
     and ``path`` still holds its previous content.
+
+    ``save(state_dict, checkpoint_id=DIR)`` is torch.distributed.checkpoint's form: a
+    collective call that writes a checkpoint directory (see ``tandem._dcp``).
     """
+    if checkpoint_id is not None or state_dict is not None:
+        _dcp.check_unsupported("checkpoint.save", storage_writer=storage_writer,
+                               planner=planner)
+        if path is not None or (obj is not None and state_dict is not None):
+            raise ArgumentError("checkpoint.save: give either (obj, path) or (state_dict, "
+                                "checkpoint_id=DIR), not both")
+        if checkpoint_id is None:
+            raise ArgumentError("checkpoint.save: state_dict= needs checkpoint_id=DIR")
+        if not use_collectives:
+            raise ArgumentError("checkpoint.save: use_collectives=False is refused: rank 0 "
+                                "writes the checkpoint and tells the others when it is in "
+                                "place; for one process alone pass no_dist=True")
+        _dcp.save(obj if state_dict is None else state_dict,
+                  _path(checkpoint_id, "checkpoint.save"), process_group, no_dist)
+        return
+    if path is None:
+        raise ArgumentError("checkpoint.save: path is required (or checkpoint_id=DIR, "
+                            "torch.distributed.checkpoint's form)")
     path = _path(path, "checkpoint.save")
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
@@ -129,14 +154,35 @@ def save(obj: Any, path: PathLike) -> None:
     _fsync_dir(directory)
 
 
-def load(path: PathLike, map_location: Any = "cpu", *, weights_only: bool = True) -> Any:
+def load(path: Any = None, map_location: Any = "cpu", *, weights_only: bool = True,
+         state_dict: Any = None, checkpoint_id: PathLike | None = None,
+         storage_reader: Any = None, planner: Any = None,
+         process_group: AnyGroup | None = None, no_dist: bool = False) -> Any:
     """Read a checkpoint written by :func:`save` (or by ``torch.save``).
 
     Raises ``FileNotFoundError`` naming ``path`` if there is none, and
     :class:`~tandem.errors.ArgumentError` naming it if the file is truncated, corrupt,
     not a torch file, or (with ``weights_only``) holds objects that could run code when
     unpickled; pass ``weights_only=False`` only for files you trust.
+
+    ``load(state_dict, checkpoint_id=DIR)`` is torch.distributed.checkpoint's form: it
+    fills ``state_dict`` in place from a checkpoint directory and returns None (see
+    ``tandem._dcp``; every rank reads the file, so ``process_group`` and ``no_dist``
+    change nothing).
     """
+    if checkpoint_id is not None or state_dict is not None:
+        _dcp.check_unsupported("checkpoint.load", storage_reader=storage_reader,
+                               planner=planner)
+        if checkpoint_id is None:
+            raise ArgumentError("checkpoint.load: state_dict= needs checkpoint_id=DIR")
+        if path is not None and state_dict is not None:
+            raise ArgumentError("checkpoint.load: give the state to fill once")
+        _dcp.load(path if state_dict is None else state_dict,
+                  _path(checkpoint_id, "checkpoint.load"), weights_only)
+        return None
+    if path is None:
+        raise ArgumentError("checkpoint.load: path is required (or checkpoint_id=DIR, "
+                            "torch.distributed.checkpoint's form)")
     path = _path(path, "checkpoint.load")
     if os.path.isdir(path):
         raise ArgumentError(f"checkpoint.load: {path} is a directory, not a checkpoint file")

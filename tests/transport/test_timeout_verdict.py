@@ -36,8 +36,9 @@ class Mailbox:
 def verdict(rank: int, mine: set[int], cause: tuple[int, ...],
             reports: dict[int, tuple[int, ...]], peers: tuple[int, ...]) -> tuple[set[int], Any]:
     box = Mailbox(rank, reports)
-    got = wait._verdict(GROUP, mine, CollectiveTimeoutError("cause", cause), box,  # type: ignore[arg-type]
-                        peers, lambda: "all_reduce")
+    cause_error = CollectiveTimeoutError("cause", cause)
+    got = wait._verdict(GROUP, mine, cause_error, box, peers,  # type: ignore[arg-type]
+                        lambda: "all_reduce")
     return got, box.sent
 
 

@@ -29,7 +29,7 @@ def record(fn: F, error_handler: Any = None) -> F:
     if "TORCHELASTIC_ERROR_FILE" in os.environ and "TANDEM_ERROR_FILE" not in os.environ:
         from torch.distributed.elastic.multiprocessing.errors import record as torchs
 
-        return torchs(fn, error_handler)  # type: ignore[no-any-return]
+        return torchs(fn, error_handler)  # type: ignore[return-value]
     if error_handler is not None:
         raise ArgumentError("record: error_handler is torchelastic's; under tandemrun the "
                             "worker bootstrap records errors, so pass none")
