@@ -40,6 +40,8 @@ TANDEM_SHM_CHUNK               staging bytes per rank and half of a shared-memor
 TANDEM_DEBUG                   1: log rejected connections to stderr, and under
                                ``tandemrun`` print every failing rank's whole traceback,
                                tandem's own frames included (0)
+TANDEM_RUN_ID                  the job's id, set by ``tandemrun`` for its workers (what
+                               ``is_torchelastic_launched`` looks for; unset)
 TANDEM_HOST_ID                 this rank's host identity, for topology decisions (default:
                                the host name); set it to simulate hosts on one machine
 LOCAL_WORLD_SIZE               ranks per node (set by the launcher); the default
@@ -125,6 +127,7 @@ class Settings:
     shm_chunk: int = 0
     debug: bool = False
     host_id: str | None = None
+    run_id: str | None = None
     local_world_size: int | None = None
     stall_warn: float = 30.0
     flight_recorder: int = 2000
@@ -226,6 +229,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         shm_chunk=_number(env, "TANDEM_SHM_CHUNK", int, base.shm_chunk),
         debug=_flag(env, "TANDEM_DEBUG", base.debug),
         host_id=env.get("TANDEM_HOST_ID") or None,
+        run_id=env.get("TANDEM_RUN_ID") or None,
         local_world_size=(_number(env, "LOCAL_WORLD_SIZE", int, 0)
                           if env.get("LOCAL_WORLD_SIZE") else None),
         stall_warn=_number(env, "TANDEM_STALL_WARN", float, base.stall_warn),

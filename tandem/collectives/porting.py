@@ -24,7 +24,7 @@ from tandem.collectives import world
 from tandem.collectives.backend import Backend, resolve_backend
 from tandem.collectives.group import NON_GROUP_MEMBER
 from tandem.collectives.reduce_op import ReduceOp, check_dtype
-from tandem.config import Settings
+from tandem.config import Settings, load_settings
 from tandem.errors import ArgumentError, StateError, TandemError
 
 __all__ = ["group", "GroupMember", "default_pg_timeout", "is_backend_available",
@@ -90,7 +90,7 @@ def is_xccl_available() -> bool:
 def is_torchelastic_launched() -> bool:
     """Whether a launcher started this process and set the variables ``env://`` reads:
     ``tandemrun`` (it sets TANDEM_RUN_ID) or ``torchrun`` (TORCHELASTIC_RUN_ID)."""
-    return "TANDEM_RUN_ID" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+    return load_settings().run_id is not None or "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def get_node_local_rank(fallback_rank: int | None = None) -> int:

@@ -26,7 +26,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def record(fn: F, error_handler: Any = None) -> F:
     """Have the launcher's summary show ``fn``'s uncaught exception (see the module)."""
-    if "TORCHELASTIC_ERROR_FILE" in os.environ and "TANDEM_ERROR_FILE" not in os.environ:
+    if "TORCHELASTIC_ERROR_FILE" in os.environ:  # torchrun's; tandemrun never sets it
         from torch.distributed.elastic.multiprocessing.errors import record as torchs
 
         return torchs(fn, error_handler)  # type: ignore[return-value]
