@@ -13,7 +13,9 @@ TensorPipe ``_transports=["uv"]`` and ``_channels=["basic"]``):
 * ``echo``: ``rpc_sync`` round trip of a small argument (a 16-float tensor), per call;
 * ``throughput``: ``--calls`` ``rpc_async`` calls put in flight at once, then waited
   for: calls per second;
-* ``16 MB``: ``rpc_sync`` echo of a 16 MB float32 tensor, per round trip.
+* ``64 KB``, ``1 MB``, ``16 MB``: ``rpc_sync`` echo of a float32 tensor of that size, per
+  round trip (64 KB is the largest message that goes through the ring in one piece, 1 MB
+  the smallest tensor that goes by reference or in lent shared memory).
 
 How: both processes join both libraries (FileStore rendezvous, no ports), worker 0
 calls and worker 1 serves. Each round measures every case on both libraries, the
@@ -54,10 +56,15 @@ import torch
 __all__ = ["main", "run", "format_table"]
 
 LIBS = ("tandem", "torch")
-CASES = ("echo", "throughput", "16 MB")
+CASES = ("echo", "throughput", "64 KB", "1 MB", "16 MB")
+# the echoed tensor's bytes of the size cases, and how many round trips one round times
+_ECHOES = {"64 KB": ("mid", 64 << 10, "mid_trips"), "1 MB": ("mid", 1 << 20, "mid_trips"),
+           "16 MB": ("big", 16 << 20, "big_trips")}
 TARGETS = {("auto", "echo"): "<= 0.30", ("auto", "throughput"): ">= 2.00",
+           ("auto", "64 KB"): "<= 1.00", ("auto", "1 MB"): "<= 1.00",
            ("auto", "16 MB"): "<= 0.50", ("tcp", "echo"): "<= 1.00",
-           ("tcp", "throughput"): ">= 1.00", ("tcp", "16 MB"): "<= 1.00"}
+           ("tcp", "throughput"): ">= 1.00", ("tcp", "64 KB"): "<= 1.00",
+           ("tcp", "1 MB"): "<= 1.00", ("tcp", "16 MB"): "<= 1.00"}
 _TORCH_TRANSPORTS = {"auto": None, "tcp": ["uv"]}
 # TensorPipe moves tensor bytes on "channels" of their own: on one host its default picks
 # CMA (one copy between the processes' memories) even with the uv transport, so "tcp"
@@ -96,7 +103,7 @@ def _faults() -> int:
 
 
 def _case(lib: Any, case: str, sizes: dict[str, int]) -> tuple[float, float, float]:
-    """Seconds per call (echo, 16 MB) or calls per second (throughput), and the minor page
+    """Seconds per call (echo and the size cases) or calls per second (throughput), and the minor page
     faults per call of the caller and of the callee while the calls ran (asked for by one
     more call on each side of the timed part)."""
     callee = lib.rpc_sync("w1", _faults)
@@ -113,7 +120,9 @@ def _case(lib: Any, case: str, sizes: dict[str, int]) -> tuple[float, float, flo
         torch.futures.wait_all(futures)
         value = n / (time.perf_counter() - start)
     else:
-        x, n = torch.ones(sizes["big"] // 4), sizes["big_trips"]
+        kind, nbytes, trips = _ECHOES[case]
+        # (--quick shrinks every size case to its smallest: the mid size)
+        x, n = torch.ones(min(nbytes, sizes[kind]) // 4), sizes[trips]
         caller, start = _faults(), time.perf_counter()
         for _ in range(n):
             lib.rpc_sync("w1", _echo, args=(x,))
@@ -134,7 +143,8 @@ def _process(rank: int, world: int, tmp: str, transport: str, rounds: int,
         if rank == 0:
             for lib in LIBS:  # warm up: connections, imports, allocator
                 for case in CASES:
-                    _case(libs[lib], case, {**sizes, "echo": 50, "calls": 200, "big_trips": 1})
+                    _case(libs[lib], case, {**sizes, "echo": 50, "calls": 200, "mid_trips": 2,
+                                                      "big_trips": 1})
             for r in range(rounds):
                 order = LIBS if r % 2 == 0 else LIBS[::-1]
                 for case in CASES:
@@ -221,17 +231,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--per-round", action="store_true",
                         help="also print every round's figures and page faults per call")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 2 rounds, 200 calls, 64 KB instead of 16 MB")
+                        help="smoke run: 2 rounds, 200 calls, 64 KB for every size")
     args = parser.parse_args(argv)
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
     if not transports or set(transports) - set(_TORCH_TRANSPORTS):
         parser.error(f"--transports must name some of {sorted(_TORCH_TRANSPORTS)}")
     if args.rounds < 1 or args.calls < 1 or args.echo_calls < 1:
         parser.error("--rounds, --calls and --echo-calls must be >= 1")
-    sizes = {"echo": args.echo_calls, "calls": args.calls, "big": 16 << 20, "big_trips": 10}
+    sizes = {"echo": args.echo_calls, "calls": args.calls, "mid": 1 << 20, "mid_trips": 100,
+             "big": 16 << 20, "big_trips": 10}
     rounds = args.rounds
     if args.quick:
-        sizes, rounds = {"echo": 100, "calls": 200, "big": 64 << 10, "big_trips": 3}, 2
+        sizes, rounds = {"echo": 100, "calls": 200, "mid": 64 << 10, "mid_trips": 3,
+                         "big": 64 << 10, "big_trips": 3}, 2
     print(f"machine: {machine()}")
     start = time.monotonic()
     rows = run(transports, rounds, sizes)
