@@ -197,6 +197,18 @@ class ShmPeer(Receiver):
         in whichever thread freed it). Best effort: a peer that is gone needs nothing."""
         if self.closing or self._dead or self.eof:
             return
+        frame = _HDR.pack(_RETURN, 0, key, 0, 0, 0, 0)
+        if self._wlock.acquire(False):
+            try:
+                # unwoken: the peer reads it with its next frame (every frame it waits for
+                # comes after), so a return costs it no wake-up of its reader thread.
+                # Measured (1 MB echo, 2 workers, alternating blocks of 100 calls, load
+                # ~8.6): 944 and 827 us per call against 1,086 and 1,040 us woken
+                if not self.queue and not self.closing and self.outbound.try_write(
+                        [frame], wake=False):
+                    return
+            finally:
+                self._wlock.release()
         try:
             self._control(_RETURN, key)
         except Exception:  # noqa: BLE001 - a finalizer must not raise; the segment stays lent

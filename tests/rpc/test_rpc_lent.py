@@ -112,7 +112,7 @@ def _round_trips(rank: int, world: int) -> dict[str, Any]:
                  "d": _pattern(MB, 4, torch.bool)}
         back = rpc.rpc_sync("worker1", echo, args=(mixed,))
         r["mixed"] = {k: bool(torch.equal(back[k], v)) for k, v in mixed.items()}
-        r["lent_after_first"] = _segments(1)[0]
+        r["lent_before_row"] = _segments(1)[0]
         # many in a row, each with other bytes: the same few segments serve them all
         r["row"] = []
         for i in range(40):
@@ -127,12 +127,12 @@ def test_large_tensors_round_trip_bit_exact_and_recycle_the_lent_memory(tmp_path
     r = run(2, _round_trips, tmp_path, **_shm())[0]
     assert r["exact"] and r["doubled"], r
     assert all(r["mixed"].values()), r["mixed"]
-    assert r["lent_after_first"] >= 1, "nothing went through lent memory"
+    assert r["lent_before_row"] >= 1, "nothing went through lent memory"
     assert all(r["row"]), f"echo {r['row'].index(False)} of 40 came back different"
     segments, lent = r["segments_after_row"]
-    # 40 messages of 4 MB: a pool that did not recycle would have made 40 segments (or
-    # stopped lending at its budget)
-    assert segments <= 4 and lent == 0, r["segments_after_row"]
+    # 40 messages of 4 MB: a pool that did not recycle would have made 40 segments more
+    # (or stopped lending at its budget); returns are read lazily, so a few are in use
+    assert segments - r["lent_before_row"] <= 3 and lent == 0, r
 
 
 def _receiver_keeps(rank: int, world: int) -> dict[str, Any]:
