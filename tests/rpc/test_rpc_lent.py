@@ -155,6 +155,27 @@ def _receiver_keeps(rank: int, world: int) -> dict[str, Any]:
     return r
 
 
+def _in_flight(rank: int, world: int) -> dict[str, Any]:
+    r: dict[str, Any] = {}
+    if rank == 0:
+        # more in flight at once than the sender may lend: some go by reference, from
+        # several threads of the callee's pool at once
+        xs = [_pattern(8 * MB // 8, 300 + i) for i in range(24)]
+        futures = [rpc.rpc_async("worker1", echo, args=(x,)) for x in xs]
+        r["equal"] = [bool(torch.equal(f.wait(), x)) for f, x in zip(futures, xs)]
+        del futures
+        r["segments"] = _settled(1, 0)
+        r["budget"] = lend_budget(1) // (8 * MB)
+    rpc.shutdown()
+    return r
+
+
+def test_many_large_calls_in_flight_arrive_exact_within_the_budget(tmp_path: Path) -> None:
+    r = run(2, _in_flight, tmp_path, num_worker_threads=4, **_shm())[0]
+    assert all(r["equal"]), f"call {r['equal'].index(False)} of 24 came back different"
+    assert 1 <= r["segments"][0] <= r["budget"] and r["segments"][1] == 0, r
+
+
 def test_a_receiver_that_keeps_many_tensors_does_not_grow_the_senders_memory(
         tmp_path: Path) -> None:
     r = run(2, _receiver_keeps, tmp_path, **_shm())[0]
