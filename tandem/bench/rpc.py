@@ -13,15 +13,17 @@ TensorPipe ``_transports=["uv"]`` and ``_channels=["basic"]``):
 * ``echo``: ``rpc_sync`` round trip of a small argument (a 16-float tensor), per call;
 * ``throughput``: ``--calls`` ``rpc_async`` calls put in flight at once, then waited
   for: calls per second;
-* ``16 MB``: ``rpc_sync`` echo of a 16 MB float32 tensor, per round trip.
+* ``64 KB``, ``1 MB``, ``16 MB``: ``rpc_sync`` echo of a float32 tensor of that size, per
+  round trip (64 KB is the largest message that goes through the ring in one piece, 1 MB
+  the smallest tensor that goes by reference or in lent shared memory).
 
 How: both processes join both libraries (FileStore rendezvous, no ports), worker 0
 calls and worker 1 serves. Each round measures every case on both libraries, the
 order alternating between rounds, so both see the same machine noise; the table shows
 the median of the rounds and the ratio of the medians (tandem / torch: below 1 is
 faster for times, above 1 is faster for throughput), with the range of per-round
-ratios. Targets: echo <= 0.3x, throughput >= 2x, 16 MB <= 0.5x on shared memory, and
-no slower than torch over tcp.
+ratios. Targets: echo <= 0.3x, throughput >= 2x, 64 KB and 1 MB <= 1x, 16 MB <= 0.5x on
+shared memory, and no slower than torch over tcp.
 
 ``--per-round`` also prints every round's figures with the minor page faults per call of
 caller and callee (``getrusage``, asked for by one call on each side of the timed part).
@@ -30,7 +32,8 @@ where memory touched for the first time costs ~6.7 ms per 16 MB against ~0.7 ms 
 rewrite it: torch's 16 MB echoes whose caller faulted ~4,100 pages (16 MB of 4 KB pages)
 took 20-33 ms, the others 8-19 ms (30 echoes, load ~6); in one run at load ~40, torch
 faulted 2,045-3,278 pages per call as caller and 397-2,633 as callee in every round, and
-tandem none on either side (its large receives reuse mappings, ``tandem.rpc._buffers``).
+tandem none on either side (its large receives reuse mappings, ``tandem.rpc._buffers``;
+over shared memory they are now views of shared segments the sender lends and reuses).
 
 Both libraries live in both processes, and torch's agent keeps one busy-polling thread per
 process even while idle (TensorPipe's shared-memory reactor: 178-180 of 200 scheduler
@@ -54,10 +57,15 @@ import torch
 __all__ = ["main", "run", "format_table"]
 
 LIBS = ("tandem", "torch")
-CASES = ("echo", "throughput", "16 MB")
+CASES = ("echo", "throughput", "64 KB", "1 MB", "16 MB")
+# the echoed tensor's bytes of the size cases, and how many round trips one round times
+_ECHOES = {"64 KB": ("mid", 64 << 10, "mid_trips"), "1 MB": ("mid", 1 << 20, "mid_trips"),
+           "16 MB": ("big", 16 << 20, "big_trips")}
 TARGETS = {("auto", "echo"): "<= 0.30", ("auto", "throughput"): ">= 2.00",
+           ("auto", "64 KB"): "<= 1.00", ("auto", "1 MB"): "<= 1.00",
            ("auto", "16 MB"): "<= 0.50", ("tcp", "echo"): "<= 1.00",
-           ("tcp", "throughput"): ">= 1.00", ("tcp", "16 MB"): "<= 1.00"}
+           ("tcp", "throughput"): ">= 1.00", ("tcp", "64 KB"): "<= 1.00",
+           ("tcp", "1 MB"): "<= 1.00", ("tcp", "16 MB"): "<= 1.00"}
 _TORCH_TRANSPORTS = {"auto": None, "tcp": ["uv"]}
 # TensorPipe moves tensor bytes on "channels" of their own: on one host its default picks
 # CMA (one copy between the processes' memories) even with the uv transport, so "tcp"
@@ -96,7 +104,7 @@ def _faults() -> int:
 
 
 def _case(lib: Any, case: str, sizes: dict[str, int]) -> tuple[float, float, float]:
-    """Seconds per call (echo, 16 MB) or calls per second (throughput), and the minor page
+    """Seconds per call (echo and the size cases) or calls per second (throughput), and the minor page
     faults per call of the caller and of the callee while the calls ran (asked for by one
     more call on each side of the timed part)."""
     callee = lib.rpc_sync("w1", _faults)
@@ -113,7 +121,9 @@ def _case(lib: Any, case: str, sizes: dict[str, int]) -> tuple[float, float, flo
         torch.futures.wait_all(futures)
         value = n / (time.perf_counter() - start)
     else:
-        x, n = torch.ones(sizes["big"] // 4), sizes["big_trips"]
+        kind, nbytes, trips = _ECHOES[case]
+        # (--quick shrinks every size case to its smallest: the mid size)
+        x, n = torch.ones(min(nbytes, sizes[kind]) // 4), sizes[trips]
         caller, start = _faults(), time.perf_counter()
         for _ in range(n):
             lib.rpc_sync("w1", _echo, args=(x,))
@@ -134,7 +144,8 @@ def _process(rank: int, world: int, tmp: str, transport: str, rounds: int,
         if rank == 0:
             for lib in LIBS:  # warm up: connections, imports, allocator
                 for case in CASES:
-                    _case(libs[lib], case, {**sizes, "echo": 50, "calls": 200, "big_trips": 1})
+                    _case(libs[lib], case, {**sizes, "echo": 50, "calls": 200, "mid_trips": 2,
+                                                      "big_trips": 1})
             for r in range(rounds):
                 order = LIBS if r % 2 == 0 else LIBS[::-1]
                 for case in CASES:
@@ -221,17 +232,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--per-round", action="store_true",
                         help="also print every round's figures and page faults per call")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 2 rounds, 200 calls, 64 KB instead of 16 MB")
+                        help="smoke run: 2 rounds, 200 calls, 64 KB for every size")
     args = parser.parse_args(argv)
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
     if not transports or set(transports) - set(_TORCH_TRANSPORTS):
         parser.error(f"--transports must name some of {sorted(_TORCH_TRANSPORTS)}")
     if args.rounds < 1 or args.calls < 1 or args.echo_calls < 1:
         parser.error("--rounds, --calls and --echo-calls must be >= 1")
-    sizes = {"echo": args.echo_calls, "calls": args.calls, "big": 16 << 20, "big_trips": 10}
+    sizes = {"echo": args.echo_calls, "calls": args.calls, "mid": 1 << 20, "mid_trips": 100,
+             "big": 16 << 20, "big_trips": 10}
     rounds = args.rounds
     if args.quick:
-        sizes, rounds = {"echo": 100, "calls": 200, "big": 64 << 10, "big_trips": 3}, 2
+        sizes, rounds = {"echo": 100, "calls": 200, "mid": 64 << 10, "mid_trips": 3,
+                         "big": 64 << 10, "big_trips": 3}, 2
     print(f"machine: {machine()}")
     start = time.monotonic()
     rows = run(transports, rounds, sizes)

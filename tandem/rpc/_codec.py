@@ -462,6 +462,7 @@ def read_message(header: Header, read: Reader, src: object,
     grads: list[torch.Tensor] = []
     done = meta_len
     base = ctypes.addressof(ctypes.c_char.from_buffer(meta)) if whole else 0
+    lend = None if whole else getattr(read, "lend", None)
     try:
         for shape, code, flags, size in specs:
             if whole:
@@ -471,9 +472,16 @@ def read_message(header: Header, read: Reader, src: object,
                 if size:
                     ctypes.memmove(t.data_ptr(), base + done, size)
             else:
-                t = empty(shape, _DTYPES[code])
-                if size:
-                    read(as_bytes(t))
+                # over shared memory a large tensor may come in memory the sender lent:
+                # the tensor is a view of it, nothing to copy (``read.lend``)
+                lent = lend(size) if lend is not None and size else None
+                if lent is not None:
+                    t = torch.frombuffer(lent, dtype=torch.uint8).view(_DTYPES[code])
+                    t = t.view(shape)
+                else:
+                    t = empty(shape, _DTYPES[code])
+                    if size:
+                        read(as_bytes(t))
             done += size
             if flags:
                 if flags & _PARAM:

@@ -150,10 +150,12 @@ class Ring:
         if head != published:
             self._publish(_HEAD, head, _CSLEEP, self._head_addr)
 
-    def try_write(self, parts: Sequence[bytes | memoryview]) -> bool:
+    def try_write(self, parts: Sequence[bytes | memoryview], wake: bool = True) -> bool:
         """Append ``parts`` (small 1-D byte buffers) and publish, if all of them fit in the
         free space now; False, writing nothing, if they do not. Never waits: the small-frame
-        path of a sender that must not block (one slice assignment per part, one publish)."""
+        path of a sender that must not block (one slice assignment per part, one publish).
+        ``wake=False`` publishes without waking a sleeping consumer: a frame that may wait
+        until the next one wakes it."""
         head = self._head
         n = 0
         for part in parts:
@@ -172,7 +174,11 @@ class Ring:
                 data[:k - first] = part[first:]
             head += k
         self._head = head
-        self._publish(_HEAD, head, _CSLEEP, self._head_addr)
+        if wake:
+            self._publish(_HEAD, head, _CSLEEP, self._head_addr)
+        else:
+            self._ctl[_HEAD] = head
+            fence()
         return True
 
     def _publish(self, word: int, value: int, flag: int, addr: int) -> None:

@@ -43,6 +43,7 @@ from tandem.errors import (ArgumentError, CollectiveTimeoutError, NetworkError, 
                            StateError)
 from tandem.store.base import Store
 from tandem.transport._arena import Arena, default_chunk, segment_bytes, CONTROL_BYTES
+from tandem.transport._lend import KEY_BIT, Borrowed, Lender, lend_budget
 from tandem.transport._ring import Ring, init_segment, segment_size
 from tandem.transport._shm_peer import ShmPeer
 from tandem.transport._shm_setup import Link, connect_local
@@ -137,7 +138,9 @@ class ShmTransport(BoundedSends, Transport):
                 os.close(fd)  # the mappings keep the memory; nothing else refers to it
             for link in links.values():
                 os.close(link.fd)
+        budget = lend_budget(len(local))
         for peer in self._peers.values():
+            self._lend(peer, budget)
             peer.sock.setblocking(False)
             self._start(peer.read_loop, (self.mailbox, max_frame),
                         f"tandem-shm-read-{rank}<{peer.rank}")
@@ -145,6 +148,18 @@ class ShmTransport(BoundedSends, Transport):
         self.send_limit = send_limit
         forks.track(self)
 
+
+    def _lend(self, peer: ShmPeer, budget: int) -> None:
+        """Let ``peer``'s large RPC pieces travel in shared segments (see ``_lend``)."""
+        def offer(key: int, fd: int, size: int) -> None:
+            self._offer(peer, KEY_BIT | key, fd, size)
+
+        def accept(key: int) -> mmap.mmap:
+            deadline = time.monotonic() + self._connect_timeout
+            return self._accept_offer(peer.rank, KEY_BIT | key, deadline, 1)
+
+        peer.lender = Lender(budget, self._shm_dir, offer, peer._dropped)
+        peer.borrowed = Borrowed(accept)
 
     def _send_queues(self) -> list[SendQueue]:
         return [p.queue for p in self._peers.values()]
@@ -285,7 +300,8 @@ class ShmTransport(BoundedSends, Transport):
             except OSError as exc:
                 raise peer.lost("closed") from exc
 
-    def _accept_offer(self, peer: int, key: int, deadline: float) -> mmap.mmap:
+    def _accept_offer(self, peer: int, key: int, deadline: float,
+                      smallest: int = segment_bytes(4096)) -> mmap.mmap:
         p = self._peers[peer]
         with self._offer_cv:
             while (peer, key) not in self._offers:
@@ -302,8 +318,8 @@ class ShmTransport(BoundedSends, Transport):
                 self._offer_cv.wait(min(left, 0.5))
             fd, size = self._offers.pop((peer, key))
         try:
-            if os.fstat(fd).st_size != size or size < segment_bytes(4096):
-                raise NetworkError(f"rank {peer} handed over a bad arena segment ({size} bytes)")
+            if os.fstat(fd).st_size != size or size < smallest:
+                raise NetworkError(f"rank {peer} handed over a bad shared segment ({size} bytes)")
             return mmap.mmap(fd, size)
         finally:
             os.close(fd)
@@ -370,6 +386,10 @@ class ShmTransport(BoundedSends, Transport):
         stuck = not all([p.quiesce(deadline) for p in self._peers.values()]) or stuck
         for p in self._peers.values():
             p.sock.close()
+            if p.lender is not None:
+                p.lender.close()
+            if p.borrowed is not None:
+                p.borrowed.clear()
             if not stuck:  # a thread still inside a ring must not see it unmapped
                 p.inbound.close()
                 p.outbound.close()
