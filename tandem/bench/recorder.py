@@ -14,7 +14,9 @@ all_reduce: the in-place figure below, median over its runs (``--in-place-runs``
 Three measurements, most trusted first:
 
 * in place: the same two rank processes turn recording on and off on their group
-  every few hundred calls (the order alternating per pair of rounds), and the median
+  every lap of the ring (2,000 calls: every recorded round then includes the lap's
+  adding up, which a median over shorter rounds would leave out), the order
+  alternating per pair of rounds, and the median
   paired difference is reported, per process pair and over all pairs. Differences
   between process pairs (memory layout, placement) cancel out within a pair; between
   pairs the difference itself moves by about +-1 us, hence several pairs. The stall
@@ -47,7 +49,7 @@ __all__ = ["main", "recording_seconds"]
 
 OFF = {"TANDEM_FLIGHT_RECORDER": "0", "TANDEM_STALL_WARN": "0"}
 PATH_REPEATS = 5
-PAIRS = 40
+PAIRS = 24
 BUDGET = 0.02  # of a 4 KB all_reduce's latency (issue 12)
 
 
@@ -55,25 +57,30 @@ def _rank(rank: int, world_size: int, numel: int, iters: int, rounds: int) -> tu
     return all_reduce_latency(numel, iters, rounds)
 
 
-def _paired_rank(rank: int, world_size: int, numel: int, iters: int, pairs: int
+def _paired_rank(rank: int, world_size: int, numel: int, pairs: int
                  ) -> tuple[float, float, float]:
     """In a rank: medians of wall time per call with recording on, off, and of the paired
     difference, recording toggled on the default group between rounds (order alternating
-    per pair); the watchdog runs throughout."""
+    per pair); the watchdog runs throughout. A round is one lap of the ring, so each
+    recorded round adds its calls up once, as every lap does."""
     import tandem
     from tandem.collectives.world import world
 
-    recorder = world().process_groups()[0].recorder
-    capacity = recorder.capacity
+    group = world().process_groups()[0]
+    recorder = group.recorder
+    capacity = iters = recorder.capacity
     tensor = torch.ones(numel)
-    for _ in range(capacity + iters):  # warm-up, and a full ring: eviction is part of the cost
+    for _ in range(2 * capacity):  # warm-up, and a full ring: eviction is part of the cost
         tandem.all_reduce(tensor)
     on, off, diff = [], [], []
     for pair in range(pairs):
         seconds = {}
         for recording in ((True, False) if pair % 2 == 0 else (False, True)):
-            recorder.capacity = capacity if recording else 0
+            recorder.capacity = 0
             tandem.barrier()
+            while group.issued % capacity:  # start at a lap, as a job that never toggles
+                tandem.all_reduce(tensor)
+            recorder.capacity = capacity if recording else 0
             start = time.perf_counter()
             for _ in range(iters):
                 tandem.all_reduce(tensor)
@@ -160,11 +167,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.in_place_runs < 1:
         parser.error("--in-place-runs must be at least 1")
     print(f"all_reduce {args.bytes} B, 2 ranks, backend {args.backend}: recording on and off "
-          f"in the same processes, alternating every {args.iters // 2} calls ({PAIRS} pairs; "
+          f"in the same processes, alternating every lap of the ring ({PAIRS} pairs; "
           f"medians; {args.in_place_runs} runs)", flush=True)
     shares = []
     for _ in range(args.in_place_runs):
-        on, off, diff = spawn(2, _paired_rank, (args.bytes // 4, args.iters // 2, PAIRS),
+        on, off, diff = spawn(2, _paired_rank, (args.bytes // 4, PAIRS),
                               backend=args.backend, timeout=600, op_timeout=120)[0]
         shares.append(diff / off)
         print(f"  in place: recording {on * 1e6:6.1f} us, off {off * 1e6:6.1f} us, paired "

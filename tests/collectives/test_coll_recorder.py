@@ -6,6 +6,7 @@ Ranks run as threads over the loopback transport (``run_threads``): milliseconds
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import pytest
@@ -129,6 +130,29 @@ def test_totals_are_exact_across_the_laps_they_are_added_up_in() -> None:
 
     expected = [(n, 32 * n) for n in range(1, laps * 4 + 3)]
     assert run_threads(2, body, settings=Settings(flight_recorder=4)) == [expected, expected]
+
+
+def test_totals_are_exact_over_laps_of_one_op_and_laps_of_several() -> None:
+    # a lap of one op's ended calls is added up in a few passes, others a call at a time:
+    # laps 1-2 hold only all_reduce, laps 3-4 mix in broadcasts; counts, bytes and time
+    # must add up the same either way
+    def body(g: ProcessGroup) -> dict[str, tuple[int, int, int]]:
+        start = time.monotonic()
+        for n in range(17):
+            if n >= 8 and n % 3 == 0:
+                api.broadcast(torch.ones(3), src=0, group=g)
+            else:
+                api.all_reduce(torch.ones(n + 1), group=g)
+        elapsed = time.monotonic() - start
+        totals = g.recorder.totals()
+        assert all(0 < t.seconds <= elapsed for t in totals.values()), (totals, elapsed)
+        return {op: (t.count, t.bytes, t.failed) for op, t in totals.items()}
+
+    casts = [n for n in range(17) if n >= 8 and n % 3 == 0]
+    reduces = [n for n in range(17) if n not in casts]
+    expected = {"all_reduce": (len(reduces), sum(4 * (n + 1) for n in reduces), 0),
+                "broadcast": (len(casts), 12 * len(casts), 0)}
+    assert run_threads(2, body, settings=Settings(flight_recorder=4)) == [expected] * 2
 
 
 def test_totals_count_queued_calls_that_end_after_their_lap_was_added_up() -> None:
