@@ -242,11 +242,6 @@ class ProcessGroup:
         return None
 
     @property
-    def issued(self) -> int:
-        """Collectives issued on this group so far: the next call's sequence number."""
-        return self._seq
-
-    @property
     def engine_thread(self) -> threading.Thread | None:
         """The thread that runs this group's queued (``async_op=True``) calls."""
         return self._engine
