@@ -296,15 +296,16 @@ class Recorder:
             self.on_failure(f"{call.what()} failed: {call.error}")
 
     # -- readers (the watchdog, dumps, stats) ----------------------------------------
-    def _collectives(self) -> list[Call]:
-        """The recorded collectives, each a :class:`Call` made from its record; an
-        unfinished call keeps one view while it runs (the watchdog counts its warnings
-        on it)."""
+    def _collectives(self, running_only: bool = False) -> list[Call]:
+        """The recorded collectives (``running_only``: those not ended), each a
+        :class:`Call` made from its record; an unfinished call keeps one view while it
+        runs (the watchdog counts its warnings on it)."""
+        records = [r for r in self.ring[:] if r is not None]  # one copy: the group goes on
+        if running_only:  # the watchdog's look every second: no view of the ended ones
+            records = [r for r in records if not _ended(r)]
         with self._read_lock:  # the watchdog and the store thread both read
             out, running = [], {}
-            for r in self.ring[:]:  # one copy: the group keeps going meanwhile
-                if r is None:
-                    continue
+            for r in records:
                 seq, end = r[0], r[7]  # the end before the error: it is set last
                 ended = type(end) is float
                 c = None if ended else self._views.get(seq)
@@ -322,16 +323,17 @@ class Recorder:
             self._views = running
         return out
 
-    def _recorded(self) -> list[Call]:
-        return [*self._collectives(), *(c for c in self._p2p[:] if c is not None)]
+    def _p2p_calls(self) -> list[Call]:
+        return [c for c in self._p2p[:] if c is not None]
 
     def calls(self) -> list[Call]:
         """The recorded calls, oldest first."""
-        return sorted(self._recorded(), key=_issue_order)
+        return sorted([*self._collectives(), *self._p2p_calls()], key=_issue_order)
 
     def in_flight(self) -> list[Call]:
         """Calls issued or running, oldest first."""
-        return sorted((c for c in self._recorded() if not c.t_end), key=_issue_order)
+        calls = [*self._collectives(running_only=True), *self._p2p_calls()]
+        return sorted((c for c in calls if not c.t_end), key=_issue_order)
 
     @property
     def issued(self) -> int:
