@@ -94,10 +94,14 @@ def test_bench_without_a_command_exits_with_usage() -> None:
 
 def test_the_recorder_benchmark_prints_both_modes_and_the_share() -> None:
     proc = subprocess.run([sys.executable, "-m", "tandem.bench", "recorder", "--iters", "20",
-                           "--rounds", "1", "--runs", "1"],
+                           "--rounds", "1", "--runs", "1", "--in-place-runs", "2"],
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, f"bench failed:\n{proc.stdout}\n{proc.stderr}"
     out = proc.stdout
+    assert len(re.findall(r"in place: recording .* paired difference [+-]\d+\.\d\d us, adding up "
+                          r"laps \d+\.\d\d us: [+-]\d+\.\d\d us = [+-]\d+\.\d%", out)) == 2, out
+    assert re.search(r"in place, median of 2 runs: [+-]\d+\.\d% \((within|over) the 2% budget",
+                     out), out
     for unit in ("wall time", "CPU time "):
         assert re.search(rf"{unit}: recording +\d+\.\d us .*, off +\d+\.\d us .*, overhead "
                          rf"[+-]\d+\.\d%", out), out

@@ -92,11 +92,12 @@ class Op(Call):
     Algorithms address peers by *group* rank; ``step`` numbers the messages of one
     call so each (peer, step) pair is unique within the call.
 
-    An op is also its own flight-recorder entry (a :class:`Call`): recording a call
-    then copies nothing, which keeps it off the latency of small calls (measured).
-    (A reference from the op to itself would instead leave every recorded op for the
-    cycle collector, which then ran every ~700 calls: measured, +2.5 us per 4 KB
-    all_reduce.)
+    An op is a :class:`Call` so that a timeline or a profiler can take it as the call's
+    span; the flight recorder keeps a small list per call instead (see
+    :mod:`tandem.collectives.recorder`), which refers to the op only while it runs.
+    (Nothing may refer from the op back to itself or its record: every recorded call
+    would then be left for the cycle collector, which ran every ~700 calls: measured,
+    +2.5 us per 4 KB all_reduce.)
     """
 
     __slots__ = ("group", "name", "algorithm")
@@ -161,7 +162,9 @@ class ProcessGroup:
         self._p2p_sent: collections.Counter[tuple[int, int]] = collections.Counter()
         self._p2p_recv: collections.Counter[tuple[int, int]] = collections.Counter()
         self._cv = threading.Condition()
-        self._queue: collections.deque[tuple[Op, Callable[[Op], Any], Work]] = collections.deque()
+        # (op, its function, its Work, its flight-recorder record or None)
+        self._queue: collections.deque[tuple[Op, Callable[[Op], Any], Work, list[Any] | None]] = (
+            collections.deque())
         self._busy = False
         self._engine: threading.Thread | None = None
         self._closed = False
@@ -223,12 +226,12 @@ class ProcessGroup:
                         self._busy = False
                         self._cv.notify_all()
                 return None
-        self.recorder.queued(op, result, nbytes)  # [recorder]
+        record = self.recorder.queued(op, result, nbytes)  # [recorder]
         work = Work(op.describe(), result, self.completions)
         with self._cv:
             if self._closed:
                 raise self._destroyed()
-            self._queue.append((op, fn, work))
+            self._queue.append((op, fn, work, record))
             if self._engine is None:
                 self._engine = threading.Thread(target=self._engine_loop, daemon=True,
                                                 name=f"tandem-engine-{self.group_name}")
@@ -252,10 +255,10 @@ class ProcessGroup:
                         if self._closed:
                             return
                         self._cv.wait()
-                    op, fn, work = self._queue.popleft()
+                    op, fn, work, record = self._queue.popleft()
                     self._busy = True
                 try:
-                    self._execute(op, fn, queued=True)
+                    self._execute(op, fn, record=record)
                     work._complete()
                 except BaseException as exc:  # noqa: BLE001 - handed to the waiter
                     work._complete(error=exc)
@@ -273,31 +276,34 @@ class ProcessGroup:
         with self._cv:
             queued = list(self._queue)
             self._queue.clear()
-        for _, _, work in queued:
+        for _, _, work, _ in queued:
             work._complete(error=error)
 
     def _execute(self, op: Op, fn: Callable[[Op], Any], result: Any = None, nbytes: int = -1,
-                 queued: bool = False) -> None:
-        """Run ``fn(op)`` now; ``queued``: the op was issued to the queue (and recorded)
-        earlier, else ``result`` and ``nbytes`` are :meth:`run`'s, for the recorder."""
+                 record: list[Any] | None = None) -> None:
+        """Run ``fn(op)`` now; ``record``: the op was issued to the queue and recorded
+        then, else ``result`` and ``nbytes`` are :meth:`run`'s, for the recorder."""
         now = clock()
         op.deadline = now + self.timeout
         # [recorder] written out here rather than called: in place, each method call and
-        # clock read cost 2-3x what a tight loop says, on both ranks (see recorder.py)
+        # clock read cost 2-3x what a tight loop says, on both ranks (see recorder.py).
+        # The record is one list (~200 B with its times), not the op (~450 B with its
+        # dict): the same cost in place (measured), half the memory, and the op goes
         recorder = self.recorder
-        capacity = recorder.capacity
         watched = False
-        if capacity:
-            op.t_start = now
-            if not queued:
-                op.nbytes = nbytes if nbytes >= 0 else payload_bytes(result)
-                i = op.seq % capacity
-                if not i:
-                    recorder.lap(op.seq)
-                recorder.ring[i] = op
-            if recorder.timeline is not None or _torch_profiler._is_profiler_enabled:
-                watched = True
-                recorder.watch(op)
+        if record is not None:
+            record[6] = now  # t_start
+        elif recorder.capacity:
+            i = op.seq % recorder.capacity
+            if not i:
+                recorder.lap(op.seq)
+            record = recorder.ring[i] = [op.seq, op.name, op.sig, op.site,
+                                         nbytes if nbytes >= 0 else payload_bytes(result),
+                                         0.0, now, op, ""]  # see recorder.RECORD_FIELDS
+        if record is not None and (recorder.timeline is not None
+                                   or _torch_profiler._is_profiler_enabled):
+            watched = True
+            recorder.watch(op)
         try:
             if self.shares_memory:
                 if self.arena is None:
@@ -315,24 +321,24 @@ class ProcessGroup:
             self.transport.finished(self.group_id, op.seq, op.sig, op.site)
         except CollectiveError as exc:
             self.abort(exc)
-            if capacity:
-                recorder.fail(op, exc, watched)
+            if record is not None:
+                recorder.fail(op, record, exc, watched)
             raise
         except Exception as exc:
             # e.g. a custom reduce op raised: the peers must not wait for us until the deadline
             self.abort(StateError(f"{op.describe()} failed on rank {self.ranks[self.group_rank]}: "
                                   f"{type(exc).__name__}: {exc}"))
-            if capacity:
-                recorder.fail(op, exc, watched)
+            if record is not None:
+                recorder.fail(op, record, exc, watched)
             raise
         except BaseException as exc:  # KeyboardInterrupt: the call did not finish
-            if capacity:
-                recorder.fail(op, exc, watched)
+            if record is not None:
+                recorder.fail(op, record, exc, watched)
             raise
-        if capacity:
-            op.t_end = clock()
+        if record is not None:
+            record[7] = clock()  # t_end
             if watched:
-                recorder.unwatch(op)
+                recorder.unwatch(op, record)
 
     def compare_previous(self, op: Op, members: Sequence[int]) -> None:
         """Raise if a member of ``members`` announced another call than this rank's as the

@@ -182,8 +182,11 @@ class Watchdog:
         states, note = self._ask(peers)
         lost = {r: str(e) for r, e in self.transport.lost_peers().items()}
         now = clock()
+        # the recorder's views of unfinished calls are kept while they run: one still in
+        # flight now is the same object as when it was found due
+        running = {id(c) for g in {g for g, _ in due} for c in g.recorder.in_flight()}
         for g, c in due:
-            if c.state != STARTED:
+            if id(c) not in running or c.state != STARTED:
                 continue  # it finished while we asked
             waited = now - c.t_start
             while self.stall_warn * 2 ** c.warned <= waited:
