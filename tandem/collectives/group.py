@@ -288,7 +288,8 @@ class ProcessGroup:
         # [recorder] written out here rather than called: in place, each method call and
         # clock read cost 2-3x what a tight loop says, on both ranks (see recorder.py).
         # The record is one list (~200 B with its times), not the op (~450 B with its
-        # dict): the same cost in place (measured), half the memory, and the op goes
+        # dict): the same cost in place (measured), half the memory, and the op is let go
+        # when the call returns (its end time replaces it in the record)
         recorder = self.recorder
         watched = False
         if record is not None:
