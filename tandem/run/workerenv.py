@@ -5,6 +5,8 @@ The environment is the launcher's own plus, for every worker::
     RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK GROUP_WORLD_SIZE
     ROLE_RANK ROLE_WORLD_SIZE ROLE_NAME MASTER_ADDR MASTER_PORT
     TANDEM_RESTART_COUNT TANDEM_MAX_RESTARTS TANDEM_RUN_ID TANDEM_ERROR_FILE
+    TORCHELASTIC_RESTART_COUNT TORCHELASTIC_MAX_RESTARTS TORCHELASTIC_RUN_ID  (the same
+                       values under torch's names, for ported scripts that read them)
     TANDEM_SECRET      (a fresh per-job secret, unless TANDEM_SECRET/_FILE is set)
     TANDEM_TRACE_DIR   (with per-rank log files and unless set: <attempt dir>/trace)
     OMP_NUM_THREADS=1  (only if unset and more than one worker per node, as torchrun)
@@ -14,7 +16,10 @@ The environment is the launcher's own plus, for every worker::
     TANDEM_TTY=1, COLUMNS  (only for workers whose stderr reaches the launcher's
                        console when that is a terminal: see :func:`streams.terminal_env`)
 
-No ``TORCHELASTIC_*`` variable is ever set.
+Two of torchrun's variables stay unset: ``TORCHELASTIC_ERROR_FILE`` (the bootstrap
+records uncaught errors itself, and ``record`` is torch's decorator only when it is set)
+and ``TORCHELASTIC_USE_AGENT_STORE`` (torch's ``init_process_group`` would then connect
+to a store the launcher does not serve at ``MASTER_PORT``).
 """
 
 from __future__ import annotations
@@ -51,6 +56,11 @@ def worker_env(cfg: LaunchConfig, a: Assignment, local_rank: int, base: Mapping[
         "TANDEM_MAX_RESTARTS": str(cfg.max_restarts),
         "TANDEM_RUN_ID": a.run_id,
         "TANDEM_ERROR_FILE": error_file,
+        # a torch script typically resumes from its checkpoint when the restart count
+        # is above 0; without these it would read a KeyError, or restart from scratch
+        "TORCHELASTIC_RESTART_COUNT": str(a.restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
+        "TORCHELASTIC_RUN_ID": a.run_id,
     })
     return env
 

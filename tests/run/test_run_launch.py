@@ -49,7 +49,12 @@ def test_workers_get_the_full_environment(run: Run, tmp_path: Path) -> None:
         assert re.fullmatch(r"[0-9a-f]{64}", env["TANDEM_SECRET"])
         assert env["TANDEM_ERROR_FILE"].endswith(f"rank_{rank}/error.json")
         assert env["OMP_NUM_THREADS"] == "1"
-        assert not [k for k in env if k.startswith("TORCHELASTIC")]
+        # torch's spellings, for scripts that resume when TORCHELASTIC_RESTART_COUNT > 0;
+        # not the error file (the bootstrap records errors) nor the agent store (a torch
+        # init_process_group would then look for a store tandemrun does not serve)
+        assert {k: v for k, v in env.items() if k.startswith("TORCHELASTIC")} == {
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "3",
+            "TORCHELASTIC_RUN_ID": "job7"}
         assert record["argv"][1:] == [str(tmp_path), "--flag"]
         assert record["name"] == "__main__" and record["sys_path0"] == str(SCRIPTS)
     a, b = (r["env"] for r in seen)
