@@ -27,7 +27,9 @@ different iterations (see ``tandem.parallel._ddp_join``).
 
 Differences from torch, on purpose: buffers are broadcast before a forward only in
 training mode (an eval-mode forward run by one rank alone cannot hang), and the
-module must live on the CPU (``device_ids`` must be None), as tandem's collectives do.
+module must live on the CPU (``device_ids`` must be None), as tandem's collectives do,
+and its gradients must be dense (an embedding with ``sparse=True`` is refused unless left
+out through torch's ignore list).
 Buckets are not rebuilt after the first iteration.
 """
 
@@ -78,6 +80,25 @@ _UNSUPPORTED = {
     "skip_all_reduce_unused_params": "tandem reduces every bucket whole, unused parameters' "
                                      "zeros included",
 }
+
+
+def _refuse_sparse_gradients(module: nn.Module, ignored: set[str]) -> None:
+    """Refuse embeddings built with ``sparse=True``: their gradients are sparse tensors,
+    which tandem's collectives do not reduce (the user would otherwise meet an error
+    about ``all_reduce_coalesced`` in the middle of the first backward)."""
+    for prefix, m in module.named_modules():
+        if not isinstance(m, (nn.Embedding, nn.EmbeddingBag)) or not m.sparse:
+            continue
+        name = f"{prefix}.weight" if prefix else "weight"
+        if name in ignored or not m.weight.requires_grad:
+            continue
+        where = f"'{prefix}'" if prefix else "the module"
+        raise ArgumentError(
+            f"DistributedDataParallel: {where} is an {type(m).__name__} with sparse=True, so '{name}' would get a sparse gradient, "
+            f"which tandem does not reduce; build it with sparse=False (then train it with "
+            f"a dense optimizer), or leave it out of DDP with "
+            f"DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, "
+            f"['{name}']) and keep it in sync yourself")
 
 
 def _refuse_unsupported(**given: Any) -> None:
@@ -158,8 +179,9 @@ class DistributedDataParallel(nn.Module, GroupJoinable):
         bucket_cap_mb = 25 if bucket_cap_mb is None else bucket_cap_mb
         if not bucket_cap_mb > 0:
             raise ArgumentError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
-        group = resolve_group(process_group, "DistributedDataParallel")
         ignored = _ignored(module)
+        _refuse_sparse_gradients(module, ignored)
+        group = resolve_group(process_group, "DistributedDataParallel")
         named_params = [(n, p) for n, p in module.named_parameters() if n not in ignored]
         named_buffers = [(n, b) for n, b in module.named_buffers() if n not in ignored]
         for name, t in named_params + named_buffers:
@@ -316,6 +338,17 @@ class DistributedDataParallel(nn.Module, GroupJoinable):
         if hook is not None:
             self.reducer.hook = hook
             self.reducer.hook_state = group if moves else None
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module,
+                                                    params_and_buffers_to_ignore: Any) -> None:
+        """torch's way of leaving parameters and buffers out of DDP (their fully qualified
+        names, as ``named_parameters`` gives them): call it before wrapping ``module``."""
+        if isinstance(params_and_buffers_to_ignore, str):
+            raise ArgumentError("_set_params_and_buffers_to_ignore_for_model: give a list of "
+                                f"names, not the string {params_and_buffers_to_ignore!r}")
+        # the attribute torch's DDP reads too (see _ignored)
+        setattr(module, "_ddp_params_and_buffers_to_ignore", list(params_and_buffers_to_ignore))
 
     def _set_static_graph(self) -> None:
         self.static_graph = True

@@ -71,9 +71,34 @@ def _hook_twice(rank: int) -> None:
     ddp.register_comm_hook(None, hook)
 
 
+class SparseLookup(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(6, 2, sparse=True)
+        self.head = nn.Linear(2, 1)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(idx))
+
+
+def _sparse_left_out(rank: int) -> dict[str, Any]:
+    """torch's way of keeping a sparse embedding out of DDP: the rest is reduced, the
+    embedding's sparse gradient stays this rank's own."""
+    model = SparseLookup()
+    DDP._set_params_and_buffers_to_ignore_for_model(model, ["emb.weight"])
+    ddp = DDP(model)
+    ddp(torch.tensor([rank, 5])).sum().backward()
+    emb_grad = model.emb.weight.grad
+    assert emb_grad is not None and emb_grad.is_sparse, emb_grad
+    return {"head": model.head.weight.grad.tolist(),
+            "rows": sorted(emb_grad.coalesce().indices()[0].tolist()),
+            "local_head": model.emb(torch.tensor([rank, 5])).sum(0).tolist()}
+
+
 def scenarios(rank: int, world: int) -> dict[str, dict[str, Any]]:
     # each scenario that leaves the default group aborted runs on a group of its own
     out = {
+        "sparse_left_out": {"value": _sparse_left_out(rank)},
         "mismatch_shape": _catch(lambda: _mismatch_shape(rank)),
         "mismatch_count": _catch(lambda: _mismatch_count(rank)),
         "hook_twice": _catch(lambda: _hook_twice(rank)),
@@ -132,6 +157,32 @@ def test_parameter_unused_on_one_rank_fails_every_rank_without_hanging(results: 
 def test_registering_a_second_comm_hook_is_refused(results: Any) -> None:
     for rank, r in enumerate(results):
         assert r["hook_twice"]["type"] == "StateError", f"rank {rank}: {r['hook_twice']}"
+
+
+@pytest.mark.timeout(120)
+def test_a_sparse_embedding_left_out_with_torchs_ignore_list_keeps_its_own_gradient(
+        results: Any) -> None:
+    values = [r["sparse_left_out"]["value"] for r in results]
+    for rank, v in enumerate(values):
+        assert v["rows"] == [rank, 5], f"rank {rank}: the embedding's gradient was {v}"
+    # the head's gradient is the average of the ranks' own (the same weights everywhere
+    # after the sync at construction, so each rank's local gradient is its input's sum)
+    expected = [(a + b) / 2 for a, b in zip(values[0]["local_head"], values[1]["local_head"])]
+    for rank, v in enumerate(values):
+        assert v["head"] == [pytest.approx(expected, abs=1e-6)], f"rank {rank}: {v}"
+
+
+def test_a_sparse_gradient_is_refused_naming_the_embedding_and_the_way_out() -> None:
+    for module in (nn.Embedding(4, 2, sparse=True), nn.Sequential(
+            nn.EmbeddingBag(4, 2, sparse=True), nn.Linear(2, 1))):
+        with pytest.raises(ArgumentError) as info:
+            DDP(module)
+        msg = str(info.value)
+        assert "sparse=True" in msg and "_set_params_and_buffers_to_ignore_for_model" in msg, msg
+    frozen = nn.Sequential(nn.Embedding(4, 2, sparse=True).requires_grad_(False))
+    with pytest.raises(Exception) as info:  # no group here: the refusal comes first or never
+        DDP(frozen)
+    assert "sparse" not in str(info.value), "a frozen table gets no gradient, sparse or not"
 
 
 def test_device_ids_are_refused_for_cpu_modules() -> None:
