@@ -43,7 +43,7 @@ import traceback
 from types import TracebackType
 from typing import Mapping
 
-__all__ = ["report", "type_name", "user_traceback", "debugging", "CONSEQUENCES"]
+__all__ = ["report", "add_hint", "type_name", "user_traceback", "debugging", "CONSEQUENCES"]
 
 # errors a rank raises because another rank failed first (tandem.run.rootcause agrees)
 CONSEQUENCES = ("PeerLostError",)
@@ -122,6 +122,39 @@ def _fold(te: traceback.TracebackException) -> None:
             if inner is not None and all(_inside_tandem(f) for f in inner.stack):
                 setattr(link, attr, None)
         link = link.__cause__ or (None if link.__suppress_context__ else link.__context__)
+
+
+# torch's message when one of its own torch.distributed functions finds no default group
+_NO_TORCH_GROUP = "Default process group has not been initialized"
+# where a half-ported script most often still calls torch's code, and its tandem twin
+_TWINS = {os.path.join("torch", "utils", "data", "distributed.py"):
+          "use tandem.parallel.DistributedSampler instead of torch.utils.data's"}
+
+
+def add_hint(exc: BaseException) -> None:
+    """Add a note to torch's 'no default process group' error when this process did
+    initialise tandem's group: the script still calls torch.distributed's own code
+    somewhere (a half-ported import), and the note names the call and its twin."""
+    if not isinstance(exc, (ValueError, RuntimeError)) or _NO_TORCH_GROUP not in str(exc):
+        return
+    world = sys.modules.get("tandem.collectives.world")
+    try:
+        initialised = world is not None and world.is_initialized()
+    except Exception:  # noqa: BLE001 - a hint must never hide the error itself
+        return
+    add_note = getattr(exc, "add_note", None)  # Python 3.11+
+    if not initialised or add_note is None:
+        return
+    frames = traceback.extract_tb(exc.__traceback__)
+    torch_frames = [f for f in frames if os.sep + "torch" + os.sep in f.filename]
+    if not torch_frames:
+        return
+    entry = torch_frames[0]  # where the script (or its library) entered torch
+    twin = next((t for path, t in _TWINS.items() if entry.filename.endswith(path)),
+                "call its tandem twin instead (torch.distributed.X is tandem.X)")
+    add_note(f"tandemrun: tandem's process group is initialised, but this call went "
+                 f"into torch's own code ({entry.filename}:{entry.lineno}, in {entry.name}), "
+                 f"which cannot see it: {twin}")
 
 
 def full(exc: BaseException, fold: bool = True) -> str:

@@ -124,6 +124,7 @@ def _fail(exc: BaseException) -> NoReturn:
     """Record ``exc``, print it once and readably (``_tracebacks.py``), exit as Python would."""
     try:
         tracebacks = _load("_tracebacks")
+        tracebacks.add_hint(exc)
         text, whole, when = tracebacks.report(exc)
         record_error(exc, os.environ.get("TANDEM_ERROR_FILE", ""), whole, tracebacks, when)
         sys.stderr.write(text)

@@ -116,3 +116,23 @@ def test_ctrl_c_prints_one_line_and_the_worker_dies_of_sigint(tmp_path: Path) ->
     assert res.stderr == f"KeyboardInterrupt at {tmp_path / 's.py'}:3 in <module>\n"
     assert res.returncode == -signal.SIGINT
     assert record["exc_type"] == "KeyboardInterrupt"
+
+
+TORCH_SAMPLER = ("import torch\nfrom torch.utils.data import DistributedSampler\n{init}"
+                 "DistributedSampler(list(range(4)))\n")
+
+
+def test_a_torch_call_that_cannot_see_tandems_group_says_which_import_to_change(
+        tmp_path: Path) -> None:
+    # a half-ported script: tandem's group, torch's sampler (from torch.utils.data)
+    init = "import tandem\ntandem.init_process_group(store=tandem.HashStore(), rank=0, world_size=1)\n"
+    res, record = failing(tmp_path, TORCH_SAMPLER.format(init=init), TANDEM_DEBUG="0")
+    assert "Default process group has not been initialized" in res.stderr, res.stderr
+    assert "tandem's process group is initialised" in res.stderr, res.stderr
+    assert "torch/utils/data/distributed.py" in res.stderr, res.stderr
+    assert "tandem.parallel.DistributedSampler" in res.stderr, res.stderr
+    assert "tandem.parallel.DistributedSampler" in record["traceback"]
+    # a script that never initialised anything gets torch's message alone
+    res, _ = failing(tmp_path, TORCH_SAMPLER.format(init=""), TANDEM_DEBUG="0")
+    assert "Default process group has not been initialized" in res.stderr, res.stderr
+    assert "initialised" not in res.stderr and "DistributedSampler" in res.stderr, res.stderr
