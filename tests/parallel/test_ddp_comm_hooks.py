@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from tandem.algorithms.ddp_comm_hooks import default_hooks
 from tandem.parallel import comm_hooks
 from tandem.parallel.ddp import DistributedDataParallel as DDP
 from tandem.testing import spawn
@@ -103,6 +104,14 @@ def _powersgd(rank: int, world: int) -> dict[str, Any]:
             "buckets": len(ddp.reducer.buckets), "weights": weights}
 
 
+def _allreduce_seeing_bf16(state: Any, bucket: Any) -> torch.futures.Future:
+    grads = bucket.gradients()
+    assert bucket.buffer().dtype == torch.bfloat16, bucket
+    assert all(g.dtype == torch.bfloat16 and g.shape == p.shape
+               for g, p in zip(grads, bucket.parameters())), bucket
+    return comm_hooks.allreduce_hook(state, bucket)
+
+
 def hooks(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     cases = {
@@ -121,6 +130,14 @@ def hooks(rank: int, world: int) -> dict[str, Any]:
             rank, world, comm_hooks.powerSGD_hook,
             comm_hooks.PowerSGDState(None, matrix_approximation_rank=64, start_powerSGD_iter=0,
                                      min_compression_rate=0), "cnn", bucket_cap_mb=0.001),
+        # torch's wrappers: the wrapped hook reduces a half-precision copy of the bucket
+        "fp16_wrapped_powersgd": lambda: _exact_vs_hook(
+            rank, world, default_hooks.fp16_compress_wrapper(comm_hooks.powerSGD_hook),
+            comm_hooks.PowerSGDState(None, matrix_approximation_rank=64, start_powerSGD_iter=0,
+                                     min_compression_rate=0), "cnn", bucket_cap_mb=0.001),
+        "bf16_wrapped_allreduce": lambda: _exact_vs_hook(
+            rank, world, default_hooks.bf16_compress_wrapper(_allreduce_seeing_bf16), None,
+            "mlp", bucket_cap_mb=0.001),
     }
     for name, fn in cases.items():
         try:
@@ -152,7 +169,9 @@ def _value(results: list[dict[str, Any]], case: str) -> list[Any]:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("case,tolerance", [("allreduce", 2e-5), ("exact_with_recorder", 2e-5),
                                             ("fp16", 2e-3), ("fp16_bucket_view", 2e-3),
-                                            ("bf16", 2e-2), ("powersgd_full_rank", 2e-5)])
+                                            ("bf16", 2e-2), ("powersgd_full_rank", 2e-5),
+                                            ("fp16_wrapped_powersgd", 2e-3),
+                                            ("bf16_wrapped_allreduce", 2e-2)])
 def test_hook_result_is_close_to_exact_averaging(results: Any, case: str,
                                                  tolerance: float) -> None:
     for rank, diff in enumerate(_value(results, case)):
