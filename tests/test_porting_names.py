@@ -8,6 +8,7 @@ until someone decides which it is.
 from __future__ import annotations
 
 import datetime
+import importlib
 import types
 from typing import Any, Iterator
 
@@ -22,7 +23,7 @@ from tandem.collectives.world import default_group
 from tandem.config import Settings
 from tandem.errors import (ArgumentError, CollectiveMismatchError, CollectiveTimeoutError,
                            PeerLostError, ProtocolError, StateError, StoreError,
-                           StoreTimeoutError)
+                           StoreTimeoutError, TandemError)
 from tandem.transport.loopback import LoopbackHub
 
 pytestmark = pytest.mark.timeout(60)
@@ -72,6 +73,32 @@ def test_a_refusal_says_what_to_use_instead() -> None:
         tandem.split_group  # noqa: B018
     with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
         tandem.no_such_name  # noqa: B018
+
+
+# torch.distributed.<module>.<name> that tandem's twin module lacks: refused, saying why
+SUBMODULE_REFUSALS = [
+    ("tandem.optim", "PostLocalSGDOptimizer", "all_reduce"),
+    ("tandem.optim", "apply_optimizer_in_backward", "hook_with_zero_step"),
+    ("tandem.algorithms", "model_averaging", "all_reduce"),
+    ("tandem.algorithms.ddp_comm_hooks", "post_localSGD_hook", "all_reduce"),
+    ("tandem.algorithms.ddp_comm_hooks", "register_ddp_comm_hook", "register_comm_hook"),
+    ("tandem.algorithms.ddp_comm_hooks", "DDPCommHookType", "register_comm_hook"),
+    ("tandem.algorithms.ddp_comm_hooks.powerSGD_hook", "batched_powerSGD_hook",
+     "powerSGD_hook"),
+]
+
+
+@pytest.mark.parametrize("module,name,hint", SUBMODULE_REFUSALS)
+def test_a_submodule_name_tandem_lacks_is_refused_saying_what_to_use(
+        module: str, name: str, hint: str) -> None:
+    mod = importlib.import_module(module)
+    with pytest.raises(AttributeError) as info:
+        getattr(mod, name)
+    assert isinstance(info.value, TandemError), info.value
+    assert name in str(info.value) and hint in str(info.value), str(info.value)
+    assert not hasattr(mod, name)
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        getattr(mod, "no_such_name")
 
 
 def test_group_world_is_none_before_init_and_the_default_group_after(solo: None) -> None:

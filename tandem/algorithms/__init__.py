@@ -17,4 +17,11 @@ def __getattr__(name: str) -> _Any:  # loaded on first use: importing the packag
         from tandem.algorithms import join
 
         return getattr(join, name)
+    if name == "model_averaging":
+        from tandem.algorithms._refused import AVERAGE_YOURSELF
+        from tandem.collectives.porting import RefusedName
+
+        raise RefusedName("tandem has no model_averaging (torch.distributed.algorithms."
+                          "model_averaging: PeriodicModelAverager, post-local SGD); "
+                          + AVERAGE_YOURSELF)
     raise AttributeError(f"module 'tandem.algorithms' has no attribute {name!r}")

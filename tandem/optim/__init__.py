@@ -15,9 +15,17 @@ only its shard's gradients)::
 workers (``tandem.rpc``), from the gradients of a distributed autograd context.
 """
 
+from tandem.algorithms._refused import AVERAGE_YOURSELF, refusing_getattr
 from tandem.optim._zero_ddp import hook_with_zero_step, hook_with_zero_step_interleaved, shard_gradients
 from tandem.optim.distributed import DistributedOptimizer
 from tandem.optim.zero import ZeroRedundancyOptimizer
 
 __all__ = ["DistributedOptimizer", "ZeroRedundancyOptimizer", "hook_with_zero_step",
            "hook_with_zero_step_interleaved", "shard_gradients"]
+
+__getattr__ = refusing_getattr("tandem.optim", "torch.distributed.optim", {
+    "PostLocalSGDOptimizer": AVERAGE_YOURSELF,
+    "apply_optimizer_in_backward": ("to step while backward runs, use ZeroRedundancyOptimizer("
+                                    "..., overlap_with_ddp=True) with DDP's hook "
+                                    "hook_with_zero_step, or step after backward"),
+})

@@ -35,6 +35,7 @@ a worker never imports tandem (and torch) unless its script does.
 from __future__ import annotations
 
 import os
+import re
 import runpy
 import sys
 import sysconfig
@@ -131,10 +132,41 @@ _TWINS = {os.path.join("torch", "utils", "data", "distributed.py"):
           "use tandem.parallel.DistributedSampler instead of torch.utils.data's"}
 
 
+def _refused_import(exc: ImportError) -> str | None:
+    """The message of the refusal behind ``from tandem.M import X`` (Python replaces the
+    module's AttributeError, which says what to use instead, by a bare ImportError)."""
+    name = exc.name or ""
+    if isinstance(exc, ModuleNotFoundError):  # tandem.a.b missing: ask tandem.a for b
+        name, _, attr = name.rpartition(".")
+    else:
+        found = re.match(r"cannot import name '([^']+)'", str(exc))
+        attr = found.group(1) if found else ""
+    module = sys.modules.get(name)
+    if not attr or module is None or not (name == "tandem" or name.startswith("tandem.")):
+        return None
+    try:
+        getattr(module, attr)
+    except AttributeError as refused:
+        if any(cls.__name__ == "TandemError" for cls in type(refused).__mro__):
+            return str(refused)
+    except Exception:  # noqa: BLE001 - a hint must never hide the error itself
+        return None
+    return None
+
+
 def add_hint(exc: BaseException) -> None:
-    """Add a note to torch's 'no default process group' error when this process did
-    initialise tandem's group: the script still calls torch.distributed's own code
-    somewhere (a half-ported import), and the note names the call and its twin."""
+    """Add a note to an error whose message misleads a porting user: torch's 'no default
+    process group' when this process did initialise tandem's group (the script still
+    calls torch.distributed's own code somewhere: the note names the call and its twin),
+    and an import of a name tandem refuses (the note is the refusal's message)."""
+    add_note = getattr(exc, "add_note", None)  # Python 3.11+
+    if add_note is None:
+        return
+    if isinstance(exc, ImportError):
+        refused = _refused_import(exc)
+        if refused is not None:
+            add_note(refused)
+        return
     if not isinstance(exc, (ValueError, RuntimeError)) or _NO_TORCH_GROUP not in str(exc):
         return
     world = sys.modules.get("tandem.collectives.world")
@@ -142,8 +174,7 @@ def add_hint(exc: BaseException) -> None:
         initialised = world is not None and world.is_initialized()
     except Exception:  # noqa: BLE001 - a hint must never hide the error itself
         return
-    add_note = getattr(exc, "add_note", None)  # Python 3.11+
-    if not initialised or add_note is None:
+    if not initialised:
         return
     frames = traceback.extract_tb(exc.__traceback__)
     torch_frames = [f for f in frames if os.sep + "torch" + os.sep in f.filename]

@@ -136,3 +136,19 @@ def test_a_torch_call_that_cannot_see_tandems_group_says_which_import_to_change(
     res, _ = failing(tmp_path, TORCH_SAMPLER.format(init=""), TANDEM_DEBUG="0")
     assert "Default process group has not been initialized" in res.stderr, res.stderr
     assert "initialised" not in res.stderr and "DistributedSampler" in res.stderr, res.stderr
+
+
+def test_a_refused_name_in_a_from_import_keeps_its_message(tmp_path: Path) -> None:
+    # `from m import x` turns m's AttributeError into a bare ImportError: the bootstrap
+    # adds the refusal's message (what to use instead) as a note
+    res, record = failing(tmp_path, "from tandem import init_device_mesh\n", TANDEM_DEBUG="0")
+    assert "cannot import name 'init_device_mesh'" in res.stderr, res.stderr
+    assert "tandem.torch_backend" in res.stderr, res.stderr  # the refusal's advice
+    assert "tandem.torch_backend" in record["traceback"]
+    res, _ = failing(tmp_path, "from tandem.algorithms.model_averaging import averagers\n",
+                     TANDEM_DEBUG="0")
+    assert "No module named 'tandem.algorithms.model_averaging'" in res.stderr, res.stderr
+    assert "PeriodicModelAverager" in res.stderr, res.stderr
+    res, _ = failing(tmp_path, "from tandem import no_such_name\n", TANDEM_DEBUG="0")
+    assert res.stderr.rstrip().endswith("(" + str(Path(__file__).parents[2] / "tandem" /
+                                        "__init__.py") + ")"), res.stderr  # no note

@@ -6,3 +6,12 @@ and ``bf16_compress_wrapper``; ``powerSGD_hook`` has ``PowerSGDState``
 and ``powerSGD_hook``. tandem's hooks live in
 ``tandem.parallel.comm_hooks``; these modules re-export them.
 """
+
+from tandem.algorithms._refused import AVERAGE_YOURSELF, PASS_A_HOOK, refusing_getattr
+
+__getattr__ = refusing_getattr("tandem.algorithms.ddp_comm_hooks",
+                               "torch.distributed.algorithms.ddp_comm_hooks", {
+    "post_localSGD_hook": AVERAGE_YOURSELF,
+    "register_ddp_comm_hook": PASS_A_HOOK,
+    "DDPCommHookType": PASS_A_HOOK,
+})
