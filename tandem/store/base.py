@@ -87,6 +87,15 @@ class Store(abc.ABC):
             raise ArgumentError("check takes a list of keys, got a single str")
         return self._check([_key(k) for k in keys])
 
+    def append(self, key: str, value: str | bytes) -> None:
+        """Add ``value`` to the end of ``key``'s value, creating the key if it is missing;
+        atomic, so concurrent appends all land."""
+        self._append_value(_key(key), _value(value))
+
+    def has_extended_api(self) -> bool:
+        """Whether ``append``, ``multi_get`` and ``multi_set`` work (always, in tandem)."""
+        return True
+
     def delete_key(self, key: str) -> bool:
         return self._delete(_key(key))
 
@@ -133,6 +142,9 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes: ...
+
+    @abc.abstractmethod
+    def _append_value(self, key: str, value: bytes) -> None: ...
 
     @abc.abstractmethod
     def _wait(self, keys: list[str], deadline: float, seconds: float) -> None:

@@ -27,6 +27,9 @@ class PrefixStore(Store):
     def _add(self, key: str, amount: int) -> int:
         return self.underlying_store._add(self._k(key), amount)
 
+    def _append_value(self, key: str, value: bytes) -> None:
+        self.underlying_store._append_value(self._k(key), value)
+
     def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         return self.underlying_store._compare_set(self._k(key), expected, desired)
 

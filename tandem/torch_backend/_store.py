@@ -54,6 +54,10 @@ class TorchStore(Store):
         return bytes(self._call(f"compare_set {key!r}",
                                 lambda: swap(key, expected, desired)))  # type: ignore[arg-type]
 
+    def _append_value(self, key: str, value: bytes) -> None:
+        extend = self.torch_store.append  # torch's stub says str; its binding takes bytes too
+        self._call(f"append {key!r}", lambda: extend(key, value))  # type: ignore[arg-type]
+
     def _wait(self, keys: list[str], deadline: float, seconds: float) -> None:
         left = deadline - time.monotonic()
         if left <= 0 and not self._check(keys):
