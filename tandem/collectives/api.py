@@ -20,8 +20,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from tandem.collectives import algorithms as algo
-from tandem.collectives.checks import (output_arg, plain_output, root_rank, sizes_match, tensor_arg,
-                                      tensors_arg)
+from tandem.collectives.checks import (any_shared, output_arg, plain_output, root_rank,
+                                      span, sizes_match, tensor_arg, tensors_arg)
 from tandem.collectives.group import Op, ProcessGroup
 from tandem.collectives.reduce_op import ReduceOp, accepts, check_dtype
 from tandem.collectives.work import Work
@@ -252,7 +252,10 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SU
     check_dtype(op, dtype)
     bufs = [_Flat(t) for t in ts]
     sizes = [b.flat.numel() for b in bufs]
-    if g.shares_memory and algo.select_all_reduce(g, bufs[0].flat)[0] == "shm":
+    # tensors sharing memory (one listed twice) would be combined twice in place; packed,
+    # each is reduced once as of the call and written back in list order
+    if (g.shares_memory and algo.select_all_reduce(g, bufs[0].flat)[0] == "shm"
+            and not any_shared(ts)):
         name = "shm"
 
         def body(o: Op) -> None:
@@ -319,6 +322,16 @@ def _gather_ring(g: ProcessGroup, op: Op, outs: list[torch.Tensor], mine: torch.
             t.copy_(flat[a:b].view(t.shape))
 
 
+def _aliases_an_output(t: torch.Tensor, outs: list[torch.Tensor], mine: int) -> bool:
+    """Whether ``t`` shares memory with an output other than being its own slot itself."""
+    t0, t1 = span(t)
+    for i, o in enumerate(outs):
+        o0, o1 = span(o)
+        if o0 < t1 and t0 < o1 and not (i == mine and o0 == t0 and o.stride() == t.stride()):
+            return True
+    return False
+
+
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
                group: AnyGroup | None = None, async_op: bool = False) -> Work | None:
     g = resolve_group(group, "all_gather")
@@ -328,6 +341,8 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
     if outs[g.group_rank].numel() != tensor.numel():
         raise ArgumentError(f"all_gather: tensor_list[{g.group_rank}] has "
                             f"{outs[g.group_rank].numel()} elements, tensor has {tensor.numel()}")
+    if _aliases_an_output(tensor, outs, g.group_rank):
+        tensor = tensor.clone()  # else a peer's part could overwrite it before it is sent
 
     def body(o: Op) -> None:
         if g.shares_memory:
