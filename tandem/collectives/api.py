@@ -21,7 +21,8 @@ import torch
 
 from tandem.collectives import algorithms as algo
 from tandem.collectives.checks import (any_shared, output_arg, plain_output, root_rank,
-                                      span, sizes_match, tensor_arg, tensors_arg)
+                                      shares_memory, sizes_match, span, tensor_arg,
+                                      tensors_arg)
 from tandem.collectives.group import Op, ProcessGroup
 from tandem.collectives.reduce_op import ReduceOp, accepts, check_dtype
 from tandem.collectives.work import Work
@@ -360,6 +361,12 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
     return _launch(g, "all_gather", sig, body, async_op, tensor_list)
 
 
+def _own_chunk(out: torch.Tensor, t: torch.Tensor, rank: int) -> bool:
+    """Whether ``t`` is exactly this rank's chunk of ``out`` (the usual in-place call)."""
+    return (out.is_contiguous() and t.is_contiguous()
+            and t.data_ptr() == out.data_ptr() + rank * t.nbytes)
+
+
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                            group: AnyGroup | None = None, async_op: bool = False) -> Work | None:
     g = resolve_group(group, "all_gather_into_tensor")
@@ -370,6 +377,9 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
         raise ArgumentError(
             f"all_gather_into_tensor: output_tensor must hold {g.group_size} x {n} elements of "
             f"{input_tensor.dtype}, got {output_tensor.numel()} of {output_tensor.dtype}")
+    if shares_memory(output_tensor, input_tensor) and not _own_chunk(output_tensor, input_tensor,
+                                                                     g.group_rank):
+        input_tensor = input_tensor.clone()  # it sits where another rank's part goes
     out = _Flat(output_tensor, load=False)
 
     def body(o: Op) -> None:
@@ -387,6 +397,18 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     return _launch(g, "all_gather_into_tensor", sig, body, async_op, [output_tensor])
 
 
+def _given(lst: object) -> bool:
+    """Whether a root-only list argument was given (None and [] mean not given)."""
+    return lst is not None and not (isinstance(lst, (list, tuple)) and not lst)
+
+
+def _not_root_list(g: ProcessGroup, what: str, name: str, role: str, arg: str, root: int,
+                   hint: str) -> None:
+    """A list passed where it is never read or written: refused (torch refuses it too)."""
+    raise ArgumentError(f"{what}: {name} is used only on the {role} rank ({arg}="
+                        f"{g.ranks[root]}); rank {g.ranks[g.group_rank]} must pass None{hint}")
+
+
 def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None,
            dst: int | None = None, group: AnyGroup | None = None, async_op: bool = False,
            group_dst: int | None = None) -> Work | None:
@@ -401,6 +423,9 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None,
                           output=True)
         sizes_match(lst, "gather", "gather_list", tensor.numel())
         outs = [_Flat(t, load=False) for t in lst]
+    elif _given(gather_list):
+        _not_root_list(g, "gather", "gather_list", "destination", "dst", root,
+                       "; all_gather fills a list on every rank")
     src = _Flat(tensor)
 
     def body(o: Op) -> None:
@@ -426,6 +451,8 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
         ins = [t.contiguous().view(-1) for t in
                tensors_arg(scatter_list, "scatter", "scatter_list", g.group_size, tensor.dtype)]
         sizes_match(ins, "scatter", "scatter_list", tensor.numel())
+    elif _given(scatter_list):
+        _not_root_list(g, "scatter", "scatter_list", "source", "src", root, "")
     out = _Flat(tensor, load=False)
 
     def body(o: Op) -> None:

@@ -18,7 +18,7 @@ from tandem.errors import ArgumentError
 
 __all__ = ["tensor_arg", "tensors_arg", "output_arg", "plain_output", "sizes_match",
            "root_rank", "tag_arg", "int_list", "check_cpu_device", "refuse_pg_options",
-           "span", "shares_memory", "any_shared", "TAG_MIN", "TAG_MAX"]
+           "span", "shares_memory", "any_shared", "crossed", "TAG_MIN", "TAG_MAX"]
 
 # a p2p tag travels as a signed 32-bit field of the message header
 TAG_MIN, TAG_MAX = -(2 ** 31), 2 ** 31 - 1
@@ -95,6 +95,19 @@ def any_shared(ts: Sequence[torch.Tensor]) -> bool:
     """Whether two of ``ts`` may share memory (as :func:`shares_memory`), in one sort."""
     spans = sorted(s for s in map(span, ts) if s[0] < s[1])
     return any(b0 < a1 for (_, a1), (b0, _) in zip(spans, spans[1:]))
+
+
+def crossed(ins: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> bool:
+    """Whether an input may share memory with an output: one sweep over the sorted spans,
+    keeping the furthest end of each kind seen so far."""
+    spans = sorted([(*span(t), True) for t in ins] + [(*span(t), False) for t in outs])
+    end = {True: 0, False: 0}
+    for start, stop, is_in in spans:
+        if start < stop:
+            if start < end[not is_in]:
+                return True
+            end[is_in] = max(end[is_in], stop)
+    return False
 
 
 def plain_output(t: Any) -> bool:

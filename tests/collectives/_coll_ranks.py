@@ -655,7 +655,8 @@ def aliased_arguments(rank: int, world_size: int) -> dict[str, Any]:
     out["all_to_all_single_in_place"] = t.tolist()
 
     big = 1 << 16  # past the small-message paths
-    for name, n in (("all_gather_input_in_other_slot", 3), ("all_gather_input_in_other_slot_big", big)):
+    for name, n in (("all_gather_input_in_other_slot", 3),
+                    ("all_gather_input_in_other_slot_big", big)):
         mine = torch.full((n,), float(rank + 1))
         slots = [torch.zeros(n) for _ in range(world_size)]
         slots[(rank + 1) % world_size] = mine
@@ -665,6 +666,19 @@ def aliased_arguments(rank: int, world_size: int) -> dict[str, Any]:
     x = torch.ones(4)
     tandem.all_reduce_coalesced([x, x])
     out["all_reduce_coalesced_same_tensor_twice"] = x.tolist()
+
+    n = big
+    whole = torch.zeros(world_size * n)
+    part = whole.narrow(0, ((rank + 1) % world_size) * n, n)  # another rank's chunk
+    part.fill_(rank + 1)
+    tandem.all_gather_into_tensor(whole, part)
+    out["all_gather_into_tensor_input_in_other_chunk"] = [
+        whole[i * n:(i + 1) * n].unique().tolist() for i in range(world_size)]
+
+    ins = [torch.full((n,), 10.0 * rank + i) for i in range(world_size)]
+    outs = ins[1:] + ins[:1]  # each output is the input meant for another rank
+    tandem.all_to_all(outs, ins)
+    out["all_to_all_outputs_are_other_inputs"] = [o.unique().tolist() for o in outs]
 
     ins = [torch.full((3,), float(10 * rank + i)) for i in range(world_size)]
     res = ins[(rank + 1) % world_size]  # the output is the part meant for the next rank

@@ -31,6 +31,8 @@ def _expected(rank: int, ws: int) -> dict[str, Any]:
                                        for k in range(2)],
         "all_gather_input_in_other_slot": slots,
         "all_gather_input_in_other_slot_big": slots,
+        "all_gather_into_tensor_input_in_other_chunk": slots,
+        "all_to_all_outputs_are_other_inputs": [[float(10 * r + rank)] for r in range(ws)],
         "all_reduce_coalesced_same_tensor_twice": [float(ws)] * 4,  # each listed tensor once
         "reduce_scatter_output_is_an_input": [float(sum(10 * r + rank for r in range(ws)))] * 3,
     }
