@@ -182,11 +182,11 @@ class Server:
                 self._write(key, desired)
                 return encode(ok, [desired])
             if op is Op.APPEND:
-                value = self._data.get(f[0], b"") + f[1]
-                if len(value) > MAX_VALUE:  # appends must not grow a value past the cap
+                grown = self._data.get(f[0], b"") + f[1]
+                if len(grown) > MAX_VALUE:  # appends must not grow a value past the cap
                     message = f"appending to store key {f[0]!r} would exceed {MAX_VALUE} bytes"
                     return encode(Status.BAD_ARGUMENT, [message.encode()])
-                self._write(f[0], value)
+                self._write(f[0], grown)
                 return encode(ok, ())
             if op is Op.CHECK:
                 return encode(ok, [b"\x01" if all(k in self._data for k in f) else b"\x00"])

@@ -55,8 +55,9 @@ class TorchStore(Store):
                                 lambda: swap(key, expected, desired)))  # type: ignore[arg-type]
 
     def _append_value(self, key: str, value: bytes) -> None:
-        extend = self.torch_store.append  # torch's stub says str; its binding takes bytes too
-        self._call(f"append {key!r}", lambda: extend(key, value))  # type: ignore[arg-type]
+        # torch's stub lacks append (its binding has it, taking bytes as well as str)
+        extend: Callable[[str, bytes], None] = self.torch_store.append  # type: ignore[attr-defined]
+        self._call(f"append {key!r}", lambda: extend(key, value))
 
     def _wait(self, keys: list[str], deadline: float, seconds: float) -> None:
         left = deadline - time.monotonic()
