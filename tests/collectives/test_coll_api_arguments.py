@@ -148,6 +148,23 @@ def test_init_method_query_values_that_are_not_integers_are_named(job_secret: by
         tandem.init_process_group("tcp", init_method=url)
 
 
+@pytest.mark.parametrize("url,env,match", [
+    ("env://", {"WORLD_SIZE": "0", "RANK": "0"}, r"world_size must be in \[1, .*got 0"),
+    ("file:///tmp/x?rank=0&world_size=0", {}, r"world_size must be in \[1, .*got 0"),
+    ("env://", {"WORLD_SIZE": "2", "RANK": "5"}, r"rank must be in \[0, 2\), got 5"),
+], ids=["env-zero-world", "file-zero-world", "env-rank-outside"])
+def test_a_world_size_of_zero_is_named_not_reported_missing(
+        job_secret: bytes, monkeypatch: pytest.MonkeyPatch, url: str, env: dict[str, str],
+        match: str) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")  # never reached: the check comes first
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ArgumentError, match=match):
+        tandem.init_process_group("tcp", init_method=url)
+    assert not tandem.is_initialized()
+
+
 @pytest.mark.parametrize("ranks,match", [
     ([0, "1"], "ranks must be ints"),
     ([0.0], "ranks must be ints"),
