@@ -23,7 +23,7 @@ from tandem.collectives.monitor import Monitor
 from tandem.config import Settings, load_secret, load_settings, timeout_seconds
 from tandem.errors import (ArgumentError, NetworkError, StateError, StoreTimeoutError, TandemError,
                            TimeoutError)
-from tandem.store.base import Store
+from tandem.store.base import Store, check_store
 from tandem.store.prefix import PrefixStore
 from tandem.transport.base import Transport
 
@@ -118,6 +118,7 @@ def init_process_group(
         raise ArgumentError("pass either store= or init_method=, not both")
     else:
         check_rank(rank, world_size)
+        check_store("init_process_group", store)
         master = os.environ.get("MASTER_ADDR")
     try:
         # every init on the same store gets a fresh namespace, so a re-init never reads

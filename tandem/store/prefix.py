@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from tandem.store.base import Store
+from tandem.errors import ArgumentError
+from tandem.store.base import Store, check_store
 
 __all__ = ["PrefixStore"]
 
@@ -11,6 +12,9 @@ class PrefixStore(Store):
     """Every key is stored as ``prefix + "/" + key`` in ``store``."""
 
     def __init__(self, prefix: str, store: Store) -> None:
+        if not isinstance(prefix, str):
+            raise ArgumentError(f"PrefixStore: prefix must be a str, got {type(prefix).__name__}")
+        check_store("PrefixStore", store)
         super().__init__(store._timeout)
         self.prefix = prefix
         self.underlying_store = store

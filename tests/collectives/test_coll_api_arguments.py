@@ -114,6 +114,15 @@ def test_init_process_group_refuses_bad_ranks_and_sizes(job_secret: bytes, rank:
     assert not tandem.is_initialized()
 
 
+def test_init_process_group_refuses_a_torch_store_naming_tandems(job_secret: bytes) -> None:
+    import torch.distributed as td
+
+    with pytest.raises(ArgumentError, match=r"init_process_group takes a tandem store.*"
+                                            r"torch\.distributed.s HashStore.*tandem\.HashStore"):
+        tandem.init_process_group("tcp", store=td.HashStore(), rank=0, world_size=1)
+    assert not tandem.is_initialized()
+
+
 # Run in a child with its address space capped: without a check, a world of 2**40 ranks
 # allocates per-rank bookkeeping until the machine runs out of memory.
 HUGE_WORLD = textwrap.dedent("""
