@@ -15,7 +15,8 @@ import torch
 
 from tandem.collectives import algorithms as algo
 from tandem.collectives import api
-from tandem.collectives.checks import int_list, output_arg, tensor_arg, tensors_arg
+from tandem.collectives.checks import (crossed, int_list, output_arg, shares_memory,
+                                       tensor_arg, tensors_arg)
 from tandem.collectives.group import Op
 from tandem.collectives.work import Work
 from tandem.collectives.world import AnyGroup, resolve_group
@@ -36,6 +37,9 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
             tensors_arg(output_tensor_list, "all_to_all", "output_tensor_list", g.group_size, dtype,
                         output=True)]
     r = g.group_rank
+    if crossed(ins, [f.flat for f in outs]):
+        # an output that is another part's input would be filled before that part is sent
+        ins = [t.clone() for t in ins]
     if outs[r].flat.numel() != ins[r].numel():
         raise ArgumentError(f"all_to_all: output_tensor_list[{r}] has {outs[r].flat.numel()} "
                             f"elements, input_tensor_list[{r}] has {ins[r].numel()}")
@@ -81,7 +85,9 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
             f"all_to_all_single: output has rows of {row_out} elements (shape "
             f"{list(output.shape)}) but input has rows of {row_in} (shape {list(input.shape)}); "
             f"rows move whole, so both need the same number of elements per row")
-    src = input.contiguous()
+    # an in-place exchange (output is input) would overwrite rows before they are sent
+    src = (input.clone(memory_format=torch.contiguous_format) if shares_memory(output, input)
+           else input.contiguous())
     out = api._Flat(output, load=False)
 
     def pieces(flat: torch.Tensor, sizes: list[int], row: int) -> list[torch.Tensor]:

@@ -20,7 +20,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from tandem.collectives import algorithms as algo
-from tandem.collectives.checks import (output_arg, plain_output, root_rank, sizes_match, tensor_arg,
+from tandem.collectives.checks import (any_shared, output_arg, plain_output, root_rank,
+                                      shares_memory, sizes_match, span, tensor_arg,
                                       tensors_arg)
 from tandem.collectives.group import Op, ProcessGroup
 from tandem.collectives.reduce_op import ReduceOp, accepts, check_dtype
@@ -252,7 +253,10 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SU
     check_dtype(op, dtype)
     bufs = [_Flat(t) for t in ts]
     sizes = [b.flat.numel() for b in bufs]
-    if g.shares_memory and algo.select_all_reduce(g, bufs[0].flat)[0] == "shm":
+    # tensors sharing memory (one listed twice) would be combined twice in place; packed,
+    # each is reduced once as of the call and written back in list order
+    if (g.shares_memory and algo.select_all_reduce(g, bufs[0].flat)[0] == "shm"
+            and not any_shared(ts)):
         name = "shm"
 
         def body(o: Op) -> None:
@@ -319,6 +323,16 @@ def _gather_ring(g: ProcessGroup, op: Op, outs: list[torch.Tensor], mine: torch.
             t.copy_(flat[a:b].view(t.shape))
 
 
+def _aliases_an_output(t: torch.Tensor, outs: list[torch.Tensor], mine: int) -> bool:
+    """Whether ``t`` shares memory with an output other than being its own slot itself."""
+    t0, t1 = span(t)
+    for i, o in enumerate(outs):
+        o0, o1 = span(o)
+        if o0 < t1 and t0 < o1 and not (i == mine and o0 == t0 and o.stride() == t.stride()):
+            return True
+    return False
+
+
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
                group: AnyGroup | None = None, async_op: bool = False) -> Work | None:
     g = resolve_group(group, "all_gather")
@@ -328,6 +342,8 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
     if outs[g.group_rank].numel() != tensor.numel():
         raise ArgumentError(f"all_gather: tensor_list[{g.group_rank}] has "
                             f"{outs[g.group_rank].numel()} elements, tensor has {tensor.numel()}")
+    if _aliases_an_output(tensor, outs, g.group_rank):
+        tensor = tensor.clone()  # else a peer's part could overwrite it before it is sent
 
     def body(o: Op) -> None:
         if g.shares_memory:
@@ -345,6 +361,12 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
     return _launch(g, "all_gather", sig, body, async_op, tensor_list)
 
 
+def _own_chunk(out: torch.Tensor, t: torch.Tensor, rank: int) -> bool:
+    """Whether ``t`` is exactly this rank's chunk of ``out`` (the usual in-place call)."""
+    return (out.is_contiguous() and t.is_contiguous()
+            and t.data_ptr() == out.data_ptr() + rank * t.nbytes)
+
+
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                            group: AnyGroup | None = None, async_op: bool = False) -> Work | None:
     g = resolve_group(group, "all_gather_into_tensor")
@@ -355,6 +377,9 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
         raise ArgumentError(
             f"all_gather_into_tensor: output_tensor must hold {g.group_size} x {n} elements of "
             f"{input_tensor.dtype}, got {output_tensor.numel()} of {output_tensor.dtype}")
+    if shares_memory(output_tensor, input_tensor) and not _own_chunk(output_tensor, input_tensor,
+                                                                     g.group_rank):
+        input_tensor = input_tensor.clone()  # it sits where another rank's part goes
     out = _Flat(output_tensor, load=False)
 
     def body(o: Op) -> None:
@@ -372,6 +397,18 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     return _launch(g, "all_gather_into_tensor", sig, body, async_op, [output_tensor])
 
 
+def _given(lst: object) -> bool:
+    """Whether a root-only list argument was given (None and [] mean not given)."""
+    return lst is not None and not (isinstance(lst, (list, tuple)) and not lst)
+
+
+def _not_root_list(g: ProcessGroup, what: str, name: str, role: str, arg: str, root: int,
+                   hint: str) -> None:
+    """A list passed where it is never read or written: refused (torch refuses it too)."""
+    raise ArgumentError(f"{what}: {name} is used only on the {role} rank ({arg}="
+                        f"{g.ranks[root]}); rank {g.ranks[g.group_rank]} must pass None{hint}")
+
+
 def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None,
            dst: int | None = None, group: AnyGroup | None = None, async_op: bool = False,
            group_dst: int | None = None) -> Work | None:
@@ -386,6 +423,9 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None,
                           output=True)
         sizes_match(lst, "gather", "gather_list", tensor.numel())
         outs = [_Flat(t, load=False) for t in lst]
+    elif _given(gather_list):
+        _not_root_list(g, "gather", "gather_list", "destination", "dst", root,
+                       "; all_gather fills a list on every rank")
     src = _Flat(tensor)
 
     def body(o: Op) -> None:
@@ -411,6 +451,8 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
         ins = [t.contiguous().view(-1) for t in
                tensors_arg(scatter_list, "scatter", "scatter_list", g.group_size, tensor.dtype)]
         sizes_match(ins, "scatter", "scatter_list", tensor.numel())
+    elif _given(scatter_list):
+        _not_root_list(g, "scatter", "scatter_list", "source", "src", root, "")
     out = _Flat(tensor, load=False)
 
     def body(o: Op) -> None:

@@ -18,7 +18,7 @@ from tandem.errors import ArgumentError
 
 __all__ = ["tensor_arg", "tensors_arg", "output_arg", "plain_output", "sizes_match",
            "root_rank", "tag_arg", "int_list", "check_cpu_device", "refuse_pg_options",
-           "TAG_MIN", "TAG_MAX"]
+           "span", "shares_memory", "any_shared", "crossed", "TAG_MIN", "TAG_MAX"]
 
 # a p2p tag travels as a signed 32-bit field of the message header
 TAG_MIN, TAG_MAX = -(2 ** 31), 2 ** 31 - 1
@@ -72,6 +72,42 @@ def output_arg(t: Any, what: str, name: str) -> torch.Tensor:
             f"that overlap in memory, e.g. made by expand(); results cannot be written into "
             f"it: pass a tensor of its own (.clone())")
     return t
+
+
+def span(t: torch.Tensor) -> tuple[int, int]:
+    """The byte addresses from ``t``'s first element to just past its last (strides are never
+    negative in torch)."""
+    start = t.data_ptr()
+    if t.is_contiguous():  # the common case, in three attribute reads (~0.6 us)
+        return start, start + t.nbytes
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * t.element_size()
+
+
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` may share memory: their byte spans overlap. Two interleaved
+    views (``t[0::2]``, ``t[1::2]``) count as sharing, so callers copy rather than refuse."""
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1 and a0 < a1 and b0 < b1  # an empty span shares nothing
+
+
+def any_shared(ts: Sequence[torch.Tensor]) -> bool:
+    """Whether two of ``ts`` may share memory (as :func:`shares_memory`), in one sort."""
+    spans = sorted(s for s in map(span, ts) if s[0] < s[1])
+    return any(b0 < a1 for (_, a1), (b0, _) in zip(spans, spans[1:]))
+
+
+def crossed(ins: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> bool:
+    """Whether an input may share memory with an output: one sweep over the sorted spans,
+    keeping the furthest end of each kind seen so far."""
+    spans = sorted([(*span(t), True) for t in ins] + [(*span(t), False) for t in outs])
+    end = {True: 0, False: 0}
+    for start, stop, is_in in spans:
+        if start < stop:
+            if start < end[not is_in]:
+                return True
+            end[is_in] = max(end[is_in], stop)
+    return False
 
 
 def plain_output(t: Any) -> bool:

@@ -397,19 +397,21 @@ class ProcessGroup:
         return self._scratch[:nbytes].view(dtype)
 
     # -- point-to-point ------------------------------------------------------------
-    def p2p_send(self, dst: int, tag: int, view: memoryview, site: str) -> Slot:
+    def p2p_send(self, dst: int, tag: int, view: memoryview, site: str, sig: bytes = b"") -> Slot:
+        """``sig`` (the tensor's dtype) is compared with the receive's, when both have one."""
         key = (dst, tag)
         seq = self._p2p_sent[key]
         self._p2p_sent[key] += 1
-        header = Header(_P2P, self.group_id, seq, tag, len(view), b"", bounded(site))
+        header = Header(_P2P, self.group_id, seq, tag, len(view), sig, bounded(site))
         return self.transport.isend(self.ranks[dst], header, view)
 
-    def p2p_recv(self, src: int | None, tag: int, view: memoryview) -> Slot:
+    def p2p_recv(self, src: int | None, tag: int, view: memoryview, sig: bytes = b"") -> Slot:
         if src is not None:
             key = (src, tag)
             seq = self._p2p_recv[key]
             self._p2p_recv[key] += 1
-            return self.transport.irecv(self.ranks[src], _P2P, self.group_id, seq, tag, view)
+            return self.transport.irecv(self.ranks[src], _P2P, self.group_id, seq, tag, view,
+                                        sig)
         index = {g: i for i, g in enumerate(self.ranks)}
 
         def match(peer: int, header: Header) -> bool:
@@ -421,7 +423,7 @@ class ProcessGroup:
             self._p2p_recv[(src_rank, tag)] += 1  # claimed under the mailbox lock
             return True
 
-        return self.transport.irecv_any(self.ranks, _P2P, self.group_id, view, match)
+        return self.transport.irecv_any(self.ranks, _P2P, self.group_id, view, match, sig)
 
     def wait_p2p(self, slot: Slot, timeout: float | None, what: str) -> None:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)

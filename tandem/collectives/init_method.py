@@ -94,7 +94,7 @@ def open_store(init_method: str, rank: int, world_size: int, timeout: float,
             raise ArgumentError(f"init_method {init_method!r} must look like tcp://host:port")
         host, port = url.hostname, url.port
     elif url.scheme == "file":
-        if rank < 0 or world_size <= 0:
+        if rank < 0 or world_size < 0:  # unset; a size of 0 is named by check_rank
             raise ArgumentError("init_method='file://...' needs rank= and world_size=")
         check_rank(rank, world_size)
         path = url.path if not url.netloc else url.netloc + url.path
@@ -102,7 +102,7 @@ def open_store(init_method: str, rank: int, world_size: int, timeout: float,
     else:
         raise ArgumentError(
             f"init_method {init_method!r}: scheme must be env://, tcp:// or file://")
-    if rank < 0 or world_size <= 0:
+    if rank < 0 or world_size < 0:  # unset; a size of 0 is named by check_rank
         raise ArgumentError(f"init_method {init_method!r} needs rank= and world_size=")
     check_rank(rank, world_size)
     store = TCPStore(host, port, world_size, is_master=(rank == 0),

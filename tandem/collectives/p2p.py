@@ -40,6 +40,17 @@ def _contiguous(t: torch.Tensor, what: str, output: bool = False) -> torch.Tenso
     return t
 
 
+_DTYPE_SIGS: dict[torch.dtype, bytes] = {}
+
+
+def _dtype_sig(dtype: torch.dtype) -> bytes:
+    """What a send's header says of its tensor, so a receive into another dtype fails."""
+    sig = _DTYPE_SIGS.get(dtype)
+    if sig is None:
+        sig = _DTYPE_SIGS[dtype] = str(dtype).removeprefix("torch.").encode()
+    return sig
+
+
 def _work(g: ProcessGroup, slot: Slot, what: str, result: Any, call: Call | None) -> Work:
     work = Work(f"{what} on group '{g.group_name}'", result, g.completions)
 
@@ -78,7 +89,7 @@ def _isend(tensor: torch.Tensor, dst: int | None, group: AnyGroup | None, tag: i
     peer = _peer(g, name, dst, group_dst, "dst")
     view, site = as_bytes(_contiguous(tensor, name)), call_site()
     call = g.recorder.begin_p2p("send", g.ranks[peer], tag, len(view), site)  # [recorder]
-    slot = g.p2p_send(peer, tag, view, site)
+    slot = g.p2p_send(peer, tag, view, site, _dtype_sig(tensor.dtype))
     return _work(g, slot, f"{name} to rank {g.ranks[peer]} (tag {tag})", [tensor], call)
 
 
@@ -95,7 +106,7 @@ def _irecv(tensor: torch.Tensor, src: int | None, group: AnyGroup | None, tag: i
     view = as_bytes(_contiguous(tensor, name, output=True))
     call = g.recorder.begin_p2p("recv", -1 if peer is None else g.ranks[peer], tag,  # [recorder]
                                 len(view), call_site())
-    slot = g.p2p_recv(peer, tag, view)
+    slot = g.p2p_recv(peer, tag, view, _dtype_sig(tensor.dtype))
     who = "any rank" if peer is None else f"rank {g.ranks[peer]}"
     return _work(g, slot, f"{name} from {who} (tag {tag})", [tensor], call)
 

@@ -21,8 +21,9 @@ from tandem.collectives.group import NonMemberGroup, ProcessGroup
 from tandem.collectives.init_method import check_rank, open_store
 from tandem.collectives.monitor import Monitor
 from tandem.config import Settings, load_secret, load_settings, timeout_seconds
-from tandem.errors import ArgumentError, StateError, StoreTimeoutError
-from tandem.store.base import Store
+from tandem.errors import (ArgumentError, NetworkError, StateError, StoreTimeoutError, TandemError,
+                           TimeoutError)
+from tandem.store.base import Store, check_store
 from tandem.store.prefix import PrefixStore
 from tandem.transport.base import Transport
 
@@ -117,6 +118,7 @@ def init_process_group(
         raise ArgumentError("pass either store= or init_method=, not both")
     else:
         check_rank(rank, world_size)
+        check_store("init_process_group", store)
         master = os.environ.get("MASTER_ADDR")
     try:
         # every init on the same store gets a fresh namespace, so a re-init never reads
@@ -124,6 +126,7 @@ def init_process_group(
         generation = (store.add("tandem/inits", 1) - 1) // world_size
         scoped = PrefixStore(f"tandem/{generation}", store)
         scoped.set_timeout(setup)  # peers' addresses must appear within the connect deadline
+        _claim(scoped, rank)
         transport = _connect(scoped, rank, world_size, backend_name, settings, master, setup)
         try:
             default = ProcessGroup(transport, list(range(world_size)), 0,
@@ -144,6 +147,16 @@ def init_process_group(
     _world.monitor.adopt(default)
 
 
+def _claim(store: Store, rank: int) -> None:
+    """Refuse a rank that another process of this generation already took: both would
+    otherwise wait for the rank nobody took and time out calling it "never started"."""
+    if store.add(f"claims/{rank}", 1) > 1:
+        raise ArgumentError(
+            f"rank {rank} was given to two processes of this job (another process already "
+            f"joined as rank {rank}); every process needs its own rank (check RANK, or the "
+            f"rank= each process passes)")
+
+
 def _connect(store: Store, rank: int, world_size: int, backend: str, settings: Settings,
              master: str | None, setup: float) -> Transport:
     """Build this rank's transport through ``store``, whose deadline is ``setup``."""
@@ -156,11 +169,26 @@ def _connect(store: Store, rank: int, world_size: int, backend: str, settings: S
                              secret=load_secret(), settings=settings)
     try:
         return Backend.factory(backend)(options)
-    except StoreTimeoutError as exc:
+    except (TimeoutError, NetworkError) as exc:
+        claims = _claims(store, rank)
+        if claims > 1:  # the real cause of the missing peer
+            raise ArgumentError(
+                f"rank {rank} was claimed by {claims} processes of this job, so some other "
+                f"rank was never given out and the job could not form ({exc})") from exc
+        if not isinstance(exc, StoreTimeoutError):
+            raise
         raise StoreTimeoutError(
             f"rank {rank}: the job of {world_size} ranks did not form within {setup:.1f}s "
             f"(TANDEM_CONNECT_TIMEOUT, or the init timeout if shorter): {exc}; a rank whose "
             f"entry is missing never started, or cannot reach the store") from exc
+
+
+def _claims(store: Store, rank: int) -> int:
+    """How many processes joined this generation as ``rank`` (1 if that cannot be read)."""
+    try:
+        return int(store.get(f"claims/{rank}")) if store.check([f"claims/{rank}"]) else 1
+    except (TandemError, ValueError):
+        return 1
 
 
 def destroy_process_group(group: ProcessGroup | NonMemberGroup | None = None) -> None:

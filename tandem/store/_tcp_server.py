@@ -42,6 +42,7 @@ class Op(enum.IntEnum):
     CHECK = 6
     DELETE = 7
     NUM_KEYS = 8
+    APPEND = 9
 
 
 class Status(enum.IntEnum):
@@ -149,7 +150,8 @@ class Server:
             op = Op(code)
         except ValueError as exc:
             raise ProtocolError(f"unknown store op {code}") from exc
-        arity = {Op.SET: 2, Op.GET: 2, Op.ADD: 2, Op.COMPARE_SET: 3, Op.DELETE: 1, Op.NUM_KEYS: 0}
+        arity = {Op.SET: 2, Op.GET: 2, Op.ADD: 2, Op.COMPARE_SET: 3, Op.DELETE: 1, Op.NUM_KEYS: 0,
+                 Op.APPEND: 2}
         if op in arity and len(f) != arity[op] or op is Op.WAIT and not f:
             raise ProtocolError(f"store op {op.name} with {len(f)} fields")
         ok = Status.OK
@@ -179,6 +181,13 @@ class Server:
                     return encode(ok, [current])
                 self._write(key, desired)
                 return encode(ok, [desired])
+            if op is Op.APPEND:
+                grown = self._data.get(f[0], b"") + f[1]
+                if len(grown) > MAX_VALUE:  # appends must not grow a value past the cap
+                    message = f"appending to store key {f[0]!r} would exceed {MAX_VALUE} bytes"
+                    return encode(Status.BAD_ARGUMENT, [message.encode()])
+                self._write(f[0], grown)
+                return encode(ok, ())
             if op is Op.CHECK:
                 return encode(ok, [b"\x01" if all(k in self._data for k in f) else b"\x00"])
             if op is Op.DELETE:

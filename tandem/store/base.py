@@ -16,7 +16,7 @@ from typing import Iterable, Sequence
 from tandem.config import timeout_seconds
 from tandem.errors import ArgumentError, StoreTimeoutError
 
-__all__ = ["Store", "DEFAULT_STORE_TIMEOUT"]
+__all__ = ["Store", "DEFAULT_STORE_TIMEOUT", "check_store"]
 
 DEFAULT_STORE_TIMEOUT = 300.0
 
@@ -35,6 +35,16 @@ def _value(value: object) -> bytes:
     if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
         return bytes(value)  # torch accepts a list of byte values
     raise ArgumentError(f"store values are str or bytes, got {type(value).__name__}")
+
+
+def check_store(what: str, store: object) -> None:
+    """Refuse anything but a tandem store, naming torch's stores (a half-ported script)."""
+    if not isinstance(store, Store):
+        kind = type(store)
+        got = (f"torch.distributed's {kind.__name__}; make it with tandem.{kind.__name__} "
+               f"instead" if kind.__module__.startswith("torch") else kind.__name__)
+        raise ArgumentError(f"{what} takes a tandem store (TCPStore, FileStore, HashStore, "
+                            f"PrefixStore), got {got}")
 
 
 class Store(abc.ABC):
@@ -87,6 +97,15 @@ class Store(abc.ABC):
             raise ArgumentError("check takes a list of keys, got a single str")
         return self._check([_key(k) for k in keys])
 
+    def append(self, key: str, value: str | bytes) -> None:
+        """Add ``value`` to the end of ``key``'s value, creating the key if it is missing;
+        atomic, so concurrent appends all land."""
+        self._append_value(_key(key), _value(value))
+
+    def has_extended_api(self) -> bool:
+        """Whether ``append``, ``multi_get`` and ``multi_set`` work (always, in tandem)."""
+        return True
+
     def delete_key(self, key: str) -> bool:
         return self._delete(_key(key))
 
@@ -133,6 +152,9 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes: ...
+
+    @abc.abstractmethod
+    def _append_value(self, key: str, value: bytes) -> None: ...
 
     @abc.abstractmethod
     def _wait(self, keys: list[str], deadline: float, seconds: float) -> None:

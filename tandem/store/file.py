@@ -149,6 +149,10 @@ class FileStore(Store):
         with self._locked(exclusive=True):
             return self._add_locked(key, amount)
 
+    def _append_value(self, key: str, value: bytes) -> None:
+        with self._locked(exclusive=True):
+            self._append(_SET, key, self._data.get(key, b"") + value)
+
     def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         with self._locked(exclusive=True):
             current = self._data.get(key)

@@ -47,6 +47,11 @@ class HashStore(Store):
             self._cond.notify_all()
             return value
 
+    def _append_value(self, key: str, value: bytes) -> None:
+        with self._cond:
+            self._data[key] = self._data.get(key, b"") + value
+            self._cond.notify_all()
+
     def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         with self._cond:
             current = self._data.get(key)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from tandem.store.base import Store
+from tandem.errors import ArgumentError
+from tandem.store.base import Store, check_store
 
 __all__ = ["PrefixStore"]
 
@@ -11,6 +12,9 @@ class PrefixStore(Store):
     """Every key is stored as ``prefix + "/" + key`` in ``store``."""
 
     def __init__(self, prefix: str, store: Store) -> None:
+        if not isinstance(prefix, str):
+            raise ArgumentError(f"PrefixStore: prefix must be a str, got {type(prefix).__name__}")
+        check_store("PrefixStore", store)
         super().__init__(store._timeout)
         self.prefix = prefix
         self.underlying_store = store
@@ -26,6 +30,9 @@ class PrefixStore(Store):
 
     def _add(self, key: str, amount: int) -> int:
         return self.underlying_store._add(self._k(key), amount)
+
+    def _append_value(self, key: str, value: bytes) -> None:
+        self.underlying_store._append_value(self._k(key), value)
 
     def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         return self.underlying_store._compare_set(self._k(key), expected, desired)

@@ -294,6 +294,10 @@ class TCPStore(Store):
         _, reply = self._client.call(Op.ADD, [key.encode(), str(amount).encode()])
         return int(_single(reply))
 
+    def _append_value(self, key: str, value: bytes) -> None:
+        self._check_size(value)
+        self._client.call(Op.APPEND, [key.encode(), value])
+
     def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         self._check_size(expected, desired)
         _, reply = self._client.call(Op.COMPARE_SET, [key.encode(), expected, desired])

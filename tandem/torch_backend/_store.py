@@ -54,6 +54,11 @@ class TorchStore(Store):
         return bytes(self._call(f"compare_set {key!r}",
                                 lambda: swap(key, expected, desired)))  # type: ignore[arg-type]
 
+    def _append_value(self, key: str, value: bytes) -> None:
+        # torch's stub lacks append (its binding has it, taking bytes as well as str)
+        extend: Callable[[str, bytes], None] = self.torch_store.append  # type: ignore[attr-defined]
+        self._call(f"append {key!r}", lambda: extend(key, value))
+
     def _wait(self, keys: list[str], deadline: float, seconds: float) -> None:
         left = deadline - time.monotonic()
         if left <= 0 and not self._check(keys):

@@ -86,9 +86,9 @@ class Transport(abc.ABC):
         return self.mailbox.post(peer, kind, group, seq, step, view, sig, site)
 
     def irecv_any(self, peers: Iterable[int], kind: int, group: int, view: memoryview,
-                  match: Callable[[int, Header], bool]) -> Slot:
+                  match: Callable[[int, Header], bool], sig: bytes = b"") -> Slot:
         """A receive any of ``peers`` may satisfy: the first message ``match`` accepts."""
-        return self.mailbox.post_any(peers, kind, group, view, match)
+        return self.mailbox.post_any(peers, kind, group, view, match, sig)
 
     @abc.abstractmethod
     def isend(self, peer: int, header: Header, payload: memoryview) -> Slot:

@@ -254,9 +254,9 @@ class Mailbox:
         return slot
 
     def post_any(self, peers: Iterable[int], kind: int, group: int, view: memoryview,
-                 match: Callable[[int, Header], bool]) -> Slot:
+                 match: Callable[[int, Header], bool], sig: bytes = b"") -> Slot:
         """Post a receive that any of ``peers`` may satisfy (``recv(src=None)``)."""
-        slot = Slot(-1, (-1, kind, group, -1, -1), view, b"")
+        slot = Slot(-1, (-1, kind, group, -1, -1), view, sig)
         failure: TandemError | None = None
         with self._lock:
             early = None

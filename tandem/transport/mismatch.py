@@ -21,6 +21,7 @@ __all__ = ["History", "mismatch", "check", "clashing_posts", "clashing_arrival"]
 
 # enum members as module constants: looking one up on its class costs ~10x a global
 _COLL = Kind.COLL
+_P2P = Kind.P2P
 
 _KEPT_CALLS = 64  # completed calls remembered per group, to recognise strays
 
@@ -43,8 +44,15 @@ def check(slot: Slot, header: Header, my_rank: int) -> CollectiveMismatchError |
     """Whether ``header`` may fill ``slot``: same call, same size."""
     if header.kind == _COLL and header.sig != slot.sig:
         return mismatch(slot, header, my_rank)
+    if header.kind == _P2P and header.sig != slot.sig and header.sig and slot.sig:
+        # a send's and a receive's signature are their tensors' dtypes: the same bytes
+        # read as another dtype would be silently wrong values
+        return CollectiveMismatchError(
+            f"rank {slot.peer if slot.peer >= 0 else '?'} sent {_text(header.sig)} but rank "
+            f"{my_rank} receives into {_text(slot.sig)} (tensor dtypes differ between send "
+            f"and recv; sender at {_text(header.site)})")
     if slot.view is not None and header.nbytes != len(slot.view):
-        what = _text(slot.sig) or "receive"
+        what = "receive" if header.kind == _P2P else _text(slot.sig) or "receive"
         return CollectiveMismatchError(
             f"rank {slot.peer} sent {header.nbytes} bytes but rank {my_rank} expected "
             f"{len(slot.view)} for {what} (tensor sizes differ across ranks; sender at "

@@ -643,3 +643,45 @@ def groups_behaviour(rank: int, world_size: int) -> dict[str, Any]:
     out["after_destroy"] = _error(lambda: tandem.all_reduce(torch.ones(1), group=mine))
     tandem.barrier()
     return out
+
+
+def aliased_arguments(rank: int, world_size: int) -> dict[str, Any]:
+    """Calls whose input shares memory with an output (an in-place all_to_all_single, an
+    input that is another rank's slot of the output list, a tensor listed twice), on the
+    job's own backend; the test compares each with the answer computed locally."""
+    out: dict[str, Any] = {}
+    t = torch.arange(world_size * 2.0) + 10 * rank
+    tandem.all_to_all_single(t, t)
+    out["all_to_all_single_in_place"] = t.tolist()
+
+    big = 1 << 16  # past the small-message paths
+    for name, n in (("all_gather_input_in_other_slot", 3),
+                    ("all_gather_input_in_other_slot_big", big)):
+        mine = torch.full((n,), float(rank + 1))
+        slots = [torch.zeros(n) for _ in range(world_size)]
+        slots[(rank + 1) % world_size] = mine
+        tandem.all_gather(slots, mine)
+        out[name] = [s.unique().tolist() for s in slots]
+
+    x = torch.ones(4)
+    tandem.all_reduce_coalesced([x, x])
+    out["all_reduce_coalesced_same_tensor_twice"] = x.tolist()
+
+    n = big
+    whole = torch.zeros(world_size * n)
+    part = whole.narrow(0, ((rank + 1) % world_size) * n, n)  # another rank's chunk
+    part.fill_(rank + 1)
+    tandem.all_gather_into_tensor(whole, part)
+    out["all_gather_into_tensor_input_in_other_chunk"] = [
+        whole[i * n:(i + 1) * n].unique().tolist() for i in range(world_size)]
+
+    ins = [torch.full((n,), 10.0 * rank + i) for i in range(world_size)]
+    outs = ins[1:] + ins[:1]  # each output is the input meant for another rank
+    tandem.all_to_all(outs, ins)
+    out["all_to_all_outputs_are_other_inputs"] = [o.unique().tolist() for o in outs]
+
+    ins = [torch.full((3,), float(10 * rank + i)) for i in range(world_size)]
+    res = ins[(rank + 1) % world_size]  # the output is the part meant for the next rank
+    tandem.reduce_scatter(res, ins)
+    out["reduce_scatter_output_is_an_input"] = res.tolist()
+    return out

@@ -114,6 +114,15 @@ def test_init_process_group_refuses_bad_ranks_and_sizes(job_secret: bytes, rank:
     assert not tandem.is_initialized()
 
 
+def test_init_process_group_refuses_a_torch_store_naming_tandems(job_secret: bytes) -> None:
+    import torch.distributed as td
+
+    with pytest.raises(ArgumentError, match=r"init_process_group takes a tandem store.*"
+                                            r"torch\.distributed.s HashStore.*tandem\.HashStore"):
+        tandem.init_process_group("tcp", store=td.HashStore(), rank=0, world_size=1)
+    assert not tandem.is_initialized()
+
+
 # Run in a child with its address space capped: without a check, a world of 2**40 ranks
 # allocates per-rank bookkeeping until the machine runs out of memory.
 HUGE_WORLD = textwrap.dedent("""
@@ -146,6 +155,23 @@ def test_init_method_query_values_that_are_not_integers_are_named(job_secret: by
                                                                   match: str) -> None:
     with pytest.raises(ArgumentError, match=match):
         tandem.init_process_group("tcp", init_method=url)
+
+
+@pytest.mark.parametrize("url,env,match", [
+    ("env://", {"WORLD_SIZE": "0", "RANK": "0"}, r"world_size must be in \[1, .*got 0"),
+    ("file:///tmp/x?rank=0&world_size=0", {}, r"world_size must be in \[1, .*got 0"),
+    ("env://", {"WORLD_SIZE": "2", "RANK": "5"}, r"rank must be in \[0, 2\), got 5"),
+], ids=["env-zero-world", "file-zero-world", "env-rank-outside"])
+def test_a_world_size_of_zero_is_named_not_reported_missing(
+        job_secret: bytes, monkeypatch: pytest.MonkeyPatch, url: str, env: dict[str, str],
+        match: str) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")  # never reached: the check comes first
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ArgumentError, match=match):
+        tandem.init_process_group("tcp", init_method=url)
+    assert not tandem.is_initialized()
 
 
 @pytest.mark.parametrize("ranks,match", [

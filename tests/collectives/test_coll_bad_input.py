@@ -155,6 +155,20 @@ def test_scatter_source_without_list_is_told(g) -> None:
         tandem.scatter(f(2), None, src=1, group=g)
 
 
+# A list on a rank that is not the root is never read or written: a caller expecting it
+# filled (gather mistaken for all_gather) would find it untouched, so it is refused as
+# torch refuses it. None or an empty list is fine.
+def test_gather_list_on_a_rank_that_is_not_the_destination_is_refused(g) -> None:
+    with pytest.raises(ArgumentError, match=r"gather_list.*only on the destination.*dst=0.*"
+                                            r"all_gather"):
+        tandem.gather(f(2), [f(2)] * P, dst=0, group=g)
+
+
+def test_scatter_list_on_a_rank_that_is_not_the_source_is_refused(g) -> None:
+    with pytest.raises(ArgumentError, match=r"scatter_list.*only on the source.*src=2"):
+        tandem.scatter(f(2), [f(2)] * P, src=2, group=g)
+
+
 def test_scatter_list_dtype_mismatch_is_named(g) -> None:
     with pytest.raises(ArgumentError, match=r"scatter_list\[0\] is torch.float64"):
         tandem.scatter(f(2), [f(2, dtype=torch.float64)] * P, src=1, group=g)

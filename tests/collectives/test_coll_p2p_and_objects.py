@@ -176,6 +176,21 @@ def test_recv_into_a_tensor_of_the_wrong_size_names_both_sizes() -> None:
     run_threads(2, body, op_timeout=5.0)
 
 
+@pytest.mark.parametrize("src", [0, None], ids=["from_rank_0", "from_any_rank"])
+def test_recv_into_a_tensor_of_another_dtype_names_both_dtypes(src) -> None:
+    # 4 float32 are as many bytes as 4 int32: without the check the receiver would get
+    # the floats' bit patterns as integers
+    def body(group):
+        if group.rank() == 0:
+            tandem.send(torch.ones(4), dst=1, group=group)
+            return None
+        with pytest.raises(CollectiveMismatchError, match="rank 0 sent float32.*rank 1 "
+                                                          "receives into int32"):
+            tandem.recv(torch.zeros(4, dtype=torch.int32), src=src, group=group)
+
+    run_threads(2, body, op_timeout=5.0)
+
+
 # -- monitored_barrier -------------------------------------------------------------------
 def test_monitored_barrier_returns_when_every_rank_arrives() -> None:
     def body(group):

@@ -245,3 +245,36 @@ def test_concurrent_adds_from_32_threads_sum_correctly(pair: Pair) -> None:
         thread.join(TIMEOUT)
     assert not errors
     assert pair[0].get("total") == str(threads_n * adds).encode()
+
+
+def test_append_creates_a_missing_key_then_concatenates(pair: Pair) -> None:
+    a, b = pair
+    a.append("log", b"x\x00")
+    b.append("log", "y")
+    assert a.get("log") == b"x\x00y"
+    assert a.has_extended_api()
+
+
+def test_concurrent_appends_of_the_same_bytes_are_all_kept(pair: Pair) -> None:
+    # identical appends racing on a missing key: each must land, none may be taken for
+    # another's (16 threads, 5 appends each, so 80 bytes)
+    threads_n, appends = 16, 5
+    barrier = threading.Barrier(threads_n)
+    errors: list[BaseException] = []
+
+    def work(handle: Store) -> None:
+        try:
+            barrier.wait(TIMEOUT)
+            for _ in range(appends):
+                handle.append("same", b"z")
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(pair[i % 2],), daemon=True)
+               for i in range(threads_n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(TIMEOUT)
+    assert not errors
+    assert pair[0].get("same") == b"z" * (threads_n * appends)

@@ -142,6 +142,16 @@ def test_value_over_the_cap_is_refused_before_sending(master: TCPStore) -> None:
     assert master.get("small") == b"ok"
 
 
+def test_appends_that_would_grow_a_value_past_the_cap_are_refused(master: TCPStore) -> None:
+    half = b"x" * (MAX_VALUE // 2 + 1)
+    master.append("grow", half)
+    with pytest.raises(ArgumentError, match="would exceed"):
+        master.append("grow", half)
+    assert len(master.get("grow")) == len(half)  # the refused append changed nothing
+    master.set("small", b"ok")  # and the server still serves
+    assert master.get("small") == b"ok"
+
+
 def test_32_clients_block_on_get_until_one_set_wakes_them(master: TCPStore) -> None:
     results: list[bytes | BaseException] = []
     lock = threading.Lock()

@@ -218,6 +218,9 @@ def test_torch_store_keeps_tandems_deadlines_and_errors() -> None:
     assert store.get("k") == b"\x00\xff" and store.add("n", 2) == 2 and store.add("n", 3) == 5
     assert store.compare_set("k", b"\x00\xff", b"v") == b"v" and store.check(["k"])
     assert store.delete_key("k") and not store.check(["k"])
+    store.append("log", b"a\x00")
+    store.append("log", "b")
+    assert store.get("log") == b"a\x00b"
     start = time.monotonic()
     with pytest.raises(StoreTimeoutError, match="'missing'"):
         store.get("missing")
