@@ -268,6 +268,33 @@ class Recorder:
         if self.on_failure is not None:
             self.on_failure(f"{call.what()} failed: {record[8]}")
 
+    # -- the transport's view (strays: see tandem.transport.mismatch.History) ---------
+    def completed(self, seq: int) -> tuple[bytes, bytes] | None:
+        """(signature, call site) of collective ``seq`` if this rank completed it and the
+        ring knows: its own record, ended without an error, or a later call that started
+        (calls run in order; one still queued proves nothing, as queued calls are
+        recorded when issued); None if not (yet), or not known. Any thread may ask."""
+        ring = self.ring
+        if not ring:
+            return None
+        r = ring[seq % len(ring)]  # its length stays while ``capacity`` is toggled
+        if r is None or r[0] < seq:
+            return None
+        if r[0] == seq:
+            if type(r[7]) is float and not r[8]:  # the end before the error: set last
+                return r[2], r[3]
+            return None
+        if r[6] or any(x is not None and x[0] > seq and x[6] for x in ring[:]):
+            return _EARLIER
+        return None
+
+    def last_completed(self, n: int) -> list[tuple[int, bytes, bytes]]:
+        """(seq, signature, call site) of the last ``n`` collectives completed here,
+        oldest first (those the ring still holds)."""
+        done = sorted((r[0], r[2], r[3]) for r in self.ring[:]
+                      if r is not None and type(r[7]) is float and not r[8])
+        return done[-n:] if n else []
+
     # -- point-to-point ------------------------------------------------------------------
     def begin_p2p(self, op: str, peer: int, tag: int, nbytes: int, site: str) -> Call | None:
         """Record a send or receive as posted (it runs from then on)."""
@@ -361,6 +388,7 @@ def _issue_order(c: Call) -> tuple[float, int]:
 
 
 _SEQ, _OP, _BYTES, _START, _END, _ERROR = map(operator.itemgetter, (0, 1, 4, 6, 7, 8))
+_EARLIER = (b"an earlier collective", b"?")
 
 
 def _ended(record: list[Any]) -> bool:
