@@ -179,6 +179,9 @@ class ProcessGroup:
         self._last_compared: tuple[int, bytes, bytes] | None = None
         # [flight recorder hook] this group's last calls (tandem/collectives/recorder.py)
         self.recorder = Recorder(settings.flight_recorder, group_name)
+        if self.recorder.capacity:
+            # its record of each completed call tells strays too (no second record)
+            transport.follow_calls(group_id, self.recorder.completed)
 
     # -- torch-compatible accessors -----------------------------------------------
     def rank(self) -> int:
@@ -319,7 +322,13 @@ class ProcessGroup:
                 # first wait: a previous call whose root waited on nobody (a broadcast
                 # with a different root on each rank) is otherwise never compared
                 self.compare_previous(op, range(self.group_size))
-            self.transport.finished(self.group_id, op.seq, op.sig, op.site)
+            if record is None:
+                self.transport.finished(self.group_id, op.seq, op.sig, op.site)
+            else:
+                # [recorder] ended before the transport is told: from then on, a message
+                # for this call is a stray (Recorder.completed), and not kept twice
+                record[7] = clock()  # t_end
+                self.transport.finished(self.group_id, op.seq, op.sig, op.site, True)
         except CollectiveError as exc:
             self.abort(exc)
             if record is not None:
@@ -336,10 +345,8 @@ class ProcessGroup:
             if record is not None:
                 recorder.fail(op, record, exc, watched)
             raise
-        if record is not None:
-            record[7] = clock()  # t_end
-            if watched:
-                recorder.unwatch(op, record)
+        if watched:
+            recorder.unwatch(op, record)
 
     def compare_previous(self, op: Op, members: Sequence[int]) -> None:
         """Raise if a member of ``members`` announced another call than this rank's as the
@@ -452,6 +459,8 @@ class ProcessGroup:
                 self._cv.wait(max(0.0, end - time.monotonic()))
             idle = not self._busy and (engine is None or not engine.is_alive())
         self.completions.close()
+        if self.recorder.ring:
+            self.transport.unfollow_calls(self.group_id, self.recorder.last_completed)
         if self.arena is not None and idle:  # a call still inside must not see it unmapped
             self.arena.close()
             self.arena = None

@@ -150,9 +150,24 @@ class Transport(abc.ABC):
         """Why ``peer``, which closed its process group on purpose, can send no more."""
         return self.mailbox.failures.left(peer)
 
-    def finished(self, group: int, seq: int, sig: bytes, site: bytes) -> None:
-        """This rank completed call ``seq`` of ``group``; later messages for it are strays."""
-        self.mailbox.finished(group, seq, sig, site)
+    def finished(self, group: int, seq: int, sig: bytes, site: bytes,
+                 recorded: bool = False) -> None:
+        """This rank completed call ``seq`` of ``group``; later messages for it are strays.
+
+        ``recorded``: the lookup given to :meth:`follow_calls` shows it completed."""
+        self.mailbox.finished(group, seq, sig, site, recorded)
+
+    def follow_calls(self, group: int, completed: Callable[[int], tuple[bytes, bytes] | None]
+                     ) -> None:
+        """``group`` records its completed calls itself: ``completed(seq)`` is (signature,
+        call site) of call ``seq`` once this rank completed it (else None)."""
+        self.mailbox.history.follow(group, completed)
+
+    def unfollow_calls(self, group: int,
+                       last: Callable[[int], Iterable[tuple[int, bytes, bytes]]]) -> None:
+        """End :meth:`follow_calls`; ``last(n)``: (seq, signature, call site) of the
+        group's last ``n`` completed calls, oldest first."""
+        self.mailbox.history.unfollow(group, last)
 
     def parked_call(self, group: int, seq: int) -> tuple[int, Header] | None:
         """(sender, header) of an unreceived message of call ``seq`` on ``group``, or None."""

@@ -192,10 +192,15 @@ class Mailbox:
         if self.reply is not None:
             self.reply(peer, group, error)
 
-    def finished(self, group: int, seq: int, sig: bytes, site: bytes) -> None:
-        """Record that this rank completed call ``seq``; leftovers for it are strays."""
+    def finished(self, group: int, seq: int, sig: bytes, site: bytes,
+                 recorded: bool = False) -> None:
+        """Record that this rank completed call ``seq``; leftovers for it are strays.
+
+        ``recorded``: the group's flight recorder shows the call as completed already
+        (see :meth:`History.follow`), so it is not kept twice."""
         with self._lock:
-            self.history.record(group, seq, sig, site)
+            if not recorded:
+                self.history.record(group, seq, sig, site)
             if not self._parked:  # the common case: a 4 KB all_reduce's every call
                 return
             strays = [s for k, s in self._parked.items() if k[1] == _COLL and k[2] == group

@@ -12,7 +12,7 @@ holding its lock; they only read what they are given.
 from __future__ import annotations
 
 import collections
-from typing import Iterable
+from typing import Callable, Iterable
 
 from tandem.errors import CollectiveMismatchError
 from tandem.transport.message import Header, Key, Kind, Slot
@@ -80,12 +80,35 @@ def clashing_arrival(parked: Iterable[Slot], kind: int, group: int, seq: int,
     return None
 
 
+# A group's own record of its completed calls (its flight recorder's): given a sequence
+# number, (signature, call site) of that call if this rank completed it, else None
+Completed = Callable[[int], "tuple[bytes, bytes] | None"]
+
+
 class History:
-    """The last calls this rank completed per group: (seq, signature, call site)."""
+    """The last calls this rank completed per group: (seq, signature, call site).
+
+    A group whose flight recorder is on records each call once, there
+    (:meth:`follow`), and says ``recorded`` to :meth:`Mailbox.finished`; its calls
+    made while recording was off are kept here.
+    """
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self._done: dict[int, collections.deque[tuple[int, bytes, bytes]]] = {}
+        self._recorded: dict[int, Completed] = {}
+
+    def follow(self, group: int, completed: Completed) -> None:
+        """Look up ``group``'s calls with ``completed`` too (its recorder's)."""
+        self._recorded[group] = completed
+
+    def unfollow(self, group: int,
+                 last: Callable[[int], Iterable[tuple[int, bytes, bytes]]]) -> None:
+        """Stop looking ``group``'s calls up elsewhere, keeping its last completed calls
+        here (``last(n)``: the last ``n``, oldest first)."""
+        if self._recorded.pop(group, None) is not None:
+            for seq, sig, site in last(_KEPT_CALLS):
+                self.record(group, seq, sig, site)
 
     def record(self, group: int, seq: int, sig: bytes, site: bytes) -> None:
         # every call records itself: no deque made per call only to be thrown away
@@ -99,10 +122,15 @@ class History:
 
         E.g. two ranks that both believe they are the root of a broadcast only send.
         """
-        done = self._done.get(header.group)
-        if header.kind != _COLL or not done or header.seq > done[-1][0]:
+        if header.kind != _COLL:
             return None
-        mine = next(((sig, site) for seq, sig, site in done if seq == header.seq), None)
+        completed = self._recorded.get(header.group)
+        mine = completed(header.seq) if completed is not None else None
+        if mine is None:
+            done = self._done.get(header.group)
+            if not done or header.seq > done[-1][0]:
+                return None
+            mine = next(((sig, site) for seq, sig, site in done if seq == header.seq), None)
         sig, site = mine if mine is not None else (b"an earlier collective", b"?")
         return CollectiveMismatchError(
             f"collective mismatch (group {header.group}, sequence {header.seq}): "
