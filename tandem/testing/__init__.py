@@ -92,8 +92,14 @@ def _mp() -> Any:
     global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(["torch", "tandem.collectives.api", "tandem.collectives.p2p",
-                                          "tandem.collectives.objects", "tandem.collectives.groups"])
+        # torch._dynamo: building any torch optimizer imports it (with inductor, sympy and
+        # ~800 modules), which took each rank 3-17 s (idle to load 13) before its first
+        # step; imported once here, it costs a rank nothing. It starts no thread. The
+        # tandem packages after it took a rank 0.2-0.5 s each at load 12.
+        _context.set_forkserver_preload(["torch", "torch._dynamo", "tandem.collectives.api",
+                                          "tandem.collectives.p2p", "tandem.collectives.objects",
+                                          "tandem.collectives.groups", "tandem.parallel",
+                                          "tandem.optim", "tandem.elastic"])
     return _context
 
 

@@ -7,42 +7,59 @@ within seconds, naming the host or the rank it waited for.
 
 from __future__ import annotations
 
+import datetime
 import os
-import subprocess
-import sys
-import textwrap
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+import tandem
+from tandem.testing import launch
 
 pytestmark = pytest.mark.timeout(200)
 
 CONNECT_TIMEOUT = 2.0
 LIMIT = 90.0  # seconds a case may take at most: far below the op timeout it must not use
 SLACK = 15.0  # set-up beyond the connect timeout on a busy machine (store, threads, files)
+# the settings a case must not inherit from the test's environment
+UNSET = ("TANDEM_TIMEOUT", "TANDEM_CONNECT_TIMEOUT", "TANDEM_SECRET", "MASTER_ADDR",
+         "MASTER_PORT", "RANK", "WORLD_SIZE")
 
-RANK = textwrap.dedent("""
-    import sys, time
-    import tandem, tandem.collectives.world  # imports (torch's too) before the clock starts
+
+def _init(rank: int, world_size: int, cases: list[tuple[dict[str, str], dict[str, Any]]]
+          ) -> tuple[str, float, str]:
+    """In a rank process of the harness (torch and tandem imported before the clock
+    starts): ``init_process_group(**kwargs)`` under ``env``, the (error type, seconds,
+    message) it ended with, or ("joined", seconds, "")."""
+    env, kwargs = cases[rank]
+    for name in UNSET:
+        os.environ.pop(name, None)
+    os.environ.update(env)
     start = time.monotonic()
     try:
-        tandem.init_process_group(sys.argv[1], init_method=sys.argv[2] or None,
-                                  rank=int(sys.argv[3]), world_size=2)
-        print("joined")
-    except Exception as exc:
-        print(f"{type(exc).__name__} {time.monotonic() - start:.2f} {exc}")
-""")
+        tandem.init_process_group(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - the case checks which one
+        return type(exc).__name__, time.monotonic() - start, str(exc)
+    return "joined", time.monotonic() - start, ""
+
+
+def _start(cases: list[tuple[dict[str, str], dict[str, Any]]]) -> list[tuple[str, float, str]]:
+    """One rank process per case, all at once (the harness's processes start with
+    torch and tandem imported: a fresh interpreter took 2-8 s to import them)."""
+    outcomes = launch(len(cases), _init, (cases,), init=False, timeout=LIMIT)
+    failed = [o for o in outcomes if not o.ok]
+    assert not failed, "\n".join(f"rank {o.rank}: {o.error}" for o in failed)
+    return [o.value for o in outcomes]
 
 
 def _run(backend: str, init_method: str, rank: int, **env: str) -> tuple[str, float, str]:
-    child_env = {**os.environ, "TANDEM_CONNECT_TIMEOUT": str(CONNECT_TIMEOUT), **env}
-    child_env.pop("TANDEM_TIMEOUT", None)
-    done = subprocess.run([sys.executable, "-c", RANK, backend, init_method, str(rank)],
-                          capture_output=True, text=True, timeout=LIMIT, env=child_env)
-    line = (done.stdout.strip().splitlines() or [""])[-1]
-    kind, seconds, message = (line.split(" ", 2) + ["0", ""])[:3]
-    assert kind != "joined" and kind, f"{done.stdout}\n{done.stderr[-3000:]}"
-    return kind, float(seconds), message
+    env = {"TANDEM_CONNECT_TIMEOUT": str(CONNECT_TIMEOUT), **env}
+    kind, seconds, message = _start([(env, {"backend": backend, "rank": rank, "world_size": 2,
+                                            "init_method": init_method or None})])[0]
+    assert kind != "joined" and kind, (kind, message)
+    return kind, seconds, message
 
 
 def test_a_misspelled_master_addr_fails_within_the_connect_timeout_naming_the_host() -> None:
@@ -78,43 +95,15 @@ def test_a_peer_that_never_starts_fails_set_up_within_the_connect_timeout(
     assert seconds < CONNECT_TIMEOUT + SLACK, f"took {seconds}s"
 
 
-SIZED = textwrap.dedent("""
-    import datetime, sys, time
-    import tandem, tandem.collectives.world
-    start = time.monotonic()
-    try:
-        tandem.init_process_group(sys.argv[5], init_method=sys.argv[1], rank=int(sys.argv[2]),
-                                  world_size=int(sys.argv[3]),
-                                  timeout=datetime.timedelta(seconds=float(sys.argv[4])))
-        print("joined")
-    except Exception as exc:
-        print(f"{type(exc).__name__} {time.monotonic() - start:.2f} {exc}")
-""")
-
-
 def _pair(tmp_path: Path, worlds: tuple[int, int], secrets: tuple[str, str],
           backend: str = "tcp") -> list[tuple[str, float, str]]:
     """Start ranks 0 and 1 on ``backend`` (init timeout 2 s) with these world sizes and
     TANDEM_SECRETs; each one's (error type, seconds, message)."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TANDEM_TIMEOUT", "TANDEM_CONNECT_TIMEOUT", "TANDEM_SECRET")}
     store = f"file://{tmp_path}/store"
-    procs = [subprocess.Popen([sys.executable, "-c", SIZED, store, str(rank), str(world), "2",
-                               backend],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**env, "TANDEM_SECRET": secret})
-             for rank, (world, secret) in enumerate(zip(worlds, secrets))]
-    try:
-        out = [p.communicate(timeout=LIMIT)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    results = []
-    for text in out:
-        line = (text.strip().splitlines() or [""])[-1]
-        kind, seconds, message = (line.split(" ", 2) + ["0", ""])[:3]
-        results.append((kind, float(seconds), message))
-    return results
+    return _start([({"TANDEM_SECRET": secret},
+                    {"backend": backend, "init_method": store, "rank": rank, "world_size": world,
+                     "timeout": datetime.timedelta(seconds=2)})
+                   for rank, (world, secret) in enumerate(zip(worlds, secrets))])
 
 
 def test_the_init_timeout_bounds_connecting_when_it_is_shorter(tmp_path: Path) -> None:

@@ -211,6 +211,14 @@ def test_namespaces_of_a_killed_run_are_removed_by_the_next_lab(tmp_path: Path) 
     # what the killed run left running in it (a link's delay process, a rank)
     left = subprocess.Popen(["ip", "netns", "exec", stale, "sleep", "120"])
     try:
+        # until it runs in there: on a loaded machine `ip` can still be starting when the
+        # lab looks, and enter the namespace after the lab has found it empty
+        deadline = time.monotonic() + 30
+        while str(left.pid) not in subprocess.run(["ip", "netns", "pids", stale],
+                                                  capture_output=True, text=True).stdout.split():
+            assert left.poll() is None, f"`ip netns exec` ended with {left.returncode}"
+            assert time.monotonic() < deadline, "the stale run's process never entered it"
+            time.sleep(0.05)
         with netns_lab(2, tmp_path):
             pass
         spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
