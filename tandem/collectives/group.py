@@ -346,6 +346,7 @@ class ProcessGroup:
                 recorder.fail(op, record, exc, watched)
             raise
         if watched:
+            assert record is not None  # only a recorded call is watched
             recorder.unwatch(op, record)
 
     def compare_previous(self, op: Op, members: Sequence[int]) -> None:
