@@ -223,28 +223,32 @@ def test_multi_set_with_unequal_lengths_raises_argument_error(store: Store) -> N
         store.multi_set(["a", "b"], [b"1"])
 
 
-def test_concurrent_adds_from_32_threads_sum_correctly(pair: Pair) -> None:
-    threads_n, adds = 32, 10
+def _race(pair: Pair, threads_n: int, times: int, call: Callable[[Store], object]) -> None:
+    """``call(handle)`` ``times`` times in each of ``threads_n`` threads released at once,
+    the threads alternating between the pair's two handles; none may raise."""
     barrier = threading.Barrier(threads_n)
     errors: list[BaseException] = []
 
     def work(handle: Store) -> None:
         try:
             barrier.wait(TIMEOUT)
-            for _ in range(adds):
-                handle.add("total", 1)
+            for _ in range(times):
+                call(handle)
         except BaseException as exc:  # reported below with the thread's store
             errors.append(exc)
 
-    threads = [
-        threading.Thread(target=work, args=(pair[i % 2],), daemon=True) for i in range(threads_n)
-    ]
+    threads = [threading.Thread(target=work, args=(pair[i % 2],), daemon=True)
+               for i in range(threads_n)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(TIMEOUT)
     assert not errors
-    assert pair[0].get("total") == str(threads_n * adds).encode()
+
+
+def test_concurrent_adds_from_32_threads_sum_correctly(pair: Pair) -> None:
+    _race(pair, 32, 10, lambda handle: handle.add("total", 1))
+    assert pair[0].get("total") == str(32 * 10).encode()
 
 
 def test_append_creates_a_missing_key_then_concatenates(pair: Pair) -> None:
@@ -258,23 +262,5 @@ def test_append_creates_a_missing_key_then_concatenates(pair: Pair) -> None:
 def test_concurrent_appends_of_the_same_bytes_are_all_kept(pair: Pair) -> None:
     # identical appends racing on a missing key: each must land, none may be taken for
     # another's (16 threads, 5 appends each, so 80 bytes)
-    threads_n, appends = 16, 5
-    barrier = threading.Barrier(threads_n)
-    errors: list[BaseException] = []
-
-    def work(handle: Store) -> None:
-        try:
-            barrier.wait(TIMEOUT)
-            for _ in range(appends):
-                handle.append("same", b"z")
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(pair[i % 2],), daemon=True)
-               for i in range(threads_n)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(TIMEOUT)
-    assert not errors
-    assert pair[0].get("same") == b"z" * (threads_n * appends)
+    _race(pair, 16, 5, lambda handle: handle.append("same", b"z"))
+    assert pair[0].get("same") == b"z" * (16 * 5)
