@@ -1,4 +1,4 @@
-"""The docs site: the site builds with ``mkdocs build --strict`` (a broken
+"""The README and the docs site: the site builds with ``mkdocs build --strict`` (a broken
 link, anchor or API reference fails), and every code block that claims to run is run.
 
 Each ```python or ```bash block carries a marker comment on the line before it:
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [*sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"(?:^(?P<marker><!-- test: (?P<how>[^\n]*?) -->)\n)?^```(?P<lang>python|bash|sh)\n"
                    r"(?P<code>.*?)^```$", re.M | re.S)
 # what the site needs beyond tandem's own dependencies: the "docs" extra of pyproject.toml
@@ -81,6 +81,13 @@ def test_blocks_said_to_be_covered_name_a_test_that_exists() -> None:
     for b in _marked(r"covered by \S+"):
         path = ROOT / (b.how or "").removeprefix("covered by ")
         assert path.is_file(), f"{b}: {b.how}, but there is no {path}"
+
+
+def test_the_readme_carries_its_quick_starts_as_running_blocks() -> None:
+    readme = [b for b in blocks() if b.page == "README.md"]
+    runs = [b for b in readme if b.how is not None and not b.how.startswith("fragment")]
+    assert any("tandem.torch_backend" in b.code for b in runs), "the backend quick start does not run"
+    assert any("rpc.init_rpc" in b.code for b in runs), "the RPC quick start does not run"
 
 
 @pytest.mark.timeout(180)
