@@ -140,15 +140,8 @@ def _same_machine(sock: socket.socket) -> bool:
 def tune(sock: socket.socket) -> None:
     """Latency and throughput settings applied to every data connection."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    # Between hosts, 4 MiB buffers (the usual rmem_max/wmem_max) cover the bandwidth-delay
-    # product of 10 Gbit/s at a 3 ms round trip. Within one machine there is no delay to
-    # cover, and on a crowded machine large buffers let a sender run megabytes ahead of a
-    # descheduled reader: with 256 KiB, tcp all-reduce at 3-4 ranks x 16-64 MB ran 2-4x
-    # faster than with 4 MiB under load average 8-15. But 256 KiB cost 20-30% at 1-16 MB
-    # on an idle machine (2 ranks x 1 MB 1.0 against 1.3 GB/s busbw, 3 ranks 0.63 against
-    # 0.81), and under a lighter load (two busy loops) it lost at 64 MB too. 1 MiB kept
-    # the idle figures of 4 MiB at 1-16 MB (alternating runs, tandem.bench collectives
-    # --backend tcp) and stays well below the sizes that ran ahead.
+    # 4 MiB covers 10 Gbit/s x 3 ms between hosts; on one machine 1 MiB, as fast as 4 MiB
+    # idle without letting a sender run ahead of a descheduled reader (docs/design.md)
     size = 1 << 20 if _same_machine(sock) else 4 << 20
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         try:

@@ -2,95 +2,11 @@
 
 Settings are read from the environment once, when a process group is created,
 into an immutable :class:`Settings`; the object is then passed down explicitly.
-Tests build their own with ``Settings(...)`` or ``load_settings(env)``.
-
-=============================  =========================================================
-variable                       meaning (default)
-=============================  =========================================================
-TANDEM_SECRET                  job secret used to authenticate every connection
-TANDEM_SECRET_FILE             file holding the job secret (used if TANDEM_SECRET unset)
-                               without either, a per-user secret in
-                               ``~/.config/tandem/secret`` (mode 0600) is created/used
-TANDEM_TIMEOUT                 default deadline of collectives and p2p ops, seconds (1800)
-TANDEM_CONNECT_TIMEOUT         deadline of set-up, seconds: reaching the store (name
-                               resolution included), finding the peers' addresses and
-                               connecting to them; the init timeout if shorter (60)
-TANDEM_BIND_ADDR               address the transport listens on; default: loopback when
-                               MASTER_ADDR is a loopback name, else all interfaces only
-                               if set to 0.0.0.0 explicitly (here or as MASTER_ADDR),
-                               otherwise the address of the interface that routes to
-                               MASTER_ADDR; on 0.0.0.0 peers are told that address
-TANDEM_MAX_FRAME               largest accepted message payload in bytes (16 GiB)
-TANDEM_ALGORITHM               force one all-reduce algorithm: auto, naive, ring,
-                               doubling, shm, hierarchical, or a registered custom
-                               one (auto)
-TANDEM_RING_THRESHOLD          all-reduce payloads of at least this many bytes use the
-                               ring algorithm, smaller ones recursive doubling; two
-                               ranks use four times this (524288)
-TANDEM_CHUNK_BYTES             smallest pipeline chunk of the ring algorithm; a larger
-                               segment is cut into eight chunks (1 MiB)
-TANDEM_LINK_CHUNK_BYTES        the same for a group whose ranks are on several hosts,
-                               one per host (ring chunks, recursive doubling's pieces),
-                               when smaller than TANDEM_CHUNK_BYTES (262144)
-TANDEM_SHM_ARENA               0: same-host groups do not share staging memory, so
-                               collectives go through the message rings only (1)
-TANDEM_SHM_CHUNK               staging bytes per rank and half of a shared-memory arena,
-                               a power of two >= 4096; 0 picks 1 MiB, or 4 MiB when
-                               the host has fewer CPUs than local ranks (0)
-TANDEM_DEBUG                   1: log rejected connections to stderr, and under
-                               ``tandemrun`` print every failing rank's whole traceback,
-                               tandem's own frames included (0)
-TANDEM_RUN_ID                  the job's id, set by ``tandemrun`` for its workers (what
-                               ``is_torchelastic_launched`` looks for; unset)
-TANDEM_HOST_ID                 this rank's host identity, for topology decisions (default:
-                               the host name); set it to simulate hosts on one machine
-LOCAL_WORLD_SIZE               ranks per node (set by the launcher); the default
-                               ``group_size`` of ``new_subgroups``
-TANDEM_STALL_WARN              seconds a collective or p2p call may wait before every
-                               waiting rank logs a stall warning naming the ranks that
-                               have not arrived and what they are doing; repeated at
-                               doubling intervals until the deadline; 0 turns the
-                               warnings and their watchdog off (30)
-TANDEM_FLIGHT_RECORDER         calls each process group remembers (its flight recorder,
-                               dumped on failures and on SIGUSR1); 0 turns recording
-                               off, and with it stall warnings, dumps, the timeline's
-                               call spans and ``tandem.stats()`` (2000)
-TANDEM_TRACE_DIR               where flight-recorder dumps go, one ``rank<N>.json`` per
-                               rank; ``tandemrun --log-dir`` sets it under the log dir
-                               (``./tandem-trace``)
-TANDEM_DUMP_NOTICE             0: a rank does not say on stderr where it wrote its flight
-                               recorder; ``tandemrun`` sets 0 for its workers, since it
-                               names every rank's dump in one line itself (1)
-TANDEM_TIMELINE                write a Chrome/Perfetto trace of this rank's calls to
-                               ``<path stem>.rank<N>.json``; ``tandemrun`` or
-                               ``python -m tandem.trace --timeline PATH`` merges the
-                               ranks' files into PATH (unset: no timeline)
-TANDEM_ELASTIC_STORE           where the workers of an elastic job (``tandem.elastic``)
-                               agree on membership: ``tcp://HOST:PORT`` or
-                               ``file:///PATH``, optionally ``?prefix=NAME``; tandemrun
-                               sets it to a store its agent serves (unset: the store of
-                               the process group, which must outlive every rank)
-TANDEM_ELASTIC_ID              this worker's name in an elastic job, unique per process
-                               (set by tandemrun; default: host, pid and a random tag)
-TANDEM_ELASTIC_JOIN            1: this worker joins a running elastic job (a replacement
-                               or a spare started by tandemrun); it trains alone until
-                               ``run_elastic`` admits it (0)
-TANDEM_ELASTIC_MAX_RANKS       most ranks an elastic job admits; joiners beyond it wait
-                               as spares (tandemrun: MAX nodes x nproc; 0: no limit)
-TANDEM_ELASTIC_MIN_NODES       fewest nodes an elastic job goes on with (tandemrun: MIN
-                               of --nnodes; 1)
-TANDEM_ELASTIC_NODE            this worker's node in an elastic job (tandemrun: the node
-                               rank; default: the host identity)
-TANDEM_ELASTIC_MASTER_ADDR     a joining worker's MASTER_ADDR once admitted (tandemrun:
-                               the job's; its own world before admission is on loopback)
-TANDEM_ELASTIC_BACKOFF         tandemrun, elastic jobs: seconds before the second
-                               replacement of a worker slot whose workers keep dying,
-                               doubling with every further death, at most 64 times (1)
-=============================  =========================================================
-
-Flags take ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``; anything else
-is refused, so a typo never flips a setting. Timeouts, here and in every function that
-takes one, must be finite and positive: :func:`timeout_seconds` checks them.
+Tests build their own with ``Settings(...)`` or ``load_settings(env)``. The table of
+every variable, its meaning and its default is ``docs/settings.md`` (``tests/test_config.py``
+checks it lists each one read here). Flags take ``1``/``true``/``yes``/``on`` or
+``0``/``false``/``no``/``off``; anything else is refused. Timeouts must be finite and
+positive: :func:`timeout_seconds` checks them.
 """
 
 from __future__ import annotations

@@ -107,3 +107,15 @@ def test_only_tandem_config_reads_settings_from_the_environment() -> None:
         if reads.search(line)
     ]
     assert not outside, "settings read outside tandem.config:\n" + "\n".join(outside)
+
+
+def test_the_settings_page_lists_every_setting_config_reads_and_no_other() -> None:
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    read = set(re.findall(r'"((?:TANDEM_[A-Z_]+)|LOCAL_WORLD_SIZE)"', (root / "tandem" / "config.py").read_text()))
+    listed = set(re.findall(r"^\| `([A-Z_]+)` \|", (root / "docs" / "settings.md").read_text(), re.M))
+    assert read, "found no setting read in tandem/config.py"
+    assert read - listed == set(), f"docs/settings.md lacks {sorted(read - listed)}"
+    assert listed - read == set(), f"docs/settings.md lists settings config.py does not read: {sorted(listed - read)}"

@@ -12,29 +12,13 @@ stalled calls (:mod:`tandem.collectives.stall`), the dump writes it out as JSON
     >>> tandem.stats()["default"]["all_reduce"]
     OpStats(count=120, bytes=491520, seconds=0.0131, failed=0)
 
-Recording is on the latency path of every call, so a blocking collective pays for
-it with one small list, one store into the ring and one clock read, written out in
-``ProcessGroup._execute`` (the ``[recorder]`` lines) rather than called here:
-
-* its record is one list of numbers and shared texts (:data:`RECORD_FIELDS`), stored
-  at ``ring[seq % capacity]``; the op is not kept once the call ends (a point-to-point
-  call gets one small :class:`Call` in a ring of its own);
-* its start time is the clock reading its deadline is made from (:data:`clock` is the
-  deadline's clock), its end time the one clock read recording adds;
-* its state follows from what is set (times, error), so it is never stored;
-* per-op totals are added up once per lap of the ring (:meth:`Recorder.lap`), and a
-  reader adds the calls of the current lap itself;
-* the ring is also the transport's record of this group's completed calls, by which it
-  tells a message for a call already done (a stray: the peer called something else):
-  :meth:`Recorder.completed`. Keeping that record apart as well, per call, cost more
-  than the rest of recording (in one process, per 4 KB all_reduce: recording 2,100
-  machine instructions with it, 600 without; ``valgrind --tool=callgrind``).
-
-Each step was measured in place (two ranks, recording toggled on their group):
-``python -m tandem.bench recorder``. Keeping each op as its own record instead (an
-object of ~80 B with a ~300 B attribute dict and its times, 2,000 of them alive)
-measured the same in place, paired in the same processes (+3.3% against +3.2% of a
-4 KB all_reduce on 2 ranks); the list holds half the memory and lets the op go.
+Recording is on the latency path of every call: a blocking collective pays one small
+list (:data:`RECORD_FIELDS`) stored at ``ring[seq % capacity]`` and one clock read,
+written out in ``ProcessGroup._execute`` (the ``[recorder]`` lines); its state follows
+from its times, per-op totals are added once per lap (:meth:`Recorder.lap`), and the
+ring doubles as the transport's record of completed calls (:meth:`Recorder.completed`).
+That keeps it near 1-2% of a 4 KB all_reduce (``python -m tandem.bench recorder``);
+the measurements behind each choice are in ``docs/design.md``, "Flight recorder".
 
 Calls on one group are issued one at a time, so the collective path needs no lock;
 point-to-point calls complete on transport threads and take one for the counters.

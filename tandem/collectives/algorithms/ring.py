@@ -63,17 +63,8 @@ def link_chunk(group: ProcessGroup) -> int | None:
 
     Every rank of the group gets the same answer, as the ring's pieces must agree.
     """
-    # A link between hosts has a delay: a ring that forwards a segment only once all of
-    # it arrived leaves each link idle for a one-way delay, a wake-up and a reduction at
-    # every step (2 (p-1) steps per all-reduce); in pieces a few bandwidth-delay
-    # products long (1 Gbit/s x 0.75 ms ~ 94 KB), the next piece is on the wire while
-    # this one is forwarded. A piece within tcp's inline limit (256 KiB) also goes out
-    # from the caller, without waking the writer thread. But every piece costs ~50 us of
-    # Python on each side, which decides once ranks wait for a core: measured in the same
-    # processes at 1 Gbit/s, 0.2 ms, 1 MB, 256 KiB against 128 KiB pieces took 25-40%
-    # less CPU on the calling thread and as long or less (4x1 all-reduce 17.1 against
-    # 19.6 ms at load 15; 2x1 recursive doubling 8.9 ms either way, whole 1 MB swaps
-    # 9.3 ms). On one host there is no delay to hide, so the larger chunk_bytes stays.
+    # pieces a few bandwidth-delay products long keep a delayed link busy; 256 KiB took
+    # 25-40% less CPU than 128 KiB at 1 Gbit/s, 0.2 ms (docs/design.md, "Ring pieces")
     if not spans_hosts(group):
         return None
     settings = group.settings
@@ -85,11 +76,8 @@ def ring_pieces(settings: Settings, bounds: Bounds, itemsize: int,
     """The chunks (element ranges) :func:`ring` cuts each segment of ``bounds`` into
     (of ``chunk_bytes``, default ``settings.chunk_bytes``, at most eight per segment)."""
     longest = max(b - a for a, b in bounds)
-    # chunks of chunk_bytes, but never more than _MAX_CHUNKS per segment: every message
-    # keeps a few Python objects alive while it is posted, and past ~700 of them the
-    # cyclic GC runs, every ~20 calls a full collection of the whole process (167k
-    # objects with torch: 50-1000 ms holding the GIL, measured at 3 ranks x 64 MB);
-    # eight chunks per step already keep the wire, the reduction and the peer busy
+    # at most _MAX_CHUNKS per segment: more posted messages set off full GC passes of
+    # 50-1000 ms at 3 ranks x 64 MB (docs/design.md, "Ring pieces")
     nbytes = chunk_bytes or settings.chunk_bytes
     chunk = max(1, nbytes // max(1, itemsize), -(-longest // _MAX_CHUNKS))
     return [_chunks(b, chunk) for b in bounds]
@@ -128,11 +116,8 @@ def ring(op: Op, buf: torch.Tensor, bounds: Bounds, redop: ReduceOp | None,
     stride = max(len(c) for c in pieces)
     scratch: list[torch.Tensor] = []
     if reduce_scatter:
-        # one landing area per reduce-scatter step, so every receive is posted before
-        # the call starts: the predecessor never waits for this rank and may run up to
-        # p - 2 steps ahead, and a message that finds no receive posted is parked and
-        # copied once more (measured: 5-18 MB of every 64 MB all-reduce at 3 ranks
-        # when receives were posted one step ahead)
+        # one landing area per step, so every receive is posted before the call starts
+        # (posted one step ahead, 5-18 MB of a 64 MB all-reduce at 3 ranks was parked)
         space = g.scratch(longest * (p - 1), buf.dtype)
         scratch = [space[i * longest:(i + 1) * longest] for i in range(p - 1)]
     # byte views are made once and sliced: a tensor-to-memoryview conversion per chunk
