@@ -85,10 +85,8 @@ def _whole_rounds(op: Op, arena: Arena, check: Callable[[], None], tensors: list
 
     Rounds go through a :class:`SlotRing` of ``WHOLE_ROUND_BYTES`` slots (at most half
     a half); a member posts round ``k`` after reducing round ``k - 1`` (lag 1). Staging
-    a round ahead while waiting for the peers was measured and dropped: 2 ranks, 64
-    MB, 20 alternated runs against this lockstep, it was ahead in 7 of 10 runs at load
-    11-19 and behind in 8 of 10 at load 7-14 (the round being reduced leaves the L2
-    while the next one is staged).
+    a round ahead was measured and dropped: at 64 MB it lost in 8 of 10 runs at one load
+    and won 7 of 10 at another (docs' benchmarks page, "Collectives on one host").
     """
     size = tensors[0].element_size()
     per = max(1, min(arena.chunk // 2, WHOLE_ROUND_BYTES) // size)
