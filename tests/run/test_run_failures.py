@@ -137,3 +137,50 @@ def test_a_restarted_job_resumes_from_its_checkpoint(run: Run, tmp_path: Path) -
     expected = -sum(0.1 * ((1 + step) + (2 + step)) / 2 for step in range(steps))
     assert f"[rank0]: rank 0 final {expected:.4f}" in res.out
     assert f"[rank1]: rank 1 final {expected:.4f}" in res.out
+
+
+@pytest.mark.timeout(90)
+def test_the_root_cause_is_the_rank_that_stalled_not_the_one_that_reported_it(run: Run) -> None:
+    res = run("--nproc-per-node", "3", SCRIPTS / "stalls_in_loader.py")
+    assert res.code == 1
+    summary = res.err[res.err.index("Root cause"):]
+    assert summary.startswith("Root cause: rank 2 stopped making progress\n"
+                              "  rank       : 2 (still running when the launcher stopped it)\n"
+                              "  seen by    : rank"), summary
+    assert "First failure it caused:\n  rank       : " in summary
+    assert "CollectiveTimeoutError" in summary and "Stopped by the launcher: ranks 2" in summary
+
+
+def test_a_timeout_blames_a_stopped_rank_only_when_it_did_not_fail_itself() -> None:
+    timed_out = failure(1, 1.0, "tandem.errors.CollectiveTimeoutError")
+    timed_out.blames = [2]
+    text = format_summary([timed_out], run_id="j", attempts=1, stopped=[0, 2])
+    assert text.splitlines()[2] == "Root cause: rank 2 stopped making progress"
+    assert "  seen by    : rank 1, which timed out waiting for it" in text
+    died = failure(2, 0.5, code=-9)  # the blamed rank failed by itself: it is the cause
+    assert "Root cause (first failure):\n  rank       : 2" in format_summary(
+        [timed_out, died], run_id="j", attempts=1, stopped=[0])
+    # a blamed rank that exited cleanly, or was never seen stopped here, is not guessed at
+    assert "Root cause (first failure):\n  rank       : 1" in format_summary(
+        [timed_out], run_id="j", attempts=1, stopped=[0])
+
+
+def test_the_bootstrap_records_the_ranks_a_timeout_names(tmp_path: Path) -> None:
+    import importlib.util
+    import json
+
+    from tandem.errors import CollectiveTimeoutError
+    from tandem.run import _tracebacks
+    spec = importlib.util.spec_from_file_location(
+        "bootstrap", Path(_tracebacks.__file__).with_name("_worker.py"))
+    assert spec and spec.loader
+    bootstrap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bootstrap)
+    try:
+        try:
+            raise CollectiveTimeoutError("all_reduce timed out", missing=(3, 2))
+        except CollectiveTimeoutError as exc:
+            raise RuntimeError("the step failed") from exc
+    except RuntimeError as wrapped:
+        bootstrap.record_error(wrapped, str(tmp_path / "e.json"), False, _tracebacks, 1.0)
+    assert json.loads((tmp_path / "e.json").read_text())["blames"] == [2, 3]
