@@ -26,10 +26,12 @@ import dataclasses
 import datetime
 import json
 import signal
+import socket
 import time
 from typing import Any, Sequence
 
 from tandem.run._tracebacks import CONSEQUENCES
+from tandem.run.oom import oom_kill_line
 from tandem.run.workers import WorkerGroup
 
 __all__ = ["Failure", "load_record", "pick_root_cause", "format_summary", "describe_exit",
@@ -182,6 +184,10 @@ def format_summary(failures: Sequence[Failure], *, run_id: str, attempts: int,
         lines.append(f"  exception  : none recorded: the worker exited with status "
                      f"{root.returncode} itself (sys.exit, argparse refusing its arguments, or "
                      f"a --no-python command); see its output above")
+    elif root.returncode == -signal.SIGKILL and root.host == socket.gethostname() \
+            and (line := oom_kill_line(root.pid, root.time)):
+        lines.append(f"  exception  : none recorded: the kernel's OOM killer killed it (out of "
+                     f"memory); the kernel log says: {line}")
     else:
         lines.append("  exception  : none recorded (the worker was killed); see its stderr "
                      "above")
