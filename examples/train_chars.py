@@ -51,7 +51,6 @@ process start-up (importing torch, and torch.optim importing torch._dynamo).
 from __future__ import annotations
 
 import argparse
-import math
 import multiprocessing
 import os
 import secrets
@@ -65,100 +64,12 @@ import torch
 
 import tandem as dist
 
+from train_chars.cli import parse
 from train_chars.trainer import RunConfig, train
 
-FULL = {"steps": 300, "batch_size": 16, "seq_len": 128, "dim": 128, "layers": 3, "heads": 4,
-        "corpus_mb": 3.0, "eval_windows": 512, "sample_chars": 300}
-QUICK = {"steps": 30, "batch_size": 8, "seq_len": 64, "dim": 64, "layers": 2, "heads": 4,
-         "corpus_mb": 0.5, "eval_windows": 64, "sample_chars": 120}
-
-
-EPILOG = """\
-processes:
-  standalone (python examples/train_chars.py): --nproc N local ranks (default 2).
-  scripts/train.sh: --nproc N, or NPROC=N (default 2), becomes tandemrun's
-  --nproc-per-node. Under any launcher the launcher sets the ranks (WORLD_SIZE),
-  and a --nproc given to this script is refused: give it to the launcher.
-outputs:
-  each run writes checkpoint.pt, loss.png and metrics.json to a new directory,
-  runs/train_chars/run_NNN; --out DIR writes to DIR instead, and never over another
-  run's checkpoint. --resume continues the latest run (or DIR's checkpoint).
-time:
-  about 100 s on 2 busy CPU cores for the default 300 steps (83 s of them
-  training), --quick about 15 s, set-up included (measured with scripts/train.sh).
-"""
-
-
-class _Parser(argparse.ArgumentParser):
-    """Under a launcher every rank parses the same command line and finds the same
-    error (or ``--help``): rank 0 alone prints it. The launcher would merge the ranks'
-    copies only when they arrive within a second of each other, and ranks that start
-    further apart than that on a loaded machine would each print theirs."""
-
-    def _print_message(self, message: str, file: Any = None) -> None:
-        if os.environ.get("RANK", "0") == "0":
-            super()._print_message(message, file)
-
-
 def parse_args(argv: Sequence[str] | None = None) -> tuple[RunConfig, argparse.Namespace]:
-    p = _Parser(description=__doc__.split("\n\n")[0], epilog=EPILOG,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, help="total optimizer steps (default 300; quick 30)")
-    p.add_argument("--batch-size", type=int, help="sequences per rank per step (16; quick 8)")
-    p.add_argument("--seq-len", type=int, help="characters per sequence (128; quick 64)")
-    p.add_argument("--dim", type=int, help="model width (128; quick 64)")
-    p.add_argument("--layers", type=int, help="transformer blocks (3; quick 2)")
-    p.add_argument("--corpus-mb", type=float, help="MB of stdlib source to read (3; quick 0.5)")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (3e-3)")
-    p.add_argument("--nproc", type=int, metavar="N",
-                   help="ranks of a standalone run (2); see 'processes' below")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (1)")
-    p.add_argument("--out", metavar="DIR",
-                   help="this run's directory (default: a new runs/train_chars/run_NNN)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue the latest run, or --out's (automatic after a launcher "
-                        "restart)")
-    p.add_argument("--save-every", type=int, default=100, help="checkpoint period in steps")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="a ~15 s smoke run: 30 small steps")
-    p.add_argument("--zero", action="store_true",
-                   help="shard the optimizer state over the ranks (ZeroRedundancyOptimizer)")
-    p.add_argument("--shard-grads", action="store_true",
-                   help="also keep only each rank's shard of the gradients (implies --zero)")
-    p.add_argument("--uneven", type=int, default=0, metavar="N",
-                   help="rank r trains N x r steps fewer; Join lets the others finish (0: off)")
-    p.add_argument("--elastic", action="store_true",
-                   help="survive a lost rank in place (tandem.elastic; under tandemrun, e.g. "
-                        "scripts/train.sh --elastic)")
-    ns = p.parse_args(argv)
-    preset = QUICK if ns.quick else FULL
-    values: dict[str, Any] = {k: (getattr(ns, k) if getattr(ns, k, None) is not None else v)
-              for k, v in preset.items()}
-    cfg = RunConfig(**values, lr=ns.lr, out=ns.out, resume=ns.resume, seed=ns.seed,
-                    save_every=ns.save_every, zero=ns.zero or ns.shard_grads,
-                    shard_grads=ns.shard_grads, uneven=ns.uneven, elastic=ns.elastic)
-    for name in ("steps", "batch_size", "seq_len", "dim", "layers", "eval_windows",
-                 "corpus_mb", "lr"):
-        if not 0 < getattr(cfg, name) < math.inf:  # NaN too
-            p.error(f"--{name.replace('_', '-')} must be positive")
-    if cfg.dim % cfg.heads:
-        p.error(f"--dim must be a multiple of {cfg.heads} (attention heads)")
-    if (ns.nproc is not None and ns.nproc <= 0) or ns.threads <= 0:
-        p.error("--nproc and --threads must be positive")
-    world = os.environ.get("WORLD_SIZE") if "RANK" in os.environ else None
-    # even a --nproc equal to WORLD_SIZE is refused: accepting it would let a user
-    # believe this flag sets the ranks under a launcher, until the day it differs
-    if world is not None and ns.nproc is not None:
-        p.error(f"--nproc {ns.nproc}: a launcher started this run with {world} ranks "
-                f"(WORLD_SIZE); --nproc only sets the ranks of a standalone run. Give the "
-                f"launcher the number instead (scripts/train.sh --nproc N, tandemrun "
-                f"--nproc-per-node N)")
-    if ns.uneven < 0:
-        p.error("--uneven must be 0 (off) or positive")
-    if ns.elastic and (cfg.zero or cfg.uneven):
-        p.error("--elastic needs every rank to hold the whole optimizer state and train every "
-                "step: drop --zero, --shard-grads and --uneven")
-    return cfg, ns
+    values, ns = parse(argv)
+    return RunConfig(**values), ns
 
 
 def run_rank(cfg: RunConfig, threads: int, init_method: str = "env://", rank: int = -1,

@@ -26,6 +26,15 @@ case "$nproc" in
   ''|*[!0-9]*|0) echo "train.sh: --nproc must be a positive number of ranks, got '$nproc'" >&2
                  exit 2;;
 esac
+# the example's flags are checked (and --help answered) before set-up and before any worker
+# starts; the check imports nothing but the standard library
+status=0
+"${PYTHON:-python3}" examples/train_chars/cli.py "${args[@]+"${args[@]}"}" || status=$?
+case $status in
+  0) ;;
+  3) exit 0;;  # the help was shown
+  *) exit "$status";;
+esac
 bash scripts/setup.sh
 exec .venv/bin/python -m tandem.run --standalone --nproc-per-node "$nproc" \
   "${launcher[@]+"${launcher[@]}"}" examples/train_chars.py "${args[@]+"${args[@]}"}"

@@ -119,3 +119,17 @@ def test_the_settings_page_lists_every_setting_config_reads_and_no_other() -> No
     assert read, "found no setting read in tandem/config.py"
     assert read - listed == set(), f"docs/settings.md lacks {sorted(read - listed)}"
     assert listed - read == set(), f"docs/settings.md lists settings config.py does not read: {sorted(listed - read)}"
+
+
+def test_a_count_of_one_takes_the_singular() -> None:
+    from tandem._words import counted
+    assert [counted(n, "rank") for n in (0, 1, 2)] == ["0 ranks", "1 rank", "2 ranks"]
+    assert counted(1, "process", "processes") == "1 process"
+    assert counted(4, "process", "processes") == "4 processes"
+    import torch
+
+    from tandem.collectives.checks import tensors_arg
+    from tandem.errors import ArgumentError
+    t = torch.zeros(2)
+    with pytest.raises(ArgumentError, match="has 2 tensors; the group has 1 rank$"):
+        tensors_arg([t, t], "all_gather", "tensor_list", 1, torch.float32)

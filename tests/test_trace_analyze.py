@@ -121,3 +121,18 @@ def test_when_all_agree_each_rank_says_where_it_was(tmp_path: Path) -> None:
         "the ranks' recorded calls agree on every group",
         "ranks 0-1: last call all_reduce at train.py:42 (completed); not in a collective; "
         "main thread at train.py:9 in wait_for_file"], lines
+
+
+def test_dumps_of_an_earlier_moment_are_left_out_with_their_time(tmp_path: Path) -> None:
+    # rank 1's dump is from an earlier SIGUSR1; rank 0 dumped later, further on
+    dump(tmp_path, 0, [call(0), call(1), call(2, state="started")], 3, world=2, at=T0 + 300)
+    dump(tmp_path, 1, [call(0)], 1, world=2, at=T0 + 100)
+    text = "\n".join(report(str(tmp_path)))
+    assert "rank 1 is behind" not in text, text
+    assert "left out the older dumps of rank 1 (written " in text, text
+    assert "ranks dumped at different moments look behind only because their dump is older" \
+        in text
+    assert "flight recorders of rank 0 (1 of 2)" in text
+    # dumps of one event, seconds apart, are compared as before
+    dump(tmp_path, 1, [call(0)], 1, world=2, at=T0 + 297)
+    assert "call #1: rank 1 is behind" in "\n".join(report(str(tmp_path)))

@@ -22,7 +22,11 @@ def train_sh(tmp_path: Path, *args: str, nproc_env: str | None = None
     (project / "scripts").mkdir(parents=True, exist_ok=True)
     (project / ".venv" / "bin").mkdir(parents=True, exist_ok=True)
     shutil.copy(ROOT / "scripts" / "train.sh", project / "scripts" / "train.sh")
-    (project / "scripts" / "setup.sh").write_text("#!/usr/bin/env bash\n")
+    (project / "examples" / "train_chars").mkdir(parents=True, exist_ok=True)
+    shutil.copy(ROOT / "examples" / "train_chars" / "cli.py",
+                project / "examples" / "train_chars" / "cli.py")
+    (project / "scripts" / "setup.sh").write_text(
+        '#!/usr/bin/env bash\ntouch "$(dirname "$0")/set-up-ran"\n')
     python = project / ".venv" / "bin" / "python"
     python.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$(dirname "$0")/argv"\n')
     python.chmod(0o755)
@@ -60,3 +64,22 @@ def test_a_bad_nproc_is_refused_before_anything_runs(tmp_path: Path) -> None:
         res, argv = train_sh(tmp_path, *bad)
         assert res.returncode == 2 and "train.sh: --nproc" in res.stderr, (bad, res.stderr)
         assert argv == []
+
+
+def test_a_mistyped_flag_is_refused_before_set_up_with_the_flag_it_resembles(
+        tmp_path: Path) -> None:
+    for typo, meant in (("--quik", "--quick"), ("--step", "--steps")):  # a prefix is no flag
+        res, argv = train_sh(tmp_path, typo, "3")
+        assert res.returncode == 2, res.stderr
+        assert f"unrecognized arguments: {typo} 3 (did you mean {meant}?)" in res.stderr
+        assert argv == [] and not (tmp_path / "project" / "scripts" / "set-up-ran").exists()
+    res, argv = train_sh(tmp_path, "--steps", "0")
+    assert res.returncode == 2 and "--steps must be positive" in res.stderr
+    assert argv == []
+
+
+def test_help_is_answered_without_set_up_or_workers(tmp_path: Path) -> None:
+    res, argv = train_sh(tmp_path, "--quick", "--help")
+    assert res.returncode == 0, res.stderr
+    assert "usage: train_chars.py" in res.stdout and "processes:" in res.stdout
+    assert argv == [] and not (tmp_path / "project" / "scripts" / "set-up-ran").exists()

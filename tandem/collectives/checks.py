@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
+from tandem._words import counted
 from tandem.collectives.group import ProcessGroup
 from tandem.errors import ArgumentError
 
@@ -123,7 +124,7 @@ def tensors_arg(ts: Any, what: str, name: str, count: int, dtype: torch.dtype,
     if not isinstance(ts, (list, tuple)):
         raise ArgumentError(f"{what}: {name} must be a list of tensors, got {type(ts).__name__}")
     if len(ts) != count:
-        raise ArgumentError(f"{what}: {name} has {len(ts)} tensors; the group has {count} ranks")
+        raise ArgumentError(f"{what}: {name} has {len(ts)} tensors; the group has {counted(count, 'rank')}")
     check = output_arg if output else tensor_arg
     out = [check(t, what, f"{name}[{i}]") for i, t in enumerate(ts)]
     for i, t in enumerate(out):

@@ -29,8 +29,10 @@ status 0 without running the rest of the script.
 from __future__ import annotations
 
 import functools
+import textwrap
 from typing import Any, Callable, Concatenate, ParamSpec, TypeVar
 
+from tandem._words import counted
 from tandem.elastic._session import Finished, Regroup, Session, note
 from tandem.elastic._state import ElasticState
 from tandem.errors import ArgumentError
@@ -83,7 +85,7 @@ def _loop(session: Session, fn: Callable[..., R], state: ElasticState, args: tup
         except Regroup:
             session.grow()
             if state.rank == 0:
-                note(f"generation {session.number}: {state.world_size} ranks, joiners let in "
+                note(f"generation {session.number}: {counted(state.world_size, 'rank')}, joiners let in "
                      f"at {_where(state)}")
         except Exception as exc:  # noqa: BLE001 - a lost peer is recovered, the rest re-raised
             if not session.recoverable(exc):
@@ -101,5 +103,6 @@ def _where(state: ElasticState) -> str:
 
 
 def _brief(exc: BaseException) -> str:
+    """The error's type and first line, shortened at a word, never inside one."""
     first = (str(exc).splitlines() or [""])[0]
-    return f"{type(exc).__name__}: {first[:200]}"
+    return f"{type(exc).__name__}: {textwrap.shorten(first, 200, placeholder=' ...')}"

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Iterator, Sized
 
 import torch
 
+from tandem._words import counted
 from tandem.errors import ArgumentError
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ class ElasticSampler:
         if per == 0:
             raise ArgumentError(
                 f"ElasticSampler(mode='reshard'): a global batch of {self.batch_size} cannot "
-                f"be split among {world_size} ranks")
+                f"be split among {counted(world_size, 'rank')}")
         return per
 
     # -- iteration -----------------------------------------------------------------------

@@ -39,6 +39,7 @@ import json
 import time
 from typing import Callable, Iterable
 
+from tandem._words import counted
 from tandem.errors import ElasticError, StoreTimeoutError, TimeoutError
 from tandem.store.base import Store
 
@@ -297,7 +298,7 @@ class Roster:
                      f"(ElasticState(min_ranks={min_ranks}))")
         elif len(nodes) < min_nodes:
             short = (f"{len(members)} rank(s) on {len(nodes)} node(s) remain and the job needs "
-                     f"at least {min_nodes} nodes (--nnodes {min_nodes}:...)")
+                     f"at least {counted(min_nodes, 'node')} (--nnodes {min_nodes}:...)")
         if short and waiting_allowed and self.coming() > 0:
             return None  # a replacement is on its way: wait for it
         unreported = [m for m in gen.members if m not in here and m not in exited]

@@ -110,6 +110,7 @@ def record_error(exc: BaseException, path: str, shown: bool, tracebacks: ModuleT
         "traceback": tracebacks.full(exc, fold=not tracebacks.debugging(os.environ)),
         "traceback_full": tracebacks.full(exc, fold=False),
         "shown": shown,
+        "blames": _blamed(exc),
     }
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
@@ -118,6 +119,21 @@ def record_error(exc: BaseException, path: str, shown: bool, tracebacks: ModuleT
         os.replace(tmp, path)
     except OSError as err:
         sys.stderr.write(f"tandemrun worker: cannot write error file {path}: {err}\n")
+
+
+def _blamed(exc: BaseException) -> List[int]:
+    """The ranks a timeout in ``exc``'s chain names as the ones never heard from
+    (``CollectiveTimeoutError.missing``): the launcher names them as the root cause."""
+    seen: Set[int] = set()
+    cur: "BaseException | None" = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        missing = getattr(cur, "missing", None)
+        if isinstance(missing, (tuple, list)) and missing \
+                and all(isinstance(r, int) for r in missing):
+            return sorted(missing)
+        cur = cur.__cause__ or cur.__context__
+    return []
 
 
 def _fail(exc: BaseException) -> NoReturn:

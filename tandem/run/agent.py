@@ -33,7 +33,8 @@ from tandem.errors import ArgumentError
 from tandem.run._supervisor import KILL_REQUEST
 from tandem.run.config import LaunchConfig
 from tandem.run.containment import Containment, make_scratch
-from tandem.run.dumps import DUMP_WAIT, fresh_dumps, merge_job_timeline, request_dumps
+from tandem.run.dumps import (DUMP_CLOCK_SLACK, DUMP_WAIT, fresh_dumps, merge_job_timeline,
+                              request_dumps)
 from tandem.run.inplace import InPlace, elastic_prefix
 from tandem.run.rendezvous import Assignment, LocalRendezvous, Rendezvous, StillWaiting
 from tandem.run.rootcause import (EXIT_GRACE, Failure, format_summary, let_failing_ranks_exit,
@@ -78,6 +79,7 @@ class Agent:
         self.out, self.err = Console.pair()
         self.group: WorkerGroup | None = None
         self.ending: int | None = None  # the terminating signal received, if any
+        self.ending_at = 0.0  # when (time.time()) it was received
         self._interruptible = False
         self.failures: list[Failure] = []
         self.stopped: list[int] = []
@@ -131,6 +133,8 @@ class Agent:
         if group is not None:
             group.signal_all(signal.SIGKILL if self.ending and signum in ENDING else signum)
         if signum in ENDING:
+            if not self.ending:
+                self.ending_at = time.time()
             self.ending = self.ending or signum
             if self._interruptible:
                 raise _Interrupted()
@@ -264,7 +268,8 @@ class Agent:
             while True:
                 if self.ending:
                     self.stopped = group.stop(None, cfg.shutdown_timeout)
-                    dumped = fresh_dumps(group.workers, started)  # e.g. Ctrl-C in a collective
+                    # only dumps the signal caused (Ctrl-C in a collective), not older ones
+                    dumped = fresh_dumps(group.workers, self.ending_at - DUMP_CLOCK_SLACK)
                     if dumped:
                         self._say(dumped)
                     return Outcome.SIGNALED

@@ -11,8 +11,9 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 from tandem.errors import ArgumentError
 from tandem.run.config import (
@@ -91,8 +92,33 @@ def _both(name: str) -> list[str]:
     return spellings
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """Name the flag an unknown one was probably meant to be: the flag it begins (no
+        abbreviations are taken: ``--nproc`` is refused, not read as ``--nproc-per-node``),
+        or else the closest spelling."""
+        unknown = message.split("unrecognized arguments:")[1:]
+        meant = _meant(unknown[0].split() if unknown else [], self._flags())
+        super().error(message + (f" (did you mean {meant}?)" if meant else ""))
+
+    def _flags(self) -> list[str]:
+        return [f for a in self._actions for f in a.option_strings if f.startswith("--")]
+
+
+def _meant(words: Sequence[str], flags: Sequence[str]) -> str | None:
+    for word in words:
+        given = word.split("=")[0]
+        if not given.startswith("--") or given in flags:
+            continue
+        begun = [f for f in flags if f.startswith(given)]
+        close = begun or difflib.get_close_matches(given, flags, n=1)
+        if close:
+            return close[0]
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="tandemrun",
         description="Launch a tandem (or torch.distributed) script on one or many nodes; "
                     "accepts torchrun's flags. Every flag may also be given as PET_<FLAG>.",

@@ -13,6 +13,7 @@ import os
 import re
 import signal
 
+from tandem._words import counted
 from tandem.errors import ArgumentError
 
 __all__ = ["Std", "StdMap", "LaunchConfig", "parse_nnodes", "parse_nproc", "parse_signals",
@@ -110,7 +111,7 @@ class LaunchConfig:
             # runs out of memory, and take the launcher's signals down with it
             raise ArgumentError(
                 f"--nproc-per-node {self.nproc_per_node}: this host's available memory holds "
-                f"at most about {fit} workers (at {WORKER_MEMORY >> 20} MiB each, far less "
+                f"at most about {counted(fit, 'worker')} (at {WORKER_MEMORY >> 20} MiB each, far less "
                 f"than a process that imports torch uses); start fewer workers per node")
         if not 1 <= self.min_nodes <= self.max_nodes:
             raise ArgumentError(

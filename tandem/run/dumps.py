@@ -22,9 +22,11 @@ from tandem.collectives.trace_files import dump_path, who
 from tandem.run.workers import Worker
 from tandem.trace.merge import merge_timeline
 
-__all__ = ["DUMP_WAIT", "trace_dir", "request_dumps", "fresh_dumps", "merge_job_timeline"]
+__all__ = ["DUMP_CLOCK_SLACK", "DUMP_WAIT", "trace_dir", "request_dumps", "fresh_dumps",
+           "merge_job_timeline"]
 
 DUMP_WAIT = 2.0  # seconds; a dump takes milliseconds once the worker's main thread runs
+DUMP_CLOCK_SLACK = 0.01  # a file's mtime (the kernel's coarse clock) trails time.time() by a tick
 DEFAULT_DIR = "tandem-trace"  # tandem's own default (TANDEM_TRACE_DIR), in the worker's cwd
 
 

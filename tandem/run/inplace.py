@@ -31,7 +31,8 @@ New workers join in a world of their own (``RANK=0 WORLD_SIZE=1`` and a free
 where the other hosts reach it). Each worker has a name
 in the job (``TANDEM_ELASTIC_ID``: node, slot, and the how-many-th of the slot), its own
 directory for logs and error file (``rank_<r>``, then ``rank_<r>.<k>``; spares
-``spare_<i>.<k>``) and output label (``[rank1.1]``, ``[spare0.0]``).
+``spare_<i>.<k>``) and output label (``[rank1.1]``, ``[spare0.0]``); once it is a member,
+its lines show its rank in the latest generation (a spare that took rank 1: ``[rank1]``).
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class InPlace:
         self._templates: dict[int, WorkerSpec] = {}
         self._spares_started = False
         self._pool: WarmPool | None = None  # the zygote, once the job runs elastic
+        self._labelled = -1  # the generation whose ranks label our workers' lines
 
     # -- the workers' environment ------------------------------------------------------
     def prepare(self, spec: WorkerSpec) -> WorkerSpec:
@@ -188,11 +190,32 @@ class InPlace:
         for when, slot in [d for d in self._due if d[0] <= now]:
             if self._start(group, slot):  # announced when it was planned
                 self._due.remove((when, slot))
+        if self.roster.is_on():
+            self._label_by_rank(group)
         if self._coming:
             queued = set(self.roster.joiners())
             for name, w in list(self._coming.items()):
                 if name in queued or not w.alive:
                     self._forget(name)
+
+    def _label_by_rank(self, group: WorkerGroup) -> None:
+        """Once a new generation formed, show each of our members by its rank in it: a
+        spare that took rank 1 prints as ``[rank1]``, no longer ``[spare0.0]``."""
+        number = self.roster.latest()
+        if number == self._labelled:
+            return
+        gen = self.roster.generation(number)
+        if gen is None or gen.ended:
+            return
+        self._labelled = number
+        for w in group.workers:
+            name = _name(w)
+            if w.retired or name not in gen.members:
+                continue
+            rank = gen.rank_of(name)
+            shown = w.spec.label or f"rank{w.spec.rank}"
+            if shown != f"rank{rank}" and not shown.startswith(f"rank{rank}."):
+                w.show_as(f"rank{rank}")
 
     def _start(self, group: WorkerGroup, slot: int) -> bool:
         """Start a new worker for ``slot``, warm if the zygote can; False to wait for the

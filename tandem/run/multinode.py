@@ -29,6 +29,7 @@ import uuid
 from typing import Any, Callable
 
 from tandem import _wire
+from tandem._words import counted
 from tandem.errors import ArgumentError, NetworkError, StoreTimeoutError, TandemError
 from tandem.run.config import LaunchConfig
 from tandem.run.heartbeat import Heartbeat, Watch
@@ -91,7 +92,7 @@ def _lost_agent(node_rank: int, node: dict[str, Any], first_rank: int) -> Failur
                    pid=-1, time=0.0, returncode=None, role=str(node["role"]),
                    exc_type="AgentLost",
                    message=f"the agent of node {node_rank} ({node['host']}) stopped "
-                           f"responding; its {node['nproc']} workers are gone with it")
+                           f"responding; its {counted(node['nproc'], 'worker')} are gone with it")
 
 
 class StoreRendezvous(Rendezvous):

@@ -26,10 +26,12 @@ import dataclasses
 import datetime
 import json
 import signal
+import socket
 import time
 from typing import Any, Sequence
 
 from tandem.run._tracebacks import CONSEQUENCES
+from tandem.run.oom import oom_kill_line
 from tandem.run.workers import WorkerGroup
 
 __all__ = ["Failure", "load_record", "pick_root_cause", "format_summary", "describe_exit",
@@ -82,6 +84,7 @@ class Failure:
     error_file: str = ""
     log_dir: str = ""
     shown: bool = False  # the rank printed its traceback where this launcher shows it
+    blames: list[int] = dataclasses.field(default_factory=list)  # ranks its timeout waited on
 
     def merge_record(self, record: dict[str, Any] | None, on_console: bool = True) -> None:
         """Add what the worker recorded; ``on_console``: its stderr reaches our console."""
@@ -92,6 +95,9 @@ class Failure:
         self.traceback = str(record.get("traceback", ""))
         self.shown = bool(record.get("shown")) and on_console
         self.host = str(record.get("host") or self.host)
+        blames = record.get("blames")
+        if isinstance(blames, list) and all(isinstance(r, int) for r in blames):
+            self.blames = blames
         if isinstance(record.get("time"), (int, float)):
             self.time = min(self.time, float(record["time"]))
 
@@ -132,21 +138,41 @@ def _when(t: float) -> str:
     return datetime.datetime.fromtimestamp(t).isoformat(sep=" ", timespec="milliseconds")
 
 
+def stalled_ranks(failures: Sequence[Failure], stopped: Sequence[int]) -> list[int]:
+    """The ranks the first failure timed out waiting on, when none of them failed by itself:
+    they stalled (a hung data loader, a stopped process) and the others only reported it."""
+    root = pick_root_cause(failures)
+    failed = {f.rank for f in failures}
+    blamed = [r for r in root.blames if r != root.rank]
+    if blamed and not failed & set(blamed) and set(blamed) <= set(stopped):
+        return blamed
+    return []
+
+
 def format_summary(failures: Sequence[Failure], *, run_id: str, attempts: int,
                    stopped: Sequence[int] = (), headline: str = "") -> str:
     """The multi-line report printed when the job gives up."""
     root = pick_root_cause(failures)
     plural = "s" if attempts != 1 else ""
-    lines = [RULE, headline or f"tandemrun: job {run_id} failed after {attempts} attempt{plural}",
-             "Root cause (first failure):",
-             f"  rank       : {root.rank} (local_rank {root.local_rank}, node {root.node_rank}, "
-             f"role {root.role})" if root.local_rank >= 0 else
-             f"  ranks      : all of node {root.node_rank}, from rank {root.rank} "
-             f"(role {root.role})",
-             f"  host       : {root.host}",
-             f"  pid        : {root.pid}",
-             f"  time       : {_when(root.time)}",
-             f"  exit       : {describe_exit(root.returncode)}"]
+    lines = [RULE, headline or f"tandemrun: job {run_id} failed after {attempts} attempt{plural}"]
+    stalled = stalled_ranks(failures, stopped)
+    if stalled:
+        waiting = sorted({f.rank for f in failures if set(stalled) & set(f.blames)})
+        lines += [f"Root cause: {_ranks(stalled)} stopped making progress",
+                  f"  rank       : {', '.join(map(str, stalled))} (still running when the "
+                  f"launcher stopped it)",
+                  f"  seen by    : {_ranks(waiting)}, which timed out waiting for it",
+                  "First failure it caused:"]
+    else:
+        lines.append("Root cause (first failure):")
+    lines += [f"  rank       : {root.rank} (local_rank {root.local_rank}, node {root.node_rank}, "
+              f"role {root.role})" if root.local_rank >= 0 else
+              f"  ranks      : all of node {root.node_rank}, from rank {root.rank} "
+              f"(role {root.role})",
+              f"  host       : {root.host}",
+              f"  pid        : {root.pid}",
+              f"  time       : {_when(root.time)}",
+              f"  exit       : {describe_exit(root.returncode)}"]
     if root.exc_type:
         lines.append(f"  exception  : {root.exc_type}: {root.message}")
         if root.shown:
@@ -158,6 +184,10 @@ def format_summary(failures: Sequence[Failure], *, run_id: str, attempts: int,
         lines.append(f"  exception  : none recorded: the worker exited with status "
                      f"{root.returncode} itself (sys.exit, argparse refusing its arguments, or "
                      f"a --no-python command); see its output above")
+    elif root.returncode == -signal.SIGKILL and root.host == socket.gethostname() \
+            and (line := oom_kill_line(root.pid, root.time)):
+        lines.append(f"  exception  : none recorded: the kernel's OOM killer killed it (out of "
+                     f"memory); the kernel log says: {line}")
     else:
         lines.append("  exception  : none recorded (the worker was killed); see its stderr "
                      "above")
@@ -191,6 +221,10 @@ def let_failing_ranks_exit(group: WorkerGroup, timeout: float, settle: float = S
             return
         group.changed.wait(min(0.05, max(0.0, deadline - time.monotonic())))
         group.changed.clear()
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 def _consequence(exc_type: str) -> bool:

@@ -185,6 +185,11 @@ class Console:
             self._screen.labels[key] = label
             return key
 
+    def relabel(self, key: int, label: str) -> None:
+        """Show the worker under ``key`` as ``[label]`` from now on."""
+        with self._screen.cond:
+            self._screen.labels[key] = label
+
     def attach(self, rank: int) -> None:
         with self._screen.cond:
             self._screen.merger.attach(rank, self.stream)

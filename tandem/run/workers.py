@@ -98,6 +98,7 @@ class Worker:
             os.close(report)
         self.pid = self.proc.pid  # the supervisor's
         key = out.labelled(spec.label) if spec.label else spec.rank  # how its lines show
+        self._key, self._out = key, out
         self._pumps = []
         if self.proc.stdout is not None:
             self._pumps.append(start_pump(self.proc.stdout, key,
@@ -155,6 +156,11 @@ class Worker:
         deadline = time.monotonic() + timeout
         for pump in self._pumps:
             pump.join(max(0.0, deadline - time.monotonic()))
+
+    def show_as(self, label: str) -> None:
+        """Prefix this worker's lines with ``[label]`` from now on (its rank changed:
+        a spare took a lost worker's place, ranks closed up after a loss)."""
+        self._out.relabel(self._key, label)
 
 
 class WorkerGroup:

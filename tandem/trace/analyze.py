@@ -13,7 +13,8 @@
 * point-to-point calls still waiting, and calls that failed, once each.
 
 Groups are reported in the order their divergence began. Dumps of another job in
-the same directory (an earlier run) are left out and counted.
+the same directory (an earlier run), and dumps written more than ``MOMENT`` seconds
+before the newest (an earlier ``SIGUSR1``, say), are left out and named.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ __all__ = ["load_dumps", "report"]
 Dump = dict[str, Any]
 P2P = ("send", "recv")
 MAX_FAILURES = 5
+# dumps of one event (a failure, a launcher's request) are written within seconds of
+# each other; one this much older than the newest is from an earlier moment
+MOMENT = 30.0
 
 
 def load_dumps(directory: str) -> tuple[dict[int, Dump], list[str]]:
@@ -57,7 +61,20 @@ def load_dumps(directory: str) -> tuple[dict[int, Dump], list[str]]:
     others = [r for r, d in found.items() if d.get("job", "") != newest]
     if others:
         notes.append(f"left out the dumps of {who(others)}: they belong to another job")
-    return {r: d for r, d in found.items() if r not in others}, notes
+    kept = {r: d for r, d in found.items() if r not in others}
+    latest = max(d.get("time", 0) for d in kept.values())
+    stale = sorted(r for r, d in kept.items() if d.get("time", 0) < latest - MOMENT)
+    if stale:
+        notes.append(f"left out the older dumps of {who(stale)} (written "
+                     f"{_clock(min(kept[r].get('time', 0) for r in stale))}, against "
+                     f"{_clock(latest)} for the newest): ranks dumped at different moments "
+                     f"look behind only because their dump is older; for one moment's set, "
+                     f"send SIGUSR1 to every rank at once")
+    return {r: d for r, d in kept.items() if r not in stale}, notes
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t))
 
 
 def _first_line(text: str, limit: int = 200) -> str:
@@ -219,9 +236,9 @@ def report(directory: str) -> list[str]:
         return notes + [f"no flight-recorder dumps (rank<N>.json) in {directory}"]
     world_size = max(int(d.get("world_size", 0)) for d in dumps.values())
     when = sorted(d["time"] for d in dumps.values())
-    span = time.strftime("%H:%M:%S", time.localtime(when[0]))
+    span = _clock(when[0])
     if when[-1] - when[0] >= 1:
-        span += "-" + time.strftime("%H:%M:%S", time.localtime(when[-1]))
+        span += "-" + _clock(when[-1])
     lines = [f"flight recorders of {who(dumps)} ({len(dumps)} of {world_size}), written "
              f"{span}"] + notes
     groups: dict[int, dict[int, Dump]] = {}

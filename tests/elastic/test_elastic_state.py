@@ -135,3 +135,14 @@ def test_sampler_arguments_are_checked() -> None:
         ElasticSampler(10, ElasticState(step=0), 2, mode="grow")
     with pytest.raises(ArgumentError, match="batch_size must be a positive int"):
         ElasticSampler(10, ElasticState(step=0), 0)
+
+
+def test_the_note_of_a_long_error_is_shortened_between_words() -> None:
+    from tandem.elastic._run import _brief
+    long = ("rank 1 died " + "while the group waited; did it exit or was it killed? " * 8).strip()
+    brief = _brief(RuntimeError(long + "\nsecond line"))
+    assert brief.startswith("RuntimeError: rank 1 died while") and brief.endswith(" ...")
+    assert len(brief) <= len("RuntimeError: ") + 200
+    kept = brief[len("RuntimeError: "):-len(" ...")]
+    assert long.startswith(kept) and long[len(kept)] == " "  # cut where a word ended
+    assert _brief(ValueError("short")) == "ValueError: short"

@@ -157,3 +157,19 @@ def test_config_is_usable_without_argparse() -> None:
 def test_min_max_nodes_need_the_c10d_backend() -> None:
     with pytest.raises(ArgumentError, match="c10d"):
         parse(["--nnodes", "1:2", "t.py"])
+
+
+@pytest.mark.parametrize("given, meant", [
+    ("--nproc", "--nproc-per-node"),        # torchrun users' shorthand: no abbreviation is taken
+    ("--nproc=2", "--nproc-per-node"),
+    ("--max-restart", "--max-restarts"),    # a letter short
+    ("--standalon", "--standalone"),
+    ("--nodes", "--nnodes"),                # no prefix of any flag: the closest spelling
+])
+def test_an_unknown_flag_is_refused_naming_the_flag_it_resembles(
+        given: str, meant: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse([given, "2", "train.py"] if "=" not in given else [given, "train.py"])
+    assert info.value.code == 2
+    assert f"unrecognized arguments: {given}" in (err := capsys.readouterr().err), err
+    assert f"(did you mean {meant}?)" in err, err

@@ -137,3 +137,111 @@ def test_a_restarted_job_resumes_from_its_checkpoint(run: Run, tmp_path: Path) -
     expected = -sum(0.1 * ((1 + step) + (2 + step)) / 2 for step in range(steps))
     assert f"[rank0]: rank 0 final {expected:.4f}" in res.out
     assert f"[rank1]: rank 1 final {expected:.4f}" in res.out
+
+
+@pytest.mark.timeout(90)
+def test_the_root_cause_is_the_rank_that_stalled_not_the_one_that_reported_it(run: Run) -> None:
+    res = run("--nproc-per-node", "3", SCRIPTS / "stalls_in_loader.py")
+    assert res.code == 1
+    summary = res.err[res.err.index("Root cause"):]
+    assert summary.startswith("Root cause: rank 2 stopped making progress\n"
+                              "  rank       : 2 (still running when the launcher stopped it)\n"
+                              "  seen by    : rank"), summary
+    assert "First failure it caused:\n  rank       : " in summary
+    assert "CollectiveTimeoutError" in summary and "Stopped by the launcher: ranks 2" in summary
+
+
+def test_a_timeout_blames_a_stopped_rank_only_when_it_did_not_fail_itself() -> None:
+    timed_out = failure(1, 1.0, "tandem.errors.CollectiveTimeoutError")
+    timed_out.blames = [2]
+    text = format_summary([timed_out], run_id="j", attempts=1, stopped=[0, 2])
+    assert text.splitlines()[2] == "Root cause: rank 2 stopped making progress"
+    assert "  seen by    : rank 1, which timed out waiting for it" in text
+    died = failure(2, 0.5, code=-9)  # the blamed rank failed by itself: it is the cause
+    assert "Root cause (first failure):\n  rank       : 2" in format_summary(
+        [timed_out, died], run_id="j", attempts=1, stopped=[0])
+    # a blamed rank that exited cleanly, or was never seen stopped here, is not guessed at
+    assert "Root cause (first failure):\n  rank       : 1" in format_summary(
+        [timed_out], run_id="j", attempts=1, stopped=[0])
+
+
+def test_the_bootstrap_records_the_ranks_a_timeout_names(tmp_path: Path) -> None:
+    import importlib.util
+    import json
+
+    from tandem.errors import CollectiveTimeoutError
+    from tandem.run import _tracebacks
+    spec = importlib.util.spec_from_file_location(
+        "bootstrap", Path(_tracebacks.__file__).with_name("_worker.py"))
+    assert spec and spec.loader
+    bootstrap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bootstrap)
+    try:
+        try:
+            raise CollectiveTimeoutError("all_reduce timed out", missing=(3, 2))
+        except CollectiveTimeoutError as exc:
+            raise RuntimeError("the step failed") from exc
+    except RuntimeError as wrapped:
+        bootstrap.record_error(wrapped, str(tmp_path / "e.json"), False, _tracebacks, 1.0)
+    assert json.loads((tmp_path / "e.json").read_text())["blames"] == [2, 3]
+
+
+def _memory_cgroup(limit: int) -> Path | None:
+    """A new memory cgroup limited to ``limit`` bytes (v1 or v2), or None where none can be
+    made here (not root, no memory controller)."""
+    import uuid
+    for root, knob in ((Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"),
+                       (Path("/sys/fs/cgroup"), "memory.max")):
+        if not (root / knob).exists() and not (root / "cgroup.controllers").exists():
+            continue
+        if knob == "memory.max" and "memory" not in (root / "cgroup.controllers").read_text():
+            continue
+        path = root / f"tandem-test-oom-{uuid.uuid4().hex[:8]}"
+        try:
+            path.mkdir()
+            (path / knob).write_text(str(limit))
+        except OSError:
+            if path.exists():
+                path.rmdir()
+            continue
+        return path
+    return None
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_the_oom_killer_killed_is_said_to_be(run: Run) -> None:
+    import os
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the kernel log and a memory cgroup")
+    cgroup = _memory_cgroup(64 << 20)
+    if cgroup is None:
+        pytest.skip("no memory cgroup can be made here (no memory controller)")
+    try:
+        os.environ["OOM_CGROUP"] = str(cgroup)
+        res = run("--nproc-per-node", "2", SCRIPTS / "oom_on_rank.py")
+    finally:
+        del os.environ["OOM_CGROUP"]
+        cgroup.rmdir()
+    assert res.code == 1
+    summary = res.err[res.err.index("Root cause"):]
+    assert "rank       : 1 (local_rank 1" in summary and "signal 9 (SIGKILL)" in summary
+    assert "exception  : none recorded: the kernel's OOM killer killed it (out of memory); " \
+           "the kernel log says: " in summary, summary
+    assert "Killed process" in summary
+
+
+def test_a_kernel_log_line_counts_only_for_its_own_process_and_time(tmp_path: Path) -> None:
+    from tandem.run.oom import oom_kill_line
+    now = time.monotonic()
+    log = tmp_path / "kmsg"  # /dev/kmsg's format: priority,sequence,microseconds,flags;text
+
+    def line(pid: int, ago: float) -> str:
+        return (f"3,{pid},{int((now - ago) * 1e6)},-;Memory cgroup out of memory: Killed "
+                f"process {pid} (python) total-vm:100kB\n SUBSYSTEM=memory\n")
+    log.write_text(line(4242, 2.0) + line(42, 1.0) + line(77, 3600.0))
+    exit_time = time.time()
+    assert oom_kill_line(4242, exit_time, kmsg=str(log)).startswith(
+        "Memory cgroup out of memory: Killed process 4242 (python)")
+    assert oom_kill_line(424, exit_time, kmsg=str(log)) == ""  # a prefix of another pid
+    assert oom_kill_line(77, exit_time, kmsg=str(log)) == ""  # an hour old: an earlier process
+    assert oom_kill_line(42, exit_time, kmsg=str(tmp_path / "none")) == ""  # unreadable

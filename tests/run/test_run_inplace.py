@@ -76,6 +76,9 @@ def test_a_spare_takes_the_lost_place_in_the_same_round(run: Run, tmp_path: Path
     assert _check(results, 24) == [2] * 24
     assert "a spare starts now" in res.err
     assert "the job finished before worker n0.s1.1 was admitted" in res.err, res.err
+    # the spare's lines show the rank it took, once it had taken it
+    assert "[rank1]: finished as rank 1 of 2" in res.err, res.err
+    assert "[spare0.0]: finished" not in res.err
     assert not wait_dead([*names.values(), *zygotes(res.err)], 10), "outlived the launcher"
 
 

@@ -5,14 +5,16 @@ job recorded with ``TANDEM_TIMELINE`` is merged into one file with a process per
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
-from runkit import SCRIPTS, Result
+from runkit import SCRIPTS, Launch, Result, finish, wait_for_pids
 
 Run = Callable[..., Result]
 
@@ -54,3 +56,27 @@ def test_the_launcher_merges_the_ranks_timelines(run: Run, tmp_path: Path) -> No
     for rank in (0, 1):
         calls = [e for e in events if e["pid"] == rank and e["name"] == "all_reduce"]
         assert len(calls) == 3, (rank, [e["name"] for e in events if e["pid"] == rank])
+
+
+@pytest.mark.timeout(120)
+def test_after_ctrl_c_the_launcher_names_no_dump_written_before_it(
+        launch: Launch, tmp_path: Path) -> None:
+    trace = tmp_path / "trace"
+    proc = launch("--nproc-per-node", "2", SCRIPTS / "dumps_then_waits.py",
+                  env={"TANDEM_TRACE_DIR": str(trace)})
+    wait_for_pids(tmp_path, 2, proc)  # both dumped, then went on waiting in user code
+    assert sorted(p.name for p in trace.iterdir()) == ["rank0.json", "rank1.json"]
+    before = {p.name: p.stat().st_mtime_ns for p in trace.iterdir()}
+    time.sleep(0.1)  # Ctrl-C comes well after the dumps (the launcher allows a clock tick)
+    proc.send_signal(signal.SIGINT)
+    res = finish(proc, 60)
+    assert res.code == 128 + signal.SIGINT
+    # a rank may dump again as it stops (its peer gone): only such dumps may be named
+    again = [r for r in (0, 1) if (trace / f"rank{r}.json").stat().st_mtime_ns
+             != before[f"rank{r}.json"]]
+    named = [line for line in res.err.splitlines() if "flight recorders of" in line]
+    if len(again) == 2:
+        pytest.skip("both ranks dumped again as they stopped: nothing stale to leave out")
+    assert named == ([f"tandemrun: flight recorders of rank {again[0]} in {trace}; 'python -m "
+                      f"tandem.trace {trace}' says where the ranks diverged"] if again else []), \
+        res.err

@@ -163,4 +163,5 @@ torch.save({"params": [p.detach().clone() for p in net.parameters()],
             "history": list(state.history), "rank": tandem.get_rank(),
             "world_size": tandem.get_world_size(), "pid": os.getpid()},
            out / f"result_{name}.pt")
+sys.stderr.write(f"finished as rank {tandem.get_rank()} of {tandem.get_world_size()}\n")
 tandem.destroy_process_group()
