@@ -20,23 +20,29 @@ TANDEM_BIND_ADDR               address the transport listens on; default: loopba
                                if set to 0.0.0.0 explicitly (here or as MASTER_ADDR),
                                otherwise the address of the interface that routes to
                                MASTER_ADDR; on 0.0.0.0 peers are told that address
-TANDEM_MAX_FRAME               largest accepted message payload in bytes (16 GiB)
+TANDEM_MAX_FRAME               largest accepted message payload in bytes, at most the
+                               larger of 16 GiB and the machine's memory (16 GiB)
 TANDEM_ALGORITHM               force one all-reduce algorithm: auto, naive, ring,
                                doubling, shm, hierarchical, or a registered custom
                                one (auto)
 TANDEM_RING_THRESHOLD          all-reduce payloads of at least this many bytes use the
                                ring algorithm, smaller ones recursive doubling; two
-                               ranks use four times this (524288)
+                               ranks use four times this; at most TANDEM_MAX_FRAME
+                               (524288)
 TANDEM_CHUNK_BYTES             smallest pipeline chunk of the ring algorithm; a larger
-                               segment is cut into eight chunks (1 MiB)
+                               segment is cut into eight chunks; 4096 to
+                               TANDEM_MAX_FRAME (1 MiB)
 TANDEM_LINK_CHUNK_BYTES        the same for a group whose ranks are on several hosts,
                                one per host (ring chunks, recursive doubling's pieces),
-                               when smaller than TANDEM_CHUNK_BYTES (262144)
+                               when smaller than TANDEM_CHUNK_BYTES; 4096 to
+                               TANDEM_MAX_FRAME (262144)
 TANDEM_SHM_ARENA               0: same-host groups do not share staging memory, so
                                collectives go through the message rings only (1)
 TANDEM_SHM_CHUNK               staging bytes per rank and half of a shared-memory arena,
                                a power of two >= 4096; 0 picks 1 MiB, or 4 MiB when
-                               the host has fewer CPUs than local ranks (0)
+                               the host has fewer CPUs than local ranks; at most a 64th
+                               of the machine's memory, and every local rank's two
+                               halves together at most a quarter of it (0)
 TANDEM_DEBUG                   1: log rejected connections to stderr, and under
                                ``tandemrun`` print every failing rank's whole traceback,
                                tandem's own frames included (0)
@@ -45,16 +51,19 @@ TANDEM_RUN_ID                  the job's id, set by ``tandemrun`` for its worker
 TANDEM_HOST_ID                 this rank's host identity, for topology decisions (default:
                                the host name); set it to simulate hosts on one machine
 LOCAL_WORLD_SIZE               ranks per node (set by the launcher); the default
-                               ``group_size`` of ``new_subgroups``
+                               ``group_size`` of ``new_subgroups``; 1 to MAX_WORLD_SIZE
 TANDEM_STALL_WARN              seconds a collective or p2p call may wait before every
                                waiting rank logs a stall warning naming the ranks that
                                have not arrived and what they are doing; repeated at
                                doubling intervals until the deadline; 0 turns the
-                               warnings and their watchdog off (30)
+                               warnings and their watchdog off; at most the longest
+                               wait the platform allows (30)
 TANDEM_FLIGHT_RECORDER         calls each process group remembers (its flight recorder,
                                dumped on failures and on SIGUSR1); 0 turns recording
                                off, and with it stall warnings, dumps, the timeline's
-                               call spans and ``tandem.stats()`` (2000)
+                               call spans and ``tandem.stats()``; at most one call per
+                               32 KiB of the machine's memory (a full ring costs up to
+                               512 bytes a call and group: a 64th of memory) (2000)
 TANDEM_TRACE_DIR               where flight-recorder dumps go, one ``rank<N>.json`` per
                                rank; ``tandemrun --log-dir`` sets it under the log dir
                                (``./tandem-trace``)
@@ -76,17 +85,26 @@ TANDEM_ELASTIC_JOIN            1: this worker joins a running elastic job (a rep
                                or a spare started by tandemrun); it trains alone until
                                ``run_elastic`` admits it (0)
 TANDEM_ELASTIC_MAX_RANKS       most ranks an elastic job admits; joiners beyond it wait
-                               as spares (tandemrun: MAX nodes x nproc; 0: no limit)
+                               as spares (tandemrun: MAX nodes x nproc; 0: no limit;
+                               at most MAX_WORLD_SIZE)
 TANDEM_ELASTIC_MIN_NODES       fewest nodes an elastic job goes on with (tandemrun: MIN
-                               of --nnodes; 1)
+                               of --nnodes; 1 to MAX_WORLD_SIZE; 1)
 TANDEM_ELASTIC_NODE            this worker's node in an elastic job (tandemrun: the node
                                rank; default: the host identity)
 TANDEM_ELASTIC_MASTER_ADDR     a joining worker's MASTER_ADDR once admitted (tandemrun:
                                the job's; its own world before admission is on loopback)
 TANDEM_ELASTIC_BACKOFF         tandemrun, elastic jobs: seconds before the second
                                replacement of a worker slot whose workers keep dying,
-                               doubling with every further death, at most 64 times (1)
+                               doubling with every further death, at most 64 times;
+                               at most the longest wait the platform allows / 64 (1)
 =============================  =========================================================
+
+Every size, count and duration above has an upper bound that fits the machine, checked
+when the settings are read, before anything is allocated (:func:`at_most`): a value
+past it is refused with a message naming the setting, its value, the limit and what to
+do. Memory bounds are fractions of :func:`memory_limit`, the machine's physical memory
+or, when lower, what this process's memory cgroup allows. ``MAX_WORLD_SIZE`` (2**20)
+bounds every count of ranks (world sizes, ``num_replicas``, ``LOCAL_WORLD_SIZE``).
 
 Flags take ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``; anything else
 is refused, so a typo never flips a setting. Timeouts, here and in every function that
@@ -107,10 +125,103 @@ from typing import Callable, Mapping, TypeVar
 
 from tandem.errors import ArgumentError
 
-__all__ = ["Settings", "load_settings", "load_secret", "timeout_seconds", "ALGORITHMS"]
+__all__ = ["Settings", "load_settings", "load_secret", "timeout_seconds", "ALGORITHMS",
+           "MAX_WORLD_SIZE", "memory_limit", "at_most", "size_text",
+           "shm_chunk_limit", "flight_recorder_limit", "max_frame_limit"]
 
 ALGORITHMS = ("auto", "naive", "ring", "doubling", "shm", "hierarchical")
 N = TypeVar("N", int, float)
+
+# Far beyond any job tandem serves (every rank keeps a link to every other); larger counts
+# of ranks are mistakes, and refusing them up front spares allocating per-rank tables.
+MAX_WORLD_SIZE = 1 << 20
+DEFAULT_MAX_FRAME = 16 << 30
+# What a full flight-recorder ring may cost per call and group (a record list of nine
+# fields with its floats, and a point-to-point Call): an upper estimate.
+RECORD_BYTES = 512
+
+
+def _cgroup_limits() -> list[int]:
+    """Memory limits of this process's cgroup and its ancestors (v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``); "max" and v1's near-2**63 "unlimited" are left out."""
+    limits = []
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            root, name = "/sys/fs/cgroup", "memory.max"
+        elif "memory" in controllers.split(","):
+            root, name = "/sys/fs/cgroup/memory", "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        # a cgroup namespace shows "/" while the mount shows our own cgroup at its root
+        for depth in range(len(parts), -1, -1):
+            try:
+                with open(os.path.join(root, *parts[:depth], name)) as f:
+                    raw = f.read().strip()
+            except OSError:
+                continue
+            if raw.isdigit() and int(raw) < (1 << 62):
+                limits.append(int(raw))
+    return limits
+
+
+_memory: list[int] = []
+
+
+def memory_limit() -> int:
+    """Bytes of memory this machine gives this process: its physical memory or, when
+    lower, what its memory cgroup (or an ancestor) allows. Read once per process."""
+    if not _memory:
+        try:
+            physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            physical = 1 << 40  # unknown: the fixed caps still hold
+        _memory.append(min([physical, *_cgroup_limits()]))
+    return _memory[0]
+
+
+def size_text(nbytes: float) -> str:
+    """``268435456`` -> ``256 MiB``: a byte count for people."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.3g} {unit}"
+    return f"{nbytes:.0f} bytes"
+
+
+def at_most(what: str, value: N, limit: N, why: str, fix: str) -> N:
+    """Return ``value`` if it is at most ``limit``, else refuse it naming ``what`` (the
+    setting or argument), the value, the limit, ``why`` that limit and ``fix`` (what to do).
+
+    The one check every size, count and duration in tandem goes through before anything
+    is allocated for it: a huge value must fail here, not in the kernel's OOM killer.
+    """
+    if value > limit:
+        raise ArgumentError(f"{what}={value} is above its limit of {limit} ({why}); {fix}")
+    return value
+
+
+def shm_chunk_limit(local_ranks: int = 1) -> int:
+    """Largest ``TANDEM_SHM_CHUNK`` with ``local_ranks`` ranks on this host: the largest
+    power of two within a 64th of memory, and within a quarter of it for every local
+    rank's two staging halves together."""
+    room = min(memory_limit() // 64, memory_limit() // (8 * max(1, local_ranks)))
+    return 1 << max(12, room.bit_length() - 1)
+
+
+def flight_recorder_limit() -> int:
+    """Largest ``TANDEM_FLIGHT_RECORDER``: a full ring per group within a 64th of memory."""
+    return max(1, memory_limit() // (64 * RECORD_BYTES))
+
+
+def max_frame_limit() -> int:
+    """Largest ``TANDEM_MAX_FRAME``: the machine's memory (the default, if larger)."""
+    return max(DEFAULT_MAX_FRAME, memory_limit())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -118,7 +229,7 @@ class Settings:
     timeout: float = 1800.0
     connect_timeout: float = 60.0
     bind_addr: str | None = None
-    max_frame: int = 16 << 30
+    max_frame: int = DEFAULT_MAX_FRAME
     algorithm: str = "auto"
     ring_threshold: int = 512 << 10
     chunk_bytes: int = 1 << 20
@@ -149,6 +260,7 @@ class Settings:
         if self.local_world_size is not None and self.local_world_size < 1:
             raise ArgumentError(
                 f"LOCAL_WORLD_SIZE must be a positive integer, got {self.local_world_size}")
+        self._check_bounds()
         if not self.algorithm:
             # names are checked against the algorithm registry when a collective runs,
             # so algorithms registered by the user are accepted too
@@ -184,6 +296,43 @@ class Settings:
                 ("tcp://", "file://")):
             raise ArgumentError(f"TANDEM_ELASTIC_STORE={self.elastic_store!r}: expected "
                                 f"tcp://HOST:PORT or file:///PATH")
+
+    def _check_bounds(self) -> None:
+        """Every size, count and duration against its upper bound (see the module doc)."""
+        memory = f"this machine has {size_text(memory_limit())} of memory"
+        ranks = "MAX_WORLD_SIZE, far beyond any job tandem serves"
+        if self.local_world_size is not None:
+            at_most("LOCAL_WORLD_SIZE", self.local_world_size, MAX_WORLD_SIZE, ranks,
+                    "set it to the number of ranks on this node")
+        limit = max_frame_limit()
+        at_most("TANDEM_MAX_FRAME", self.max_frame, limit,
+                f"{size_text(limit)}: no message larger than memory can be received; {memory}",
+                "unset it (16 GiB) or lower it")
+        for name, value in (("TANDEM_RING_THRESHOLD", self.ring_threshold),
+                            ("TANDEM_CHUNK_BYTES", self.chunk_bytes),
+                            ("TANDEM_LINK_CHUNK_BYTES", self.link_chunk_bytes)):
+            at_most(name, value, self.max_frame,
+                    "TANDEM_MAX_FRAME: a larger message would be refused by its receiver",
+                    "unset it or lower it")
+        limit = shm_chunk_limit()
+        at_most("TANDEM_SHM_CHUNK", self.shm_chunk, limit,
+                f"{size_text(limit)}, a 64th of memory: every local rank reserves two "
+                f"chunks per group in shared memory; {memory}",
+                f"unset it (0 picks 1-4 MiB) or choose a power of two up to {limit}")
+        limit = flight_recorder_limit()
+        at_most("TANDEM_FLIGHT_RECORDER", self.flight_recorder, limit,
+                f"a full ring costs up to {RECORD_BYTES} bytes a call in every process "
+                f"group, and all of it may take a 64th of memory; {memory}",
+                "unset it (2000 calls) or lower it")
+        at_most("TANDEM_STALL_WARN", self.stall_warn, _LONGEST,
+                "the longest wait this platform allows, in seconds",
+                "unset it (30) or use 0 to turn stall warnings off")
+        at_most("TANDEM_ELASTIC_BACKOFF", self.elastic_backoff, _LONGEST / 64,
+                "the backoff doubles up to 64 times and must stay a wait this platform "
+                "allows, in seconds", "unset it (1) or lower it")
+        for name, value in (("TANDEM_ELASTIC_MAX_RANKS", self.elastic_max_ranks),
+                            ("TANDEM_ELASTIC_MIN_NODES", self.elastic_min_nodes)):
+            at_most(name, value, MAX_WORLD_SIZE, ranks, "unset it or lower it")
 
 
 def _number(env: Mapping[str, str], name: str, kind: Callable[[str], N], default: N) -> N:
