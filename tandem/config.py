@@ -8,7 +8,9 @@ Tests build their own with ``Settings(...)`` or ``load_settings(env)``.
 variable                       meaning (default)
 =============================  =========================================================
 TANDEM_SECRET                  job secret used to authenticate every connection
-TANDEM_SECRET_FILE             file holding the job secret (used if TANDEM_SECRET unset)
+TANDEM_SECRET_FILE             file holding the job secret (used if TANDEM_SECRET unset):
+                               a regular file of at most 64 KiB that only its owner
+                               may read or write
                                without either, a per-user secret in
                                ``~/.config/tandem/secret`` (mode 0600) is created/used
 TANDEM_TIMEOUT                 default deadline of collectives and p2p ops, seconds (1800)
@@ -126,7 +128,7 @@ from typing import Callable, Mapping, TypeVar
 from tandem.errors import ArgumentError
 
 __all__ = ["Settings", "load_settings", "load_secret", "timeout_seconds", "ALGORITHMS",
-           "MAX_WORLD_SIZE", "memory_limit", "at_most", "size_text",
+           "MAX_WORLD_SIZE", "MAX_SECRET_BYTES", "memory_limit", "at_most", "size_text",
            "shm_chunk_limit", "flight_recorder_limit", "max_frame_limit"]
 
 ALGORITHMS = ("auto", "naive", "ring", "doubling", "shm", "hierarchical")
@@ -135,6 +137,8 @@ N = TypeVar("N", int, float)
 # Far beyond any job tandem serves (every rank keeps a link to every other); larger counts
 # of ranks are mistakes, and refusing them up front spares allocating per-rank tables.
 MAX_WORLD_SIZE = 1 << 20
+# A secret is a few dozen bytes; a Kubernetes secret volume's file is far below this.
+MAX_SECRET_BYTES = 64 << 10
 DEFAULT_MAX_FRAME = 16 << 30
 # What a full flight-recorder ring may cost per call and group (a record list of nine
 # fields with its floats, and a point-to-point Call): an upper estimate.
@@ -462,18 +466,48 @@ def load_secret(env: Mapping[str, str] | None = None) -> bytes:
     return _read_secret_file(path, f"the per-user secret file {str(path)!r}")
 
 
-def _read_secret_file(path: Path, what: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            mode = stat.S_IMODE(os.fstat(f.fileno()).st_mode)  # of the file we read
-            data = f.read().strip()
-    except OSError as exc:
-        raise ArgumentError(f"{what} cannot be read: {exc}") from exc
+_FILE_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+               (stat.S_ISDIR, "a directory"))
+
+
+def _check_secret_stat(st: os.stat_result, path: Path, what: str) -> None:
+    """Refuse a secret file by what ``os.stat`` says, before a byte of it is read: a FIFO
+    would block the read forever, a device (``/dev/zero``) or a huge file fill memory."""
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((k for test, k in _FILE_KINDS if test(st.st_mode)), "not a regular file")
+        raise ArgumentError(f"{what} is {kind}, not a regular file: a FIFO would block and a "
+                            f"device never end; put the secret in a file of at most "
+                            f"{MAX_SECRET_BYTES} bytes")
+    mode = stat.S_IMODE(st.st_mode)
     if mode & 0o077:
         raise ArgumentError(
             f"{what}: permissions {mode:04o} are too open: other users of this host could "
             f"read the job secret and join the job; make it private with chmod 600 {path} "
             f"(a Kubernetes secret volume: defaultMode 0400)")
+    at_most(f"{what}: size", st.st_size, MAX_SECRET_BYTES,
+            "bytes: a job secret is a few dozen bytes",
+            "point it at a file holding only the secret")
+
+
+def _read_secret_file(path: Path, what: str) -> bytes:
+    try:
+        # type, mode and size come first, from stat, so nothing is opened that could block
+        _check_secret_stat(os.stat(path), path, what)
+        # O_NONBLOCK: a FIFO swapped in after the stat must not block the open either
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ArgumentError(f"{what} cannot be read: {exc}") from exc
+    try:
+        _check_secret_stat(os.fstat(fd), path, what)  # of the file we read
+        raw = os.read(fd, MAX_SECRET_BYTES + 1)  # one more byte tells a file that grew
+    except OSError as exc:
+        raise ArgumentError(f"{what} cannot be read: {exc}") from exc
+    finally:
+        os.close(fd)
+    at_most(f"{what}: size", len(raw), MAX_SECRET_BYTES, "bytes: a job secret is a few "
+            "dozen bytes", "point it at a file holding only the secret")
+    data = raw.strip()
     if not data:
         raise ArgumentError(f"{what} is empty")
     return data

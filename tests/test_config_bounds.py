@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import resource
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 
 from tandem import config
-from tandem.config import (MAX_WORLD_SIZE, Settings, flight_recorder_limit, load_settings,
-                           max_frame_limit, memory_limit, shm_chunk_limit)
+from tandem.config import (MAX_SECRET_BYTES, MAX_WORLD_SIZE, Settings, flight_recorder_limit,
+                           load_secret, load_settings, max_frame_limit, memory_limit,
+                           shm_chunk_limit)
 from tandem.errors import ArgumentError
 
 LONGEST = threading.TIMEOUT_MAX
@@ -101,3 +106,58 @@ def test_memory_limit_reads_a_cgroup_limit_below_physical_memory(
     monkeypatch.setattr(config, "_memory", [])
     monkeypatch.setattr(config, "_cgroup_limits", lambda: [])
     assert config.memory_limit() >= 1 << 30
+
+
+# --- the secret file: type, mode and size before a byte is read -----------------------
+
+def _load_secret_in_child(path: str) -> subprocess.CompletedProcess[str]:
+    """load_secret in a child limited to 1 GiB of address space and 20 s: a read that
+    blocks or never ends must fail the test, not hang it or fill the machine."""
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    code = ("import sys\nfrom tandem.config import load_secret\nfrom tandem.errors import "
+            "ArgumentError\ntry:\n    load_secret({'TANDEM_SECRET_FILE': sys.argv[1]})\n"
+            "except ArgumentError as exc:\n    print(exc)\n")
+    return subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True,
+                          timeout=20, preexec_fn=limit)
+
+
+def test_a_secret_file_that_is_a_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
+    fifo = tmp_path / "secret"
+    os.mkfifo(fifo, 0o600)
+    try:
+        done = _load_secret_in_child(str(fifo))
+    except subprocess.TimeoutExpired:
+        pytest.fail("load_secret blocked on a FIFO")
+    assert "is a FIFO, not a regular file" in done.stdout, done
+
+
+def test_dev_zero_as_secret_file_is_refused_before_it_is_read() -> None:
+    done = _load_secret_in_child("/dev/zero")
+    assert "is a character device, not a regular file" in done.stdout, done
+
+
+def test_a_huge_secret_file_is_refused_by_its_size(tmp_path: Path) -> None:
+    big = tmp_path / "secret"
+    with open(big, "wb") as f:
+        f.truncate(4 << 30)  # sparse: 4 GiB that take no disk
+    big.chmod(0o600)
+    done = _load_secret_in_child(str(big))
+    assert f"size={4 << 30} is above its limit of {MAX_SECRET_BYTES}" in done.stdout, done
+
+
+def test_a_world_readable_secret_file_is_refused_before_it_is_opened(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "secret"
+    path.write_text("s3cret")
+    path.chmod(0o644)
+    import builtins
+
+    def opened(*args: object, **kw: object) -> None:
+        pytest.fail("opened before the mode check")
+
+    monkeypatch.setattr(os, "open", opened)
+    monkeypatch.setattr(builtins, "open", opened)
+    with pytest.raises(ArgumentError, match="permissions 0644 are too open"):
+        load_secret({"TANDEM_SECRET_FILE": str(path)})
