@@ -1,0 +1,67 @@
+"""Every size-like public argument has an upper bound, checked before anything is made.
+
+The companion of ``test_config_bounds.py`` (settings): ``tandemrun --spares 100000``
+forked spares until the launcher could start no thread and died, and
+``DistributedSampler(data, num_replicas=2**40)`` ran out of memory. The table holds
+every bounded argument; each refusal names the argument, its value and the limit.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+
+from test_config_bounds import assert_names
+from tandem.config import MAX_WORLD_SIZE
+from tandem.errors import ArgumentError
+
+
+def _launch(**kw: Any) -> object:
+    from tandem.run.config import LaunchConfig
+
+    return LaunchConfig(entrypoint="train.py", **kw)
+
+
+def _fit() -> int:
+    from tandem.run.config import workers_that_fit
+
+    return workers_that_fit() or 1
+
+
+# argument -> (make it with a value, the limit, a value past it)
+ARGUMENT_BOUNDS: dict[str, tuple[Callable[..., object], Callable[[], float], float]] = {
+    "--spares": (lambda n: _launch(spares=n), lambda: _fit() - 1, 100_000),
+    "--nnodes": (lambda n: _launch(min_nodes=1, max_nodes=n, rdzv_backend="c10d"),
+                 lambda: MAX_WORLD_SIZE, 1 << 40),
+    "--max-restarts": (lambda n: _launch(max_restarts=n), lambda: 10_000, 10 ** 9),
+    "--monitor-interval": (lambda s: _launch(monitor_interval=s), lambda: 86_400.0, 1e300),
+    "--shutdown-timeout": (lambda s: _launch(shutdown_timeout=s), lambda: 86_400.0, 1e300),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ARGUMENT_BOUNDS))
+def test_an_argument_past_its_limit_is_refused_naming_argument_value_and_limit(
+        name: str) -> None:
+    make, limit_of, past = ARGUMENT_BOUNDS[name]
+    with pytest.raises(ArgumentError) as err:
+        make(past)
+    assert_names(str(err.value), name, past, limit_of())
+
+
+def test_spares_beyond_what_the_host_holds_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # --spares 100000 forked spares until the launcher could start no thread, and died
+    from tandem.run import config as run_config
+
+    monkeypatch.setattr(run_config, "workers_that_fit", lambda: 12)
+    assert _launch(nproc_per_node=4, spares=8).spares == 8  # type: ignore[attr-defined]
+    with pytest.raises(ArgumentError, match=r"--spares=9 is above its limit of 8 .*"
+                                            r"--nproc-per-node 4 .*keep fewer spares"):
+        _launch(nproc_per_node=4, spares=9)
+
+
+def test_tandemrun_refuses_a_hundred_thousand_spares_before_starting_anything() -> None:
+    from tandem.run.args import parse
+
+    with pytest.raises(ArgumentError, match=r"--spares=100000 is above its limit of \d+"):
+        parse(["--nnodes", "1", "--spares", "100000", "train.py"])
