@@ -8,19 +8,57 @@ every bounded argument; each refusal names the argument, its value and the limit
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 
 from test_config_bounds import assert_names
-from tandem.config import MAX_WORLD_SIZE
+from tandem.config import MAX_WORLD_SIZE, shm_chunk_limit
 from tandem.errors import ArgumentError
+
+
+class _Sized:
+    def __len__(self) -> int:
+        return 10
+
+
+def _sampler(replicas: int) -> object:
+    from tandem.parallel import DistributedSampler
+
+    return DistributedSampler(_Sized(), num_replicas=replicas, rank=0)
 
 
 def _launch(**kw: Any) -> object:
     from tandem.run.config import LaunchConfig
 
     return LaunchConfig(entrypoint="train.py", **kw)
+
+
+def _tcp_store(n: int) -> object:
+    from tandem.store import TCPStore
+
+    return TCPStore("127.0.0.1", 0, world_size=n, is_master=True, secret=b"x")
+
+
+def _file_store(tmp: str, n: int) -> object:
+    from tandem.store import FileStore
+
+    return FileStore(os.path.join(tmp, "store"), world_size=n)
+
+
+def _world(n: int) -> object:
+    from tandem.collectives.init_method import check_rank
+
+    check_rank(0, n)
+    return None
+
+
+def _ring_bytes(n: int) -> object:
+    from tandem.transport.shm import ShmTransport
+
+    return ShmTransport(0, 2, None, b"x", ring_bytes=n)  # type: ignore[arg-type]
 
 
 def _fit() -> int:
@@ -31,12 +69,16 @@ def _fit() -> int:
 
 # argument -> (make it with a value, the limit, a value past it)
 ARGUMENT_BOUNDS: dict[str, tuple[Callable[..., object], Callable[[], float], float]] = {
+    "DistributedSampler: num_replicas": (_sampler, lambda: MAX_WORLD_SIZE, 1 << 40),
     "--spares": (lambda n: _launch(spares=n), lambda: _fit() - 1, 100_000),
     "--nnodes": (lambda n: _launch(min_nodes=1, max_nodes=n, rdzv_backend="c10d"),
                  lambda: MAX_WORLD_SIZE, 1 << 40),
     "--max-restarts": (lambda n: _launch(max_restarts=n), lambda: 10_000, 10 ** 9),
     "--monitor-interval": (lambda s: _launch(monitor_interval=s), lambda: 86_400.0, 1e300),
     "--shutdown-timeout": (lambda s: _launch(shutdown_timeout=s), lambda: 86_400.0, 1e300),
+    "TCPStore: world_size": (_tcp_store, lambda: MAX_WORLD_SIZE, 1 << 40),
+    "world_size": (_world, lambda: MAX_WORLD_SIZE, 1 << 40),
+    "ring_bytes": (_ring_bytes, lambda: shm_chunk_limit(1), 1 << 40),
 }
 
 
@@ -49,6 +91,12 @@ def test_an_argument_past_its_limit_is_refused_naming_argument_value_and_limit(
     assert_names(str(err.value), name, past, limit_of())
 
 
+def test_a_file_store_world_size_past_the_limit_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ArgumentError) as err:
+        _file_store(str(tmp_path), 1 << 40)
+    assert_names(str(err.value), "FileStore: world_size", 1 << 40, MAX_WORLD_SIZE)
+
+
 def test_spares_beyond_what_the_host_holds_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     # --spares 100000 forked spares until the launcher could start no thread, and died
     from tandem.run import config as run_config
@@ -58,6 +106,17 @@ def test_spares_beyond_what_the_host_holds_are_refused(monkeypatch: pytest.Monke
     with pytest.raises(ArgumentError, match=r"--spares=9 is above its limit of 8 .*"
                                             r"--nproc-per-node 4 .*keep fewer spares"):
         _launch(nproc_per_node=4, spares=9)
+
+
+def test_a_sampler_with_as_many_replicas_as_the_largest_world_builds_only_its_share() -> None:
+    # num_replicas=2**40 ran out of memory padding the index list to 2**40 entries;
+    # at the bound, a rank's share of a 10-item dataset is one index
+    from tandem.parallel import DistributedSampler
+
+    last = DistributedSampler(_Sized(), num_replicas=MAX_WORLD_SIZE, rank=MAX_WORLD_SIZE - 1,
+                              shuffle=False)
+    assert list(last) == [(MAX_WORLD_SIZE - 1) % 10]
+
 
 
 def test_tandemrun_refuses_a_hundred_thousand_spares_before_starting_anything() -> None:
