@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import torch
 
 from test_config_bounds import assert_names
-from tandem.config import MAX_WORLD_SIZE, shm_chunk_limit
+from tandem.config import MAX_WORLD_SIZE, memory_limit, shm_chunk_limit
 from tandem.errors import ArgumentError
 
 
@@ -28,6 +29,18 @@ def _sampler(replicas: int) -> object:
     from tandem.parallel import DistributedSampler
 
     return DistributedSampler(_Sized(), num_replicas=replicas, rank=0)
+
+
+def _ddp(cap_mb: float) -> object:
+    from tandem.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(torch.nn.Linear(2, 2), bucket_cap_mb=cap_mb)
+
+
+def _rpc_threads(n: int) -> object:
+    from tandem.rpc import TensorPipeRpcBackendOptions
+
+    return TensorPipeRpcBackendOptions(num_worker_threads=n)
 
 
 def _launch(**kw: Any) -> object:
@@ -70,6 +83,8 @@ def _fit() -> int:
 # argument -> (make it with a value, the limit, a value past it)
 ARGUMENT_BOUNDS: dict[str, tuple[Callable[..., object], Callable[[], float], float]] = {
     "DistributedSampler: num_replicas": (_sampler, lambda: MAX_WORLD_SIZE, 1 << 40),
+    "DistributedDataParallel: bucket_cap_mb": (_ddp, lambda: memory_limit() >> 20, 1e300),
+    "num_worker_threads": (_rpc_threads, lambda: 1024, 100_000),
     "--spares": (lambda n: _launch(spares=n), lambda: _fit() - 1, 100_000),
     "--nnodes": (lambda n: _launch(min_nodes=1, max_nodes=n, rdzv_backend="c10d"),
                  lambda: MAX_WORLD_SIZE, 1 << 40),
