@@ -9,6 +9,7 @@ every bounded argument; each refusal names the argument, its value and the limit
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -91,6 +92,9 @@ ARGUMENT_BOUNDS: dict[str, tuple[Callable[..., object], Callable[[], float], flo
     "--max-restarts": (lambda n: _launch(max_restarts=n), lambda: 10_000, 10 ** 9),
     "--monitor-interval": (lambda s: _launch(monitor_interval=s), lambda: 86_400.0, 1e300),
     "--shutdown-timeout": (lambda s: _launch(shutdown_timeout=s), lambda: 86_400.0, 1e300),
+    "--rdzv-conf join_timeout": (
+        lambda s: _launch(rdzv_conf=(("join_timeout", str(s)),)).conf(  # type: ignore[attr-defined]
+            "join_timeout", 600.0), lambda: threading.TIMEOUT_MAX, float("inf")),
     "TCPStore: world_size": (_tcp_store, lambda: MAX_WORLD_SIZE, 1 << 40),
     "world_size": (_world, lambda: MAX_WORLD_SIZE, 1 << 40),
     "ring_bytes": (_ring_bytes, lambda: shm_chunk_limit(1), 1 << 40),

@@ -12,6 +12,7 @@ import math
 import os
 import re
 import signal
+import threading
 
 from tandem.config import MAX_WORLD_SIZE, at_most
 from tandem.errors import ArgumentError
@@ -187,9 +188,15 @@ class LaunchConfig:
         """A numeric ``--rdzv-conf`` entry (e.g. ``join_timeout``), seconds."""
         raw = dict(self.rdzv_conf).get(key)
         try:
-            return default if raw is None else float(raw)
+            value = default if raw is None else float(raw)
         except ValueError as exc:
             raise ArgumentError(f"--rdzv-conf {key}={raw!r} is not a number") from exc
+        if not value >= 0:  # NaN too: a deadline made from it never passes
+            raise ArgumentError(f"--rdzv-conf {key}={raw!r} must be a number >= 0")
+        # infinity too: a wait on it fails mid-call with OverflowError
+        return at_most(f"--rdzv-conf {key}", value, threading.TIMEOUT_MAX,
+                       "the longest wait this platform allows, in seconds",
+                       "give a finite number of seconds")
 
     def filter_note(self) -> str | None:
         """What to tell a user whose ``--local-ranks-filter`` names ranks this node does
