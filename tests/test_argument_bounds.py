@@ -75,6 +75,12 @@ def _ring_bytes(n: int) -> object:
     return ShmTransport(0, 2, None, b"x", ring_bytes=n)  # type: ignore[arg-type]
 
 
+def _elastic_sampler(size: int = 10, batch_size: int = 2) -> object:
+    from tandem.elastic import ElasticSampler, ElasticState
+
+    return ElasticSampler(size, ElasticState(step=0), batch_size)
+
+
 def _fit() -> int:
     from tandem.run.config import workers_that_fit
 
@@ -95,6 +101,9 @@ ARGUMENT_BOUNDS: dict[str, tuple[Callable[..., object], Callable[[], float], flo
     "--rdzv-conf join_timeout": (
         lambda s: _launch(rdzv_conf=(("join_timeout", str(s)),)).conf(  # type: ignore[attr-defined]
             "join_timeout", 600.0), lambda: threading.TIMEOUT_MAX, float("inf")),
+    "ElasticSampler: dataset size": (_elastic_sampler, lambda: memory_limit() // 64, 1 << 40),
+    "ElasticSampler: batch_size": (lambda n: _elastic_sampler(batch_size=n),
+                                   lambda: memory_limit() // 640, 1 << 40),
     "TCPStore: world_size": (_tcp_store, lambda: MAX_WORLD_SIZE, 1 << 40),
     "world_size": (_world, lambda: MAX_WORLD_SIZE, 1 << 40),
     "ring_bytes": (_ring_bytes, lambda: shm_chunk_limit(1), 1 << 40),
