@@ -128,7 +128,7 @@ from typing import Callable, Mapping, TypeVar
 from tandem.errors import ArgumentError
 
 __all__ = ["Settings", "load_settings", "load_secret", "timeout_seconds", "ALGORITHMS",
-           "MAX_WORLD_SIZE", "MAX_SECRET_BYTES", "memory_limit", "at_most", "size_text",
+           "MAX_WORLD_SIZE", "MAX_SECRET_BYTES", "memory_limit", "memory_text", "at_most", "size_text",
            "shm_chunk_limit", "flight_recorder_limit", "max_frame_limit"]
 
 ALGORITHMS = ("auto", "naive", "ring", "doubling", "shm", "hierarchical")
@@ -155,7 +155,10 @@ def _cgroup_limits() -> list[int]:
     except OSError:
         return []
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
         if controllers == "":
             root, name = "/sys/fs/cgroup", "memory.max"
         elif "memory" in controllers.split(","):
@@ -188,6 +191,12 @@ def memory_limit() -> int:
             physical = 1 << 40  # unknown: the fixed caps still hold
         _memory.append(min([physical, *_cgroup_limits()]))
     return _memory[0]
+
+
+def memory_text() -> str:
+    """The memory bounds are drawn from, for messages: ``23.5 GiB of memory here (...)``."""
+    return (f"{size_text(memory_limit())} of memory here (physical memory, or the memory "
+            f"cgroup's limit when lower)")
 
 
 def size_text(nbytes: float) -> str:
@@ -303,7 +312,7 @@ class Settings:
 
     def _check_bounds(self) -> None:
         """Every size, count and duration against its upper bound (see the module doc)."""
-        memory = f"this machine has {size_text(memory_limit())} of memory"
+        memory = f"there are {memory_text()}"
         ranks = "MAX_WORLD_SIZE, far beyond any job tandem serves"
         if self.local_world_size is not None:
             at_most("LOCAL_WORLD_SIZE", self.local_world_size, MAX_WORLD_SIZE, ranks,
@@ -326,7 +335,7 @@ class Settings:
         limit = flight_recorder_limit()
         at_most("TANDEM_FLIGHT_RECORDER", self.flight_recorder, limit,
                 f"a full ring costs up to {RECORD_BYTES} bytes a call in every process "
-                f"group, and all of it may take a 64th of memory; {memory}",
+                f"group, and one ring may take a 64th of memory; {memory}",
                 "unset it (2000 calls) or lower it")
         at_most("TANDEM_STALL_WARN", self.stall_warn, _LONGEST,
                 "the longest wait this platform allows, in seconds",

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Iterator, Sized
 
 import torch
 
-from tandem.config import at_most, memory_limit, size_text
+from tandem.config import at_most, memory_limit, memory_text
 from tandem.errors import ArgumentError
 
 if TYPE_CHECKING:
@@ -52,16 +52,15 @@ class ElasticSampler:
                                 f"{batch_size!r}")
         if mode not in MODES:
             raise ArgumentError(f"ElasticSampler: mode must be one of {MODES}, got {mode!r}")
-        memory = size_text(memory_limit())
+        memory = memory_text()
         if shuffle:  # an epoch's permutation: 8 bytes a sample, within an eighth of memory
             at_most("ElasticSampler: dataset size", size, memory_limit() // 64,
                     f"samples: the shuffled order holds 8 bytes a sample, and may take an "
-                    f"eighth of this machine's {memory}", "give the dataset's true size, or "
+                    f"eighth of the {memory}", "give the dataset's true size, or "
                     "shuffle=False with the data shuffled once on disk")
         # a step's batch is a list of indices (about 40 bytes each), within a 16th of memory
         at_most("ElasticSampler: batch_size", batch_size, memory_limit() // 640,
-                f"indices: about 40 bytes each in a list, within a 16th of this machine's "
-                f"{memory}", "give the batch size in samples")
+                f"indices: about 40 bytes each in a list, within a 16th of the {memory}", "give the batch size in samples")
         if "step" not in state._values:
             raise ArgumentError("ElasticSampler counts steps with state.step: build the state "
                                 "with a step value, e.g. ElasticState(model, opt, step=0)")

@@ -39,7 +39,7 @@ import threading
 import time
 from typing import Sequence
 
-from tandem.config import at_most, memory_limit, shm_chunk_limit, size_text
+from tandem.config import at_most, memory_text, shm_chunk_limit, size_text
 from tandem.errors import (ArgumentError, CollectiveTimeoutError, NetworkError, PeerLostError,
                            StateError)
 from tandem.store.base import Store
@@ -104,8 +104,8 @@ class ShmTransport(BoundedSends, Transport):
         # a ring per ordered pair of local ranks: n (n - 1) of them, twice n (n - 1) / 2
         pairs = max(1, len(local) * (len(local) + 1) // 2)
         at_most("ring_bytes", cap, shm_chunk_limit(pairs),
-                f"rings of every local rank together may take a quarter of this host's "
-                f"{size_text(memory_limit())} of memory", "leave it unset or lower it")
+                f"the rings of all local ranks together may take a quarter of the "
+                f"{memory_text()}", "leave it unset or lower it")
         self.rank = rank
         self.world_size = world_size
         if mailbox is None:  # a shared mailbox's owner (the mixed transport) sets the reply
@@ -275,8 +275,8 @@ class ShmTransport(BoundedSends, Transport):
             limit = shm_chunk_limit(len(members))
             at_most("TANDEM_SHM_CHUNK", chunk, limit,
                     f"{size_text(limit)} for {len(members)} ranks on this host: the two "
-                    f"staging halves of all of them together may take a quarter of its "
-                    f"{size_text(memory_limit())} of memory",
+                    f"staging halves of all of them together may take a quarter of the "
+                    f"{memory_text()}",
                     f"unset it (0 picks 1-4 MiB) or choose a power of two up to {limit}")
         chunk = chunk or default_chunk(len(self._peers) + 1)
         size = segment_bytes(chunk)
