@@ -29,15 +29,15 @@ TANDEM_ALGORITHM               force one all-reduce algorithm: auto, naive, ring
                                one (auto)
 TANDEM_RING_THRESHOLD          all-reduce payloads of at least this many bytes use the
                                ring algorithm, smaller ones recursive doubling; two
-                               ranks use four times this; at most TANDEM_MAX_FRAME
-                               (524288)
+                               ranks use four times this; at most the largest
+                               TANDEM_MAX_FRAME allowed (524288)
 TANDEM_CHUNK_BYTES             smallest pipeline chunk of the ring algorithm; a larger
-                               segment is cut into eight chunks; 4096 to
-                               TANDEM_MAX_FRAME (1 MiB)
+                               segment is cut into eight chunks; 4096 to the largest
+                               TANDEM_MAX_FRAME allowed (1 MiB)
 TANDEM_LINK_CHUNK_BYTES        the same for a group whose ranks are on several hosts,
                                one per host (ring chunks, recursive doubling's pieces),
-                               when smaller than TANDEM_CHUNK_BYTES; 4096 to
-                               TANDEM_MAX_FRAME (262144)
+                               when smaller than TANDEM_CHUNK_BYTES; 4096 to the
+                               largest TANDEM_MAX_FRAME allowed (262144)
 TANDEM_SHM_ARENA               0: same-host groups do not share staging memory, so
                                collectives go through the message rings only (1)
 TANDEM_SHM_CHUNK               staging bytes per rank and half of a shared-memory arena,
@@ -324,9 +324,9 @@ class Settings:
         for name, value in (("TANDEM_RING_THRESHOLD", self.ring_threshold),
                             ("TANDEM_CHUNK_BYTES", self.chunk_bytes),
                             ("TANDEM_LINK_CHUNK_BYTES", self.link_chunk_bytes)):
-            at_most(name, value, self.max_frame,
-                    "TANDEM_MAX_FRAME: a larger message would be refused by its receiver",
-                    "unset it or lower it")
+            # sizes of messages, not allocations: past the largest frame they mean nothing
+            at_most(name, value, limit, f"{size_text(limit)}, the largest TANDEM_MAX_FRAME "
+                    f"allowed here", "unset it or lower it")
         limit = shm_chunk_limit()
         at_most("TANDEM_SHM_CHUNK", self.shm_chunk, limit,
                 f"{size_text(limit)}, a 64th of memory: every local rank reserves two "

@@ -34,9 +34,9 @@ SETTING_BOUNDS: dict[str, tuple[Callable[[], float], str]] = {
     "TANDEM_SHM_CHUNK": (shm_chunk_limit, str(2 * shm_chunk_limit())),
     "TANDEM_FLIGHT_RECORDER": (flight_recorder_limit, str(flight_recorder_limit() + 1)),
     "TANDEM_MAX_FRAME": (max_frame_limit, str(max_frame_limit() + 1)),
-    "TANDEM_RING_THRESHOLD": (lambda: Settings().max_frame, str(Settings().max_frame + 1)),
-    "TANDEM_CHUNK_BYTES": (lambda: Settings().max_frame, str(Settings().max_frame + 1)),
-    "TANDEM_LINK_CHUNK_BYTES": (lambda: Settings().max_frame, str(Settings().max_frame + 1)),
+    "TANDEM_RING_THRESHOLD": (max_frame_limit, str(max_frame_limit() + 1)),
+    "TANDEM_CHUNK_BYTES": (max_frame_limit, str(max_frame_limit() + 1)),
+    "TANDEM_LINK_CHUNK_BYTES": (max_frame_limit, str(max_frame_limit() + 1)),
     "LOCAL_WORLD_SIZE": (lambda: MAX_WORLD_SIZE, str(MAX_WORLD_SIZE + 1)),
     "TANDEM_ELASTIC_MAX_RANKS": (lambda: MAX_WORLD_SIZE, str(MAX_WORLD_SIZE + 1)),
     "TANDEM_ELASTIC_MIN_NODES": (lambda: MAX_WORLD_SIZE, str(MAX_WORLD_SIZE + 1)),
@@ -161,3 +161,8 @@ def test_a_world_readable_secret_file_is_refused_before_it_is_opened(
     monkeypatch.setattr(builtins, "open", opened)
     with pytest.raises(ArgumentError, match="permissions 0644 are too open"):
         load_secret({"TANDEM_SECRET_FILE": str(path)})
+
+
+def test_a_small_frame_cap_alone_is_accepted() -> None:
+    # the chunk and threshold defaults stay valid when only TANDEM_MAX_FRAME is lowered
+    assert load_settings({"TANDEM_MAX_FRAME": "4096"}).max_frame == 4096
