@@ -81,6 +81,12 @@ def _elastic_sampler(size: int = 10, batch_size: int = 2) -> object:
     return ElasticSampler(size, ElasticState(step=0), batch_size)
 
 
+def _elastic_state(min_ranks: int) -> object:
+    from tandem.elastic import ElasticState
+
+    return ElasticState(min_ranks=min_ranks)
+
+
 def _fit() -> int:
     from tandem.run.config import workers_that_fit
 
@@ -104,6 +110,7 @@ ARGUMENT_BOUNDS: dict[str, tuple[Callable[..., object], Callable[[], float], flo
     "ElasticSampler: dataset size": (_elastic_sampler, lambda: memory_limit() // 64, 1 << 40),
     "ElasticSampler: batch_size": (lambda n: _elastic_sampler(batch_size=n),
                                    lambda: memory_limit() // 640, 1 << 40),
+    "ElasticState: min_ranks": (_elastic_state, lambda: MAX_WORLD_SIZE, 1 << 40),
     "TCPStore: world_size": (_tcp_store, lambda: MAX_WORLD_SIZE, 1 << 40),
     "world_size": (_world, lambda: MAX_WORLD_SIZE, 1 << 40),
     "ring_bytes": (_ring_bytes, lambda: shm_chunk_limit(1), 1 << 40),
