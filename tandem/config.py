@@ -23,10 +23,114 @@ from typing import Callable, Mapping, TypeVar
 
 from tandem.errors import ArgumentError
 
-__all__ = ["Settings", "load_settings", "load_secret", "timeout_seconds", "ALGORITHMS"]
+__all__ = ["Settings", "load_settings", "load_secret", "timeout_seconds", "ALGORITHMS",
+           "MAX_WORLD_SIZE", "MAX_SECRET_BYTES", "memory_limit", "memory_text", "at_most", "size_text",
+           "shm_chunk_limit", "flight_recorder_limit", "max_frame_limit"]
 
 ALGORITHMS = ("auto", "naive", "ring", "doubling", "shm", "hierarchical")
 N = TypeVar("N", int, float)
+
+# Far beyond any job tandem serves (every rank keeps a link to every other); larger counts
+# of ranks are mistakes, and refusing them up front spares allocating per-rank tables.
+MAX_WORLD_SIZE = 1 << 20
+# A secret is a few dozen bytes; a Kubernetes secret volume's file is far below this.
+MAX_SECRET_BYTES = 64 << 10
+DEFAULT_MAX_FRAME = 16 << 30
+# What a full flight-recorder ring may cost per call and group (a record list of nine
+# fields with its floats, and a point-to-point Call): an upper estimate.
+RECORD_BYTES = 512
+
+
+def _cgroup_limits() -> list[int]:
+    """Memory limits of this process's cgroup and its ancestors (v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``); "max" and v1's near-2**63 "unlimited" are left out."""
+    limits = []
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
+        if controllers == "":
+            root, name = "/sys/fs/cgroup", "memory.max"
+        elif "memory" in controllers.split(","):
+            root, name = "/sys/fs/cgroup/memory", "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        # a cgroup namespace shows "/" while the mount shows our own cgroup at its root
+        for depth in range(len(parts), -1, -1):
+            try:
+                with open(os.path.join(root, *parts[:depth], name)) as f:
+                    raw = f.read().strip()
+            except OSError:
+                continue
+            if raw.isdigit() and int(raw) < (1 << 62):
+                limits.append(int(raw))
+    return limits
+
+
+_memory: list[int] = []
+
+
+def memory_limit() -> int:
+    """Bytes of memory this machine gives this process: its physical memory or, when
+    lower, what its memory cgroup (or an ancestor) allows. Read once per process."""
+    if not _memory:
+        try:
+            physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            physical = 1 << 40  # unknown: the fixed caps still hold
+        _memory.append(min([physical, *_cgroup_limits()]))
+    return _memory[0]
+
+
+def memory_text() -> str:
+    """The memory bounds are drawn from, for messages: ``23.5 GiB of memory here (...)``."""
+    return (f"{size_text(memory_limit())} of memory here (physical memory, or the memory "
+            f"cgroup's limit when lower)")
+
+
+def size_text(nbytes: float) -> str:
+    """``268435456`` -> ``256 MiB``: a byte count for people."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.3g} {unit}"
+    return f"{nbytes:.0f} bytes"
+
+
+def at_most(what: str, value: N, limit: N, why: str, fix: str) -> N:
+    """Return ``value`` if it is at most ``limit``, else refuse it naming ``what`` (the
+    setting or argument), the value, the limit, ``why`` that limit and ``fix`` (what to do).
+
+    The one check every size, count and duration in tandem goes through before anything
+    is allocated for it: a huge value must fail here, not in the kernel's OOM killer.
+    """
+    if value > limit:
+        raise ArgumentError(f"{what}={value} is above its limit of {limit} ({why}); {fix}")
+    return value
+
+
+def shm_chunk_limit(local_ranks: int = 1) -> int:
+    """Largest ``TANDEM_SHM_CHUNK`` with ``local_ranks`` ranks on this host: the largest
+    power of two within a 64th of memory, and within a quarter of it for every local
+    rank's two staging halves together."""
+    room = min(memory_limit() // 64, memory_limit() // (8 * max(1, local_ranks)))
+    return 1 << max(12, room.bit_length() - 1)
+
+
+def flight_recorder_limit() -> int:
+    """Largest ``TANDEM_FLIGHT_RECORDER``: a full ring per group within a 64th of memory."""
+    return max(1, memory_limit() // (64 * RECORD_BYTES))
+
+
+def max_frame_limit() -> int:
+    """Largest ``TANDEM_MAX_FRAME``: the machine's memory (the default, if larger)."""
+    return max(DEFAULT_MAX_FRAME, memory_limit())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -34,7 +138,7 @@ class Settings:
     timeout: float = 1800.0
     connect_timeout: float = 60.0
     bind_addr: str | None = None
-    max_frame: int = 16 << 30
+    max_frame: int = DEFAULT_MAX_FRAME
     algorithm: str = "auto"
     ring_threshold: int = 512 << 10
     chunk_bytes: int = 1 << 20
@@ -65,6 +169,7 @@ class Settings:
         if self.local_world_size is not None and self.local_world_size < 1:
             raise ArgumentError(
                 f"LOCAL_WORLD_SIZE must be a positive integer, got {self.local_world_size}")
+        self._check_bounds()
         if not self.algorithm:
             # names are checked against the algorithm registry when a collective runs,
             # so algorithms registered by the user are accepted too
@@ -100,6 +205,43 @@ class Settings:
                 ("tcp://", "file://")):
             raise ArgumentError(f"TANDEM_ELASTIC_STORE={self.elastic_store!r}: expected "
                                 f"tcp://HOST:PORT or file:///PATH")
+
+    def _check_bounds(self) -> None:
+        """Every size, count and duration against its upper bound (see the module doc)."""
+        memory = f"there are {memory_text()}"
+        ranks = "MAX_WORLD_SIZE, far beyond any job tandem serves"
+        if self.local_world_size is not None:
+            at_most("LOCAL_WORLD_SIZE", self.local_world_size, MAX_WORLD_SIZE, ranks,
+                    "set it to the number of ranks on this node")
+        limit = max_frame_limit()
+        at_most("TANDEM_MAX_FRAME", self.max_frame, limit,
+                f"{size_text(limit)}: no message larger than memory can be received; {memory}",
+                "unset it (16 GiB) or lower it")
+        for name, value in (("TANDEM_RING_THRESHOLD", self.ring_threshold),
+                            ("TANDEM_CHUNK_BYTES", self.chunk_bytes),
+                            ("TANDEM_LINK_CHUNK_BYTES", self.link_chunk_bytes)):
+            # sizes of messages, not allocations: past the largest frame they mean nothing
+            at_most(name, value, limit, f"{size_text(limit)}, the largest TANDEM_MAX_FRAME "
+                    f"allowed here", "unset it or lower it")
+        limit = shm_chunk_limit()
+        at_most("TANDEM_SHM_CHUNK", self.shm_chunk, limit,
+                f"{size_text(limit)}, a 64th of memory: every local rank reserves two "
+                f"chunks per group in shared memory; {memory}",
+                f"unset it (0 picks 1-4 MiB) or choose a power of two up to {limit}")
+        limit = flight_recorder_limit()
+        at_most("TANDEM_FLIGHT_RECORDER", self.flight_recorder, limit,
+                f"a full ring costs up to {RECORD_BYTES} bytes a call in every process "
+                f"group, and one ring may take a 64th of memory; {memory}",
+                "unset it (2000 calls) or lower it")
+        at_most("TANDEM_STALL_WARN", self.stall_warn, _LONGEST,
+                "the longest wait this platform allows, in seconds",
+                "unset it (30) or use 0 to turn stall warnings off")
+        at_most("TANDEM_ELASTIC_BACKOFF", self.elastic_backoff, _LONGEST / 64,
+                "the backoff doubles up to 64 times and must stay a wait this platform "
+                "allows, in seconds", "unset it (1) or lower it")
+        for name, value in (("TANDEM_ELASTIC_MAX_RANKS", self.elastic_max_ranks),
+                            ("TANDEM_ELASTIC_MIN_NODES", self.elastic_min_nodes)):
+            at_most(name, value, MAX_WORLD_SIZE, ranks, "unset it or lower it")
 
 
 def _number(env: Mapping[str, str], name: str, kind: Callable[[str], N], default: N) -> N:
@@ -229,18 +371,48 @@ def load_secret(env: Mapping[str, str] | None = None) -> bytes:
     return _read_secret_file(path, f"the per-user secret file {str(path)!r}")
 
 
-def _read_secret_file(path: Path, what: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            mode = stat.S_IMODE(os.fstat(f.fileno()).st_mode)  # of the file we read
-            data = f.read().strip()
-    except OSError as exc:
-        raise ArgumentError(f"{what} cannot be read: {exc}") from exc
+_FILE_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+               (stat.S_ISDIR, "a directory"))
+
+
+def _check_secret_stat(st: os.stat_result, path: Path, what: str) -> None:
+    """Refuse a secret file by what ``os.stat`` says, before a byte of it is read: a FIFO
+    would block the read forever, a device (``/dev/zero``) or a huge file fill memory."""
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((k for test, k in _FILE_KINDS if test(st.st_mode)), "not a regular file")
+        raise ArgumentError(f"{what} is {kind}, not a regular file: a FIFO would block and a "
+                            f"device never end; put the secret in a file of at most "
+                            f"{MAX_SECRET_BYTES} bytes")
+    mode = stat.S_IMODE(st.st_mode)
     if mode & 0o077:
         raise ArgumentError(
             f"{what}: permissions {mode:04o} are too open: other users of this host could "
             f"read the job secret and join the job; make it private with chmod 600 {path} "
             f"(a Kubernetes secret volume: defaultMode 0400)")
+    at_most(f"{what}: size", st.st_size, MAX_SECRET_BYTES,
+            "bytes: a job secret is a few dozen bytes",
+            "point it at a file holding only the secret")
+
+
+def _read_secret_file(path: Path, what: str) -> bytes:
+    try:
+        # type, mode and size come first, from stat, so nothing is opened that could block
+        _check_secret_stat(os.stat(path), path, what)
+        # O_NONBLOCK: a FIFO swapped in after the stat must not block the open either
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ArgumentError(f"{what} cannot be read: {exc}") from exc
+    try:
+        _check_secret_stat(os.fstat(fd), path, what)  # of the file we read
+        raw = os.read(fd, MAX_SECRET_BYTES + 1)  # one more byte tells a file that grew
+    except OSError as exc:
+        raise ArgumentError(f"{what} cannot be read: {exc}") from exc
+    finally:
+        os.close(fd)
+    at_most(f"{what}: size", len(raw), MAX_SECRET_BYTES, "bytes: a job secret is a few "
+            "dozen bytes", "point it at a file holding only the secret")
+    data = raw.strip()
     if not data:
         raise ArgumentError(f"{what} is empty")
     return data

@@ -19,16 +19,13 @@ import urllib.parse
 from typing import Mapping
 
 from tandem.collectives.cluster_env import cluster_env
+from tandem.config import MAX_WORLD_SIZE, at_most
 from tandem.errors import ArgumentError
 from tandem.store.base import Store
 from tandem.store.file import FileStore
 from tandem.store.tcp import TCPStore
 
 __all__ = ["open_store", "check_rank", "MAX_WORLD_SIZE"]
-
-# Far beyond any job tandem serves (every rank keeps a link to every other); larger values
-# are mistakes, and refusing them up front spares allocating per-rank tables for them.
-MAX_WORLD_SIZE = 1 << 20
 
 
 def _int_text(raw: str, what: str) -> int:
@@ -51,8 +48,10 @@ def check_rank(rank: object, world_size: object) -> None:
         if not isinstance(value, int) or isinstance(value, bool):
             raise ArgumentError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     assert isinstance(rank, int) and isinstance(world_size, int)
-    if not 0 < world_size <= MAX_WORLD_SIZE:
+    if world_size < 1:
         raise ArgumentError(f"world_size must be in [1, {MAX_WORLD_SIZE}], got {world_size}")
+    at_most("world_size", world_size, MAX_WORLD_SIZE,
+            "MAX_WORLD_SIZE, far beyond any job tandem serves", "check the world size given")
     if not 0 <= rank < world_size:
         raise ArgumentError(f"rank must be in [0, {world_size}), got {rank}")
 

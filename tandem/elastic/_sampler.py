@@ -12,6 +12,10 @@ the global batch follows the membership is the user's choice:
 * ``mode="reshard"``: the global batch stays ``batch_size`` samples; each rank takes
   ``batch_size // world size`` of them (a remainder that does not divide is skipped).
 
+Sizes are bounded by the machine: a shuffled dataset at most one sample per 64 bytes of
+memory (its permutation's 8 bytes a sample in an eighth), ``batch_size`` at most one per
+640 bytes.
+
 The sampler counts steps with ``state.step``: the loop must add one to it per batch
 taken (the batch of step ``s`` is fixed by ``s`` and the membership), so a loader that
 prefetches never moves the recorded position.
@@ -24,6 +28,7 @@ from typing import TYPE_CHECKING, Iterator, Sized
 import torch
 
 from tandem._words import counted
+from tandem.config import at_most, memory_limit, memory_text
 from tandem.errors import ArgumentError
 
 if TYPE_CHECKING:
@@ -48,6 +53,15 @@ class ElasticSampler:
                                 f"{batch_size!r}")
         if mode not in MODES:
             raise ArgumentError(f"ElasticSampler: mode must be one of {MODES}, got {mode!r}")
+        memory = memory_text()
+        if shuffle:  # an epoch's permutation: 8 bytes a sample, within an eighth of memory
+            at_most("ElasticSampler: dataset size", size, memory_limit() // 64,
+                    f"samples: the shuffled order holds 8 bytes a sample, and may take an "
+                    f"eighth of the {memory}", "give the dataset's true size, or "
+                    "shuffle=False with the data shuffled once on disk")
+        # a step's batch is a list of indices (about 40 bytes each), within a 16th of memory
+        at_most("ElasticSampler: batch_size", batch_size, memory_limit() // 640,
+                f"indices: about 40 bytes each in a list, within a 16th of the {memory}", "give the batch size in samples")
         if "step" not in state._values:
             raise ArgumentError("ElasticSampler counts steps with state.step: build the state "
                                 "with a step value, e.g. ElasticState(model, opt, step=0)")

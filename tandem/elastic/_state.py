@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from tandem.collectives.world import get_rank, get_world_size
+from tandem.config import MAX_WORLD_SIZE, at_most
 from tandem.elastic._snapshot import Snapshot, capture, restore
 from tandem.errors import ArgumentError
 from tandem.parallel.ddp import DistributedDataParallel
@@ -56,6 +57,9 @@ class ElasticState:
         if not isinstance(min_ranks, int) or isinstance(min_ranks, bool) or min_ranks < 1:
             raise ArgumentError(f"ElasticState: min_ranks must be an int >= 1, got "
                                 f"{min_ranks!r}")
+        at_most("ElasticState: min_ranks", min_ranks, MAX_WORLD_SIZE,
+                "MAX_WORLD_SIZE, the bound of a world size",
+                "give the fewest ranks the job may train with")
         clash = sorted(set(values) & (_OWN | set(dir(type(self)))))
         if clash:
             raise ArgumentError(f"ElasticState: {clash} cannot be the names of values")

@@ -46,6 +46,7 @@ from torch import nn
 from tandem.algorithms.join import GroupJoinable, Join, Joinable, JoinHook
 from tandem.collectives.group import NonMemberGroup, ProcessGroup
 from tandem.collectives.world import resolve_group
+from tandem.config import at_most, memory_limit, memory_text
 from tandem.errors import ArgumentError, StateError
 from tandem.parallel._buckets import FIRST_BUCKET_BYTES, GradBucket
 from tandem.parallel._ddp_join import BUFFERS, SYNC, TRAINING, DDPJoinHook, join_round
@@ -179,6 +180,9 @@ class DistributedDataParallel(nn.Module, GroupJoinable):
         bucket_cap_mb = 25 if bucket_cap_mb is None else bucket_cap_mb
         if not bucket_cap_mb > 0:
             raise ArgumentError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        at_most("DistributedDataParallel: bucket_cap_mb", bucket_cap_mb, memory_limit() >> 20,
+                f"MiB: no bucket can be larger than the {memory_text()}",
+                "use the default (25) or a few hundred MiB at most")
         ignored = _ignored(module)
         _refuse_sparse_gradients(module, ignored)
         group = resolve_group(process_group, "DistributedDataParallel")

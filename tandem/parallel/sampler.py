@@ -14,12 +14,12 @@ Without ``drop_last`` the index list is padded by repeating it from its start
 until it divides evenly, so every rank yields ``ceil(len / num_replicas)``
 indices; with ``drop_last`` the tail is cut and every rank yields
 ``len // num_replicas``. Rank ``r`` takes every ``num_replicas``-th index
-starting at ``r``.
+starting at ``r``. Only this rank's share is ever built (the padded list is
+not), and ``num_replicas`` is at most ``MAX_WORLD_SIZE``, the bound of a world size.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import operator
 from typing import Any, Iterator, Sized
@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import Sampler
 
 from tandem.collectives.world import get_rank, get_world_size
+from tandem.config import MAX_WORLD_SIZE, at_most
 from tandem.errors import ArgumentError
 
 __all__ = ["DistributedSampler"]
@@ -60,6 +61,9 @@ class DistributedSampler(Sampler[int]):
         if not isinstance(num_replicas, int) or num_replicas <= 0:
             raise ArgumentError(
                 f"DistributedSampler: num_replicas must be a positive int, got {num_replicas!r}")
+        at_most("DistributedSampler: num_replicas", num_replicas, MAX_WORLD_SIZE,
+                "MAX_WORLD_SIZE, the bound of a world size",
+                "give the number of ranks that share the dataset (default: the world size)")
         if not isinstance(rank, int) or not 0 <= rank < num_replicas:
             raise ArgumentError(f"DistributedSampler: rank must be in [0, {num_replicas}) "
                                 f"for num_replicas={num_replicas}, got {rank!r}")
@@ -85,11 +89,11 @@ class DistributedSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         order = self._order()
-        if len(order) < self.total_size:  # pad by cycling from the start
-            order = list(itertools.islice(itertools.cycle(order), self.total_size))
-        else:
-            order = order[:self.total_size]
-        return iter(order[self.rank:self.total_size:self.num_replicas])
+        n = len(order)
+        # position i of the list padded by cycling from its start (torch's padding) holds
+        # order[i % n]: this rank's share is read from there, without the padded list
+        return iter([order[i % n]
+                     for i in range(self.rank, self.total_size, self.num_replicas)])
 
     def __len__(self) -> int:
         return self.num_samples

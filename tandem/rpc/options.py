@@ -6,7 +6,8 @@
 Every field is honoured or refused with a message:
 
 * ``num_worker_threads`` sizes the server pool (threads running incoming calls at once;
-  threads blocked in a nested RPC wait do not count, so nested calls never starve it);
+  threads blocked in a nested RPC wait do not count, so nested calls never starve it;
+  at most ``MAX_WORKER_THREADS``, 1024);
 * ``rpc_timeout`` is the default deadline of every call, in seconds (0: none);
 * ``init_method``: ``env://`` (MASTER_ADDR/MASTER_PORT), ``tcp://host:port`` or
   ``file:///path``, as for ``init_process_group``;
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from tandem.config import at_most
 from tandem.errors import ArgumentError
 
 __all__ = ["BackendType", "RpcBackendOptions", "TensorPipeRpcBackendOptions",
@@ -31,6 +33,7 @@ __all__ = ["BackendType", "RpcBackendOptions", "TensorPipeRpcBackendOptions",
 
 DEFAULT_RPC_TIMEOUT_SEC = 60.0
 DEFAULT_NUM_WORKER_THREADS = 16
+MAX_WORKER_THREADS = 1024
 DEFAULT_INIT_METHOD = "env://"
 _TRANSPORTS = {frozenset({"uv"}): "tcp", frozenset({"shm"}): "shm",
                frozenset({"shm", "uv"}): "auto"}
@@ -92,6 +95,10 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
                 or num_worker_threads < 1:
             raise ArgumentError(f"num_worker_threads must be an int >= 1, "
                                 f"got {num_worker_threads!r}")
+        at_most("num_worker_threads", num_worker_threads, MAX_WORKER_THREADS,
+                "threads a worker may run calls on at once; more exhaust the process's "
+                "threads before they help", f"use the default ({DEFAULT_NUM_WORKER_THREADS}) "
+                f"or a few hundred at most")
         self.num_worker_threads = num_worker_threads
         self.devices = [_check_cpu(d, "devices") for d in (devices or [])]
         self.device_maps: dict[str, dict[torch.device, torch.device]] = {}

@@ -144,12 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
     add(*_both("rdzv-conf"), action=_Env, default="",
         help="key=value,...: join_timeout (600 s)")
     add(*_both("max-restarts"), action=_Env, type=int, default=0,
-        help="restart the worker group this many times on failure (default 0)")
+        help="restart the worker group this many times on failure (default 0, at most "
+             "10000)")
     add("--spares", action=_Env, type=int, default=0,
         help="tandem only, for scripts that train under tandem.elastic.run_elastic: workers "
              "per node started once the job runs, each ready to take a lost worker's place "
              "at once (default 0); a lost worker is otherwise replaced by a new one "
-             "(each replacement counts against --max-restarts)")
+             "(each replacement counts against --max-restarts); with --nproc-per-node, at "
+             "most the workers this host's available memory holds")
     add(*_both("no-warm-start"), action=_EnvFlag,
         help="tandem only, for scripts under tandem.elastic.run_elastic: start new workers "
              "(replacements, spares) as new interpreters; by default they are forked from a "

@@ -12,8 +12,10 @@ import math
 import os
 import re
 import signal
+import threading
 
 from tandem._words import counted
+from tandem.config import MAX_WORLD_SIZE, at_most
 from tandem.errors import ArgumentError
 
 __all__ = ["Std", "StdMap", "LaunchConfig", "parse_nnodes", "parse_nproc", "parse_signals",
@@ -53,6 +55,8 @@ class StdMap:
 
 
 WORKER_MEMORY = 64 << 20  # the least any worker needs: a Python process, before torch
+MAX_RESTARTS = 10_000
+MAX_SECONDS = 86_400.0  # a day: the longest health-check interval or stop grace we take
 
 
 def workers_that_fit() -> int | None:
@@ -137,6 +141,28 @@ class LaunchConfig:
             raise ArgumentError(f"--monitor-interval must be > 0 and --shutdown-timeout >= 0 "
                                 f"(finite seconds), got {self.monitor_interval} and "
                                 f"{self.shutdown_timeout}")
+        self._check_bounds(fit)
+
+    def _check_bounds(self, fit: int | None) -> None:
+        """The counts and durations against their upper bounds, before anything starts."""
+        if fit is not None:
+            # spares run beside the workers: a typo here forked processes until the
+            # launcher could start no thread, and died
+            at_most("--spares", self.spares, max(0, fit - self.nproc_per_node),
+                    f"this host's available memory holds at most about {fit} workers at "
+                    f"{WORKER_MEMORY >> 20} MiB each, and --nproc-per-node "
+                    f"{self.nproc_per_node} of them train",
+                    "keep fewer spares per node (one takes a lost worker's place at once)")
+        at_most("--nnodes", self.max_nodes, MAX_WORLD_SIZE // self.nproc_per_node,
+                f"MAX_WORLD_SIZE ({MAX_WORLD_SIZE}) ranks, at --nproc-per-node "
+                f"{self.nproc_per_node}", "give the number of nodes the job runs on")
+        at_most("--max-restarts", self.max_restarts, MAX_RESTARTS,
+                "every restart keeps its own log files; a job failing this often has a bug "
+                "a restart will not fix", "give a smaller budget")
+        at_most("--monitor-interval", self.monitor_interval, MAX_SECONDS,
+                "seconds, a day", "check the workers more often")
+        at_most("--shutdown-timeout", self.shutdown_timeout, MAX_SECONDS,
+                "seconds, a day", "give the workers less time to stop")
 
         if self.module and self.no_python:
             raise ArgumentError("-m/--module and --no-python cannot be used together")
@@ -163,9 +189,15 @@ class LaunchConfig:
         """A numeric ``--rdzv-conf`` entry (e.g. ``join_timeout``), seconds."""
         raw = dict(self.rdzv_conf).get(key)
         try:
-            return default if raw is None else float(raw)
+            value = default if raw is None else float(raw)
         except ValueError as exc:
             raise ArgumentError(f"--rdzv-conf {key}={raw!r} is not a number") from exc
+        if not value >= 0:  # NaN too: a deadline made from it never passes
+            raise ArgumentError(f"--rdzv-conf {key}={raw!r} must be a number >= 0")
+        # infinity too: a wait on it fails mid-call with OverflowError
+        return at_most(f"--rdzv-conf {key}", value, threading.TIMEOUT_MAX,
+                       "the longest wait this platform allows, in seconds",
+                       "give a finite number of seconds")
 
     def filter_note(self) -> str | None:
         """What to tell a user whose ``--local-ranks-filter`` names ranks this node does

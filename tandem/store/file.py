@@ -28,6 +28,7 @@ import time
 import weakref
 from typing import Iterator
 
+from tandem.config import MAX_WORLD_SIZE, at_most
 from tandem.errors import ArgumentError, StateError, StoreError
 from tandem.store.base import Store
 
@@ -53,6 +54,9 @@ class FileStore(Store):
         bad = not isinstance(world_size, int) or isinstance(world_size, bool)
         if bad or world_size == 0 or world_size < -1:
             raise ArgumentError(f"world_size must be positive or -1 (unknown), got {world_size!r}")
+        at_most("FileStore: world_size", world_size, MAX_WORLD_SIZE,
+                "MAX_WORLD_SIZE, far beyond any job tandem serves",
+                "give the number of processes that will use the store, or -1")
         self.path = os.fspath(file_name)
         self.world_size = world_size
         try:

@@ -33,7 +33,7 @@ import weakref
 from typing import Sequence
 
 from tandem import _wire
-from tandem.config import load_secret, timeout_seconds
+from tandem.config import MAX_WORLD_SIZE, at_most, load_secret, timeout_seconds
 from tandem.errors import (
     ArgumentError,
     AuthenticationError,
@@ -229,6 +229,10 @@ class TCPStore(Store):
             world_size = None
         if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
             raise ArgumentError(f"world_size must be a positive int or None, got {world_size!r}")
+        if world_size is not None:
+            at_most("TCPStore: world_size", world_size, MAX_WORLD_SIZE,
+                    "MAX_WORLD_SIZE, far beyond any job tandem serves",
+                    "give the number of processes that will use the store")
         key = load_secret() if secret is None else secret
         key = key.encode() if isinstance(key, str) else bytes(key)
         if not key:

@@ -39,6 +39,7 @@ import threading
 import time
 from typing import Sequence
 
+from tandem.config import at_most, memory_text, shm_chunk_limit, size_text
 from tandem.errors import (ArgumentError, CollectiveTimeoutError, NetworkError, PeerLostError,
                            StateError)
 from tandem.store.base import Store
@@ -100,6 +101,11 @@ class ShmTransport(BoundedSends, Transport):
         cap = ring_bytes or ring_capacity(len(local))
         if cap < _MIN_RING or cap & (cap - 1):
             raise ArgumentError(f"ring_bytes must be a power of two >= {_MIN_RING}, got {cap}")
+        # a ring per ordered pair of local ranks: n (n - 1) of them, twice n (n - 1) / 2
+        pairs = max(1, len(local) * (len(local) + 1) // 2)
+        at_most("ring_bytes", cap, shm_chunk_limit(pairs),
+                f"the rings of all local ranks together may take a quarter of the "
+                f"{memory_text()}", "leave it unset or lower it")
         self.rank = rank
         self.world_size = world_size
         if mailbox is None:  # a shared mailbox's owner (the mixed transport) sets the reply
@@ -263,6 +269,15 @@ class ShmTransport(BoundedSends, Transport):
         if not self.shares_memory_with(members) or self.rank not in members:
             raise ArgumentError(f"an arena needs ranks that share memory with rank "
                                 f"{self.rank}, got {list(members)}")
+        if chunk:
+            # before the segment is reserved: posix_fallocate of more than the host has
+            # would run it out of memory, and the OOM killer stops other jobs' processes
+            limit = shm_chunk_limit(len(members))
+            at_most("TANDEM_SHM_CHUNK", chunk, limit,
+                    f"{size_text(limit)} for {len(members)} ranks on this host: the two "
+                    f"staging halves of all of them together may take a quarter of the "
+                    f"{memory_text()}",
+                    f"unset it (0 picks 1-4 MiB) or choose a power of two up to {limit}")
         chunk = chunk or default_chunk(len(self._peers) + 1)
         size = segment_bytes(chunk)
         fd = create_segment(size, self._shm_dir, "tandem-arena")

@@ -1,0 +1,30 @@
+"""The staging arena's size is checked against the host before any memory is reserved.
+
+``TANDEM_SHM_CHUNK=2**32`` once passed init and then reserved memory with
+``posix_fallocate`` until the OOM killer stopped processes of other jobs. The settings
+refuse it on their own (``tests/test_config_bounds.py``); this is the end-to-end check
+that the arena, which knows how many ranks share the host, holds the bound too.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from _shm_bound_ranks import arena_on_a_smaller_machine
+from tandem.testing import launch
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_a_staging_chunk_too_large_for_the_host_is_refused_before_it_is_reserved() -> None:
+    # 16 MiB of memory: 2 ranks may stage at most 256 KiB each (a 64th); 1 MiB asked for
+    memory = 16 << 20
+    outcomes = launch(2, arena_on_a_smaller_machine, (memory,), backend="shm", timeout=90,
+                      env={"TANDEM_SHM_CHUNK": str(1 << 20), "TANDEM_ALGORITHM": "shm"})
+    bad = [o for o in outcomes if not o.ok]
+    assert not bad, "\n".join(f"--- rank {o.rank} ---\n{o.error}" for o in bad)
+    for o in outcomes:
+        refused = o.value["refused"]
+        assert refused, f"rank {o.rank}: the arena was made: {o.value}"
+        for part in ("TANDEM_SHM_CHUNK=1048576", "limit of 262144", "unset it"):
+            assert part in refused, f"rank {o.rank}: {part!r} not in {refused!r}"
