@@ -189,6 +189,20 @@ def _announce_root(o: Op, root: int) -> list[Slot]:
     return []
 
 
+def _confirm_root(o: Op, root: int) -> list[Slot]:
+    """The mirror of :func:`_announce_root` for a root that only sends (broadcast,
+    scatter): every other rank sends the root an empty message carrying its signature
+    (which names the root it believes in), and the root waits for them all. Two ranks
+    that both believe they are the root, or that name each other, then each hold a
+    message of this call with another signature, and raise in this call. The slots to
+    wait for at the end of the call (the non-roots' sends complete locally)."""
+    g = o.group
+    empty = memoryview(bytearray(0))
+    if g.group_rank == root:
+        return [o.recv(i, _ROOT_STEP, empty) for i in range(g.group_size) if i != root]
+    return [o.send(root, _ROOT_STEP, empty)]
+
+
 def broadcast(tensor: torch.Tensor, src: int | None = None, group: AnyGroup | None = None,
               async_op: bool = False, group_src: int | None = None) -> Work | None:
     g = resolve_group(group, "broadcast")
@@ -197,10 +211,12 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: AnyGroup | No
     buf = _Flat(tensor, load=(g.group_rank == root))
 
     def body(op: Op) -> None:
-        if g.shares_memory:
+        if g.shares_memory:  # the arena checks the root itself (algorithms.shm_rooted)
             algo.shm_broadcast(op, buf.flat, root)
         else:
+            told = _confirm_root(op, root)
             algo.hierarchical_broadcast(op, buf.flat, root)  # a tree when on one host
+            op.wait(*told)
         buf.done()
 
     sig = _sig("broadcast", tensor, root=root)
@@ -456,7 +472,9 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
     out = _Flat(tensor, load=False)
 
     def body(o: Op) -> None:
+        told = _confirm_root(o, root)
         algo.direct_scatter(o, out.flat, ins, root)
+        o.wait(*told)
         out.done()
 
     sig = _sig("scatter", tensor, root=root)
