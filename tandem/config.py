@@ -51,6 +51,13 @@ TANDEM_STALL_WARN              seconds a collective or p2p call may wait before 
                                have not arrived and what they are doing; repeated at
                                doubling intervals until the deadline; 0 turns the
                                warnings and their watchdog off (30)
+TANDEM_CHECK_CALL_SITES        1: a collective's call site (``file:line``) is part of what
+                               ranks compare, so ranks calling it from different lines
+                               (as when one rank skipped a call and its next one met a
+                               peer's skipped one) raise CollectiveMismatchError naming
+                               both lines; off by default because a correct program may
+                               call one collective from different lines on different
+                               ranks (``if rank == 0: ... else: ...``) (0)
 TANDEM_FLIGHT_RECORDER         calls each process group remembers (its flight recorder,
                                dumped on failures and on SIGUSR1); 0 turns recording
                                off, and with it stall warnings, dumps, the timeline's
@@ -130,6 +137,7 @@ class Settings:
     run_id: str | None = None
     local_world_size: int | None = None
     stall_warn: float = 30.0
+    check_call_sites: bool = False
     flight_recorder: int = 2000
     trace_dir: str = "tandem-trace"
     dump_notice: bool = True
@@ -233,6 +241,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         local_world_size=(_number(env, "LOCAL_WORLD_SIZE", int, 0)
                           if env.get("LOCAL_WORLD_SIZE") else None),
         stall_warn=_number(env, "TANDEM_STALL_WARN", float, base.stall_warn),
+        check_call_sites=_flag(env, "TANDEM_CHECK_CALL_SITES", base.check_call_sites),
         flight_recorder=_number(env, "TANDEM_FLIGHT_RECORDER", int, base.flight_recorder),
         trace_dir=env.get("TANDEM_TRACE_DIR") or base.trace_dir,
         dump_notice=_flag(env, "TANDEM_DUMP_NOTICE", base.dump_notice),
