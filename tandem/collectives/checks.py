@@ -111,7 +111,9 @@ def crossed(ins: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> bool:
     return False
 
 
-_EXACT_MAX = 1 << 22  # elements compared one by one, beyond which a shared span counts as overlap
+# elements compared one by one (~50 MB of addresses at most), beyond which views whose
+# spans overlap are refused as if they shared elements
+_EXACT_MAX = 1 << 20
 
 
 def _element_bytes(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,8 +180,17 @@ def distinct_outputs(ts: Sequence[torch.Tensor], what: str, name: str) -> None:
     if pair is None:
         return
     i, j = pair
-    kind = "the same tensor twice" if ts[i] is ts[j] else "views of one buffer sharing elements"
-    raise ArgumentError(f"{what}: {name}[{i}] and {name}[{j}] overlap in memory ({kind}); each "
+    a, b = ts[i], ts[j]
+    verb = "overlap"
+    if a is b:
+        kind = "the same tensor twice"
+    elif a.numel() + b.numel() > _EXACT_MAX and not (a.is_contiguous() and b.is_contiguous()):
+        verb = "may overlap"
+        kind = (f"strided views whose byte ranges overlap, with more than {_EXACT_MAX} "
+                f"elements to compare one by one")
+    else:
+        kind = "views of one buffer sharing elements"
+    raise ArgumentError(f"{what}: {name}[{i}] and {name}[{j}] {verb} in memory ({kind}); each "
                         f"output is written with its own data and needs memory of its own: "
                         f"pass separate tensors (e.g. torch.empty_like)")
 

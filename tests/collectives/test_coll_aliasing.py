@@ -166,3 +166,11 @@ def test_one_output_twice_is_refused_on_every_rank(backend: str) -> None:
     for rank, message in enumerate(got):
         assert "tensor_list[0] and tensor_list[1] overlap in memory" in message, (
             f"{backend}, rank {rank}: {message}")
+
+
+def test_views_too_large_to_compare_are_refused_saying_so(lonely) -> None:
+    base = torch.zeros(2, 1 << 20)  # interleaved halves: 2M elements to compare
+    with pytest.raises(ArgumentError, match=r"tensor_list\[0\] and tensor_list\[1\] may overlap "
+                                            r"in memory \(strided views .* more than"):
+        tandem.all_gather([base[:, 0::2], base[:, 1::2], torch.zeros(2, 1 << 19)],
+                          torch.zeros(2, 1 << 19), group=lonely)
