@@ -150,6 +150,7 @@ class Settings:
     run_id: str | None = None
     local_world_size: int | None = None
     stall_warn: float = 30.0
+    check_call_sites: bool = False
     flight_recorder: int = 2000
     trace_dir: str = "tandem-trace"
     dump_notice: bool = True
@@ -291,6 +292,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         local_world_size=(_number(env, "LOCAL_WORLD_SIZE", int, 0)
                           if env.get("LOCAL_WORLD_SIZE") else None),
         stall_warn=_number(env, "TANDEM_STALL_WARN", float, base.stall_warn),
+        check_call_sites=_flag(env, "TANDEM_CHECK_CALL_SITES", base.check_call_sites),
         flight_recorder=_number(env, "TANDEM_FLIGHT_RECORDER", int, base.flight_recorder),
         trace_dir=env.get("TANDEM_TRACE_DIR") or base.trace_dir,
         dump_notice=_flag(env, "TANDEM_DUMP_NOTICE", base.dump_notice),

@@ -24,7 +24,7 @@ from tandem.collectives.checks import (any_shared, output_arg, plain_output, roo
                                       shares_memory, sizes_match, span, tensor_arg,
                                       tensors_arg)
 from tandem.collectives.group import Op, ProcessGroup
-from tandem.collectives.reduce_op import ReduceOp, accepts, check_dtype
+from tandem.collectives.reduce_op import ReduceOp, accepts, check_dtype, checksum
 from tandem.collectives.work import Work
 from tandem.collectives.world import AnyGroup, resolve_group
 from tandem.errors import ArgumentError, CollectiveMismatchError
@@ -171,13 +171,16 @@ def _launch(g: ProcessGroup, name: str, sig: str, body: Callable[[Op], None], as
 _ROOT_STEP = 2 ** 31 - 1  # beyond the steps of any algorithm
 
 
-def _announce_root(o: Op, root: int) -> list[Slot]:
-    """The root's announcements to wait for (none on other ranks)."""
+def _announce_root(o: Op, root: int, wait: bool = False) -> list[Slot]:
+    """The root's announcements to wait for (none on other ranks, unless ``wait``: a
+    reduce with a custom op, whose non-roots must learn of a different op in the call)."""
     g = o.group
     empty = memoryview(bytearray(0))
     if g.group_rank == root:
         return [o.send(i, _ROOT_STEP, empty) for i in range(g.group_size) if i != root]
     told = o.recv(root, _ROOT_STEP, empty)
+    if wait:
+        return [told]
 
     def check(slot: Slot) -> None:
         if isinstance(slot.error, CollectiveMismatchError):
@@ -189,6 +192,52 @@ def _announce_root(o: Op, root: int) -> list[Slot]:
     return []
 
 
+def _confirm_root(o: Op, root: int) -> list[Slot]:
+    """The mirror of :func:`_announce_root` for a root that only sends (broadcast,
+    scatter): every other rank sends the root an empty message carrying its signature
+    (which names the root it believes in), and the root waits for them all. Two ranks
+    that both believe they are the root, or that name each other, then each hold a
+    message of this call with another signature, and raise in this call. The slots to
+    wait for at the end of the call (the non-roots' sends complete locally)."""
+    g = o.group
+    empty = memoryview(bytearray(0))
+    if g.group_rank == root:
+        return [o.recv(i, _ROOT_STEP, empty) for i in range(g.group_size) if i != root]
+    return [o.send(root, _ROOT_STEP, empty)]
+
+
+_CHECK_STEP = _ROOT_STEP - 1  # a custom op's result checksums
+
+
+def _same_result(o: Op, results: Sequence[torch.Tensor], redop: ReduceOp) -> None:
+    """Compare the checksum of an all-reduce's result across ranks; raise on every rank
+    when they differ (a custom op that computes differently per rank would otherwise
+    leave each rank with its own answer). Every rank sends its 8 bytes to every other,
+    so all reach the same verdict."""
+    g = o.group
+    me, p = g.group_rank, g.group_size
+    if p == 1:
+        return
+    mine = sum(checksum(t) for t in results) & (2 ** 64 - 1)
+    sums = [bytearray(8) for _ in range(p)]
+    struct.pack_into("<Q", sums[me], 0, mine)
+    recvs = [o.recv(q, _CHECK_STEP, memoryview(sums[q])) for q in range(p) if q != me]
+    sends = [o.send(q, _CHECK_STEP, memoryview(sums[me])) for q in range(p) if q != me]
+    o.wait(*recvs, *sends)
+    seen: dict[int, list[int]] = {}
+    for q in range(p):
+        seen.setdefault(struct.unpack_from("<Q", sums[q])[0], []).append(g.ranks[q])
+    if len(seen) > 1:
+        camps = "; ".join(f"rank(s) {', '.join(map(str, ranks))} got checksum {value:016x}"
+                          for value, ranks in seen.items())
+        raise CollectiveMismatchError(
+            f"{o.name} with custom reduce op {redop.name} gave different results on different "
+            f"ranks of group '{g.group_name}' ({camps}): the op computes differently per rank "
+            f"(it reads a per-rank value: a global, an object's attribute, a tensor, changed "
+            f"after the op was made). Make it depend on its arguments alone; "
+            f"ReduceOp.custom(fn, pure=True) skips this check")
+
+
 def broadcast(tensor: torch.Tensor, src: int | None = None, group: AnyGroup | None = None,
               async_op: bool = False, group_src: int | None = None) -> Work | None:
     g = resolve_group(group, "broadcast")
@@ -197,10 +246,12 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: AnyGroup | No
     buf = _Flat(tensor, load=(g.group_rank == root))
 
     def body(op: Op) -> None:
-        if g.shares_memory:
+        if g.shares_memory:  # the arena checks the root itself (algorithms.shm_rooted)
             algo.shm_broadcast(op, buf.flat, root)
         else:
+            told = _confirm_root(op, root)
             algo.hierarchical_broadcast(op, buf.flat, root)  # a tree when on one host
+            op.wait(*told)
         buf.done()
 
     sig = _sig("broadcast", tensor, root=root)
@@ -229,6 +280,8 @@ def checked_all_reduce(g: ProcessGroup, tensor: torch.Tensor, op: ReduceOp,
     def body(o: Op) -> None:
         fn(o, buf.flat, op)
         buf.done()
+        if not op.pure:
+            _same_result(o, [buf.flat], op)
 
     sig = _sig("all_reduce", tensor, op=op.sig, algorithm=name)
     return _launch(g, "all_reduce", sig, body, async_op, [tensor], sig.nbytes)
@@ -263,6 +316,8 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SU
             algo.shm_all_reduce_many(o, [b.flat for b in bufs], op)
             for b in bufs:
                 b.done()
+            if not op.pure:
+                _same_result(o, [b.flat for b in bufs], op)
     else:
         packed = torch.cat([b.flat for b in bufs])
         name, fn = algo.select_all_reduce(g, packed)
@@ -274,6 +329,8 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SU
                 for b, part in zip(bufs, packed.split(sizes)):
                     b.flat.copy_(part)
                     b.done()
+            if not op.pure:
+                _same_result(o, [packed], op)
 
     sig = _sig("all_reduce_coalesced", None, dtype=_dtype_name(dtype), tensors=len(sizes),
                numel=sum(sizes), sizes=_sizes(sizes), op=op.sig, algorithm=name)
@@ -295,7 +352,7 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op: ReduceOp = ReduceOp
             if g.group_rank == root:
                 buf.done()
             return
-        told = _announce_root(o, root)
+        told = _announce_root(o, root, wait=op.fn is not None)
         algo.tree_reduce(o, buf.flat, root, op)
         o.wait(*told)
         if g.group_rank == root:
@@ -456,7 +513,9 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
     out = _Flat(tensor, load=False)
 
     def body(o: Op) -> None:
+        told = _confirm_root(o, root)
         algo.direct_scatter(o, out.flat, ins, root)
+        o.wait(*told)
         out.done()
 
     sig = _sig("scatter", tensor, root=root)

@@ -19,7 +19,8 @@ from tandem.errors import ArgumentError
 
 __all__ = ["tensor_arg", "tensors_arg", "output_arg", "plain_output", "sizes_match",
            "root_rank", "tag_arg", "int_list", "check_cpu_device", "refuse_pg_options",
-           "span", "shares_memory", "any_shared", "crossed", "TAG_MIN", "TAG_MAX"]
+           "span", "shares_memory", "any_shared", "crossed", "overlapping_pair",
+           "distinct_outputs", "TAG_MIN", "TAG_MAX"]
 
 # a p2p tag travels as a signed 32-bit field of the message header
 TAG_MIN, TAG_MAX = -(2 ** 31), 2 ** 31 - 1
@@ -111,6 +112,90 @@ def crossed(ins: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> bool:
     return False
 
 
+# elements compared one by one (~50 MB of addresses at most), beyond which views whose
+# spans overlap are refused as if they shared elements
+_EXACT_MAX = 1 << 20
+
+
+def _element_bytes(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """First and past-the-last byte address of each element of ``t``."""
+    starts = torch.full((), t.data_ptr(), dtype=torch.int64)
+    for n, stride in zip(t.shape, t.stride()):
+        starts = starts.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * (stride * t.element_size())
+    starts = starts.reshape(-1)
+    return starts, starts + t.element_size()
+
+
+def _elements_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether an element of ``a`` and one of ``b`` share a byte; their spans overlap."""
+    if a.is_contiguous() and b.is_contiguous():
+        return True  # dense spans that overlap share bytes
+    if a.numel() + b.numel() > _EXACT_MAX:
+        return True  # too many to compare here: refused as overlapping (the message says so)
+    (a0, a1), (b0, b1) = _element_bytes(a), _element_bytes(b)
+    starts, order = torch.cat([a0, b0]).sort()
+    ends = torch.cat([a1, b1])[order]
+    # sorted by start, some element begins before an earlier one has ended
+    return bool((starts[1:] < ends.cummax(0).values[:-1]).any())
+
+
+def overlapping_pair(ts: Sequence[torch.Tensor]) -> tuple[int, int] | None:
+    """Positions ``(i, j)``, ``i < j``, of two of ``ts`` that share memory, or None.
+
+    One sort of the byte spans (the common answer, ~1 us per tensor); only spans that
+    overlap are compared element by element, so interleaved views (``t[0::2]``,
+    ``t[1::2]``) pass."""
+    if len(ts) == 2:  # two ranks: one comparison, no sort
+        (a0, a1), (b0, b1) = span(ts[0]), span(ts[1])
+        if not (a0 < b1 and b0 < a1 and a0 < a1 and b0 < b1):
+            return None
+    spans = sorted([(*span(t), i) for i, t in enumerate(ts)])
+    reach = 0
+    for start, stop, _ in spans:
+        if start < reach and start < stop:
+            return _pair_of_elements(ts, spans)
+        if stop > reach:
+            reach = stop
+    return None
+
+
+def _pair_of_elements(ts: Sequence[torch.Tensor], spans: list[tuple[int, int, int]]
+                      ) -> tuple[int, int] | None:
+    """:func:`overlapping_pair` once two spans overlap: compare their elements."""
+    open_: list[tuple[int, int]] = []  # (end, position) of spans the next ones may overlap
+    for start, stop, i in spans:
+        if start >= stop:
+            continue
+        open_ = [(end, j) for end, j in open_ if end > start]
+        for _, j in open_:
+            if _elements_overlap(ts[j], ts[i]):
+                return min(i, j), max(i, j)
+        open_.append((stop, i))
+    return None
+
+
+def distinct_outputs(ts: Sequence[torch.Tensor], what: str, name: str) -> None:
+    """Refuse outputs that share memory: each would be written with another rank's data,
+    and all but the last writer's would be lost without a word."""
+    pair = overlapping_pair(ts)
+    if pair is None:
+        return
+    i, j = pair
+    a, b = ts[i], ts[j]
+    verb = "overlap"
+    if a is b:
+        kind = "the same tensor twice"
+    elif a.numel() + b.numel() > _EXACT_MAX and not (a.is_contiguous() and b.is_contiguous()):
+        verb = "may overlap"
+        kind = (f"strided views whose byte ranges overlap, with more than {_EXACT_MAX} "
+                f"elements to compare one by one")
+    else:
+        kind = "views of one buffer sharing elements"
+    raise ArgumentError(f"{what}: {name}[{i}] and {name}[{j}] {verb} in memory ({kind}); each "
+                        f"output is written with its own data and needs memory of its own: "
+                        f"pass separate tensors (e.g. torch.empty_like)")
+
+
 def plain_output(t: Any) -> bool:
     """Whether ``t`` is a CPU tensor that :func:`output_arg` accepts as it is, answered in
     a few attribute reads for the common case (dense, contiguous, so no two elements
@@ -130,6 +215,8 @@ def tensors_arg(ts: Any, what: str, name: str, count: int, dtype: torch.dtype,
     for i, t in enumerate(out):
         if t.dtype != dtype:
             raise ArgumentError(f"{what}: {name}[{i}] is {t.dtype}, expected {dtype}")
+    if output:
+        distinct_outputs(out, what, name)
     return out
 
 

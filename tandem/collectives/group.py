@@ -70,6 +70,21 @@ def bounded_cached(text: str) -> bytes:
     return data
 
 
+_SITED: dict[tuple[str, str], bytes] = {}  # (signature, site) -> both as one signature
+
+
+def _sited(sig: str, site: str) -> bytes:
+    """The signature compared under ``TANDEM_CHECK_CALL_SITES``: the call's with its site
+    (looked up by the pair, whose hashes Python keeps: no new string per call)."""
+    key = (sig, site)
+    data = _SITED.get(key)
+    if data is None:
+        data = bounded(f"{sig} site={site}")
+        if len(_SITED) < 4096:
+            _SITED[key] = data
+    return data
+
+
 def as_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous tensor as a writable memoryview (any dtype)."""
     flat = t.detach().reshape(-1)
@@ -158,6 +173,7 @@ class ProcessGroup:
         self.settings = settings
         self.backend = backend
         self.algorithm_override: dict[str, str] = {}
+        self._check_sites = settings.check_call_sites
         self._seq = 0
         self._p2p_sent: collections.Counter[tuple[int, int]] = collections.Counter()
         self._p2p_recv: collections.Counter[tuple[int, int]] = collections.Counter()
@@ -203,6 +219,8 @@ class ProcessGroup:
         with self._cv:
             seq = self._seq
             self._seq += 1
+        if self._check_sites:  # opt-in: correct programs may call one collective from two lines
+            return Op(self, name, seq, _sited(sig, site), bounded_cached(site))
         return Op(self, name, seq, bounded_cached(sig), bounded_cached(site))
 
     def run(self, op: Op, fn: Callable[[Op], Any], async_op: bool, result: Any = None,

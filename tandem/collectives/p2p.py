@@ -13,7 +13,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from tandem.collectives.api import call_site
-from tandem.collectives.checks import output_arg, root_rank, tag_arg, tensor_arg
+from tandem.collectives.checks import (crossed, output_arg, overlapping_pair, root_rank, tag_arg,
+                                      tensor_arg)
 from tandem.collectives.group import ProcessGroup, as_bytes
 from tandem.collectives.recorder import Call
 from tandem.collectives.work import Work
@@ -145,6 +146,7 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
     """Post every receive, then every send; return their Works in list order."""
     if not p2p_op_list or not all(isinstance(p, P2POp) for p in p2p_op_list):
         raise ArgumentError("batch_isend_irecv takes a non-empty list of P2POp")
+    _distinct_receives(p2p_op_list)
     works: dict[int, Work] = {}
     for i, p in enumerate(p2p_op_list):
         if p.op is irecv:
@@ -153,3 +155,26 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
         if p.op is isend:
             works[i] = isend(p.tensor, p.peer, p.group, p.tag, p.group_peer)
     return [works[i] for i in range(len(p2p_op_list))]
+
+
+def _distinct_receives(ops: Sequence[P2POp]) -> None:
+    """Refuse receives into shared memory (one would overwrite the other's data) and
+    receives into memory a send of the batch reads (it might be sent half overwritten)."""
+    what = "batch_isend_irecv"
+    for i, p in enumerate(ops):
+        tensor_arg(p.tensor, what, f"p2p_op_list[{i}].tensor")
+    recvs = [i for i, p in enumerate(ops) if p.op is irecv]
+    sends = [i for i, p in enumerate(ops) if p.op is isend]
+    pair = overlapping_pair([ops[i].tensor for i in recvs])
+    if pair is not None:
+        a, b = recvs[pair[0]], recvs[pair[1]]
+        raise ArgumentError(f"{what}: the receives p2p_op_list[{a}] and p2p_op_list[{b}] "
+                            f"overlap in memory; each needs a tensor of its own")
+    if sends and recvs and crossed([ops[i].tensor for i in sends], [ops[i].tensor for i in recvs]):
+        for r in recvs:
+            for s in sends:
+                if overlapping_pair([ops[r].tensor, ops[s].tensor]) is not None:
+                    raise ArgumentError(
+                        f"{what}: the receive p2p_op_list[{r}] overlaps in memory the send "
+                        f"p2p_op_list[{s}], which may be read after the receive wrote it: "
+                        f"send a copy (.clone())")

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import tandem
-from tandem.testing import launch
+from tandem.testing import RankFailed, launch, run_threads
 
 pytestmark = pytest.mark.timeout(240)
 
-BACKENDS = ["tcp", "shm"]
+BACKENDS = ["tcp", "shm", "auto"]
 OP_TIMEOUT = 40.0  # an undetected disagreement ends with this
 
 
@@ -65,6 +65,66 @@ def _reduce_each_names_the_other(rank: int, g: Any) -> Any:
     return t.tolist()
 
 
+# broadcast and scatter roots only send: two ranks that each believe they are the root
+# would both return, each with its own data, unless the call itself catches it
+def _broadcast_each_its_own_src(rank: int, g: Any) -> Any:
+    t = torch.full((4,), float(rank))
+    tandem.broadcast(t, src=rank, group=g)
+    return t.tolist()
+
+
+def _scatter_each_its_own_src(rank: int, g: Any) -> Any:
+    t = torch.empty(4)
+    tandem.scatter(t, [torch.full((4,), float(rank))] * 2, src=rank, group=g)
+    return t.tolist()
+
+
+def _broadcast_each_names_the_other(rank: int, g: Any) -> Any:
+    t = torch.full((4,), float(rank))
+    tandem.broadcast(t, src=1 - rank, group=g)
+    return t.tolist()
+
+
+def _scatter_each_names_the_other(rank: int, g: Any) -> Any:
+    t = torch.empty(4)
+    tandem.scatter(t, None, src=1 - rank, group=g)
+    return t.tolist()
+
+
+def _broadcast_two_camps(rank: int, g: Any) -> Any:
+    t = torch.full((4,), float(rank))
+    tandem.broadcast(t, src=0 if rank == 0 else 1, group=g)
+    tandem.barrier(group=g)
+    return t.tolist()
+
+
+def _scatter_two_camps(rank: int, g: Any) -> Any:
+    src = 0 if rank == 0 else 1
+    t = torch.empty(4)
+    tandem.scatter(t, [torch.full((4,), float(rank))] * 3 if rank == src else None, src=src,
+                   group=g)
+    tandem.barrier(group=g)
+    return t.tolist()
+
+
+def _broadcast_object_list_each_its_own_src(rank: int, g: Any) -> Any:
+    objects = [{"from": rank}]
+    tandem.broadcast_object_list(objects, src=rank, group=g)
+    return objects
+
+
+def _scatter_object_list_each_its_own_src(rank: int, g: Any) -> Any:
+    out: list[Any] = [None]
+    tandem.scatter_object_list(out, [rank, rank], src=rank, group=g)
+    return out
+
+
+def _gather_object_each_its_own_dst(rank: int, g: Any) -> Any:
+    out: list[Any] = [None, None]
+    tandem.gather_object(rank, out, dst=rank, group=g)
+    return out
+
+
 def _two_lambdas(rank: int, g: Any) -> Any:
     if rank == 0:
         op = tandem.ReduceOp.custom(lambda a, b: torch.maximum(a, b))
@@ -88,6 +148,15 @@ CASES: dict[str, tuple[int, Callable[[int, Any], Any]]] = {
     "gather-two-camps": (3, _gather_two_camps),
     "reduce-two-camps": (3, _reduce_two_camps),
     "reduce-each-names-the-other": (2, _reduce_each_names_the_other),
+    "broadcast-each-its-own-src": (2, _broadcast_each_its_own_src),
+    "scatter-each-its-own-src": (2, _scatter_each_its_own_src),
+    "broadcast-each-names-the-other": (2, _broadcast_each_names_the_other),
+    "scatter-each-names-the-other": (2, _scatter_each_names_the_other),
+    "broadcast-two-camps": (3, _broadcast_two_camps),
+    "scatter-two-camps": (3, _scatter_two_camps),
+    "broadcast_object_list-each-its-own-src": (2, _broadcast_object_list_each_its_own_src),
+    "scatter_object_list-each-its-own-src": (2, _scatter_object_list_each_its_own_src),
+    "gather_object-each-its-own-dst": (2, _gather_object_each_its_own_dst),
     "two-lambdas": (2, _two_lambdas),
     "same-name-different-function": (2, _same_name_different_function),
 }
@@ -120,7 +189,8 @@ def seen(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, dict[str, 
 
 # ranks whose own call may complete (they combine nothing); their next call fails
 BYSTANDERS = {"gather-two-camps": {2}, "reduce-two-camps": {2},
-              "reduce-each-names-the-other": {0, 1}}
+              "reduce-each-names-the-other": {0, 1}, "broadcast-two-camps": {2},
+              "scatter-two-camps": {2}}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -171,3 +241,28 @@ def test_the_same_custom_op_and_the_same_root_still_work(backend: str) -> None:
     assert all(o.ok for o in outcomes), [o.error for o in outcomes if not o.ok]
     assert outcomes[0].value == [0.0, 1.0, 2.0, 3.0]
     assert outcomes[1].value == [0.0, 1.0, 2.0, 3.0, 3.0, 3.0]
+
+
+ROOT_ONLY_SENDS = {
+    "broadcast": lambda g, src: tandem.broadcast(torch.full((4,), float(g.rank())), group=g,
+                                                 group_src=src),
+    "scatter": lambda g, src: tandem.scatter(
+        torch.empty(4), [torch.ones(4)] * 2 if src == g.rank() else None, group=g, group_src=src),
+}
+
+
+@pytest.mark.parametrize("name", list(ROOT_ONLY_SENDS))
+@pytest.mark.parametrize("roots", ["each-its-own", "each-names-the-other"])
+def test_roots_that_disagree_fail_in_the_call_on_threads(name: str, roots: str) -> None:
+    call = ROOT_ONLY_SENDS[name]
+
+    def body(g: Any) -> None:
+        call(g, g.rank() if roots == "each-its-own" else 1 - g.rank())
+
+    # a disagreement found only by the deadline would leave the threads running past 20 s
+    with pytest.raises(RankFailed) as failed:
+        run_threads(2, body, timeout=20, op_timeout=OP_TIMEOUT)
+    text = str(failed.value)
+    for rank in range(2):
+        part = text.split(f"--- rank {rank} ---")[1].split("--- rank")[0]
+        assert "CollectiveMismatchError" in part and "root=" in part, (name, roots, rank, part)

@@ -195,22 +195,24 @@ def _root_then_messages(rank: int, world_size: int) -> dict[str, Any]:
     out = {}
     for name, call in MESSAGE_ONLY.items():
         g = dist.new_group([0, 1], timeout=GROUP_TIMEOUT, group_desc=f"then-{name}")
-        dist.broadcast(_tensor(rank), src=rank, group=g)  # each rank its own root: no wait
-        out[name] = [attempt(call, rank, g), attempt(dist.all_reduce, torch.ones(1), group=g)]
+        # each rank its own root
+        first = attempt(dist.broadcast, _tensor(rank), src=rank, group=g)
+        out[name] = [first, attempt(call, rank, g)]
     dist.barrier()
     return out
 
 
 @pytest.mark.parametrize("backend", ["tcp", "shm"])
-def test_a_root_mismatch_is_found_by_a_call_that_moves_only_messages(backend: str) -> None:
-    # a broadcast whose root is a different rank on each rank waits on nobody; over shm
-    # the next call compares the previous call's announcements, whatever it moves
+def test_a_root_mismatch_fails_the_broadcast_and_every_call_after_it(backend: str) -> None:
+    # a broadcast root waits for every other rank's confirmation of the root (over shm,
+    # for their announcements), so the broadcast itself fails; the group is aborted, so
+    # the next call fails at once, whatever it moves
     out = values(launch(2, _root_then_messages, timeout=60, op_timeout=20.0,
                         backend=backend), [0, 1])
     for rank in (0, 1):
-        for name, (then, after) in out[rank].items():
-            err = then if not then["ok"] else after  # this call, or the one after it
-            assert not err["ok"], f"rank {rank}: {name} after mismatched roots: {then}, {after}"
-            assert err["type"] in ("CollectiveMismatchError", "StateError"), (rank, name, err)
-            assert "root=0" in err["msg"] and "root=1" in err["msg"], (rank, name, err)
-            assert err["elapsed"] < FAST, (rank, name, err)
+        for name, (broadcast, then) in out[rank].items():
+            for err in (broadcast, then):
+                assert not err["ok"], f"rank {rank}: {name} after mismatched roots: {err}"
+                assert err["type"] in ("CollectiveMismatchError", "StateError"), (rank, name, err)
+                assert "root=0" in err["msg"] and "root=1" in err["msg"], (rank, name, err)
+                assert err["elapsed"] < FAST, (rank, name, err)

@@ -8,8 +8,9 @@ posts once per round, the root only after it has read what it needed, so
 :meth:`~tandem.transport.Arena.begin_round`'s one wait keeps the two staging halves
 safe; the non-roots run at most one round ahead.
 
-A broadcast root waits on nobody and checks nothing in its call; ``_verify``
-compares the previous call at its next one. Reduce non-roots wait once, for the
+A broadcast root ends its call by waiting for every member's post of round 0 and
+then checking their announcements: two ranks that each believe they are the root only
+stage, and would both return. Reduce non-roots wait once, for the
 root to take round 0, and then check the root's announcement: two ranks that each
 name the other as the root would otherwise both return (they only stage), and
 nothing else in the call would tell them apart.
@@ -32,10 +33,9 @@ def shm_broadcast(op: Op, buf: torch.Tensor, root: int) -> None:
 
     Rounds go through a :class:`SlotRing` of half-halves. Every member posts once per
     round (the root when its round is staged, the others when they have copied it
-    out: lag 0), so the root runs up to four rounds ahead of the slowest reader. A
-    root waits on nobody in the first round; two ranks that both think they are the
-    root are caught at their next call on the group (``_verify`` compares the
-    previous call too).
+    out: lag 0), so the root runs up to four rounds ahead of the slowest reader. The
+    root returns once every member has posted round 0 and announced this very call, so
+    that two ranks that both think they are the root are caught in this call.
     """
     arena, check = prepare(op)
     me, size = arena.index, buf.element_size()
@@ -52,6 +52,9 @@ def shm_broadcast(op: Op, buf: torch.Tensor, root: int) -> None:
                 verify(op, arena, [root])
             x.copy_(ring.order[r % ring.slots][root][:m])
         arena.post()
+    if me == root:
+        arena.wait_all(ring.base + 1, check)
+        verify(op, arena)
     ring.close(len(plan))
 
 
