@@ -25,13 +25,13 @@ def average_parameters(params: Iterable[torch.Tensor], process_group: AnyGroup |
     memory); mixed dtypes are promoted in the buffer and cast back. A rank outside the
     group leaves its parameters as they are.
     """
-    if isinstance(process_group, NonMemberGroup):
-        return
-    group = resolve_group(process_group, "average_parameters")
     tensors = list(params)
     if not tensors:
         raise ArgumentError("average_parameters: params is empty; pass the parameters to "
                             "average (get_params_to_average keeps only those with a .grad)")
+    if isinstance(process_group, NonMemberGroup):
+        return
+    group = resolve_group(process_group, "average_parameters")
     flat = torch.cat([p.detach().reshape(-1) for p in tensors])
     # divide before summing, as torch does: the same rounding, and no overflow in half
     flat /= group.group_size
