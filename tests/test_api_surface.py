@@ -686,6 +686,7 @@ LOCAL_SGD_REFUSED: dict[str, dict[str, list[Callable[[], Any]]]] = {
         "warmup_steps": [lambda: HierarchicalModelAverager({2: 1}, warmup_steps=-1)]},
     "PostLocalSGDState": {
         "start_localSGD_iter": [lambda: local_hook.PostLocalSGDState(None, None, -1)],
+        "subgroup": [_in_job(lambda: local_hook.PostLocalSGDState(None, None, 0))],
         "post_local_gradient_allreduce": [
             lambda: local_hook.PostLocalSGDState(None, None, 0, "yes")]},  # type: ignore[arg-type]
     "get_params_to_average": {"params": [lambda: avg_utils.get_params_to_average([1.0])]},
@@ -701,8 +702,10 @@ _LOCAL_SGD_REFUSALS = [(f, p, i) for f, params in LOCAL_SGD_REFUSED.items()
 
 @pytest.mark.parametrize("function,parameter,index", _LOCAL_SGD_REFUSALS,
                          ids=[f"{f}-{p}-{i}" for f, p, i in _LOCAL_SGD_REFUSALS])
-def test_post_local_sgd_refusals_name_the_argument(function: str, parameter: str,
+def test_post_local_sgd_refusals_name_the_argument(secret: None, monkeypatch: pytest.MonkeyPatch,
+                                                   function: str, parameter: str,
                                                    index: int) -> None:
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     with pytest.raises(ArgumentError, match=parameter):
         LOCAL_SGD_REFUSED[function][parameter][index]()
 
@@ -717,3 +720,20 @@ def test_every_post_local_sgd_parameter_is_audited(name: str) -> None:
     assert not unaccounted, (
         f"{name}: torch's parameters {sorted(unaccounted)} are neither shown honoured by a "
         f"behaviour check (passed by keyword) nor refused with a message")
+
+
+def test_post_local_sgd_state_without_a_subgroup_groups_the_ranks_of_this_node(
+        secret: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    _solo()
+    state = local_hook.PostLocalSGDState(process_group=None, subgroup=None,
+                                         start_localSGD_iter=0)
+    assert isinstance(state.subgroup, ProcessGroup) and state.subgroup.ranks == [0]
+    assert state.subgroup is not default_group()
+    quiet = local_hook.PostLocalSGDState(None, None, 0, post_local_gradient_allreduce=False)
+    assert quiet.subgroup is None  # never used: no group made
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    tandem.destroy_process_group()
+    _solo()
+    with pytest.raises(ArgumentError, match=r"PostLocalSGDState: subgroup=None .* pass subgroup"):
+        local_hook.PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=0)

@@ -48,7 +48,13 @@ class PostLocalSGDState:
             raise ArgumentError(f"PostLocalSGDState: post_local_gradient_allreduce must be a "
                                 f"bool, got {post_local_gradient_allreduce!r}")
         if subgroup is None and post_local_gradient_allreduce:
-            subgroup, _ = new_subgroups()
+            try:
+                subgroup, _ = new_subgroups()
+            except ArgumentError as exc:
+                raise ArgumentError(f"PostLocalSGDState: subgroup=None means the ranks of "
+                                    f"this node, which needs LOCAL_WORLD_SIZE (set by "
+                                    f"tandemrun); pass subgroup, e.g. "
+                                    f"tandem.new_subgroups(group_size=...)[0] ({exc})") from exc
         self.process_group = process_group
         self.subgroup = subgroup
         self.start_localSGD_iter = start_localSGD_iter
