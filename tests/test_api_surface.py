@@ -737,3 +737,14 @@ def test_post_local_sgd_state_without_a_subgroup_groups_the_ranks_of_this_node(
     _solo()
     with pytest.raises(ArgumentError, match=r"PostLocalSGDState: subgroup=None .* pass subgroup"):
         local_hook.PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=0)
+
+
+def test_post_local_sgd_counts_may_be_numpy_integers(secret: None) -> None:
+    numpy = pytest.importorskip("numpy")  # counts read from a config file often are
+    _solo()
+    periodic = averagers.PeriodicModelAverager(numpy.int64(3), numpy.int32(1))
+    hier = HierarchicalModelAverager({numpy.int64(2): numpy.int64(1)}, numpy.int64(0))
+    state = local_hook.PostLocalSGDState(None, default_group(), numpy.int16(4))
+    assert (periodic.period, periodic.warmup_steps, hier._periods, state.start_localSGD_iter,
+            ) == (3, 1, [2], 4)
+    assert type(periodic.period) is int and type(state.start_localSGD_iter) is int

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from tandem.algorithms.model_averaging.averagers import check_count
 from tandem.collectives.groups import new_subgroups
 from tandem.collectives.world import AnyGroup
 from tandem.errors import ArgumentError
@@ -40,10 +41,8 @@ class PostLocalSGDState:
 
     def __init__(self, process_group: AnyGroup | None, subgroup: AnyGroup | None,
                  start_localSGD_iter: int, post_local_gradient_allreduce: bool = True) -> None:
-        if (not isinstance(start_localSGD_iter, int) or isinstance(start_localSGD_iter, bool)
-                or start_localSGD_iter < 0):
-            raise ArgumentError(f"PostLocalSGDState: start_localSGD_iter must be an int >= 0, "
-                                f"got {start_localSGD_iter!r}")
+        start_localSGD_iter = check_count("PostLocalSGDState", "start_localSGD_iter",
+                                          start_localSGD_iter, 0)
         if not isinstance(post_local_gradient_allreduce, bool):
             raise ArgumentError(f"PostLocalSGDState: post_local_gradient_allreduce must be a "
                                 f"bool, got {post_local_gradient_allreduce!r}")

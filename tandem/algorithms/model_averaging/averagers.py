@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import operator
 import warnings
 from typing import Any
 
@@ -14,9 +15,14 @@ __all__ = ["ModelAverager", "PeriodicModelAverager"]
 
 
 def check_count(what: str, name: str, value: Any, least: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+    """``value`` as an int >= ``least`` (numpy integers too: step counts from configs)."""
+    try:
+        number = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        number = None
+    if number is None or number < least:
         raise ArgumentError(f"{what}: {name} must be an int >= {least}, got {value!r}")
-    return value
+    return number
 
 
 class ModelAverager(abc.ABC):
@@ -43,8 +49,8 @@ class PeriodicModelAverager(ModelAverager):
 
     def __init__(self, period: int, warmup_steps: int = 0,
                  process_group: AnyGroup | None = None) -> None:
-        check_count("PeriodicModelAverager", "warmup_steps", warmup_steps, 0)
-        check_count("PeriodicModelAverager", "period", period, 1)
+        warmup_steps = check_count("PeriodicModelAverager", "warmup_steps", warmup_steps, 0)
+        period = check_count("PeriodicModelAverager", "period", period, 1)
         super().__init__(process_group)
         if period == 1:
             warnings.warn("PeriodicModelAverager: period=1 averages the parameters at every "

@@ -33,24 +33,25 @@ class HierarchicalModelAverager(ModelAverager):
         if not period_group_size_dict:
             raise ArgumentError(f"{what}: period_group_size_dict must map at least one "
                                 f"period to a group size, got {period_group_size_dict!r}")
-        for period, size in period_group_size_dict.items():
-            check_count(what, "a period in period_group_size_dict", period, 1)
-            check_count(what, "a group size in period_group_size_dict", size, 1)
-        check_count(what, "warmup_steps", warmup_steps, 0)
+        levels = OrderedDict(
+            (check_count(what, "a period in period_group_size_dict", period, 1),
+             check_count(what, "a group size in period_group_size_dict", size, 1))
+            for period, size in period_group_size_dict.items())
+        warmup_steps = check_count(what, "warmup_steps", warmup_steps, 0)
         super().__init__(process_group)
-        self._periods = list(period_group_size_dict)
+        self._periods = list(levels)
         if self._periods[-1] == 1:
             warnings.warn(f"{what}: the largest period is 1, so parameters are averaged at "
                           f"every step, which costs as much as DDP's gradient all-reduce; "
                           f"use DistributedDataParallel alone", stacklevel=2)
         overall = get_world_size(self.process_group)
-        last = list(period_group_size_dict.values())[-1]
+        last = list(levels.values())[-1]
         if last != overall:
             raise ArgumentError(f"{what}: the last group size in period_group_size_dict is "
                                 f"{last}, but it must be the size of process_group "
                                 f"({overall}): the last level averages over all of it")
         self.period_process_group_dict: OrderedDict[int, AnyGroup] = OrderedDict()
-        for period, size in period_group_size_dict.items():
+        for period, size in levels.items():
             if size == overall:
                 self.period_process_group_dict[period] = self.process_group
             else:
