@@ -748,3 +748,11 @@ def test_post_local_sgd_counts_may_be_numpy_integers(secret: None) -> None:
     assert (periodic.period, periodic.warmup_steps, hier._periods, state.start_localSGD_iter,
             ) == (3, 1, [2], 4)
     assert type(periodic.period) is int and type(state.start_localSGD_iter) is int
+
+
+def test_averaging_at_every_step_warns_that_ddp_alone_costs_no_more(secret: None) -> None:
+    _solo()
+    with pytest.warns(UserWarning, match="period=1 .* DistributedDataParallel alone"):
+        averagers.PeriodicModelAverager(period=1)
+    with pytest.warns(UserWarning, match="largest period is 1"):
+        HierarchicalModelAverager(period_group_size_dict={1: 1})
