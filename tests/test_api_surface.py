@@ -19,6 +19,7 @@ import inspect
 import math
 import re
 import tempfile
+import warnings
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -507,3 +508,251 @@ def test_every_torch_parameter_is_audited(name: str) -> None:
     assert not unaccounted, (
         f"tandem.{name}: torch's parameters {sorted(unaccounted)} are neither shown honoured "
         f"by a behaviour check (passed by keyword) nor refused with a message")
+
+
+# -- post-local SGD and model averaging: torch.distributed.{optim,algorithms} names ----------
+with warnings.catch_warnings():  # torch.distributed.optim scripts its functional optimizers
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as torch_local
+    from torch.distributed.algorithms.model_averaging import averagers as torch_averagers
+    from torch.distributed.algorithms.model_averaging import (
+        hierarchical_model_averager as torch_hier,
+    )
+    from torch.distributed.algorithms.model_averaging import utils as torch_avg_utils
+    from torch.distributed.optim import PostLocalSGDOptimizer as TorchPostLocalSGD
+
+from tandem.algorithms.ddp_comm_hooks import post_localSGD_hook as local_hook  # noqa: E402
+from tandem.algorithms.model_averaging import averagers, utils as avg_utils  # noqa: E402
+from tandem.algorithms.model_averaging.hierarchical_model_averager import (  # noqa: E402
+    HierarchicalModelAverager,
+)
+from tandem.optim import PostLocalSGDOptimizer  # noqa: E402
+
+# audited name -> torch's callable, whose parameters each need a check or a refusal
+LOCAL_SGD: dict[str, Callable[..., Any]] = {
+    "ModelAverager": torch_averagers.ModelAverager.__init__,
+    "PeriodicModelAverager": torch_averagers.PeriodicModelAverager.__init__,
+    "PeriodicModelAverager.average_parameters":
+        torch_averagers.PeriodicModelAverager.average_parameters,
+    "HierarchicalModelAverager": torch_hier.HierarchicalModelAverager.__init__,
+    "HierarchicalModelAverager.average_parameters":
+        torch_hier.HierarchicalModelAverager.average_parameters,
+    "average_parameters": torch_avg_utils.average_parameters,
+    "get_params_to_average": torch_avg_utils.get_params_to_average,
+    "average_parameters_or_parameter_groups":
+        torch_avg_utils.average_parameters_or_parameter_groups,
+    "PostLocalSGDState": torch_local.PostLocalSGDState.__init__,
+    "PostLocalSGDState.maybe_increase_iter": torch_local.PostLocalSGDState.maybe_increase_iter,
+    "post_localSGD_hook": torch_local.post_localSGD_hook,
+    **{f"PostLocalSGDOptimizer{m}": getattr(TorchPostLocalSGD, m.lstrip(".") or "__init__")
+       for m in ("", ".load_state_dict", ".zero_grad", ".add_param_group")},
+}
+
+
+def _param(r: int) -> torch.nn.Parameter:
+    p = torch.nn.Parameter(_full(r))
+    p.grad = torch.zeros(2)
+    return p
+
+
+def _averaged_at(averager: Any, r: int, calls: int) -> list[bool]:
+    """For each call of ``averager.average_parameters``: did it average (1.5 on both)?"""
+    p, out = _param(r), []
+    for _ in range(calls):
+        with torch.no_grad():
+            p.fill_(r + 1)
+        averager.average_parameters(params=[p])
+        out.append(p.tolist() == [1.5, 1.5])
+    return out
+
+
+def local_sgd_averagers(r: int, rev: ProcessGroup) -> None:
+    periodic = averagers.PeriodicModelAverager(period=2, warmup_steps=1, process_group=rev)
+    assert _averaged_at(periodic, r, 5) == [False, True, False, True, False]
+    assert periodic.step == 5 and periodic.process_group is rev
+
+    class Always(averagers.ModelAverager):
+        def average_parameters(self, params: Any) -> None:
+            avg_utils.average_parameters_or_parameter_groups(params, self.process_group)
+
+    assert Always(process_group=rev).process_group is rev
+    # both levels span rev here (subgroups: tests/algorithms/test_post_local_sgd.py)
+    hier = HierarchicalModelAverager(period_group_size_dict={2: 2, 3: 2}, warmup_steps=3,
+                                     process_group=rev)
+    assert _averaged_at(hier, r, 7) == [False, False, False, True, True, False, True]
+
+
+def local_sgd_utils(r: int, rev: ProcessGroup) -> None:
+    p, idle = _param(r), torch.nn.Parameter(torch.zeros(1))  # idle: no .grad
+    assert avg_utils.get_params_to_average(params=[{"params": [p, idle]}]) == [p]
+    assert avg_utils.get_params_to_average(params=[idle, p]) == [p]
+    avg_utils.average_parameters(params=iter([p]), process_group=rev)
+    assert p.tolist() == [1.5, 1.5]
+    p = _param(r)
+    avg_utils.average_parameters_or_parameter_groups(params=[{"params": [p, idle]}],
+                                                     process_group=rev)
+    assert p.tolist() == [1.5, 1.5] and idle.tolist() == [0.0]
+
+
+class _Bucket:
+    def __init__(self, r: int, last: bool) -> None:
+        self.buf, self.last = _full(r), last
+
+    def buffer(self) -> torch.Tensor:
+        return self.buf
+
+    def is_last(self) -> bool:
+        return self.last
+
+
+def local_sgd_hook(r: int, rev: ProcessGroup) -> None:
+    solo = ProcessGroup(rev.transport, [r], 10 + r, "solo", rev.timeout, rev.settings,
+                        "loopback")
+    for gradient_allreduce in (True, False):
+        state = local_hook.PostLocalSGDState(process_group=rev, subgroup=solo,
+                                             start_localSGD_iter=1,
+                                             post_local_gradient_allreduce=gradient_allreduce)
+        reduced = []
+        for last in (False, True, True):  # one step of two buckets, then a local step
+            bucket = _Bucket(r, last)
+            local_hook.post_localSGD_hook(state=state, bucket=bucket).wait()  # type: ignore
+            reduced.append(bucket.buf.tolist() == [1.5, 1.5])
+        assert reduced == [True, True, False] and state.iter == 1
+    state.maybe_increase_iter(bucket=_Bucket(r, True))  # type: ignore[arg-type]
+    assert state.iter == 2
+
+
+class _Optim:
+    """Records what PostLocalSGDOptimizer hands to the optimizer it wraps."""
+
+    def __init__(self, p: torch.nn.Parameter) -> None:
+        self.param_groups: list[dict[str, Any]] = [{"params": [p], "lr": 0.5}]
+        self.state: dict[Any, Any] = {}
+        self.calls: list[Any] = []
+
+    def step(self) -> None:
+        self.calls.append("step")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.calls.append(("zero_grad", set_to_none))
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.param_groups.append(param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"state": {}, "param_groups": [{"lr": 0.5, "params": [0]}]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.calls.append(("load", state_dict["param_groups"][0]["lr"]))
+
+
+def local_sgd_optimizer(r: int, rev: ProcessGroup) -> None:
+    p = _param(r)
+    inner = _Optim(p)
+    averager = averagers.PeriodicModelAverager(period=2, process_group=rev)
+    opt = PostLocalSGDOptimizer(optim=inner, averager=averager)  # type: ignore[arg-type]
+    assert isinstance(opt, torch.optim.Optimizer) and opt.state is inner.state
+    opt.step()
+    assert p.tolist() == [1.5, 1.5] and inner.calls == ["step"]
+    opt.zero_grad(set_to_none=False)
+    opt.add_param_group(param_group={"params": [], "lr": 1.0})
+    assert inner.calls[-1] == ("zero_grad", False) and len(opt.param_groups) == 2
+    assert opt.state_dict()["step"] == 1
+    opt.load_state_dict(state_dict={"state": {}, "param_groups": [{"lr": 0.25}], "step": 7})
+    assert inner.calls[-1] == ("load", 0.25) and opt.averager.step == 7
+
+
+LOCAL_SGD_CHECKS: dict[str, Callable[[int, ProcessGroup], None]] = {
+    "averagers": local_sgd_averagers, "utils": local_sgd_utils, "hook": local_sgd_hook,
+    "optimizer": local_sgd_optimizer}
+
+
+@pytest.mark.parametrize("name", sorted(LOCAL_SGD_CHECKS))
+def test_post_local_sgd_names_behave_on_a_group_whose_ranks_are_reversed(name: str) -> None:
+    def body(g: ProcessGroup) -> None:
+        LOCAL_SGD_CHECKS[name](g.group_rank, _rev(g))
+
+    run_threads(2, body, timeout=60, op_timeout=20)
+
+
+# name -> parameter -> calls that must raise ArgumentError naming the parameter
+LOCAL_SGD_REFUSED: dict[str, dict[str, list[Callable[[], Any]]]] = {
+    "PeriodicModelAverager": {
+        "period": [lambda: averagers.PeriodicModelAverager(period=0)],
+        "warmup_steps": [lambda: averagers.PeriodicModelAverager(2, warmup_steps=-1)]},
+    "HierarchicalModelAverager": {
+        "period_group_size_dict": [lambda: HierarchicalModelAverager({}),
+                                   lambda: HierarchicalModelAverager({0: 1})],
+        "warmup_steps": [lambda: HierarchicalModelAverager({2: 1}, warmup_steps=-1)]},
+    "PostLocalSGDState": {
+        "start_localSGD_iter": [lambda: local_hook.PostLocalSGDState(None, None, -1)],
+        "subgroup": [_in_job(lambda: local_hook.PostLocalSGDState(None, None, 0))],
+        "post_local_gradient_allreduce": [
+            lambda: local_hook.PostLocalSGDState(None, None, 0, "yes")]},  # type: ignore[arg-type]
+    "get_params_to_average": {"params": [lambda: avg_utils.get_params_to_average([1.0])]},
+    "average_parameters": {"params": [lambda: avg_utils.average_parameters([], None)]},
+    "PostLocalSGDOptimizer": {
+        "optim": [lambda: PostLocalSGDOptimizer(object(), object())],  # type: ignore[arg-type]
+        "averager": [lambda: PostLocalSGDOptimizer(_Optim(_param(0)),  # type: ignore
+                                                   object())]},  # type: ignore[arg-type]
+}
+_LOCAL_SGD_REFUSALS = [(f, p, i) for f, params in LOCAL_SGD_REFUSED.items()
+                       for p, calls in params.items() for i in range(len(calls))]
+
+
+@pytest.mark.parametrize("function,parameter,index", _LOCAL_SGD_REFUSALS,
+                         ids=[f"{f}-{p}-{i}" for f, p, i in _LOCAL_SGD_REFUSALS])
+def test_post_local_sgd_refusals_name_the_argument(secret: None, monkeypatch: pytest.MonkeyPatch,
+                                                   function: str, parameter: str,
+                                                   index: int) -> None:
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(ArgumentError, match=parameter):
+        LOCAL_SGD_REFUSED[function][parameter][index]()
+
+
+@pytest.mark.parametrize("name", sorted(LOCAL_SGD))
+def test_every_post_local_sgd_parameter_is_audited(name: str) -> None:
+    torch_params = [p for p in inspect.signature(LOCAL_SGD[name]).parameters
+                    if p != "self" and not p.startswith("_")]
+    sources = [inspect.getsource(fn) for fn in LOCAL_SGD_CHECKS.values()]
+    shown = {p for p in torch_params if any(re.search(rf"\b{p}=", s) for s in sources)}
+    unaccounted = set(torch_params) - shown - set(LOCAL_SGD_REFUSED.get(name.split(".")[0], {}))
+    assert not unaccounted, (
+        f"{name}: torch's parameters {sorted(unaccounted)} are neither shown honoured by a "
+        f"behaviour check (passed by keyword) nor refused with a message")
+
+
+def test_post_local_sgd_state_without_a_subgroup_groups_the_ranks_of_this_node(
+        secret: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    _solo()
+    state = local_hook.PostLocalSGDState(process_group=None, subgroup=None,
+                                         start_localSGD_iter=0)
+    assert isinstance(state.subgroup, ProcessGroup) and state.subgroup.ranks == [0]
+    assert state.subgroup is not default_group()
+    quiet = local_hook.PostLocalSGDState(None, None, 0, post_local_gradient_allreduce=False)
+    assert quiet.subgroup is None  # never used: no group made
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    tandem.destroy_process_group()
+    _solo()
+    with pytest.raises(ArgumentError, match=r"PostLocalSGDState: subgroup=None .* pass subgroup"):
+        local_hook.PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=0)
+
+
+def test_post_local_sgd_counts_may_be_numpy_integers(secret: None) -> None:
+    numpy = pytest.importorskip("numpy")  # counts read from a config file often are
+    _solo()
+    periodic = averagers.PeriodicModelAverager(numpy.int64(3), numpy.int32(1))
+    hier = HierarchicalModelAverager({numpy.int64(2): numpy.int64(1)}, numpy.int64(0))
+    state = local_hook.PostLocalSGDState(None, default_group(), numpy.int16(4))
+    assert (periodic.period, periodic.warmup_steps, hier._periods, state.start_localSGD_iter,
+            ) == (3, 1, [2], 4)
+    assert type(periodic.period) is int and type(state.start_localSGD_iter) is int
+
+
+def test_averaging_at_every_step_warns_that_ddp_alone_costs_no_more(secret: None) -> None:
+    _solo()
+    with pytest.warns(UserWarning, match="period=1 .* DistributedDataParallel alone"):
+        averagers.PeriodicModelAverager(period=1)
+    with pytest.warns(UserWarning, match="largest period is 1"):
+        HierarchicalModelAverager(period_group_size_dict={1: 1})

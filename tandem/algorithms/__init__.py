@@ -4,12 +4,14 @@
 inputs), also importable from this package as from torch's;
 ``tandem.algorithms.ddp_comm_hooks`` has torch's hook modules (``default_hooks``,
 ``powerSGD_hook``, ``ddp_zero_hook``: the ZeroRedundancyOptimizer step run inside DDP's
-gradient synchronisation).
+gradient synchronisation, ``post_localSGD_hook``);
+``tandem.algorithms.model_averaging`` has torch's model averagers (post-local SGD and
+hierarchical SGD: parameters averaged every few steps).
 """
 
 from typing import Any as _Any
 
-__all__ = ["join", "Join", "JoinHook", "Joinable"]
+__all__ = ["join", "model_averaging", "Join", "JoinHook", "Joinable"]
 
 
 def __getattr__(name: str) -> _Any:  # loaded on first use: importing the package stays cheap
@@ -18,10 +20,7 @@ def __getattr__(name: str) -> _Any:  # loaded on first use: importing the packag
 
         return getattr(join, name)
     if name == "model_averaging":
-        from tandem.algorithms._refused import AVERAGE_YOURSELF
-        from tandem.collectives.porting import RefusedName
+        import importlib
 
-        raise RefusedName("tandem has no model_averaging (torch.distributed.algorithms."
-                          "model_averaging: PeriodicModelAverager, post-local SGD); "
-                          + AVERAGE_YOURSELF)
+        return importlib.import_module("tandem.algorithms.model_averaging")
     raise AttributeError(f"module 'tandem.algorithms' has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """Module ``__getattr__`` for the torch names a tandem twin module does not have.
 
-A ported ``from torch.distributed.optim import PostLocalSGDOptimizer`` then meets an
+A ported ``from torch.distributed.optim import apply_optimizer_in_backward`` then meets an
 ``AttributeError`` (a :class:`~tandem.collectives.porting.RefusedName`) that says what to
 use instead; ``hasattr`` stays False. (``from m import x`` turns it into a bare
 ``ImportError``; under tandemrun the worker adds the message back as a note.)
@@ -14,9 +14,6 @@ from tandem.collectives.porting import RefusedName
 
 __all__ = ["refusing_getattr"]
 
-AVERAGE_YOURSELF = ("average every step with DistributedDataParallel, or average the "
-                    "parameters yourself every few steps with tandem.all_reduce(p.data, "
-                    "op=tandem.ReduceOp.AVG)")
 PASS_A_HOOK = ("pass the hook itself to DistributedDataParallel.register_comm_hook "
                "(tandem.parallel.comm_hooks)")
 

@@ -13,18 +13,21 @@ only its shard's gradients)::
 
 ``DistributedOptimizer`` steps the optimizers of parameters that live on other RPC
 workers (``tandem.rpc``), from the gradients of a distributed autograd context.
+
+``PostLocalSGDOptimizer`` wraps a local optimizer and a model averager
+(``tandem.algorithms.model_averaging``): post-local SGD.
 """
 
-from tandem.algorithms._refused import AVERAGE_YOURSELF, refusing_getattr
+from tandem.algorithms._refused import refusing_getattr
 from tandem.optim._zero_ddp import hook_with_zero_step, hook_with_zero_step_interleaved, shard_gradients
 from tandem.optim.distributed import DistributedOptimizer
+from tandem.optim.post_localSGD_optimizer import PostLocalSGDOptimizer
 from tandem.optim.zero import ZeroRedundancyOptimizer
 
-__all__ = ["DistributedOptimizer", "ZeroRedundancyOptimizer", "hook_with_zero_step",
+__all__ = ["DistributedOptimizer", "PostLocalSGDOptimizer", "ZeroRedundancyOptimizer", "hook_with_zero_step",
            "hook_with_zero_step_interleaved", "shard_gradients"]
 
 __getattr__ = refusing_getattr("tandem.optim", "torch.distributed.optim", {
-    "PostLocalSGDOptimizer": AVERAGE_YOURSELF,
     "apply_optimizer_in_backward": ("to step while backward runs, use ZeroRedundancyOptimizer("
                                     "..., overlap_with_ddp=True) with DDP's hook "
                                     "hook_with_zero_step, or step after backward"),

@@ -27,6 +27,17 @@ with warnings.catch_warnings():  # torch.distributed.optim scripts its functiona
     warnings.simplefilter("ignore", DeprecationWarning)
     import torch.distributed.optim as torch_optim
     from torch.distributed.algorithms.ddp_comm_hooks import ddp_zero_hook as torch_zero_hook
+    from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as torch_local
+    from torch.distributed.algorithms.model_averaging import averagers as torch_averagers
+    from torch.distributed.algorithms.model_averaging import (
+        hierarchical_model_averager as torch_hier,
+    )
+    from torch.distributed.algorithms.model_averaging import utils as torch_avg_utils
+
+import tandem.algorithms.ddp_comm_hooks.post_localSGD_hook as our_local
+import tandem.algorithms.model_averaging.averagers as our_averagers
+import tandem.algorithms.model_averaging.hierarchical_model_averager as our_hier
+import tandem.algorithms.model_averaging.utils as our_avg_utils
 
 PAIRS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "ZeroRedundancyOptimizer": (torch_optim.ZeroRedundancyOptimizer.__init__,
@@ -57,6 +68,22 @@ PAIRS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "gather": (torch_parallel.gather, our_parallel.gather),
     "replicate": (torch_parallel.replicate, our_parallel.replicate),
     "parallel_apply": (torch_parallel.parallel_apply, our_parallel.parallel_apply),
+    **{f"PostLocalSGDOptimizer.{m}": (getattr(torch_optim.PostLocalSGDOptimizer, m),
+                                      getattr(our_optim.PostLocalSGDOptimizer, m))
+       for m in ("__init__", "state_dict", "load_state_dict", "step", "zero_grad",
+                 "add_param_group")},
+    **{f"{cls}.{m}": (getattr(getattr(mod, cls), m), getattr(getattr(ours, cls), m))
+       for mod, ours, cls in ((torch_averagers, our_averagers, "ModelAverager"),
+                              (torch_averagers, our_averagers, "PeriodicModelAverager"),
+                              (torch_hier, our_hier, "HierarchicalModelAverager"))
+       for m in ("__init__", "average_parameters")},
+    **{f"model_averaging.utils.{f}": (getattr(torch_avg_utils, f), getattr(our_avg_utils, f))
+       for f in torch_avg_utils.__all__},
+    "PostLocalSGDState": (torch_local.PostLocalSGDState.__init__,
+                          our_local.PostLocalSGDState.__init__),
+    "PostLocalSGDState.maybe_increase_iter": (torch_local.PostLocalSGDState.maybe_increase_iter,
+                                              our_local.PostLocalSGDState.maybe_increase_iter),
+    "post_localSGD_hook": (torch_local.post_localSGD_hook, our_local.post_localSGD_hook),
     "scatter_kwargs": (importlib.import_module("torch.nn.parallel.scatter_gather").scatter_kwargs,
                        importlib.import_module("tandem.parallel.scatter_gather").scatter_kwargs),
 }
@@ -92,3 +119,11 @@ def test_public_names_exist_where_torch_has_them() -> None:
     comm_hooks = importlib.import_module("tandem.parallel.comm_hooks")
     assert power.PowerSGDState is comm_hooks.PowerSGDState
     assert power.powerSGD_hook is comm_hooks.powerSGD_hook
+    assert "PostLocalSGDOptimizer" in our_optim.__all__
+    for module, names in ((our_averagers, torch_averagers.__all__),
+                          (our_avg_utils, torch_avg_utils.__all__),
+                          (our_local, ["PostLocalSGDState", "post_localSGD_hook"]),
+                          (our_hier, ["HierarchicalModelAverager"])):
+        missing = [n for n in names if not hasattr(module, n)]
+        assert not missing, f"{module.__name__} lacks torch's {missing}"
+    assert package.model_averaging.averagers is our_averagers

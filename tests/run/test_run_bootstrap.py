@@ -145,10 +145,11 @@ def test_a_refused_name_in_a_from_import_keeps_its_message(tmp_path: Path) -> No
     assert "cannot import name 'init_device_mesh'" in res.stderr, res.stderr
     assert "tandem.torch_backend" in res.stderr, res.stderr  # the refusal's advice
     assert "tandem.torch_backend" in record["traceback"]
-    res, _ = failing(tmp_path, "from tandem.algorithms.model_averaging import averagers\n",
-                     TANDEM_DEBUG="0")
-    assert "No module named 'tandem.algorithms.model_averaging'" in res.stderr, res.stderr
-    assert "PeriodicModelAverager" in res.stderr, res.stderr
+    res, _ = failing(tmp_path, "from tandem.algorithms.ddp_comm_hooks.quantization_hooks "
+                     "import quantization_pertensor_hook\n", TANDEM_DEBUG="0")
+    assert ("No module named 'tandem.algorithms.ddp_comm_hooks.quantization_hooks'"
+            in res.stderr), res.stderr
+    assert "powerSGD_hook" in res.stderr, res.stderr
     res, _ = failing(tmp_path, "from tandem import no_such_name\n", TANDEM_DEBUG="0")
     assert res.stderr.rstrip().endswith("(" + str(Path(__file__).parents[2] / "tandem" /
                                         "__init__.py") + ")"), res.stderr  # no note
