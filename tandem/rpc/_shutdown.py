@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from tandem.errors import PeerLostError, RpcTimeoutError, StoreTimeoutError
 from tandem.rpc import _state
+from tandem.store.tcp import TCPStore
 from tandem.transport.base import Kind
 
 if TYPE_CHECKING:
@@ -106,6 +107,8 @@ def close(agent: "Agent", why: str) -> None:
         agent.transport.close()
     finally:
         agent.buffers.close()
-        if agent.base_store is not None:
+        if isinstance(agent.base_store, TCPStore):
+            agent.base_store.leave()  # a re-init meets the next server, not this one
+        elif agent.base_store is not None:
             agent.base_store.close()
         _state.clear(agent)
