@@ -99,7 +99,9 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1,
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     """Leave the RPC job. ``graceful``: first wait until every worker has called shutdown
     and no worker has work outstanding (``timeout`` seconds for the whole of it, 0: wait
-    for the others as long as they live, then the rpc_timeout for outstanding work)."""
+    for the others as long as they live and answer a call within the rpc_timeout, then
+    the rpc_timeout for outstanding work). A worker that is stopped or hung is named in
+    the ``RpcTimeoutError``; one that died, in a ``PeerLostError``."""
     agent = _state.require("shutdown")
     try:
         if graceful:

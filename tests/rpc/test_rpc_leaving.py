@@ -2,11 +2,15 @@
 
 * a worker that left (``shutdown(graceful=False)``) fails the calls in flight to it as
   it goes, and every later ``rpc_sync``, ``rpc_async`` and ``remote`` to it at once,
-  saying that it left and naming it (as a killed worker's calls fail at once).
+  saying that it left and naming it (as a killed worker's calls fail at once);
+* a graceful ``shutdown()`` whose peer is stopped (SIGSTOP), so never arrives, ends
+  after the peer has not answered for the rpc_timeout, naming it.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -16,6 +20,7 @@ import pytest
 
 import tandem.rpc as rpc
 from _rpc_workers import attempt, echo, run_outcomes
+from tandem._proc import process_stopped
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -92,3 +97,31 @@ def test_calls_in_flight_fail_when_their_worker_leaves(departed: dict[str, Any],
     assert "_hold" in err["msg"], err["msg"]
     # counted from the moment worker1's shutdown returned (it waits for its own pool first)
     assert err["at"] - departed["left_at"] < FAST, (err, departed["left_at"])
+
+
+def _stopped_peer(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    d = Path(tmp)
+    if rank == 1:
+        (d / "pid").write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGSTOP)  # never resumed: the harness kills it
+        return {}
+    _wait_for(d / "pid", 60.0)
+    pid = int((d / "pid").read_text())
+    end = time.monotonic() + 60.0
+    while not process_stopped(pid):
+        assert time.monotonic() < end, "worker1 did not stop within 60 s"
+        time.sleep(0.01)
+    return attempt(rpc.shutdown)
+
+
+def test_shutdown_with_a_stopped_peer_ends_naming_it(tmp_path: Path) -> None:
+    timeout = 3.0
+    out = run_outcomes(2, _stopped_peer, tmp_path, str(tmp_path), timeout=90,
+                       rpc_timeout=timeout)
+    assert out[0].ok, out[0].error
+    err = out[0].value
+    assert err["type"] == "RpcTimeoutError", err
+    assert "'worker1'" in err["msg"] and "did not answer" in err["msg"], err["msg"]
+    assert "stopped" in err["msg"], err["msg"]
+    # the rpc_timeout of its liveness check, then up to a poll round and a watch round
+    assert timeout <= err["elapsed"] < timeout + 20.0, err
