@@ -126,8 +126,9 @@ def drain(agent: "Agent", timeout: float) -> None:
             pass  # they have their answer: only their last read is at stake
 
 
-def close(agent: "Agent", why: str) -> None:
-    """Stop this worker's RPC: pending calls fail, threads end, connections close."""
+def close(agent: "Agent", why: str, linger: float = 0.0) -> None:
+    """Stop this worker's RPC: pending calls fail, threads end, connections close. The
+    store's host first waits up to ``linger`` s for the others to hang up on the store."""
     from tandem.errors import StateError
 
     agent.closed = True
@@ -142,7 +143,7 @@ def close(agent: "Agent", why: str) -> None:
     finally:
         agent.buffers.close()
         if isinstance(agent.base_store, TCPStore):
-            agent.base_store.leave()  # a re-init meets the next server, not this one
+            agent.base_store.leave(linger)  # a re-init meets the next server, not this one
         elif agent.base_store is not None:
             agent.base_store.close()
         _state.clear(agent)
