@@ -105,17 +105,28 @@ class _Client:
         limit = self.connect_timeout if first else min(self.timeout, REPLY_GRACE)
         deadline = time.monotonic() + limit
         delay = 0.01
+        hung_up: _Restarting | None = None  # a server that went away mid-handshake
         while True:
             try:
                 sock, incarnation = self._connect(first, deadline, limit)
             except _Restarting as exc:
-                if not first or time.monotonic() + delay >= deadline:
+                hung_up = exc if exc.__cause__ is not None else None
+                if time.monotonic() + delay >= deadline:
+                    if hung_up is not None:
+                        raise StoreError(f"{hung_up}, and no server answered there again "
+                                         f"within {limit:.1f}s") from hung_up.__cause__
                     raise StoreTimeoutError(
                         f"could not connect to the store at {self.where} within "
                         f"{limit:.1f}s: {exc}") from exc.__cause__
                 time.sleep(delay)
                 delay = min(delay * 2, 0.2)
                 continue
+            except StoreTimeoutError as exc:
+                if hung_up is None:
+                    raise
+                # the server went away and none came back: say so, not "nothing listens"
+                raise StoreError(f"{hung_up}, and no server answered there again within "
+                                 f"{limit:.1f}s") from exc
             if first:
                 self.incarnation = incarnation
             elif incarnation != self.incarnation:
@@ -154,8 +165,7 @@ class _Client:
             sock.close()
             if not first:
                 raise StoreError(str(exc)) from exc
-            raise _Restarting(f"the server there hung up ({exc}); is rank 0 (the store's "
-                              f"host) running?") from exc
+            raise _Restarting(str(exc)) from exc
         except BaseException:
             sock.close()
             raise
