@@ -25,6 +25,7 @@ from tandem.errors import (ArgumentError, NetworkError, StateError, StoreTimeout
                            TimeoutError)
 from tandem.store.base import Store, check_store
 from tandem.store.prefix import PrefixStore
+from tandem.store.tcp import TCPStore
 from tandem.transport.base import Transport
 
 __all__ = [
@@ -41,6 +42,10 @@ __all__ = [
 ]
 
 AnyGroup = ProcessGroup | NonMemberGroup
+
+# How long destroy_process_group on the store's host waits for the other ranks to hang
+# up before its server goes (a rank that stopped or never destroys costs this much).
+LEAVE_LINGER = 10.0
 
 
 @dataclasses.dataclass
@@ -196,6 +201,9 @@ def destroy_process_group(group: ProcessGroup | NonMemberGroup | None = None) ->
 
     Operations still pending on a destroyed group fail at once with ``StateError``;
     once everything is torn down no thread, descriptor or mapping of tandem remains.
+    A TCP store's host (rank 0 under ``env://`` and ``tcp://``) first waits, up to
+    ``LEAVE_LINGER`` seconds, for the other ranks to leave its store, so that
+    ``init_process_group`` may follow at once on every rank, on the same address.
     """
     global _world
     w = _require()
@@ -217,7 +225,10 @@ def destroy_process_group(group: ProcessGroup | NonMemberGroup | None = None) ->
         try:
             w.transport.close()
         finally:
-            if w.owns_store:  # a store the caller passed in stays theirs to reuse
+            if w.owns_store and isinstance(w.store, TCPStore):
+                # a re-init on this address must meet the next server, not this one
+                w.store.leave(LEAVE_LINGER)
+            elif w.owns_store:  # a store the caller passed in stays theirs to reuse
                 w.store.close()
 
 

@@ -175,6 +175,10 @@ class Agent:
         if call.deadline < self.next_deadline:
             with self.deadline_lock:
                 self.next_deadline = min(self.next_deadline, call.deadline)
+        # checked once the call is pending: a departure noticed later fails it (monitor)
+        if self.transport.left(dest) is not None or self.transport.lost(dest) is not None:
+            self.pending.pop(call_id, None)
+            raise self.departed(dest, call.what)
         try:
             self.send(dest, REMOTE if remote else CALL, call_id, out, wait=future)
         except BaseException:
@@ -223,6 +227,14 @@ class Agent:
             if out.rrefs:
                 self.rrefs.undo(dest, out.rrefs)
             raise self.lost(dest, exc) from exc
+
+    def departed(self, rank: int, what: str) -> PeerLostError:
+        """The error of a call to ``rank`` once it has left or died (no reply will come)."""
+        if self.transport.left(rank) is not None:
+            why = "the worker left (it called rpc.shutdown()); nothing runs there any more"
+        else:
+            why = f"the worker is gone ({self.transport.lost(rank)})"
+        return PeerLostError(f"{what} on worker {self.label(rank)} failed: {why}", rank)
 
     def lost(self, rank: int, cause: BaseException) -> PeerLostError:
         return PeerLostError(f"worker {self.label(rank)} is gone: {cause}", rank)

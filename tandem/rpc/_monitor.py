@@ -79,13 +79,13 @@ class Monitor:
         for rank in (set(dead) | set(agent.transport.left_peers())) - self._lost:
             self._lost.add(rank)
             cause = dead.get(rank)
-            why = str(cause) if cause is not None else "it shut down RPC before replying"
+            why = (f"the worker is gone ({cause})" if cause is not None else
+                   "the worker left (it called rpc.shutdown()) before replying")
             label = agent.label(rank)
 
             def error(call: Pending, rank: int = rank, why: str = why,
                       label: str = label) -> BaseException:
-                return PeerLostError(f"{call.what} on worker {label} failed: the worker is "
-                                     f"gone ({why})", rank)
+                return PeerLostError(f"{call.what} on worker {label} failed: {why}", rank)
 
             agent.fail_pending(lambda call, rank=rank: call.dest == rank, error)  # type: ignore[misc]
             agent.rrefs.peer_lost(rank)

@@ -3,9 +3,10 @@
 Graceful shutdown (torch's semantics: return once no worker has work outstanding):
 
 1. *Arrive*: every worker says so in the store and waits for all the others. With
-   ``timeout=0`` this waits as long as the others live (a parameter server typically
-   calls shutdown at once and waits for its trainers); a worker that dies meanwhile is
-   named at once.
+   ``timeout=0`` this waits as long as the others live and answer (a parameter server
+   typically calls shutdown at once and waits for its trainers): each worker not yet
+   arrived is asked, one call at a time, to answer within the rpc_timeout (``ANSWER_S``
+   if that is 0); one that does not (stopped, hung) is named, as is one that dies.
 2. *Drain*: rounds through the store, each worker reporting how many messages it has
    sent and fully handled (a call counts as handled once its reply is sent). When two
    consecutive rounds report the same counts on every worker and the sums agree, there
@@ -24,14 +25,45 @@ from typing import TYPE_CHECKING
 
 from tandem.errors import PeerLostError, RpcTimeoutError, StoreTimeoutError
 from tandem.rpc import _state
+from tandem.rpc._calls import RpcFuture
+from tandem.store.tcp import TCPStore
 from tandem.transport.base import Kind
 
 if TYPE_CHECKING:
     from tandem.rpc._agent import Agent
 
-__all__ = ["drain", "close"]
+__all__ = ["drain", "close", "answer", "ANSWER_S"]
 
 _POLL_S = 0.5
+# How long a worker not yet in shutdown may take to answer when the rpc_timeout is 0
+ANSWER_S = 60.0
+
+
+def answer() -> None:
+    """Run on a worker that has not called shutdown yet: it still serves calls."""
+
+
+def _check_answers(agent: "Agent", keys: list[str], asked: dict[int, RpcFuture],
+                   what: str) -> None:
+    """Ask each worker that has not written its key whether it still answers; raise
+    naming the first whose last question went unanswered within the deadline."""
+    limit = agent.timeout or ANSWER_S
+    for r, key in enumerate(keys):
+        question = asked.get(r)
+        if r == agent.rank or question is not None and not question.done():
+            continue
+        if question is not None and isinstance(question.error, RpcTimeoutError):
+            raise RpcTimeoutError(
+                f"shutdown: worker {agent.label(r)} did not answer within {limit:g} s (the "
+                f"rpc_timeout) while the others waited for it to {what}; is it stopped "
+                f"(SIGSTOP) or hung?")
+        if agent.store.check([key]):
+            asked.pop(r, None)
+            continue
+        _, call = agent.start(r, answer, (), None, limit, future=True,
+                              kind="shutdown's liveness check")
+        assert isinstance(call, RpcFuture)
+        asked[r] = call
 
 
 def _lost(agent: "Agent") -> set[int]:
@@ -42,6 +74,7 @@ def _gather(agent: "Agent", key: str, deadline: float | None, what: str) -> list
     """Every worker's value of ``key``/rank; fail fast if a worker is lost."""
     n = len(agent.workers)
     keys = [f"{key}/{r}" for r in range(n)]
+    asked: dict[int, RpcFuture] = {}  # without a deadline: who was asked to answer
     while True:
         left = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
         if left <= 0:
@@ -56,6 +89,8 @@ def _gather(agent: "Agent", key: str, deadline: float | None, what: str) -> list
             if gone:
                 raise PeerLostError(f"shutdown: worker {agent.label(gone[0])} is gone before "
                                     f"it could {what}", gone[0]) from None
+            if deadline is None:
+                _check_answers(agent, keys, asked, what)
 
 
 def drain(agent: "Agent", timeout: float) -> None:
@@ -64,8 +99,8 @@ def drain(agent: "Agent", timeout: float) -> None:
     deadline = start + timeout if timeout > 0 else None
     agent.store.set(f"shutdown/arrived/{agent.rank}", "1")
     _gather(agent, "shutdown/arrived", deadline, "call shutdown()")
-    if deadline is None and agent.timeout > 0:
-        deadline = time.monotonic() + agent.timeout
+    if deadline is None:  # every worker arrived: outstanding work has the rpc_timeout
+        deadline = time.monotonic() + (agent.timeout or ANSWER_S)
     previous: list[bytes] | None = None
     pause = 0.001
     for round_no in range(1 << 30):
@@ -91,8 +126,9 @@ def drain(agent: "Agent", timeout: float) -> None:
             pass  # they have their answer: only their last read is at stake
 
 
-def close(agent: "Agent", why: str) -> None:
-    """Stop this worker's RPC: pending calls fail, threads end, connections close."""
+def close(agent: "Agent", why: str, linger: float = 0.0) -> None:
+    """Stop this worker's RPC: pending calls fail, threads end, connections close. The
+    store's host first waits up to ``linger`` s for the others to hang up on the store."""
     from tandem.errors import StateError
 
     agent.closed = True
@@ -106,6 +142,8 @@ def close(agent: "Agent", why: str) -> None:
         agent.transport.close()
     finally:
         agent.buffers.close()
-        if agent.base_store is not None:
+        if isinstance(agent.base_store, TCPStore):
+            agent.base_store.leave(linger)  # a re-init meets the next server, not this one
+        elif agent.base_store is not None:
             agent.base_store.close()
         _state.clear(agent)

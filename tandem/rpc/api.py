@@ -22,7 +22,7 @@ import torch
 from tandem.collectives.backend import Backend, BackendOptions
 from tandem import _wire
 from tandem.collectives.init_method import open_store
-from tandem.collectives.world import bind_address
+from tandem.collectives.world import LEAVE_LINGER, bind_address
 from tandem.config import load_secret, load_settings
 from tandem.errors import ArgumentError
 from tandem.rpc import _shutdown, _state
@@ -99,13 +99,17 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1,
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     """Leave the RPC job. ``graceful``: first wait until every worker has called shutdown
     and no worker has work outstanding (``timeout`` seconds for the whole of it, 0: wait
-    for the others as long as they live, then the rpc_timeout for outstanding work)."""
+    for the others as long as they live and answer a call within the rpc_timeout, then
+    the rpc_timeout for outstanding work). A worker that is stopped or hung is named in
+    the ``RpcTimeoutError``; one that died, in a ``PeerLostError``."""
     agent = _state.require("shutdown")
+    linger = 0.0
     try:
         if graceful:
             _shutdown.drain(agent, check_timeout(timeout, "shutdown's timeout"))
+            linger = LEAVE_LINGER  # the others are leaving too: their last store reply
     finally:
-        _shutdown.close(agent, "shutdown() was called")
+        _shutdown.close(agent, "shutdown() was called", linger)
 
 
 def get_rpc_timeout() -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
+import secrets
 import socket
 import struct
 import threading
@@ -43,6 +44,7 @@ class Op(enum.IntEnum):
     DELETE = 7
     NUM_KEYS = 8
     APPEND = 9
+    HELLO = 10  # reply: the server's incarnation (a new one each time a server starts)
 
 
 class Status(enum.IntEnum):
@@ -91,6 +93,8 @@ class Server:
         self._listener = _wire.listen(host, port)
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
         self.users = 1  # TCPStore instances sharing this server (multi_tenant)
+        # told apart from an earlier server on the same port (see TCPStore.leave)
+        self.incarnation = secrets.token_bytes(8)
         self._data: dict[bytes, bytes] = {}
         self._cond = threading.Condition()  # guards everything below; notified on writes
         self._conns: set[socket.socket] = set()
@@ -126,6 +130,23 @@ class Server:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
 
+    def retire(self, linger: float) -> None:
+        """Stop accepting, wait up to ``linger`` seconds for the connected clients to
+        hang up, then close: peers finish with this server before a new one takes its port."""
+        self._gate.close()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        end = time.monotonic() + linger
+        with self._cond:
+            while self._conns and not self._closed:
+                remaining = end - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+        self.close()
+
     def _serve(self, conn: socket.socket) -> None:
         """Answer the requests of one authenticated connection until it closes."""
         with self._cond:
@@ -142,6 +163,7 @@ class Server:
         finally:
             with self._cond:
                 self._conns.discard(conn)
+                self._cond.notify_all()  # retire() waits for the last one
             conn.close()
 
     def _handle(self, frame: bytes) -> bytes:
@@ -151,10 +173,12 @@ class Server:
         except ValueError as exc:
             raise ProtocolError(f"unknown store op {code}") from exc
         arity = {Op.SET: 2, Op.GET: 2, Op.ADD: 2, Op.COMPARE_SET: 3, Op.DELETE: 1, Op.NUM_KEYS: 0,
-                 Op.APPEND: 2}
+                 Op.APPEND: 2, Op.HELLO: 0}
         if op in arity and len(f) != arity[op] or op is Op.WAIT and not f:
             raise ProtocolError(f"store op {op.name} with {len(f)} fields")
         ok = Status.OK
+        if op is Op.HELLO:
+            return encode(ok, [self.incarnation])
         with self._cond:
             if op is Op.SET:
                 self._write(f[0], f[1])
@@ -229,7 +253,8 @@ def acquire_server(host: str, port: int, secret: bytes, multi_tenant: bool) -> S
         return server
 
 
-def release_server(server: Server) -> None:
+def release_server(server: Server, linger: float = 0.0) -> None:
+    """One user fewer; the last one closes it (after ``linger``: see ``Server.retire``)."""
     with _TENANTS_LOCK:
         server.users -= 1
         if server.users > 0:
@@ -237,4 +262,7 @@ def release_server(server: Server) -> None:
         for key, value in list(_TENANTS.items()):
             if value is server:
                 del _TENANTS[key]
-    server.close()
+    if linger > 0:
+        server.retire(linger)
+    else:
+        server.close()

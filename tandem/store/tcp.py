@@ -24,6 +24,7 @@ client side and the public class.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import socket
 import threading
@@ -52,8 +53,15 @@ MAX_IDLE = 4  # idle client connections kept per TCPStore for reuse
 # Seconds a client allows beyond a get/wait deadline for the reply (the server answers
 # TIMEOUT itself at the deadline), and for opening an extra connection to a live server.
 REPLY_GRACE = 5.0
+# Incarnations of store servers this process left for good (TCPStore.leave): a new
+# TCPStore at the same address waits for the next server instead of joining the old one.
+_LEFT: collections.deque[bytes] = collections.deque(maxlen=64)
 _WORKERS = "\x00tandem/workers"
 _JOINED = "\x00tandem/all_workers_joined"
+
+
+class _Restarting(Exception):
+    """The server reached is closing or was left by this process; try again soon."""
 
 
 def _why_not(host: str, error: BaseException | None) -> str:
@@ -85,15 +93,59 @@ class _Client:
         self._all: set[socket.socket] = set()
         self._closed = False
         self._lost: str | None = None  # why the server is gone, once it is
+        self.incarnation = b""  # the server's, from its HELLO
         self._idle.append(self._open(first=True))
 
     def _open(self, first: bool = False) -> socket.socket:
         # The first connect waits for the server to come up (and for its name to resolve:
-        # a host that starts late may not be in DNS yet); later ones only run while it is
-        # known to be up, so a refusal soon means that it is gone.
+        # a host that starts late may not be in DNS yet), and through a restart: a server
+        # this process left, or one closing (a reset handshake), is the previous
+        # incarnation on this port, about to make room for the next. Later connects only
+        # run while the server is known to be up, so a refusal soon means that it is gone.
         limit = self.connect_timeout if first else min(self.timeout, REPLY_GRACE)
+        deadline = time.monotonic() + limit
+        delay = 0.01
+        hung_up: _Restarting | None = None  # a server that went away mid-handshake
+        while True:
+            try:
+                sock, incarnation = self._connect(first, deadline, limit)
+            except _Restarting as exc:
+                hung_up = exc if exc.__cause__ is not None else None
+                if time.monotonic() + delay >= deadline:
+                    if hung_up is not None:
+                        raise StoreError(f"{hung_up}, and no server answered there again "
+                                         f"within {limit:.1f}s") from hung_up.__cause__
+                    raise StoreTimeoutError(
+                        f"could not connect to the store at {self.where} within "
+                        f"{limit:.1f}s: {exc}") from exc.__cause__
+                time.sleep(delay)
+                delay = min(delay * 2, 0.2)
+                continue
+            except StoreTimeoutError as exc:
+                if hung_up is None:
+                    raise
+                # the server went away and none came back: say so, not "nothing listens"
+                raise StoreError(f"{hung_up}, and no server answered there again within "
+                                 f"{limit:.1f}s") from exc
+            if first:
+                self.incarnation = incarnation
+            elif incarnation != self.incarnation:
+                sock.close()
+                raise StoreError(f"the store server at {self.where} restarted: its data is "
+                                 f"gone")
+            with self._lock:
+                if self._closed:
+                    sock.close()
+                    raise StateError("TCPStore is closed")
+                self._all.add(sock)
+            return sock
+
+    def _connect(self, first: bool, deadline: float,
+                 limit: float) -> tuple[socket.socket, bytes]:
+        """One connection, authenticated, with the server's incarnation."""
         try:
-            sock = _wire.connect(self._host, self._port, limit, "store")
+            sock = _wire.connect(self._host, self._port, max(0.0, deadline - time.monotonic()),
+                                 "store")
         except NetworkError as exc:
             if not first:
                 raise StoreError(f"the store server at {self.where} stopped accepting") from exc
@@ -102,21 +154,27 @@ class _Client:
                 f"{_why_not(self._host, exc.__cause__)}") from exc
         try:
             _wire.client_handshake(sock, self._secret, PURPOSE, f"the store at {self.where}")
+            sock.settimeout(max(0.1, min(REPLY_GRACE, deadline - time.monotonic())))
+            _wire.send_frame(sock, encode(Op.HELLO, ()))
+            _, reply = decode(_wire.recv_frame(sock, MAX_FRAME))
+            incarnation = _single(reply)
         except AuthenticationError:
             sock.close()
             raise
-        except NetworkError as exc:  # a reset is no wrong secret: the server is gone
+        except (NetworkError, OSError) as exc:  # a reset is no wrong secret: it is closing
             sock.close()
-            raise StoreError(str(exc)) from exc
+            if not first:
+                raise StoreError(str(exc)) from exc
+            raise _Restarting(str(exc)) from exc
         except BaseException:
             sock.close()
             raise
-        with self._lock:
-            if self._closed:
-                sock.close()
-                raise StateError("TCPStore is closed")
-            self._all.add(sock)
-        return sock
+        if first and incarnation in _LEFT:
+            sock.close()
+            raise _Restarting("the server there is still the one this process left (by "
+                              "destroy_process_group or rpc.shutdown); its host has not "
+                              "started the next one")
+        return sock, incarnation
 
     def _take(self) -> socket.socket:
         with self._lock:
@@ -186,10 +244,10 @@ class _Client:
             sock.close()
 
 
-def _shutdown(client: _Client, server: Server | None) -> None:
+def _shutdown(client: _Client, server: Server | None, linger: float = 0.0) -> None:
     client.close()
     if server is not None:
-        release_server(server)
+        release_server(server, linger)
 
 
 def _connect_host(host: str) -> str:
@@ -277,6 +335,20 @@ class TCPStore(Store):
 
     def close(self) -> None:
         self._finalizer()
+
+    def leave(self, linger: float = 0.0) -> None:
+        """Close for good, as a job's rank does when it tears down (destroy_process_group).
+
+        A later ``TCPStore`` of this process at the same address does not join this
+        server again: it waits, within its connect deadline, for the next one to start
+        there. On the master, the server first stops accepting and waits up to
+        ``linger`` seconds for the other clients to hang up, so a peer still finishing
+        with it is not cut off by a restart on the same port.
+        """
+        if self._finalizer.detach() is None:
+            return  # already closed
+        _LEFT.append(self._client.incarnation)
+        _shutdown(self._client, self._server, linger)
 
     def _check_size(self, *values: bytes) -> None:
         for value in values:

@@ -1,11 +1,16 @@
 """``destroy_process_group`` then ``init_process_group`` again in the same processes.
 
 Each init on a store gets the next generation's namespace (``tandem/<generation>/...``),
-so a re-init never reads the addresses of the previous incarnation.
+so a re-init never reads the addresses of the previous incarnation. Under ``env://`` and
+``tcp://`` each incarnation has its own store server on the same port: a rank that
+re-inits first waits for the next server instead of joining the closing one, and rank 0
+keeps its server until the others have left it (notebooks and test suites loop so).
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from typing import Any
 
 import pytest
@@ -91,3 +96,48 @@ def test_reinit_with_the_same_store_object_works(reinit: Any) -> None:
         assert reinit[rank]["same0"]["ok"], reinit[rank]["same0"]
         assert reinit[rank]["same1"]["ok"], reinit[rank]["same1"]
         assert reinit[rank]["same1_sum"] == [3.0] * 4
+
+
+# -- the whole cycle, many times, on a TCP store re-hosted on the same port --------------
+# Above, each incarnation rendezvouses through a file; under env:// and tcp:// rank 0
+# hosts the store, so every destroy closes a server and the next init starts one on the
+# same port, while the other rank may already be knocking.
+
+CYCLES = 20
+BACKENDS = (None, "shm", "tcp")  # None: auto
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cycle(rank: int, world_size: int, scheme: str, port: int) -> dict[str, Any]:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
+    sums: list[float] = []
+    for i in range(CYCLES):
+        backend = BACKENDS[i % len(BACKENDS)]
+        if scheme == "env":
+            r = attempt(dist.init_process_group, backend, init_method="env://", timeout=30)
+        else:
+            r = attempt(dist.init_process_group, backend, init_method=f"tcp://127.0.0.1:{port}",
+                        rank=rank, world_size=world_size, timeout=30)
+        if not r["ok"]:
+            return {"cycles": i, "error": r, "sums": sums}
+        t = torch.full((2,), float(rank + i))
+        dist.all_reduce(t)
+        sums.append(t[0].item())
+        dist.destroy_process_group()
+    return {"cycles": CYCLES, "error": None, "sums": sums}
+
+
+@pytest.mark.parametrize("scheme", ["env", "tcp"])
+def test_init_all_reduce_destroy_twenty_times_on_one_address(scheme: str) -> None:
+    outcomes = launch(2, _cycle, (scheme, _free_port()), init=False, timeout=85,
+                      env={"TANDEM_CONNECT_TIMEOUT": "20"})
+    done = values(outcomes, [0, 1])
+    for rank in (0, 1):
+        assert done[rank]["error"] is None, (rank, done[rank]["cycles"], done[rank]["error"])
+        assert done[rank]["sums"] == [float(1 + 2 * i) for i in range(CYCLES)], done[rank]

@@ -51,11 +51,13 @@ def attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]
     """Run ``fn`` and describe how it ended: value, or error type, message and timing."""
     t0 = time.monotonic()
     try:
-        return {"ok": True, "value": fn(*args, **kwargs), "elapsed": time.monotonic() - t0}
+        return {"ok": True, "value": fn(*args, **kwargs), "elapsed": time.monotonic() - t0,
+                "at": time.time()}
     except BaseException as exc:  # noqa: BLE001 - described for the test
         return {"ok": False, "type": type(exc).__name__,
                 "types": [c.__name__ for c in type(exc).__mro__], "msg": str(exc),
-                "rank": getattr(exc, "rank", None), "elapsed": time.monotonic() - t0}
+                "rank": getattr(exc, "rank", None), "elapsed": time.monotonic() - t0,
+                "at": time.time()}
 
 
 # -- functions called remotely ---------------------------------------------------------
