@@ -1,0 +1,90 @@
+"""Bad input on one rank only: every rank fails at once, with the same message naming it.
+
+all_to_all splits that disagree across ranks, objects the source cannot pickle, and
+sends nobody received when the group closes.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+import tandem
+from tandem.errors import CollectiveMismatchError
+from tandem.testing import run_threads
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _outcome(call: Any) -> tuple[str, str]:
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the test compares what each rank raised
+        return type(exc).__name__, str(exc)
+    return "ok", ""
+
+
+# -- all_to_all splits -------------------------------------------------------------------
+@pytest.mark.parametrize("ws", [2, 3])
+def test_all_to_all_single_splits_that_disagree_fail_on_every_rank_naming_both(ws: int) -> None:
+    def body(g):
+        r = g.rank()
+        inp = torch.arange(2.0 * ws) + 100 * r
+        out = torch.full((2 * ws,), -1.0)
+        ins = [2] * ws if r != ws - 1 else [1, 3] + [2] * (ws - 2)  # the last rank is wrong
+        got = _outcome(lambda: tandem.all_to_all_single(out, inp, [2] * ws, ins, group=g))
+        return got, out.tolist()
+
+    results = run_threads(ws, body, op_timeout=20)
+    last = ws - 1
+    for rank, ((kind, text), out) in enumerate(results):
+        assert kind == "CollectiveMismatchError", f"rank {rank}: {kind}: {text}"
+        assert text == results[0][0][1], f"rank {rank} says something else: {text}"
+        assert f"input_split_sizes={[1, 3] + [2] * (ws - 2)} on rank {last}" in text, text
+        assert f"output_split_sizes={[2] * ws} on rank 0" in text, text
+        assert out == [-1.0] * (2 * ws), f"rank {rank}: data moved before the check: {out}"
+
+
+def test_all_to_all_single_row_sizes_that_disagree_are_named() -> None:
+    def body(g):
+        r = g.rank()
+        cols = 2 if r == 0 else 1
+        inp, out = torch.zeros(4, cols), torch.zeros(4, cols)
+        return _outcome(lambda: tandem.all_to_all_single(out, inp, group=g))
+
+    for rank, (kind, text) in enumerate(run_threads(2, body, op_timeout=20)):
+        assert kind == "CollectiveMismatchError", f"rank {rank}: {kind}: {text}"
+        assert "rows of 2 elements on rank 0, 1 on rank 1" in text, text
+
+
+def test_all_to_all_list_sizes_that_disagree_fail_on_every_rank() -> None:
+    def body(g):
+        r = g.rank()
+        ins = [torch.zeros(2), torch.zeros(2)]
+        if r == 1:  # its piece for rank 0 is larger than rank 0's slot for it
+            ins[0] = torch.zeros(3)
+        outs = [torch.zeros(2), torch.zeros(2)]
+        return _outcome(lambda: tandem.all_to_all(outs, ins, group=g))
+
+    results = run_threads(2, body, op_timeout=20)
+    for rank, (kind, text) in enumerate(results):
+        assert kind == "CollectiveMismatchError", f"rank {rank}: {kind}: {text}"
+        assert "sends rank" in text and "on rank 1" in text, text
+    assert results[0] == results[1]
+
+
+def test_all_to_all_with_consistent_uneven_splits_still_works() -> None:
+    def body(g):
+        r = g.rank()
+        # rank 0 sends 1 row to itself, 3 to rank 1; rank 1 sends 2 to rank 0, 1 to itself
+        ins = [[1, 3], [2, 1]][r]
+        outs = [[1, 2], [3, 1]][r]
+        inp = torch.arange(float(sum(ins))) + 10 * r
+        out = torch.zeros(sum(outs))
+        tandem.all_to_all_single(out, inp, outs, ins, group=g)
+        return out.tolist()
+
+    assert run_threads(2, body) == [[0.0, 10.0, 11.0], [1.0, 2.0, 3.0, 12.0]]
