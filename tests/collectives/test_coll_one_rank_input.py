@@ -88,3 +88,52 @@ def test_all_to_all_with_consistent_uneven_splits_still_works() -> None:
         return out.tolist()
 
     assert run_threads(2, body) == [[0.0, 10.0, 11.0], [1.0, 2.0, 3.0, 12.0]]
+
+
+# -- objects that cannot be pickled ------------------------------------------------------
+_LOCK = threading.Lock()  # a lock cannot be pickled
+_WHY = "cannot pickle '_thread.lock' object"
+OBJECT_CALLS = {
+    "broadcast_object_list": (0, lambda g, r: tandem.broadcast_object_list(
+        [1, _LOCK] if r == 0 else [None, None], 0, group=g), "object_list[1]"),
+    "scatter_object_list": (0, lambda g, r: tandem.scatter_object_list(
+        [None], [1, _LOCK] if r == 0 else None, 0, group=g), "scatter_object_input_list[1]"),
+    "all_gather_object": (1, lambda g, r: tandem.all_gather_object(
+        [None, None], _LOCK if r == 1 else 5, group=g), "obj"),
+    "gather_object": (1, lambda g, r: tandem.gather_object(
+        _LOCK if r == 1 else 5, [None, None] if r == 0 else None, 0, group=g), "obj"),
+    "send_object_list": (0, lambda g, r: tandem.send_object_list([_LOCK], 1, group=g) if r == 0
+                         else tandem.recv_object_list([None], 0, group=g), "object_list[0]"),
+}
+
+
+@pytest.mark.parametrize("name", list(OBJECT_CALLS))
+def test_an_unpicklable_object_is_named_on_every_rank(name: str) -> None:
+    culprit, call, entry = OBJECT_CALLS[name]
+
+    def body(g):
+        r = g.rank()
+        failed = _outcome(lambda: call(g, r))
+        # the group is still in step: the next object call works
+        after = [r] if r == 0 else [None]
+        tandem.broadcast_object_list(after, 0, group=g)
+        return failed, after
+
+    for rank, ((kind, text), after) in enumerate(run_threads(2, body, op_timeout=20)):
+        assert kind == "ArgumentError", f"rank {rank}: {name} raised {kind}: {text}"
+        assert f"{name}: {entry}" in text and f"on rank {culprit} could not be pickled" in text, \
+            f"rank {rank}: {text}"
+        assert _WHY in text, f"rank {rank}: the reason is missing: {text}"
+        assert after == [0], f"rank {rank}: the next call gave {after}"
+
+
+def test_the_rank_that_failed_to_pickle_keeps_the_cause() -> None:
+    def body(g):
+        r = g.rank()
+        try:
+            tandem.all_gather_object([None, None], _LOCK if r == 0 else 1, group=g)
+        except Exception as exc:  # noqa: BLE001
+            return type(exc.__cause__).__name__
+        return "ok"
+
+    assert run_threads(2, body, op_timeout=20) == ["TypeError", "NoneType"]
