@@ -6,6 +6,7 @@ sends nobody received when the group closes.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -137,3 +138,58 @@ def test_the_rank_that_failed_to_pickle_keeps_the_cause() -> None:
         return "ok"
 
     assert run_threads(2, body, op_timeout=20) == ["TypeError", "NoneType"]
+
+
+# -- sends nobody received -------------------------------------------------------------------
+class _Logged(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _unreceived(rank: int, world_size: int) -> list[str]:
+    logged = _Logged()
+    logging.getLogger("tandem").addHandler(logged)
+    if rank == 0:
+        tandem.isend(torch.ones(4), 1, tag=5).wait()  # 16 bytes nobody receives
+        for _ in range(2):
+            tandem.isend(torch.ones(2, dtype=torch.float64), 1, tag=7).wait()
+    elif rank == 1:
+        tandem.recv(torch.empty(2, dtype=torch.float64), 0, tag=7)  # one of the two
+    tandem.barrier()  # after the sends, on the same links: they have arrived
+    tandem.destroy_process_group()
+    return [m for m in logged.messages if "no receive took" in m]
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_sends_nobody_received_are_named_when_the_group_is_destroyed(backend: str) -> None:
+    from tandem.testing import spawn
+
+    on_sender, on_receiver = spawn(2, _unreceived, backend=backend, timeout=60)
+    assert on_sender == [], on_sender
+    assert len(on_receiver) == 1, on_receiver
+    text = on_receiver[0]
+    assert "rank 1 closes group 'default' with 2 message(s)" in text, text
+    assert "from rank 0 with tag 5: 1 message(s) of 16 bytes" in text, text
+    assert "from rank 0 with tag 7: 1 message(s) of 16 bytes" in text, text
+
+
+def test_a_group_whose_sends_were_all_received_closes_quietly() -> None:
+    def body(g):
+        logged = _Logged()
+        logging.getLogger("tandem").addHandler(logged)
+        try:
+            if g.rank() == 0:
+                tandem.send(torch.ones(3), 1, group=g, tag=2)
+            else:
+                tandem.recv(torch.empty(3), 0, group=g, tag=2)
+            tandem.barrier(group=g)
+            g.close()
+        finally:
+            logging.getLogger("tandem").removeHandler(logged)
+        return [m for m in logged.messages if "no receive took" in m]
+
+    assert run_threads(2, body) == [[], []]
