@@ -84,6 +84,14 @@ def _all_gather_into_tensor(g: Any, rank: int, world: int) -> Any:
     return out
 
 
+def _private_bases(g: Any, rank: int, world: int) -> Any:
+    # torch's older names, which call the backend's methods under their old names
+    gathered, scattered = torch.empty(3 * world), torch.empty(2)
+    dist._all_gather_base(gathered, _x(rank, 3), group=g)
+    dist._reduce_scatter_base(scattered, _x(rank, 2 * world), group=g)
+    return [gathered, scattered]
+
+
 def _gather(g: Any, rank: int, world: int) -> Any:
     out = [torch.empty(6) for _ in range(world)] if rank == world - 1 else None
     dist.gather(_x(rank), out, dst=world - 1, group=g)
@@ -248,6 +256,7 @@ COMPARED: dict[str, Case] = {
     "all_gather_coalesced_empty": _all_gather_coalesced(3, 0),
     "all_gather_coalesced_complex": _all_gather_coalesced(2, 3, torch.complex64),
     "all_gather_into_tensor": _all_gather_into_tensor,
+    "private_bases": _private_bases,
     "gather": _gather,
     "scatter": _scatter,
     "reduce_scatter": _reduce_scatter,
@@ -306,7 +315,10 @@ def _subgroups(rank: int, world: int) -> Any:
 
 
 # cases whose arguments are group ranks, also run on a subgroup (the last two ranks)
-ON_SUBGROUPS = [name for name in COMPARED if name.startswith("all_gather_coalesced")]
+ON_SUBGROUPS = [name for name in COMPARED if name.startswith("all_gather_coalesced")] + [
+    "all_reduce_SUM", "all_reduce_complex", "all_gather", "all_gather_into_tensor",
+    "private_bases", "reduce_scatter", "reduce_scatter_tensor_SUM", "all_to_all",
+    "all_to_all_single", "coalesced"]
 
 
 def compare(rank: int, world: int, store_dir: str) -> dict[str, Any]:
