@@ -190,3 +190,28 @@ def test_a_stopped_rank_is_reported_by_the_watchdog_under_the_torch_backend(
         assert re.match(rf"tandem: rank {rank} has waited \d+ s in all_reduce", first), first
         assert "rank 2" in first and "has not arrived" in first, first
         assert not r["ok"] and "rank(s) 2" in r["msg"], r  # then the deadline names it
+
+
+def _unreceived_send(rank: int, world: int, store_dir: str) -> list[str]:
+    import logging
+
+    logged: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logged.append(record.getMessage())
+
+    logging.getLogger("tandem").addHandler(Capture())
+    init(rank, world, store_dir)
+    if rank == 0:
+        dist.isend(torch.ones(6), 1, tag=3).wait()  # 24 bytes rank 1 never receives
+    dist.barrier()  # after the send, on the same link: it has arrived
+    dist.destroy_process_group()
+    return [m for m in logged if "no receive took" in m]
+
+
+def test_a_send_nobody_received_is_named_when_torch_destroys_the_group(tmp_path: Path) -> None:
+    on_sender, on_receiver = values(run(2, _unreceived_send, tmp_path, timeout=90))
+    assert on_sender == [], on_sender
+    assert len(on_receiver) == 1 and "from rank 0 with tag 3: 1 message(s) of 24 bytes" \
+        in on_receiver[0], on_receiver
