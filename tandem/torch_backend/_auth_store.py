@@ -144,6 +144,10 @@ def _preferring_authenticated(scheme: str, original: Callable[..., Any]) -> Call
         if scheme == "env":
             host = os.environ.get("MASTER_ADDR")
             port = os.environ.get("MASTER_PORT")
+            if not host or not port:
+                raise ArgumentError(f"env:// rendezvous: the environment variables MASTER_ADDR "
+                                    f"and MASTER_PORT are needed, got MASTER_ADDR={host!r}, "
+                                    f"MASTER_PORT={port!r}")
             return _rendezvous(url, timeout, host, int(port) if port else None,
                                "env:// rendezvous (tandem's authenticated store)")
         parsed = urlparse(url)

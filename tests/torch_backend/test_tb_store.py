@@ -55,6 +55,14 @@ def test_without_a_secret_torch_keeps_its_own_store(url: str,
     assert isinstance(_store_of(url), dist.TCPStore)
 
 
+def test_env_without_a_master_address_names_the_variables(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(ValueError, match="MASTER_ADDR and MASTER_PORT are needed"):
+        _store_of("env://")
+
+
 def test_torchruns_agent_store_speaks_torchs_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not _auth_store._torch_protocol()
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
