@@ -341,6 +341,13 @@ def _user_secret_path() -> Path:
     return Path(base) / "tandem" / "secret"
 
 
+def secret_configured(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the job secret was given (``TANDEM_SECRET`` or ``TANDEM_SECRET_FILE``),
+    rather than left to the per-user file."""
+    env = os.environ if env is None else env
+    return bool(env.get("TANDEM_SECRET") or env.get("TANDEM_SECRET_FILE"))
+
+
 def load_secret(env: Mapping[str, str] | None = None) -> bytes:
     """Return the job secret that authenticates every connection.
 

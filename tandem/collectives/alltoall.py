@@ -4,6 +4,15 @@
 ``all_to_all_single`` cuts one tensor into rows (``*_split_sizes`` rows per rank, even
 splits by default) and receives into one. Pieces move pairwise, straight into the
 output (see :func:`~tandem.collectives.algorithms.pairwise_all_to_all`).
+
+What each rank sends a peer is fixed by the sender's input splits and, separately, by
+the receiver's output splits, so a rank whose splits disagree with a peer's would move
+data into pieces of the wrong size. Before any data moves, every rank therefore sends
+every peer its row size and splits (one message of 2p+1 integers each way, the pattern
+the data then follows); every rank checks the whole table alike and, on a
+disagreement, raises the same error naming both ranks' splits. Small pieces travel
+with the splits and wait, parked at their receiver, until the check passed; a failed
+check aborts the call, and its parked pieces are dropped unread.
 """
 
 from __future__ import annotations
@@ -17,10 +26,11 @@ from tandem.collectives import algorithms as algo
 from tandem.collectives import api
 from tandem.collectives.checks import (crossed, int_list, output_arg, shares_memory,
                                        tensor_arg, tensors_arg)
-from tandem.collectives.group import Op
+from tandem.collectives.group import Op, as_bytes
+from tandem.transport import Slot
 from tandem.collectives.work import Work
 from tandem.collectives.world import AnyGroup, resolve_group
-from tandem.errors import ArgumentError
+from tandem.errors import ArgumentError, CollectiveMismatchError
 
 __all__ = ["all_to_all", "all_to_all_single"]
 
@@ -40,12 +50,17 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
     if crossed(ins, [f.flat for f in outs]):
         # an output that is another part's input would be filled before that part is sent
         ins = [t.clone() for t in ins]
-    if outs[r].flat.numel() != ins[r].numel():
+    if outs[r].flat.numel() != ins[r].numel():  # found here, before anything moves
         raise ArgumentError(f"all_to_all: output_tensor_list[{r}] has {outs[r].flat.numel()} "
                             f"elements, input_tensor_list[{r}] has {ins[r].numel()}")
+    in_sizes = [t.numel() for t in ins]
+    out_sizes = [f.flat.numel() for f in outs]
 
     def body(o: Op) -> None:
-        algo.pairwise_all_to_all(o, [f.flat for f in outs], [t.view(-1) for t in ins])
+        flat_ins = [t.view(-1) for t in ins]
+        early = _agree(o, "all_to_all", 1, in_sizes, out_sizes, "elements",
+                       "input_tensor_list numels", "output_tensor_list numels", flat_ins)
+        algo.pairwise_all_to_all(o, [f.flat for f in outs], flat_ins, early)
         for f in outs:
             f.done()
 
@@ -94,9 +109,50 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
         return list(flat.split([s * row for s in sizes]))
 
     def body(o: Op) -> None:
-        algo.pairwise_all_to_all(o, pieces(out.flat, out_sizes, row_out),
-                                 pieces(src.view(-1), in_sizes, row_in))
+        ins = pieces(src.view(-1), in_sizes, row_in)
+        early = _agree(o, "all_to_all_single", row_in, in_sizes, out_sizes, "rows",
+                       "input_split_sizes", "output_split_sizes", ins)
+        algo.pairwise_all_to_all(o, pieces(out.flat, out_sizes, row_out), ins, early)
         out.done()
 
     return api._launch(g, "all_to_all_single", api._sig("all_to_all_single", None, dtype=input.dtype),
                    body, async_op, [output])
+
+
+_SPLITS_STEP = 1  # the data moves at step 0
+# Pieces up to this size go out with the splits, before the check: their receivers park
+# them until the check passed, which saves small calls the check's round trip; larger
+# ones wait for the check, so the receiver never copies them twice.
+_EARLY_BYTES = 64 << 10
+
+
+def _agree(o: Op, what: str, row: int, in_sizes: list[int], out_sizes: list[int], unit: str,
+           in_name: str, out_name: str, ins: list[torch.Tensor]) -> dict[int, Slot]:
+    """Raise, on every rank alike, unless each rank's input piece for every rank is as
+    large as that rank's output piece for it (``row`` elements per unit on each side).
+
+    Returns the sends of the pieces of ``ins`` sent with the splits, by peer."""
+    g = o.group
+    p, r = g.group_size, g.group_rank
+    mine = torch.tensor([row, *in_sizes, *out_sizes], dtype=torch.int64)
+    table = [mine if j == r else torch.empty_like(mine) for j in range(p)]
+    recvs = [o.recv(j, _SPLITS_STEP, as_bytes(table[j])) for j in range(p) if j != r]
+    sends = [o.send(j, _SPLITS_STEP, as_bytes(mine)) for j in range(p) if j != r]
+    early = {j: o.send(j, 0, as_bytes(ins[j])) for j in range(p)
+             if j != r and ins[j].numel() * ins[j].element_size() <= _EARLY_BYTES}
+    o.wait(*recvs, *sends)
+    rows = [t.tolist() for t in table]
+    for a in range(p):  # every rank finds the same first disagreement
+        for b in range(p):
+            sent, expected = rows[a][1 + b], rows[b][1 + p + a]
+            if sent * rows[a][0] == expected * rows[b][0]:
+                continue
+            ga, gb = g.ranks[a], g.ranks[b]
+            shapes = ("" if rows[a][0] == rows[b][0] else
+                      f" (rows of {rows[a][0]} elements on rank {ga}, {rows[b][0]} on rank {gb})")
+            raise CollectiveMismatchError(
+                f"{what}: rank {ga} sends rank {gb} {sent} {unit} ({in_name}="
+                f"{rows[a][1:1 + p]} on rank {ga}) but rank {gb} expects {expected} {unit} from "
+                f"rank {ga} ({out_name}={rows[b][1 + p:]} on rank {gb}){shapes}; "
+                f"{out_name}[i] on each rank must match {in_name}[that rank] on rank i")
+    return early

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import logging
 import threading
 import time
 from typing import Any, Callable, Iterable, Sequence
@@ -39,6 +40,8 @@ _P2P = Kind.P2P
 _SCRATCH_KEEP = 256 << 20  # larger working buffers are not kept between calls
 _TEXT_KEEP = 1024  # bytes of a signature or call site kept as text; the rest is hashed
 NON_GROUP_MEMBER = -100  # torch's value for "not a member"; a NonMemberGroup equals it
+_LOGGER = logging.getLogger("tandem")
+_UNRECEIVED_LISTED = 8  # sender/tag pairs a warning names; the rest are counted
 _CLOSE_S = 1.0  # how long close() waits for the running call to fail and return
 
 
@@ -463,6 +466,7 @@ class ProcessGroup:
         and the shared staging memory. The transport is not closed (other groups use it)."""
         if self._closed:
             return
+        self._warn_unreceived()
         error = self._destroyed()
         with self._cv:
             self._closed = True
@@ -483,6 +487,26 @@ class ProcessGroup:
         if self.arena is not None and idle:  # a call still inside must not see it unmapped
             self.arena.close()
             self.arena = None
+
+    def _warn_unreceived(self) -> None:
+        """Log the sends that reached this rank and that no receive took: closing drops
+        them, and their sender believes them delivered (an ``isend`` completes when sent)."""
+        left = self.transport.unreceived(_P2P, self.group_id)
+        if not left:
+            return
+        counts: dict[tuple[int, int], list[int]] = {}
+        for peer, tag, nbytes in left:
+            counts.setdefault((peer, tag), []).append(nbytes)
+        listed = [f"from rank {peer} with tag {tag}: {len(sizes)} message(s) of "
+                  f"{', '.join(str(n) for n in sizes[:4])}{', ...' if len(sizes) > 4 else ''} "
+                  f"bytes" for (peer, tag), sizes in list(counts.items())[:_UNRECEIVED_LISTED]]
+        more = len(counts) - len(listed)
+        _LOGGER.warning(
+            "tandem: rank %d closes group '%s' with %d message(s) that no receive took, now "
+            "dropped: %s%s; each send needs a matching recv/irecv on its destination (same "
+            "group and tag) before the group is destroyed", self.transport.rank,
+            self.group_name, len(left), "; ".join(listed),
+            f"; and {more} more sender/tag pair(s)" if more else "")
 
     def _destroyed(self) -> StateError:
         return StateError(f"process group '{self.group_name}' was destroyed "

@@ -20,6 +20,18 @@ gloo by name, is routed to tandem for tandem groups (see ``_monitored``).
 ``pg_options=tandem.torch_backend.Options(transport="tcp")`` picks the transport of a
 group (``"auto"``, the default, ``"shm"`` or ``"tcp"``).
 
+Rendezvous and security: torch's own TCPStore, which ``env://`` and ``tcp://`` set up
+for every backend, has no authentication: anyone who can reach its port can read and
+write the rendezvous and so join or disturb the job. tandem's connections between
+ranks prove the job secret, but a job that rendezvouses through torch's store is only
+as safe as that store's port. Importing this package therefore offers tandem's
+authenticated store under torch (:class:`AuthenticatedStore`, the ``tandem://HOST:PORT``
+init method) and uses it for ``env://`` and ``tcp://`` whenever the job secret is
+given (``TANDEM_SECRET`` or ``TANDEM_SECRET_FILE``; ``tandemrun`` always gives one),
+except under torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE=True``), which
+only speaks torch's protocol. ``file://`` is as safe as the file's permissions. Every
+rank of a job must make the same choice (the same secret variables set).
+
 Not served, each refused with a message saying what to use instead: CUDA and other
 accelerator tensors (and a ``"cpu:tandem,cuda:nccl"`` backend string, of which torch
 would create only the tandem part), sparse tensors, ``barrier(device_ids=...)``, and
@@ -34,12 +46,13 @@ from typing import Any
 import torch.distributed as dist
 
 from tandem.errors import ArgumentError
+from tandem.torch_backend._auth_store import AuthenticatedStore, register_rendezvous
 from tandem.torch_backend._errors import TandemBackendError, translated
 from tandem.torch_backend._fabric import join_group
 from tandem.torch_backend._monitored import route_monitored_barrier
 from tandem.torch_backend.process_group import BACKEND_NAME, TandemProcessGroup
 
-__all__ = ["BACKEND_NAME", "Options", "TandemBackendError", "TandemProcessGroup", "register"]
+__all__ = ["AuthenticatedStore", "BACKEND_NAME", "Options", "TandemBackendError", "TandemProcessGroup", "register"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +84,7 @@ def register() -> None:
     if BACKEND_NAME not in dist.Backend.backend_list:
         dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
     route_monitored_barrier()
+    register_rendezvous()
 
 
 register()

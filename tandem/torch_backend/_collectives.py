@@ -175,20 +175,43 @@ class Collectives:
     def allgather(self, output_tensors: Sequence[Sequence[torch.Tensor]],
                   input_tensors: Sequence[torch.Tensor],
                   opts: c10d.AllgatherOptions | None = None) -> dist.Work | None:
-        return self.allgather_coalesced(output_tensors, input_tensors, opts)
+        """``output_tensors[i][r]`` receives rank ``r``'s ``input_tensors[i]`` (one list of
+        outputs per input: ``all_gather`` passes ``[tensor_list], [tensor]``)."""
+        opts = opts or c10d.AllgatherOptions()
+        g = self._usable()
+        _pairs(output_tensors, input_tensors, "allgather")
+        return self._gather_lists("allgather", opts, g,
+                                  [list(outs) for outs in output_tensors], input_tensors)
 
     def allgather_coalesced(self, output_lists: Sequence[Sequence[torch.Tensor]],
                             input_tensors: Sequence[torch.Tensor],
                             opts: c10d.AllgatherOptions | None = None) -> dist.Work | None:
+        """``output_lists[r][i]`` receives rank ``r``'s ``input_tensors[i]`` (one list per
+        rank, as ``all_gather_coalesced`` passes them: the transpose of ``allgather``'s)."""
         opts = opts or c10d.AllgatherOptions()
         g = self._usable()
-        _pairs(output_lists, input_tensors, "allgather")
-        for outs in output_lists:
-            cpu_tensors(outs, "allgather", "output_tensors")
-        pairs = [(list(outs), t) for outs, t in zip(output_lists, input_tensors)]
-        return self._call("allgather", opts,
+        cpu_tensors(input_tensors, "allgather_coalesced", "input_tensors")
+        if len(output_lists) != g.group_size:
+            raise ArgumentError(f"all_gather_coalesced: output_tensor_lists must hold one list "
+                                f"per rank ({g.group_size}), got {len(output_lists)}")
+        for r, outs in enumerate(output_lists):
+            if len(outs) != len(input_tensors):
+                raise ArgumentError(
+                    f"all_gather_coalesced: output_tensor_lists[{r}] holds {len(outs)} tensors "
+                    f"for {len(input_tensors)} inputs; each rank's list has one per input")
+        per_input = [[outs[i] for outs in output_lists] for i in range(len(input_tensors))]
+        return self._gather_lists("allgather_coalesced", opts, g, per_input, input_tensors)
+
+    def _gather_lists(self, what: str, opts: c10d.AllgatherOptions, g: ProcessGroup,
+                      per_input: list[list[torch.Tensor]],
+                      input_tensors: Sequence[torch.Tensor]) -> dist.Work | None:
+        """One tandem all_gather per input ``i`` into ``per_input[i]`` (one tensor per rank)."""
+        for outs in per_input:
+            cpu_tensors(outs, what, "output_tensors")
+        pairs = list(zip(per_input, input_tensors))
+        return self._call(what, opts,
                           lambda a: [api.all_gather(outs, t, g, a) for outs, t in pairs], (),
-                          [list(outs) for outs in output_lists])
+                          per_input)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: c10d.AllgatherOptions | None = None) -> dist.Work | None:

@@ -14,6 +14,12 @@ rank and all subgroups use it. A tandem subgroup under another default backend
 (``init_process_group("gloo")`` then ``new_group(backend="tandem")``) gets a fabric
 over its own members, which later groups within those members reuse.
 
+Each fabric runs one :class:`~tandem.collectives.monitor.Monitor` over its groups, as
+tandem's own ``init_process_group`` does for its groups: stall warnings
+(``TANDEM_STALL_WARN``), flight-recorder dumps when a call fails or a peer is lost,
+and the timeline. Its store exchange (what a stalled peer is doing) runs under the
+fabric's own prefix of the store torch handed the factory.
+
 The registry below is module state because torch's factory receives no context to
 hang it on; fabrics leave it when their last group shuts down.
 """
@@ -33,6 +39,7 @@ from torch.distributed.constants import default_pg_timeout
 from tandem import _wire
 from tandem.collectives.backend import Backend, BackendOptions, resolve_backend
 from tandem.collectives.group import ProcessGroup
+from tandem.collectives.monitor import Monitor
 from tandem.collectives.world import bind_address
 from tandem.config import Settings, load_secret, load_settings
 from tandem.errors import StateError
@@ -52,6 +59,12 @@ class Fabric:
     settings: Settings
     transport_name: str
     group_ids: dict[int, str] = dataclasses.field(default_factory=dict)
+    groups: dict[int, ProcessGroup] = dataclasses.field(default_factory=dict)
+    monitor: Monitor | None = None  # stall warnings, dumps, timeline (see the module doc)
+
+    def live_groups(self) -> list[ProcessGroup]:
+        with _lock:
+            return list(self.groups.values())
 
     def connects(self, ranks: list[int]) -> bool:
         return set(ranks) <= set(self.members)
@@ -65,10 +78,13 @@ class Fabric:
         """Forget one group; the last one closes the transport."""
         with _lock:
             self.group_ids.pop(group_id, None)
+            self.groups.pop(group_id, None)
             last = not self.group_ids
             if last and self in _fabrics:
                 _fabrics.remove(self)
         if last:
+            if self.monitor is not None:  # its threads stop before the transport goes
+                self.monitor.close()
             self.transport.close()
 
 
@@ -111,7 +127,12 @@ def _connect(store: dist.Store, rank: int, size: int, members: list[int],
                              hostname=settings.host_id or socket.gethostname(),
                              secret=load_secret(), settings=settings)
     name = resolve_backend(transport_name)
-    return Fabric(Backend.factory(name)(options), members, settings, transport_name)
+    transport = Backend.factory(name)(options)
+    fabric = Fabric(transport, members, settings, transport_name)
+    fabric.monitor = Monitor(rank, size, settings, transport,
+                             PrefixStore(f"tandem/{generation}/watch", tandem_store),
+                             fabric.live_groups)
+    return fabric
 
 
 def join_group(store: dist.Store, group_rank: int, group_size: int, global_ranks: list[int],
@@ -142,4 +163,8 @@ def join_group(store: dist.Store, group_rank: int, group_size: int, global_ranks
     group = ProcessGroup(fabric.transport, [index[g] for g in members], gid,
                          f"torch:{group_name}", group_timeout(timeout, settings), settings,
                          "tandem")
+    with _lock:
+        fabric.groups[gid] = group
+    if fabric.monitor is not None:
+        fabric.monitor.adopt(group)
     return group, fabric

@@ -92,4 +92,5 @@ def master_address(store: dist.Store) -> str | None:
         seen += 1
     if isinstance(store, dist.TCPStore):
         return str(store.host)
-    return None
+    host = getattr(store, "host", None)  # an AuthenticatedStore (tandem's store under torch)
+    return host if isinstance(host, str) else None

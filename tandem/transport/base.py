@@ -169,6 +169,11 @@ class Transport(abc.ABC):
         group's last ``n`` completed calls, oldest first."""
         self.mailbox.history.unfollow(group, last)
 
+    def unreceived(self, kind: int, group: int) -> list[tuple[int, int, int]]:
+        """(sender, step, bytes) of each arrived message of ``kind`` on ``group`` that no
+        receive took (for point-to-point messages, the step is the tag)."""
+        return self.mailbox.unreceived(kind, group)
+
     def parked_call(self, group: int, seq: int) -> tuple[int, Header] | None:
         """(sender, header) of an unreceived message of call ``seq`` on ``group``, or None."""
         return self.mailbox.parked_call(group, seq)

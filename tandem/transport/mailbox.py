@@ -214,6 +214,13 @@ class Mailbox:
             if error is not None:
                 self._reject(s.peer, group, error)
 
+    def unreceived(self, kind: int, group: int) -> list[tuple[int, int, int]]:
+        """(sender, step, bytes) of each message of ``kind`` on ``group`` that arrived and
+        that no receive has taken, in arrival order."""
+        with self._lock:
+            return [(k[0], k[4], s.nbytes) for k, s in self._parked.items()
+                    if k[1] == kind and k[2] == group]
+
     def parked_call(self, group: int, seq: int) -> tuple[int, Header] | None:
         """A collective message of call ``seq`` on ``group`` that nobody has received yet
         (sender, header). A call that moves no messages uses it to spot a peer whose call

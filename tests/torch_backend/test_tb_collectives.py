@@ -68,10 +68,28 @@ def _all_gather(g: Any, rank: int, world: int) -> Any:
     return out
 
 
+def _all_gather_coalesced(n: int, numel: int, dtype: torch.dtype = torch.float32) -> Case:
+    # torch passes one list per rank, each with one output per input
+    def case(g: Any, rank: int, world: int) -> Any:
+        ins = [_x(rank, numel + i if numel else 0, dtype) for i in range(n)]
+        outs = [[torch.full_like(t, -1) for t in ins] for _ in range(world)]
+        dist.all_gather_coalesced(outs, ins, group=g)
+        return outs
+    return case
+
+
 def _all_gather_into_tensor(g: Any, rank: int, world: int) -> Any:
     out = torch.empty(6 * world)
     dist.all_gather_into_tensor(out, _x(rank), group=g)
     return out
+
+
+def _private_bases(g: Any, rank: int, world: int) -> Any:
+    # torch's older names, which call the backend's methods under their old names
+    gathered, scattered = torch.empty(3 * world), torch.empty(2)
+    dist._all_gather_base(gathered, _x(rank, 3), group=g)
+    dist._reduce_scatter_base(scattered, _x(rank, 2 * world), group=g)
+    return [gathered, scattered]
 
 
 def _gather(g: Any, rank: int, world: int) -> Any:
@@ -233,7 +251,12 @@ COMPARED: dict[str, Case] = {
     "reduce": _reduce,
     "broadcast": _broadcast,
     "all_gather": _all_gather,
+    "all_gather_coalesced_1": _all_gather_coalesced(1, 4),
+    "all_gather_coalesced_3": _all_gather_coalesced(3, 2),
+    "all_gather_coalesced_empty": _all_gather_coalesced(3, 0),
+    "all_gather_coalesced_complex": _all_gather_coalesced(2, 3, torch.complex64),
     "all_gather_into_tensor": _all_gather_into_tensor,
+    "private_bases": _private_bases,
     "gather": _gather,
     "scatter": _scatter,
     "reduce_scatter": _reduce_scatter,
@@ -291,17 +314,31 @@ def _subgroups(rank: int, world: int) -> Any:
     assert same(v, _x(rank)) and dist.get_world_size(alone) == 1
 
 
+# cases whose arguments are group ranks, also run on a subgroup (the last two ranks)
+ON_SUBGROUPS = [name for name in COMPARED if name.startswith("all_gather_coalesced")] + [
+    "all_reduce_SUM", "all_reduce_complex", "all_gather", "all_gather_into_tensor",
+    "private_bases", "reduce_scatter", "reduce_scatter_tensor_SUM", "all_to_all",
+    "all_to_all_single", "coalesced"]
+
+
 def compare(rank: int, world: int, store_dir: str) -> dict[str, Any]:
     init(rank, world, store_dir)
     gloo = dist.new_group(backend="gloo")
+    pair = [world - 2, world - 1]
+    ours_pair, gloo_pair = dist.new_group(pair), dist.new_group(pair, backend="gloo")
 
-    def against_gloo(case: Case) -> Callable[[], Any]:
+    def against_gloo(case: Case, ours: Any = None, theirs: Any = gloo) -> Callable[[], Any]:
         def body() -> Any:
-            ours, theirs = case(None, rank, world), case(gloo, rank, world)
-            return {"same": same(ours, theirs), "tandem": repr(ours), "gloo": repr(theirs)}
+            if ours is not None and rank not in pair:
+                return {"same": True}
+            r, w = (pair.index(rank), 2) if ours is not None else (rank, world)
+            mine, oracle = case(ours, r, w), case(theirs, r, w)
+            return {"same": same(mine, oracle), "tandem": repr(mine), "gloo": repr(oracle)}
         return body
 
     cases = {name: against_gloo(case) for name, case in COMPARED.items()}
+    cases.update({f"{name}_subgroup": against_gloo(COMPARED[name], ours_pair, gloo_pair)
+                  for name in ON_SUBGROUPS})
     cases["premul_sum"] = lambda: {"same": _premul_sum(rank, world) is None}
     cases["subgroups"] = lambda: {"same": _subgroups(rank, world) is None}
     cases["mixed_dtypes_coalesced"] = lambda: {"same": _mixed_dtypes_coalesced(rank, world)
@@ -315,7 +352,8 @@ def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("case", [*COMPARED, "premul_sum", "subgroups",
+@pytest.mark.parametrize("case", [*COMPARED, *(f"{n}_subgroup" for n in ON_SUBGROUPS),
+                                  "premul_sum", "subgroups",
                                   "mixed_dtypes_coalesced"])
 def test_call_over_tandem_equals_gloo(results: list[dict[str, Any]], case: str) -> None:
     for rank, result in enumerate(r[case] for r in results):

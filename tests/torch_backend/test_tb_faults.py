@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import signal
 import threading
 import time
@@ -148,3 +149,69 @@ def test_call_timeouts_abort_the_group_and_name_the_missing_rank(tmp_path: Path)
     assert _tandems(first["later"]), first["later"]
     for late in (second["late"], second["late_pair"]):  # each group was aborted everywhere
         assert not late["ok"] and "aborted" in late["msg"], late
+
+
+STALL_WARN = 1.0  # TANDEM_STALL_WARN of the stall test
+
+
+def _stopped_rank(rank: int, world: int, store_dir: str) -> dict[str, Any]:
+    import logging
+
+    reports: list[tuple[float, str]] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "has waited" in record.getMessage():
+                reports.append((time.monotonic(), record.getMessage()))
+
+    logging.getLogger("tandem").addHandler(Capture())
+    init(rank, world, store_dir, timeout=10)
+    dist.all_reduce(torch.ones(4))  # everyone is connected
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # never resumed: the harness kills it
+    start = time.monotonic()
+    result = attempt(dist.all_reduce, torch.ones(4))  # stalled-call
+    result["reports"] = [(t - start, m) for t, m in reports]
+    return result
+
+
+def test_a_stopped_rank_is_reported_by_the_watchdog_under_the_torch_backend(
+        tmp_path: Path) -> None:
+    from _tb_util import env
+    from tandem.testing import launch
+
+    outcomes = launch(3, _stopped_rank, (str(tmp_path),), timeout=100, init=False,
+                      env={**env(), "TANDEM_STALL_WARN": str(STALL_WARN)})
+    assert outcomes[2].error_type == "stopped", outcomes[2]
+    for rank, r in enumerate(values(outcomes[:2])):
+        assert r["reports"], f"rank {rank} waited {r['elapsed']:.0f}s without a stall report"
+        took, first = r["reports"][0]
+        assert took < STALL_WARN + 10, f"rank {rank}: first report after {took:.1f}s:\n{first}"
+        assert re.match(rf"tandem: rank {rank} has waited \d+ s in all_reduce", first), first
+        assert "rank 2" in first and "has not arrived" in first, first
+        assert not r["ok"] and "rank(s) 2" in r["msg"], r  # then the deadline names it
+
+
+def _unreceived_send(rank: int, world: int, store_dir: str) -> list[str]:
+    import logging
+
+    logged: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logged.append(record.getMessage())
+
+    logging.getLogger("tandem").addHandler(Capture())
+    init(rank, world, store_dir)
+    if rank == 0:
+        dist.isend(torch.ones(6), 1, tag=3).wait()  # 24 bytes rank 1 never receives
+    dist.barrier()  # after the send, on the same link: it has arrived
+    dist.destroy_process_group()
+    return [m for m in logged if "no receive took" in m]
+
+
+def test_a_send_nobody_received_is_named_when_torch_destroys_the_group(tmp_path: Path) -> None:
+    on_sender, on_receiver = values(run(2, _unreceived_send, tmp_path, timeout=90))
+    assert on_sender == [], on_sender
+    assert len(on_receiver) == 1 and "from rank 0 with tag 3: 1 message(s) of 24 bytes" \
+        in on_receiver[0], on_receiver

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from tandem.collectives.group import Op, as_bytes
+from tandem.transport import Slot
 
 __all__ = ["direct_gather", "direct_scatter", "pairwise_all_to_all"]
 
@@ -36,11 +37,15 @@ def direct_scatter(op: Op, recv: torch.Tensor, ins: list[torch.Tensor] | None, r
         op.wait(op.recv(root, 0, as_bytes(recv)))
 
 
-def pairwise_all_to_all(op: Op, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
-    """``outs[j]`` on rank ``i`` receives ``ins[i]`` of rank ``j``."""
+def pairwise_all_to_all(op: Op, outs: list[torch.Tensor], ins: list[torch.Tensor],
+                        sent: dict[int, Slot] | None = None) -> None:
+    """``outs[j]`` on rank ``i`` receives ``ins[i]`` of rank ``j``; ``sent``: the sends
+    already made, by peer."""
     g = op.group
     p, r = g.group_size, g.group_rank
+    sent = sent or {}
     recvs = [op.recv((r - k) % p, 0, as_bytes(outs[(r - k) % p])) for k in range(1, p)]
-    sends = [op.send((r + k) % p, 0, as_bytes(ins[(r + k) % p])) for k in range(1, p)]
+    sends = [sent[j] if j in sent else op.send(j, 0, as_bytes(ins[j]))
+             for j in ((r + k) % p for k in range(1, p))]
     outs[r].copy_(ins[r])
     op.wait(*recvs, *sends)
