@@ -64,6 +64,7 @@ from typing import Any, Sequence
 import torch
 
 import tandem as dist
+from tandem.collectives.cluster_env import scheduler_task
 
 from train_chars.trainer import RunConfig, train
 
@@ -228,8 +229,8 @@ def launch_local(cfg: RunConfig, nproc: int, threads: int) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg, ns = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by a launcher
-        run_rank(cfg, ns.threads)
+    if ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or scheduler_task(os.environ):
+        run_rank(cfg, ns.threads)  # started by a launcher, or as one task of srun / mpirun
         return 0
     if ns.elastic:
         sys.exit("train_chars: --elastic needs tandemrun, which replaces lost ranks: "

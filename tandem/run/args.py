@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+from tandem.collectives.cluster_env import first_host, port_from_id, slurm_node_address
 from tandem.errors import ArgumentError
 from tandem.run.config import (
     LaunchConfig,
@@ -25,7 +26,7 @@ from tandem.run.config import (
     parse_signals,
 )
 
-__all__ = ["build_parser", "parse"]
+__all__ = ["build_parser", "parse", "slurm_defaults"]
 
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
 
@@ -158,9 +159,43 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def slurm_defaults(env: Mapping[str, str],
+                   resolve: Callable[[str], str] = slurm_node_address) -> dict[str, Any]:
+    """The multi-node flags of one launcher per node under ``srun`` (empty elsewhere).
+
+    ``srun --ntasks-per-node=1 tandemrun --nproc-per-node 2 train.py`` starts one
+    tandemrun per node of the step; each takes ``--nnodes`` = ``SLURM_STEP_NUM_NODES``,
+    ``--node-rank`` = ``SLURM_NODEID``, ``--master-addr`` = the step's first node
+    (resolved as :func:`tandem.collectives.cluster_env.slurm_node_address` does),
+    ``--master-port`` = ``10000 + SLURM_JOB_ID % 20000``, ``--rdzv-endpoint`` = both
+    (for ``--rdzv-backend c10d``) and ``--rdzv-id`` = ``slurm-JOBID``. Flags and
+    ``PET_*`` variables win. Several launchers on one node would share its node rank:
+    that is refused here, with the fix.
+    """
+    nodes, tasks = env.get("SLURM_STEP_NUM_NODES", ""), env.get("SLURM_STEP_NUM_TASKS", "")
+    job, node = env.get("SLURM_JOB_ID", ""), env.get("SLURM_NODEID", "")
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
+    if not (nodes.isdigit() and tasks.isdigit() and job.isdigit() and node.isdigit()
+            and nodelist):
+        return {}  # not a task of an srun step
+    if int(tasks) != int(nodes):
+        raise ArgumentError(
+            f"tandemrun under srun: this step runs {tasks} tasks on {nodes} node(s) "
+            f"(SLURM_STEP_NUM_TASKS, SLURM_STEP_NUM_NODES); start one tandemrun per node "
+            f"(srun --ntasks-per-node=1 tandemrun --nproc-per-node N ...), or run the "
+            f"script itself once per rank (srun --ntasks-per-node=N python train.py)")
+    addr, port = resolve(first_host(nodelist)), port_from_id(int(job))
+    return {"nnodes": nodes, "node_rank": int(node), "master_addr": addr, "master_port": port,
+            "rdzv_endpoint": f"{addr}:{port}", "rdzv_id": f"slurm-{job}"}
+
+
 def parse(argv: Sequence[str] | None = None) -> LaunchConfig:
     """Parse ``argv`` (default ``sys.argv[1:]``); raise ``ArgumentError`` on bad values."""
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    derived = slurm_defaults(os.environ)
+    parser.set_defaults(**{k: v for k, v in derived.items()
+                           if f"PET_{k.upper()}" not in os.environ})
+    ns = parser.parse_args(argv)
     min_nodes, max_nodes = parse_nnodes(ns.nnodes)
     standalone = bool(ns.standalone)
     if standalone and (min_nodes, max_nodes) != (1, 1):
