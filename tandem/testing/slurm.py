@@ -21,6 +21,8 @@ lab's namespace names are unique, and each namespace has its own ports, so clust
 concurrent test runs cannot meet. ``close()`` SIGKILLs every process in the lab's
 namespaces (the daemons, and anything a job left there) and munged, by pid, then
 deletes the namespaces. About 1.5 s from nothing to idle nodes on an idle machine.
+Credentials live 10 s (``cred_expire``, SLURM's default 120 s), which is also how long a
+requeued job waits before it starts again.
 
 Needs root, iproute2, util-linux (nsenter, unshare) and the Debian packages
 ``slurm-wlm`` and ``munge`` (``scripts/cluster_packages.sh`` installs them).
@@ -76,7 +78,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={munge_socket}
+AuthInfo=socket={munge_socket},cred_expire=10
 StateSaveLocation={d}/state
 SlurmdSpoolDir={d}/spool/%n
 SlurmctldPidFile={d}/slurmctld.pid

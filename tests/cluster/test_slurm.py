@@ -11,6 +11,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -82,3 +83,85 @@ def test_a_multi_node_step_without_a_secret_is_refused(slurm: SlurmCluster) -> N
                      timeout=60, check=False, env=env)
     assert done.returncode != 0
     assert "python -m tandem.secret" in done.stderr, done.stderr
+
+
+def _env_with_tools() -> dict[str, str]:
+    """The batch scripts call python and tandemrun by name, as a user's would."""
+    return {"PATH": f"{Path(PY).parent}:{os.environ['PATH']}"}
+
+
+def _state(slurm: SlurmCluster, job: str) -> str:
+    done = slurm.run(["scontrol", "show", "job", job], timeout=20, check=False)
+    for word in done.stdout.split():
+        if word.startswith("JobState="):
+            return word.split("=", 1)[1]
+    return ""
+
+
+def _wait_for(what: str, ready: Callable[[], bool], timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            text = log.read_text(errors="replace")[-4000:] if log.exists() else "(no log)"
+            raise AssertionError(f"no {what} within {timeout:.0f} s; the job's log:\n{text}")
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("template", ["one_node", "multi_node"])
+def test_the_batch_templates_train_the_main_example(slurm: SlurmCluster, tmp_path: Path,
+                                                    template: str) -> None:
+    log, out = tmp_path / "job.out", tmp_path / "run"
+    done = slurm.run(["sbatch", "--wait", f"--output={log}",
+                      str(ROOT / "examples" / "slurm" / f"{template}.sbatch"), *TINY,
+                      "--out", str(out)], timeout=JOB_S, env=_env_with_tools(), cwd=ROOT,
+                     check=False)
+    text = log.read_text(errors="replace")
+    assert done.returncode == 0, text[-4000:] + done.stderr
+    world = 2 if template == "one_node" else 4
+    assert f"train_chars: {world} ranks" in text
+    assert json.loads((out / "metrics.json").read_text())["world_size"] == world
+    _no_leftovers(slurm)
+
+
+@pytest.mark.timeout(200)
+def test_scancel_stops_every_rank_on_every_node(slurm: SlurmCluster, tmp_path: Path) -> None:
+    log = tmp_path / "job.out"
+    script = tmp_path / "job.sbatch"
+    script.write_text("#!/bin/bash\n#SBATCH --nodes=2 --ntasks-per-node=1 --cpus-per-task=2\n"
+                      "export TANDEM_SECRET=$(python -m tandem.secret)\n"
+                      f"srun tandemrun --nproc-per-node 2 {PROBE.with_name('_forever.py')}\n")
+    job = slurm.run(["sbatch", "--parsable", f"--output={log}", str(script)], timeout=60,
+                    env=_env_with_tools()).stdout.strip()
+    _wait_for("4 running ranks", lambda: log.exists() and log.read_text().count("running") == 4,
+              JOB_S, log)
+    slurm.run(["scancel", job], timeout=30)
+    _wait_for("cancelled job", lambda: _state(slurm, job) == "CANCELLED", 60, log)
+    _no_leftovers(slurm)
+
+
+@pytest.mark.timeout(300)
+def test_a_preemption_warning_checkpoints_and_the_requeued_job_resumes(
+        slurm: SlurmCluster, tmp_path: Path) -> None:
+    log, out = tmp_path / "job.out", tmp_path / "run"
+    steps = 40  # ~0.2 s a step here: the warning lands within a few steps of step 2
+    job = slurm.run(["sbatch", "--parsable", f"--output={log}",
+                     str(ROOT / "examples" / "slurm" / "requeue.sbatch"), *TINY,
+                     "--steps", str(steps), "--save-every", "2"], timeout=60, cwd=ROOT,
+                    env={**_env_with_tools(), "TRAIN_CHARS_OUT": str(out)}).stdout.strip()
+    # a checkpoint exists once every rank is in the training loop, its handler installed
+    _wait_for("first checkpoint", lambda: (out / "checkpoint.pt").exists(), JOB_S, log)
+    slurm.run(["scancel", "--signal=USR1", job], timeout=30)  # what --signal=USR1@60 sends
+    _wait_for("preemption note", lambda: (out / "preempted.json").exists()
+              or (out / "metrics.json").exists(), 60, log)
+    stopped_at = json.loads((out / "preempted.json").read_text())["step"]
+    assert 2 <= stopped_at < steps
+    _wait_for("resumed run's metrics", lambda: (out / "metrics.json").exists(), JOB_S, log)
+    text = log.read_text(errors="replace")
+    assert f"preempted (SIGUSR1) after step {stopped_at} of {steps}" in text
+    assert f"resuming at step {stopped_at} (--resume)" in text, text[-4000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert (metrics["steps"], metrics["steps_this_run"]) == (steps, steps - stopped_at)
+    assert not (out / "preempted.json").exists()
+    _wait_for("completed job", lambda: _state(slurm, job) == "COMPLETED", 60, log)
+    _no_leftovers(slurm)
