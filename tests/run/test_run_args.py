@@ -10,7 +10,7 @@ import pytest
 
 from tandem.errors import ArgumentError
 from tandem.run import main
-from tandem.run.args import REFUSED_FLAGS, build_parser, parse
+from tandem.run.args import REFUSED_FLAGS, build_parser, parse, slurm_defaults
 from tandem.run.config import LaunchConfig, Std, StdMap
 
 pytestmark = pytest.mark.timeout(30)
@@ -157,3 +157,28 @@ def test_config_is_usable_without_argparse() -> None:
 def test_min_max_nodes_need_the_c10d_backend() -> None:
     with pytest.raises(ArgumentError, match="c10d"):
         parse(["--nnodes", "1:2", "t.py"])
+
+
+# what srun -N2 --ntasks-per-node=1 gives each task (SLURM 22.05, job 4242)
+SLURM_STEP = {"SLURM_JOB_ID": "4242", "SLURM_NODEID": "1", "SLURM_PROCID": "1",
+              "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2",
+              "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_NODELIST": "gpu[07-08]"}
+
+
+def test_one_tandemrun_per_node_under_srun_needs_no_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert slurm_defaults(SLURM_STEP, resolve=lambda n: f"addr-of-{n}") == {
+        "nnodes": "2", "node_rank": 1, "master_addr": "addr-of-gpu07", "master_port": 14242,
+        "rdzv_endpoint": "addr-of-gpu07:14242", "rdzv_id": "slurm-4242"}
+    assert slurm_defaults({k: v for k, v in SLURM_STEP.items() if "STEP" not in k}) == {}
+    for key, value in {**SLURM_STEP, "SLURM_STEP_NODELIST": "localhost"}.items():
+        monkeypatch.setenv(key, value)
+    cfg = parse(["--nproc-per-node", "2", "train.py"])
+    assert (cfg.nnodes, cfg.node_rank, cfg.master_addr, cfg.master_port) == (2, 1, "localhost", 14242)
+    monkeypatch.setenv("PET_NODE_RANK", "0")  # PET_* and flags still win
+    cfg = parse(["--master-port", "29400", "train.py"])
+    assert (cfg.node_rank, cfg.master_port) == (0, 29400)
+
+
+def test_several_tandemruns_on_one_node_are_refused_with_the_fix() -> None:
+    with pytest.raises(ArgumentError, match="runs 4 tasks on 2 node.*--ntasks-per-node=1"):
+        slurm_defaults({**SLURM_STEP, "SLURM_STEP_NUM_TASKS": "4"})
