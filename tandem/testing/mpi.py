@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
@@ -91,12 +90,7 @@ class MpiHosts:
 
     def close(self) -> None:
         try:
-            for ns in self.lab.names:
-                done = subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
-                                      text=True, timeout=20)
-                for pid in done.stdout.split():
-                    with contextlib.suppress(ProcessLookupError, ValueError):
-                        os.kill(int(pid), signal.SIGKILL)
+            self.lab.kill_all()
         finally:
             self.lab.close()
 

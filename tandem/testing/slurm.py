@@ -193,16 +193,11 @@ class SlurmCluster:
         self._daemons.append(proc)
         return proc
 
-    def _pids_in(self, ns: str) -> list[int]:
-        done = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True,
-                              timeout=20)
-        return [int(p) for p in done.stdout.split() if p.isdigit()]
-
     def leftovers(self) -> dict[str, list[str]]:
         """Per node, the processes running there other than slurmd: ``pid command``."""
         found: dict[str, list[str]] = {}
         for host in range(1, self.nodes + 1):
-            for pid in self._pids_in(self.lab.names[host]):
+            for pid in self.lab.pids(host):
                 with contextlib.suppress(OSError):
                     cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
                     text = cmd.decode(errors="replace").strip()
@@ -222,10 +217,7 @@ class SlurmCluster:
     def close(self) -> None:
         """SIGKILL everything in the lab's namespaces and every daemon; delete the lab."""
         try:
-            for ns in self.lab.names:
-                for pid in self._pids_in(ns):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+            self.lab.kill_all()
             for proc in self._daemons:
                 if proc.poll() is None:
                     with contextlib.suppress(ProcessLookupError):
