@@ -4,8 +4,12 @@
 
     python -m tandem.run --nproc-per-node 2 train.py --lr 0.1
     PET_NPROC_PER_NODE=2 tandemrun train.py          # same; the command line wins
+    srun --ntasks-per-node=1 tandemrun --nproc-per-node 2 train.py   # nodes from SLURM
 
-:func:`parse` turns argv into a :class:`tandem.run.config.LaunchConfig`.
+Flags win over ``PET_*`` variables, which win over what a scheduler says: SLURM's
+step (:func:`slurm_defaults`) and Kubernetes training operators' pods
+(:func:`operator_defaults`). :func:`parse` turns argv into a
+:class:`tandem.run.config.LaunchConfig`.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from tandem.run.config import (
     parse_signals,
 )
 
-__all__ = ["build_parser", "parse", "slurm_defaults"]
+__all__ = ["build_parser", "parse", "slurm_defaults", "operator_defaults"]
 
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
 
@@ -189,10 +193,31 @@ def slurm_defaults(env: Mapping[str, str],
             "rdzv_endpoint": f"{addr}:{port}", "rdzv_id": f"slurm-{job}"}
 
 
+def operator_defaults(env: Mapping[str, str]) -> dict[str, Any]:
+    """Node 0's endpoint in a pod of a Kubernetes training operator (empty elsewhere).
+
+    Kubeflow's PyTorchJob gives every pod ``PET_NNODES``, ``PET_NPROC_PER_NODE`` and
+    ``PET_NODE_RANK`` (read like every ``PET_<FLAG>``) and the master's Service as
+    ``MASTER_ADDR``/``MASTER_PORT``; releases before 1.8 set no ``PET_MASTER_ADDR``/
+    ``PET_MASTER_PORT``, so there ``MASTER_ADDR``/``MASTER_PORT`` are node 0's endpoint.
+    Only for a job that says it spans nodes (``PET_NNODES``): a single-node tandemrun
+    never takes a stray MASTER_PORT. (Its ``RANK`` and ``WORLD_SIZE`` are the pod's
+    index and the job's size; each worker gets its own.)
+    """
+    if not env.get("PET_NNODES"):
+        return {}
+    out: dict[str, Any] = {}
+    if env.get("MASTER_ADDR") and not env.get("PET_MASTER_ADDR"):
+        out["master_addr"] = env["MASTER_ADDR"]
+    if env.get("MASTER_PORT", "").isdigit() and not env.get("PET_MASTER_PORT"):
+        out["master_port"] = int(env["MASTER_PORT"])
+    return out
+
+
 def parse(argv: Sequence[str] | None = None) -> LaunchConfig:
     """Parse ``argv`` (default ``sys.argv[1:]``); raise ``ArgumentError`` on bad values."""
     parser = build_parser()
-    derived = slurm_defaults(os.environ)
+    derived = {**operator_defaults(os.environ), **slurm_defaults(os.environ)}
     parser.set_defaults(**{k: v for k, v in derived.items()
                            if f"PET_{k.upper()}" not in os.environ})
     ns = parser.parse_args(argv)

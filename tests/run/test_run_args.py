@@ -10,7 +10,7 @@ import pytest
 
 from tandem.errors import ArgumentError
 from tandem.run import main
-from tandem.run.args import REFUSED_FLAGS, build_parser, parse, slurm_defaults
+from tandem.run.args import REFUSED_FLAGS, build_parser, operator_defaults, parse, slurm_defaults
 from tandem.run.config import LaunchConfig, Std, StdMap
 
 pytestmark = pytest.mark.timeout(30)
@@ -182,3 +182,17 @@ def test_one_tandemrun_per_node_under_srun_needs_no_flags(monkeypatch: pytest.Mo
 def test_several_tandemruns_on_one_node_are_refused_with_the_fix() -> None:
     with pytest.raises(ArgumentError, match="runs 4 tasks on 2 node.*--ntasks-per-node=1"):
         slurm_defaults({**SLURM_STEP, "SLURM_STEP_NUM_TASKS": "4"})
+
+
+def test_a_pytorchjob_pod_before_1_8_gives_node_0_as_master_addr_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pod = {"MASTER_ADDR": "train-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "4",
+           "RANK": "1", "PET_NNODES": "2", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "1"}
+    assert operator_defaults(pod) == {"master_addr": "train-master-0", "master_port": 23456}
+    assert operator_defaults({**pod, "PET_MASTER_ADDR": "a", "PET_MASTER_PORT": "1"}) == {}
+    assert operator_defaults({"MASTER_ADDR": "x", "MASTER_PORT": "1"}) == {}  # no job: ignored
+    for key, value in pod.items():
+        monkeypatch.setenv(key, value)
+    cfg = parse(["train.py"])
+    assert (cfg.nnodes, cfg.node_rank, cfg.nproc_per_node) == (2, 1, 2)
+    assert (cfg.master_addr, cfg.master_port) == ("train-master-0", 23456)
