@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -164,4 +165,45 @@ def test_a_preemption_warning_checkpoints_and_the_requeued_job_resumes(
     assert (metrics["steps"], metrics["steps_this_run"]) == (steps, steps - stopped_at)
     assert not (out / "preempted.json").exists()
     _wait_for("completed job", lambda: _state(slurm, job) == "COMPLETED", 60, log)
+    _no_leftovers(slurm)
+
+
+def _worker_of_rank(slurm: SlurmCluster, host: int, rank: int) -> int:
+    """The training process of ``rank`` on ``host``: the child of its supervisor."""
+    procs: dict[int, tuple[int, str, bytes]] = {}
+    for pid in slurm.lab.pids(host):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except (OSError, ValueError):
+            continue
+        procs[pid] = (ppid, cmd, environ)
+    found = [pid for pid, (ppid, cmd, environ) in procs.items()
+             if "_worker.py" in cmd and f"\0RANK={rank}\0".encode() in b"\0" + environ
+             and "_worker.py" in procs.get(ppid, (0, "", b""))[1]]
+    assert len(found) == 1, f"rank {rank}'s worker on host {host}: {found} of {procs.keys()}"
+    return found[0]
+
+
+@pytest.mark.timeout(300)
+def test_the_elastic_template_replaces_a_killed_rank_in_place(slurm: SlurmCluster,
+                                                              tmp_path: Path) -> None:
+    log, out = tmp_path / "job.out", tmp_path / "run"
+    steps = 60
+    job = slurm.run(["sbatch", "--parsable", f"--output={log}",
+                     str(ROOT / "examples" / "slurm" / "elastic.sbatch"), *TINY, "--steps",
+                     str(steps), "--save-every", "5", "--out", str(out)], timeout=60,
+                    cwd=ROOT, env=_env_with_tools()).stdout.strip()
+    _wait_for("first checkpoint", lambda: (out / "checkpoint.pt").exists(), JOB_S, log)
+    os.kill(_worker_of_rank(slurm, 2, 3), signal.SIGKILL)  # rank 3 lives on node2
+    _wait_for("completed job", lambda: _state(slurm, job) in ("COMPLETED", "FAILED"), JOB_S,
+              log)
+    text = log.read_text(errors="replace")
+    assert _state(slurm, job) == "COMPLETED", text[-4000:]
+    assert "recovered in place from 1 failure(s)" in text, text[-4000:]
+    assert "rank 3 (local_rank 1, host node2): signal 9 (SIGKILL)" in text
+    metrics = json.loads((out / "metrics.json").read_text())
+    # the survivors go on at once; the replacement joins unless the run ends first
+    assert metrics["steps"] == steps and metrics["world_size"] in (3, 4), metrics
     _no_leftovers(slurm)
