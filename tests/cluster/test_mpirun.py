@@ -17,6 +17,9 @@ import pytest
 from tandem.testing.mpi import MpiHosts, mpi_hosts
 from tandem.testing.netns import Unavailable
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _reports import rank_reports  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_chars.py"
 PROBE = Path(__file__).with_name("_probe.py")
@@ -38,8 +41,7 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MpiHosts]:
 def test_mpirun_ranks_join_with_nothing_set(hosts: MpiHosts) -> None:
     done = hosts.mpirun([*RANKS, sys.executable, str(PROBE)], timeout=150, env=SECRET)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    ranks = sorted((json.loads(line) for line in done.stdout.splitlines()
-                    if line.startswith("{")), key=lambda r: int(r["rank"]))
+    ranks = rank_reports(done.stdout)
     assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
     assert {r["sum"] for r in ranks} == {10.0} and {r["world"] for r in ranks} == {4}
     assert [r["host"] for r in ranks] == ["a", "a", "b", "b"]
