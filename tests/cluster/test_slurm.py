@@ -67,10 +67,12 @@ def test_srun_one_tandemrun_per_node_trains_the_main_example(slurm: SlurmCluster
     _no_leftovers(slurm)
 
 
-def test_a_multi_node_step_without_a_secret_is_refused(slurm: SlurmCluster) -> None:
+@pytest.mark.parametrize("style", ["task per rank", "tandemrun per node"])
+def test_a_multi_node_step_without_a_secret_is_refused(slurm: SlurmCluster, style: str) -> None:
     env = {"TANDEM_SECRET": "", "XDG_CONFIG_HOME": str(slurm.workdir / "home")}
-    done = slurm.run(["srun", "-N2", "--ntasks-per-node=1", PY, "-c",
-                      "from tandem.config import load_secret; load_secret()"],
+    cmd = ([PY, "-c", "from tandem.config import load_secret; load_secret()"]
+           if style == "task per rank" else [TANDEMRUN, "--nproc-per-node", "1", str(PROBE)])
+    done = slurm.run(["srun", "-N2", "--ntasks-per-node=1", *cmd],
                      timeout=60, check=False, env=env)
     assert done.returncode != 0
     assert "python -m tandem.secret" in done.stderr, done.stderr
