@@ -24,6 +24,18 @@ the number of ranks (``--nproc`` given to this file is then refused)::
     RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python examples/train_chars.py &
     RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python examples/train_chars.py
 
+On a cluster, every rank runs this file as one task of the scheduler, or tandemrun runs
+them (one per node); see ``examples/slurm/`` and ``examples/kubernetes/``::
+
+    export TANDEM_SECRET=$(python -m tandem.secret)     # one secret for every node
+    srun -N2 --ntasks-per-node=2 python examples/train_chars.py --quick
+    srun -N2 --ntasks-per-node=1 tandemrun --nproc-per-node 2 examples/train_chars.py --quick
+    mpirun -np 4 --host a:2,b:2 -x TANDEM_SECRET python examples/train_chars.py --quick
+
+SIGUSR1 (SLURM's ``--signal=USR1@60`` preemption warning) makes every rank stop after the
+same step, checkpoint and exit 0, leaving ``preempted.json`` in the run's directory;
+``--resume`` continues (``train_chars/preempt.py``, ``examples/slurm/requeue.sbatch``).
+
 Checkpoints (every ``--save-every`` steps and at the end) are written atomically with
 ``tandem.checkpoint``. When the launcher restarts the job after a failure
 (``--max-restarts``), the ranks resume from the job's last checkpoint by themselves,
@@ -63,6 +75,7 @@ from typing import Any, Sequence
 import torch
 
 import tandem as dist
+from tandem.collectives.cluster_env import scheduler_task
 
 from train_chars.cli import parse
 from train_chars.trainer import RunConfig, train
@@ -139,8 +152,8 @@ def launch_local(cfg: RunConfig, nproc: int, threads: int) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg, ns = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by a launcher
-        run_rank(cfg, ns.threads)
+    if ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or scheduler_task(os.environ):
+        run_rank(cfg, ns.threads)  # started by a launcher, or as one task of srun / mpirun
         return 0
     if ns.elastic:
         sys.exit("train_chars: --elastic needs tandemrun, which replaces lost ranks: "

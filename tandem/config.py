@@ -364,6 +364,13 @@ def load_secret(env: Mapping[str, str] | None = None) -> bytes:
     path_name = env.get("TANDEM_SECRET_FILE")
     if path_name:
         return _read_secret_file(Path(path_name), f"TANDEM_SECRET_FILE={path_name!r}")
+    spread = _multi_node_job(env)
+    if spread:
+        raise ArgumentError(
+            f"{spread}: a multi-node job needs one secret shared by every node; make one "
+            f"before starting it, e.g. in the batch script: "
+            f"export TANDEM_SECRET=$(python -m tandem.secret) (or point TANDEM_SECRET_FILE "
+            f"at a private file every node reads)")
     path = _user_secret_path()
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -378,6 +385,18 @@ def load_secret(env: Mapping[str, str] | None = None) -> bytes:
         finally:
             os.unlink(tmp)
     return _read_secret_file(path, f"the per-user secret file {str(path)!r}")
+
+
+def _multi_node_job(env: Mapping[str, str]) -> str:
+    """What says this process belongs to a job spanning several nodes (empty if nothing)."""
+    nodes = env.get("SLURM_STEP_NUM_NODES", "")  # set in srun's tasks, not in a batch shell
+    if nodes.isdigit() and int(nodes) > 1:
+        return f"this SLURM job step spans {nodes} nodes (SLURM_STEP_NUM_NODES)"
+    size, local = env.get("OMPI_COMM_WORLD_SIZE", ""), env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "")
+    if size.isdigit() and local.isdigit() and int(local) < int(size):
+        return (f"this mpirun job has {local} of its {size} ranks on this host "
+                f"(OMPI_COMM_WORLD_LOCAL_SIZE)")
+    return ""
 
 
 _FILE_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),

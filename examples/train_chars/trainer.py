@@ -42,6 +42,7 @@ from train_chars.elastic import joining, train_elastic
 from train_chars.data import VOCAB, CharWindows, decode, encode, load_corpus
 from train_chars.model import CharTransformer, ModelConfig
 from train_chars.plot import write_loss_png
+from train_chars.preempt import Preemption
 from train_chars.progress import Progress
 
 __all__ = ["RunConfig", "train"]
@@ -146,6 +147,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     """Train, evaluate, checkpoint; rank 0 also plots, samples and writes metrics.json."""
     rank, world = dist.get_rank(), dist.get_world_size()
     lead = rank == 0
+    preemption = Preemption()  # before the slow set-up: a warning then is kept, not fatal
     torch.manual_seed(cfg.seed)
     train_ids, val_ids, n_files = load_corpus(int(cfg.corpus_mb * 1e6))
     shortest = min(len(train_ids), len(val_ids)) - 1  # characters that have a next one
@@ -165,6 +167,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     run = (checkpoint.Run("", False, "joining the elastic job") if joining()
            else checkpoint.agree_on_run(cfg.out, cfg.resume))
     run_dir = [run.out]
+    if lead and run.resume:
+        preemption.clear_note(run.out)
     ckpt = run.checkpoint
     step, history, val_history, trained_on = 0, [], [], world
     if run.resume:
@@ -231,8 +235,9 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     joinables: list[Any] = [ddp]  # DDP first: its collectives come first in a step
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         joinables.append(optimizer)  # a joined rank still steps its shard and sends it
+    preempted = False
     with Join(joinables) if cfg.uneven else contextlib.nullcontext():
-        while step < my_steps:
+        while step < my_steps and not preempted:
             epoch, skip = divmod(step, len(loader))
             sampler.set_epoch(epoch)
             for x, y in itertools.islice(loader, skip, None):
@@ -248,14 +253,25 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
                 step += 1
-                history.append((step, loss.item() if cfg.uneven else _mean_over_ranks(loss)))
+                if cfg.uneven:  # no per-step collective here, so no preemption either
+                    history.append((step, loss.item()))
+                else:
+                    mean, preempted = preemption.mean_loss_and_stop(loss)
+                    history.append((step, mean))
                 rate = (step - first_step) * cfg.batch_size * world / (time.monotonic() - started)
                 progress.update(step, history[-1][1], rate)
                 if (cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps
                         and not cfg.uneven):
                     save()
-                if step >= my_steps:
+                if step >= my_steps or preempted:
                     break
+    if preempted:
+        progress.close()
+        save()
+        if lead:
+            preemption.leave_note(run.out, step, cfg.steps)
+        dist.barrier()
+        return {"preempted_at": step}
     step = cfg.steps  # under Join every rank now holds rank 0's model, trained this far
     progress.close()
     elapsed = time.monotonic() - started

@@ -50,8 +50,8 @@ __all__ = ["Agent", "Outcome"]
 ENDING = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT})
 SHARED_SECRET_HELP = (
     "a multi-node job needs one secret shared by every node: export the same "
-    "TANDEM_SECRET on each node (e.g. generated once with "
-    "python -c 'import secrets; print(secrets.token_hex(32))'), or point "
+    "TANDEM_SECRET on each node (e.g. made once in the batch script with "
+    "export TANDEM_SECRET=$(python -m tandem.secret)), or point "
     "TANDEM_SECRET_FILE at a file every node can read")
 
 

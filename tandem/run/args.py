@@ -4,8 +4,12 @@
 
     python -m tandem.run --nproc-per-node 2 train.py --lr 0.1
     PET_NPROC_PER_NODE=2 tandemrun train.py          # same; the command line wins
+    srun --ntasks-per-node=1 tandemrun --nproc-per-node 2 train.py   # nodes from SLURM
 
-:func:`parse` turns argv into a :class:`tandem.run.config.LaunchConfig`.
+Flags win over ``PET_*`` variables, which win over what a scheduler says: SLURM's
+step (:func:`slurm_defaults`) and Kubernetes training operators' pods
+(:func:`operator_defaults`). :func:`parse` turns argv into a
+:class:`tandem.run.config.LaunchConfig`.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
-from typing import Any, NoReturn, Sequence
+from typing import Any, Callable, Mapping, NoReturn, Sequence
 
+from tandem.collectives.cluster_env import first_host, port_from_id, slurm_node_address
 from tandem.errors import ArgumentError
 from tandem.run.config import (
     LaunchConfig,
@@ -26,7 +31,7 @@ from tandem.run.config import (
     parse_signals,
 )
 
-__all__ = ["build_parser", "parse"]
+__all__ = ["build_parser", "parse", "slurm_defaults", "operator_defaults"]
 
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
 
@@ -186,9 +191,64 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def slurm_defaults(env: Mapping[str, str],
+                   resolve: Callable[[str], str] = slurm_node_address) -> dict[str, Any]:
+    """The multi-node flags of one launcher per node under ``srun`` (empty elsewhere).
+
+    ``srun --ntasks-per-node=1 tandemrun --nproc-per-node 2 train.py`` starts one
+    tandemrun per node of the step; each takes ``--nnodes`` = ``SLURM_STEP_NUM_NODES``,
+    ``--node-rank`` = ``SLURM_NODEID``, ``--master-addr`` = the step's first node
+    (resolved as :func:`tandem.collectives.cluster_env.slurm_node_address` does),
+    ``--master-port`` = ``10000 + SLURM_JOB_ID % 20000``, ``--rdzv-endpoint`` = both
+    (for ``--rdzv-backend c10d``) and ``--rdzv-id`` = ``slurm-JOBID``. Flags and
+    ``PET_*`` variables win. Several launchers on one node would share its node rank:
+    that is refused here, with the fix.
+    """
+    nodes, tasks = env.get("SLURM_STEP_NUM_NODES", ""), env.get("SLURM_STEP_NUM_TASKS", "")
+    job, node = env.get("SLURM_JOB_ID", ""), env.get("SLURM_NODEID", "")
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
+    if not (nodes.isdigit() and tasks.isdigit() and job.isdigit() and node.isdigit()
+            and nodelist):
+        return {}  # not a task of an srun step
+    if int(tasks) != int(nodes):
+        raise ArgumentError(
+            f"tandemrun under srun: this step runs {tasks} tasks on {nodes} node(s) "
+            f"(SLURM_STEP_NUM_TASKS, SLURM_STEP_NUM_NODES); start one tandemrun per node "
+            f"(srun --ntasks-per-node=1 tandemrun --nproc-per-node N ...), or run the "
+            f"script itself once per rank (srun --ntasks-per-node=N python train.py)")
+    addr, port = resolve(first_host(nodelist)), port_from_id(int(job))
+    return {"nnodes": nodes, "node_rank": int(node), "master_addr": addr, "master_port": port,
+            "rdzv_endpoint": f"{addr}:{port}", "rdzv_id": f"slurm-{job}"}
+
+
+def operator_defaults(env: Mapping[str, str]) -> dict[str, Any]:
+    """Node 0's endpoint in a pod of a Kubernetes training operator (empty elsewhere).
+
+    Kubeflow's PyTorchJob gives every pod ``PET_NNODES``, ``PET_NPROC_PER_NODE`` and
+    ``PET_NODE_RANK`` (read like every ``PET_<FLAG>``) and the master's Service as
+    ``MASTER_ADDR``/``MASTER_PORT``; releases before 1.8 set no ``PET_MASTER_ADDR``/
+    ``PET_MASTER_PORT``, so there ``MASTER_ADDR``/``MASTER_PORT`` are node 0's endpoint.
+    Only for a job that says it spans nodes (``PET_NNODES``): a single-node tandemrun
+    never takes a stray MASTER_PORT. (Its ``RANK`` and ``WORLD_SIZE`` are the pod's
+    index and the job's size; each worker gets its own.)
+    """
+    if not env.get("PET_NNODES"):
+        return {}
+    out: dict[str, Any] = {}
+    if env.get("MASTER_ADDR") and not env.get("PET_MASTER_ADDR"):
+        out["master_addr"] = env["MASTER_ADDR"]
+    if env.get("MASTER_PORT", "").isdigit() and not env.get("PET_MASTER_PORT"):
+        out["master_port"] = int(env["MASTER_PORT"])
+    return out
+
+
 def parse(argv: Sequence[str] | None = None) -> LaunchConfig:
     """Parse ``argv`` (default ``sys.argv[1:]``); raise ``ArgumentError`` on bad values."""
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    derived = {**operator_defaults(os.environ), **slurm_defaults(os.environ)}
+    parser.set_defaults(**{k: v for k, v in derived.items()
+                           if f"PET_{k.upper()}" not in os.environ})
+    ns = parser.parse_args(argv)
     min_nodes, max_nodes = parse_nnodes(ns.nnodes)
     standalone = bool(ns.standalone)
     if standalone and (min_nodes, max_nodes) != (1, 1):

@@ -302,6 +302,20 @@ class NetnsLab:
         """SIGKILL every rank still running, with anything it started."""
         self._kill(self._procs)
 
+    def pids(self, host: int) -> list[int]:
+        """Every process in host ``host``'s network namespace, whoever started it there."""
+        done = subprocess.run(["ip", "netns", "pids", self.names[host]], capture_output=True,
+                              text=True, timeout=20)
+        return [int(p) for p in done.stdout.split() if p.isdigit()]
+
+    def kill_all(self) -> None:
+        """SIGKILL every process in the lab's namespaces: daemons started there with
+        ``nsenter``, and whatever they started (the lab's own ranks included)."""
+        for host in range(len(self.names)):  # a namespace not made yet lists nobody
+            for pid in self.pids(host):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
     def close(self) -> None:
         try:
             self._kill(self._procs + self._helpers)

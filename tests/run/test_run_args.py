@@ -10,7 +10,7 @@ import pytest
 
 from tandem.errors import ArgumentError
 from tandem.run import main
-from tandem.run.args import REFUSED_FLAGS, build_parser, parse
+from tandem.run.args import REFUSED_FLAGS, build_parser, operator_defaults, parse, slurm_defaults
 from tandem.run.config import LaunchConfig, Std, StdMap
 
 pytestmark = pytest.mark.timeout(30)
@@ -173,3 +173,42 @@ def test_an_unknown_flag_is_refused_naming_the_flag_it_resembles(
     assert info.value.code == 2
     assert f"unrecognized arguments: {given}" in (err := capsys.readouterr().err), err
     assert f"(did you mean {meant}?)" in err, err
+
+
+# what srun -N2 --ntasks-per-node=1 gives each task (SLURM 22.05, job 4242)
+SLURM_STEP = {"SLURM_JOB_ID": "4242", "SLURM_NODEID": "1", "SLURM_PROCID": "1",
+              "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2",
+              "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_NODELIST": "gpu[07-08]"}
+
+
+def test_one_tandemrun_per_node_under_srun_needs_no_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert slurm_defaults(SLURM_STEP, resolve=lambda n: f"addr-of-{n}") == {
+        "nnodes": "2", "node_rank": 1, "master_addr": "addr-of-gpu07", "master_port": 14242,
+        "rdzv_endpoint": "addr-of-gpu07:14242", "rdzv_id": "slurm-4242"}
+    assert slurm_defaults({k: v for k, v in SLURM_STEP.items() if "STEP" not in k}) == {}
+    for key, value in {**SLURM_STEP, "SLURM_STEP_NODELIST": "localhost"}.items():
+        monkeypatch.setenv(key, value)
+    cfg = parse(["--nproc-per-node", "2", "train.py"])
+    assert (cfg.nnodes, cfg.node_rank, cfg.master_addr, cfg.master_port) == (2, 1, "localhost", 14242)
+    monkeypatch.setenv("PET_NODE_RANK", "0")  # PET_* and flags still win
+    cfg = parse(["--master-port", "29400", "train.py"])
+    assert (cfg.node_rank, cfg.master_port) == (0, 29400)
+
+
+def test_several_tandemruns_on_one_node_are_refused_with_the_fix() -> None:
+    with pytest.raises(ArgumentError, match="runs 4 tasks on 2 node.*--ntasks-per-node=1"):
+        slurm_defaults({**SLURM_STEP, "SLURM_STEP_NUM_TASKS": "4"})
+
+
+def test_a_pytorchjob_pod_before_1_8_gives_node_0_as_master_addr_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pod = {"MASTER_ADDR": "train-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "4",
+           "RANK": "1", "PET_NNODES": "2", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "1"}
+    assert operator_defaults(pod) == {"master_addr": "train-master-0", "master_port": 23456}
+    assert operator_defaults({**pod, "PET_MASTER_ADDR": "a", "PET_MASTER_PORT": "1"}) == {}
+    assert operator_defaults({"MASTER_ADDR": "x", "MASTER_PORT": "1"}) == {}  # no job: ignored
+    for key, value in pod.items():
+        monkeypatch.setenv(key, value)
+    cfg = parse(["train.py"])
+    assert (cfg.nnodes, cfg.node_rank, cfg.nproc_per_node) == (2, 1, 2)
+    assert (cfg.master_addr, cfg.master_port) == ("train-master-0", 23456)
