@@ -78,7 +78,7 @@ def test_a_stopped_worker_is_the_one_replaced(run: Run, tmp_path: Path) -> None:
     for survivor in ("n0.s0.0", "n0.s2.0"):  # the healthy processes from start to end
         assert results[survivor]["pid"] == names[survivor]
     sizes = _check(results, 24)
-    assert sizes[:12] == [3] * 12 and 2 in sizes and sizes[-1] == 3, sizes
+    assert sizes[:12] == [3] * 12 and set(sizes) <= {2, 3} and sizes[-1] == 3, sizes
     assert "recovered in place from 1 failure(s):" in res.err, res.err
     assert "n0.s1.0" in res.err and "stopped answering" in res.err, res.err
     assert not wait_dead(list(names.values()), 10), "outlived the launcher"
