@@ -203,7 +203,7 @@ class Watchdog:
                                               and r not in lost])
         if direct and note:  # the store failed us, the peers' own connections did not
             note = note.replace("peers' states unavailable: ", "").rstrip(")") + (
-                "; the peers answered over their own connections)")
+                "; peers answered over their own connections)")
         states.update(direct)
         now = clock()
         # the recorder's views of unfinished calls are kept while they run: one still in
@@ -265,8 +265,8 @@ class Watchdog:
         return token
 
     def _direct_answers(self, token: int, peers: list[int]) -> dict[int, Any]:
-        """The answers to question ``token`` from ``peers`` (waiting for them, within the
-        answer time counted from the question, once the store's part is done)."""
+        """The answers to question ``token`` from ``peers``, waiting at most the answer time
+        more for them (the store's part, done first, took its own time)."""
         end = time.monotonic() + self._answer_wait
         with self._cv:
             while not self._stop.is_set():
