@@ -132,6 +132,31 @@ def test_the_reaper_kills_only_its_own_job(tmp_path: Path) -> None:
             p.wait(30)
 
 
+def test_a_new_reaper_sweeps_jobs_whose_launcher_and_reaper_are_gone() -> None:
+    """Should a job's reaper be killed with the rest, the next launcher's reaper kills what
+    that job left; a job whose launcher lives is never touched."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)  # a launcher pid that no process has any more
+    ns = containment._pid_namespace()
+    dead_job, live_job = f"{gone.pid}.{ns}-{os.urandom(8).hex()}", f"{os.getpid()}.{ns}-x1"
+    sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
+    env = {k: v for k, v in os.environ.items() if k != _reaper.MARK}
+    procs = {mark: subprocess.Popen(sleep, env={**env, _reaper.MARK: mark})
+             for mark in (dead_job, live_job)}
+    try:
+        deadline = time.monotonic() + 30  # until both have exec'd (their environments show)
+        while len([m for m, p in procs.items() if p.pid in _reaper.marked(m)]) < 2:
+            assert time.monotonic() < deadline, "the marked processes did not start"
+            time.sleep(0.02)
+        _reaper.sweep_abandoned()  # (another launcher's reaper may sweep it first)
+        assert procs[dead_job].wait(30) == -signal.SIGKILL
+        assert procs[live_job].poll() is None, "a job whose launcher lives was swept"
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait(30)
+
+
 def parent_of(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[1])
