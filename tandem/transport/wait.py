@@ -84,7 +84,8 @@ def _raise(slot: Slot, pending: collections.deque[Slot], describe: Callable[[], 
         missing = _verdict(slot.key[2], mine, error, mailbox, peers, describe)
         raise CollectiveTimeoutError(
             f"{describe()} timed out: the group is waiting on rank(s) {_names(missing)}"
-            f"{_also(mine, missing)}; peers report: {error}", tuple(sorted(missing))) from error
+            f"{_also(mine, missing)}; a peer timed out first and said so (the cause below "
+            f"is its report)", tuple(sorted(missing))) from error
     _cancel(pending, mailbox)
     if isinstance(error, PeerLostError) and "reported by" not in str(error):
         raise PeerLostError(f"{describe()} failed: {error}", error.rank) from error
