@@ -13,6 +13,12 @@ Two daemon threads per process, stopped by :meth:`Watchdog.close`:
   the dumps, or this rank's own calls. It answers other ranks' questions ("what
   are you doing?") and asks them on behalf of a stalled call.
 
+The same question also goes straight to each peer over the transport (``Kind.STATE``
+messages, answered by the peer's reader thread): the store lives in one rank's
+process (rank 0's, with env:// and tcp://), and when that rank is stopped the store
+answers nobody, while every live peer still answers over its own connection. Only
+the stopped rank is then reported as not answering.
+
 The exchange through the store, under the group's private prefix::
 
     asks          a counter; a stalled rank adds 1 to it
@@ -39,7 +45,7 @@ from tandem.collectives.recorder import STARTED, Call, clock
 from tandem.collectives.stall import process_state, stall_warning
 from tandem.errors import TandemError
 from tandem.store.base import Store
-from tandem.transport import Transport
+from tandem.transport import Header, Kind, Transport
 
 __all__ = ["Watchdog", "LOGGER"]
 
@@ -121,6 +127,13 @@ class Watchdog:
         self._answers: tuple[int, dict[int, Any]] | None = None
         self._asked = 0
         self._cv = threading.Condition()
+        # answers that came over the transport: peer -> (question number, state)
+        self._direct: dict[int, tuple[int, dict[str, Any]]] = {}
+        self._direct_asked = 0
+        self._answer_wait = (self.exchange.answer_wait if self.exchange is not None
+                             else min(10.0, 2 * self.tick + 1.0))
+        if stall_warn > 0:
+            transport.handle(Kind.STATE, self._on_state)
         self._threads = [threading.Thread(target=self._watch, name="tandem-watchdog",
                                           daemon=True)]
         if self.exchange is not None:
@@ -134,6 +147,8 @@ class Watchdog:
         return self.exchange.job if self.exchange is not None else ""
 
     def close(self) -> None:
+        if self.stall_warn > 0:
+            self.transport.handle(Kind.STATE, None)
         self._stop.set()
         with self._cv:
             self._cv.notify_all()
@@ -179,8 +194,17 @@ class Watchdog:
             return
         peers = sorted({r for g, c in due for r in ([c.peer] if c.peer >= 0 else g.ranks)}
                        - {self.rank})
-        states, note = self._ask(peers)
         lost = {r: str(e) for r, e in self.transport.lost_peers().items()}
+        asked = [r for r in peers if r not in lost]
+        token = self._ask_direct(asked)
+        states, note = self._ask(peers, lambda: all(
+            r in self._direct and self._direct[r][0] == token for r in asked))
+        direct = self._direct_answers(token, [r for r in peers if r not in states
+                                              and r not in lost])
+        if direct and note:  # the store failed us, the peers' own connections did not
+            note = note.replace("peers' states unavailable: ", "").rstrip(")") + (
+                "; peers answered over their own connections)")
+        states.update(direct)
         now = clock()
         # the recorder's views of unfinished calls are kept while they run: one still in
         # flight now is the same object as when it was found due
@@ -194,12 +218,14 @@ class Watchdog:
             next_at = self.stall_warn * 2 ** c.warned
             if c.deadline and time.monotonic() + (next_at - waited) >= c.deadline:
                 next_at = None
-            answer_wait = self.exchange.answer_wait if self.exchange is not None else 0.0
+            answer_wait = self._answer_wait
             LOGGER.warning(stall_warning(self.rank, g, c, states, lost, answer_wait, next_at,
                                          note))
 
-    def _ask(self, peers: list[int]) -> tuple[dict[int, Any], str]:
-        """Peers' states through the store thread, waiting a bounded time for it."""
+    def _ask(self, peers: list[int],
+             answered: Callable[[], bool] = lambda: False) -> tuple[dict[int, Any], str]:
+        """Peers' states through the store thread, waiting a bounded time for it, or until
+        ``answered()`` (under the lock: every peer answered over the transport)."""
         if self.exchange is None or not peers:
             return {}, "" if not peers else "(peers' states unavailable: no store)"
         if self.exchange.failed:
@@ -213,12 +239,64 @@ class Watchdog:
             while not self._stop.is_set():
                 if self._answers is not None and self._answers[0] == token:
                     return self._answers[1], ""
+                if answered():
+                    self._question = None
+                    return {}, ""
                 left = end - time.monotonic()
                 if left <= 0:
                     self._question = None
                     return {}, "(peers' states unavailable: the store did not answer in time)"
                 self._cv.wait(left)
             return {}, ""
+
+    # -- the transport: questions and answers straight between the ranks ----------------
+    def _ask_direct(self, peers: list[int]) -> int:
+        """Send ``peers`` the question over the transport; its number."""
+        with self._cv:
+            self._direct_asked += 1
+            token = self._direct_asked
+        header = Header(Kind.STATE, 0, token, 0, 0)
+        for r in peers:
+            try:
+                if not self.transport.send_now(r, header, []):
+                    self.transport.isendv(r, header, [])  # never waits: a full peer is fine
+            except (TandemError, OSError) as exc:
+                LOGGER.debug("tandem watchdog: cannot ask rank %d: %s", r, exc)
+        return token
+
+    def _direct_answers(self, token: int, peers: list[int]) -> dict[int, Any]:
+        """The answers to question ``token`` from ``peers``, waiting at most the answer time
+        more for them (the store's part, done first, took its own time)."""
+        end = time.monotonic() + self._answer_wait
+        with self._cv:
+            while not self._stop.is_set():
+                got = {r: self._direct[r][1] for r in peers
+                       if r in self._direct and self._direct[r][0] == token}
+                left = end - time.monotonic()
+                if len(got) == len(peers) or left <= 0:
+                    return got
+                self._cv.wait(min(left, 0.05))
+        return {}
+
+    def _on_state(self, peer: int, header: Header, read: Callable[[memoryview], None]) -> None:
+        """A peer's question (step 0): answer it; or its answer (step 1): keep it. Runs on
+        the transport's reader thread, so it must not raise."""
+        try:
+            payload = bytearray(header.nbytes)
+            if header.nbytes:
+                read(memoryview(payload))
+            if header.step == 0:
+                text = json.dumps(process_state(self.rank, self.groups(), header.seq)).encode()
+                answer = Header(Kind.STATE, 0, header.seq, 1, len(text))
+                if not self.transport.send_now(peer, answer, [memoryview(text)]):
+                    self.transport.isendv(peer, answer, [memoryview(text)])
+            else:
+                state = json.loads(payload)
+                with self._cv:
+                    self._direct[peer] = (header.seq, state)
+                    self._cv.notify_all()
+        except Exception as exc:  # noqa: BLE001 - a reader thread must never die of it
+            LOGGER.debug("tandem watchdog: a state message from rank %d: %s", peer, exc)
 
     # -- the store thread ----------------------------------------------------------------
     def _serve(self) -> None:

@@ -36,8 +36,8 @@ from tandem.elastic._regroup import (DEFAULT_PREFIX, enter, leave, open_elastic_
                                      regroup_model)
 from tandem.elastic._state import ElasticState
 from tandem.elastic.roster import Generation, Roster
-from tandem.errors import (ElasticError, PeerLostError, ProtocolError, StateError,
-                           TandemError)
+from tandem.errors import (CollectiveTimeoutError, ElasticError, PeerLostError, ProtocolError,
+                           StateError, TandemError)
 from tandem.errors import TimeoutError as TandemTimeout
 
 __all__ = ["Session", "Regroup", "Finished"]
@@ -169,6 +169,8 @@ class Session:
             return False
         if any(isinstance(e, PeerLostError) for e in _chain(exc)):
             return True
+        if self._stalled(exc):
+            return True  # a member stopped answering: the others go on without it
         if is_initialized():
             t = world().transport
             if t.lost_peers() or t.left_peers():
@@ -192,9 +194,24 @@ class Session:
         if exc is not None:
             ranks |= {e.rank for e in _chain(exc) if isinstance(e, PeerLostError)
                       and e.rank in t.lost_peers()}
+        if exc is not None:
+            ranks |= self._stalled(exc)
         left = {members[r] for r in t.left_peers() if 0 <= r < len(members)}
         arrived = set(self.roster.arrived(self.gen.number, sorted(left)))
         return {members[r] for r in ranks if 0 <= r < len(members)} | (left - arrived)
+
+    def _stalled(self, exc: BaseException) -> set[int]:
+        """The ranks of this generation's world that a collective timeout named (its
+        verdict: the ranks nobody heard from, e.g. a stopped process), never this one.
+
+        They are taken for lost: left out of the next generation, where the launcher
+        kills them (a stopped process never leaves by itself).
+        """
+        if not is_initialized() or self._world != self.gen.number or self._world < 0:
+            return set()
+        me, size = world().transport.rank, len(self.gen.members)
+        return {r for e in _chain(exc) if isinstance(e, CollectiveTimeoutError)
+                for r in e.missing if 0 <= r < size and r != me}
 
     def _round(self, lost: set[str]) -> Generation:
         """Leave the current generation; the next one, once its round closes.

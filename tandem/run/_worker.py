@@ -7,7 +7,7 @@
     python tandem/run/_worker.py --parent PID --exec prog ARGS...   # --no-python: exec prog
 
     options before the target: --forward 15,2,... --kill-signal N --cgroup DIR
-                               --scratch DIR --report FD
+                               --scratch DIR --report FD --guard FD
 
 The process started this way forks the worker, which runs the target, and becomes
 its supervisor (``_supervisor.py``, loaded after the fork so that the worker does not
@@ -51,12 +51,13 @@ def _prctl(option: int, value: int) -> bool:
         return False
 
 
-def _fork(parent: int, kill_signal: int, blocked: Set[int]) -> Tuple[int, bool]:
+def _fork(parent: int, kill_signal: int, blocked: Set[int], guard: int = -1) -> Tuple[int, bool]:
     """Start the worker: its pid in the supervisor (this process), 0 in the worker; and
     whether the kernel tells the supervisor of the launcher's death with ``kill_signal``.
 
     ``blocked`` signals stay blocked in the supervisor until it has its handlers, so
-    none is lost or handled by the wrong process in between.
+    none is lost or handled by the wrong process in between. ``guard``: the job reaper's
+    pipe, which the supervisor holds until it exits and the worker closes at once.
     """
     told = not parent or _prctl(PR_SET_PDEATHSIG, kill_signal)
     _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans below us come to us, not to init
@@ -66,6 +67,8 @@ def _fork(parent: int, kill_signal: int, blocked: Set[int]) -> Tuple[int, bool]:
     supervisor = os.getpid()
     worker = os.fork()
     if worker == 0:
+        if guard >= 0:
+            os.close(guard)  # the reaper must not wait for the worker's helpers too
         os.setpgid(0, 0)  # a process group of its own, killed as a whole
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != supervisor:
@@ -170,7 +173,7 @@ def _run(mode: str, target: str, args: List[str]) -> None:
 def main(argv: List[str]) -> None:
     # (the launcher passes a real-time --kill-signal; SIGUSR2 serves runs by hand)
     options = {"--parent": "0", "--cgroup": "", "--scratch": "", "--forward": "",
-               "--kill-signal": str(int(signal.SIGUSR2)), "--report": "-1"}
+               "--kill-signal": str(int(signal.SIGUSR2)), "--report": "-1", "--guard": "-1"}
     mode = "script"
     while argv and (argv[0] in options or argv[0] in ("-m", "--exec", "--")):
         flag = argv.pop(0)
@@ -184,11 +187,13 @@ def main(argv: List[str]) -> None:
             break
     if not argv:
         sys.exit("usage: _worker.py --parent PID [--forward SIGNUMS] [--kill-signal N] "
-                 "[--cgroup DIR] [--scratch DIR] [--report FD] [-m | --exec] TARGET [ARGS...]")
+                 "[--cgroup DIR] [--scratch DIR] [--report FD] [--guard FD] [-m | --exec] "
+                 "TARGET [ARGS...]")
     parent, kill_signal = int(options["--parent"]), int(options["--kill-signal"])
     forward = [int(s) for s in options["--forward"].split(",") if s]
     report = int(options["--report"])
-    worker, told = _fork(parent, kill_signal, {*forward, kill_signal})
+    guard = int(options["--guard"])
+    worker, told = _fork(parent, kill_signal, {*forward, kill_signal}, guard)
     if worker:
         _load("_supervisor").Supervisor(
             parent, forward, kill_signal, worker=worker, told=told,

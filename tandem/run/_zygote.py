@@ -99,15 +99,15 @@ def serve(sock: socket.socket, parent: int) -> Tuple[Dict[str, Any], List[int]]:
     and descriptors (the zygote itself exits when the agent is gone)."""
     while True:
         try:
-            data, fds, _, _ = socket.recv_fds(sock, MAX_REQUEST, 3)
+            data, fds, _, _ = socket.recv_fds(sock, MAX_REQUEST, 4)
         except OSError:
             data, fds = b"", []
         if not data:
             os._exit(0)  # the agent closed its end, or died
         try:
             request = json.loads(data)
-            if len(fds) != 3:
-                raise ValueError(f"{len(fds)} descriptors, not 3")
+            if len(fds) not in (3, 4):
+                raise ValueError(f"{len(fds)} descriptors, not 3 or 4")
             pid = _fork_adopted(sock)
         except Exception as exc:  # noqa: BLE001 - the agent hears of it and starts cold
             _send(sock, {"error": f"{type(exc).__name__}: {exc}"})
@@ -150,7 +150,7 @@ def _fork_adopted(sock: socket.socket) -> int:
 
 def become(request: Dict[str, Any], fds: List[int], parent: int) -> List[str]:
     """Turn this new process into what ``_worker.py`` starts as; its bootstrap arguments."""
-    out, err, report = fds
+    out, err, report, *guard = fds  # the job reaper's pipe, if the job has a reaper
     os.setsid()  # a session and process group of its own, as any worker's supervisor
     os.dup2(out, 1)
     os.dup2(err, 2)
@@ -165,7 +165,8 @@ def become(request: Dict[str, Any], fds: List[int], parent: int) -> List[str]:
     deadline = time.monotonic() + ADOPTION_WAIT
     while os.getppid() != parent and time.monotonic() < deadline:
         time.sleep(0.0005)  # the middle process is exiting
-    return ["--report", str(report), *(str(a) for a in request["argv"])]
+    return ["--report", str(report), *(["--guard", str(guard[0])] if guard else []),
+            *(str(a) for a in request["argv"])]
 
 
 def _load_worker() -> ModuleType:

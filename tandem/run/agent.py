@@ -13,6 +13,7 @@ also end the job (exit 128+signal, no restart), a second one skips the grace per
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import enum
 import os
@@ -30,6 +31,7 @@ from typing import Callable, ParamSpec, Sequence, TypeVar
 from tandem.config import load_secret, load_settings
 from tandem.elastic.roster import Roster
 from tandem.errors import ArgumentError
+from tandem.run._reaper import MARK
 from tandem.run._supervisor import KILL_REQUEST
 from tandem.run.config import LaunchConfig
 from tandem.run.containment import Containment, make_scratch
@@ -259,6 +261,9 @@ class Agent:
         specs = worker_specs(cfg, a, base=os.environ, extra=extra, files_root=files_root,
                              keep_logs=cfg.keeps_files, supervisor=self._supervisor_options(),
                              cgroup=self.containment.cgroup)
+        if self.containment.mark:  # what the job's reaper looks for, and its pipe
+            specs = [dataclasses.replace(s, env={**s.env, MARK: self.containment.mark},
+                                         guard=self.containment.guard) for s in specs]
         inplace = self.inplace = self._in_place(rdzv, a)
         specs = [inplace.prepare(spec) for spec in specs]
         group = self.group = WorkerGroup(specs, self.out, self.err)

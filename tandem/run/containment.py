@@ -16,6 +16,11 @@ subtree such as systemd's ``user@.service``); elsewhere the supervisors alone ke
 the promise, and :meth:`Containment.describe` says so. A launcher killed with SIGKILL
 leaves both to its supervisors, which remove them on their way out; what a kill of
 every process of the job leaves is swept by the next launcher of the same user.
+
+Where there is no cgroup, a kill of the launcher and of every supervisor at once would
+leave the workers' helpers (a daemon, a child in a session of its own) to init. The
+job's reaper (``_reaper.py``, started here) outlives them all and kills every process
+that carries the job's mark (``TANDEM_JOB_MARK`` in its environment) once they are gone.
 """
 
 from __future__ import annotations
@@ -24,9 +29,12 @@ import os
 import re
 import secrets
 import shutil
+import subprocess
+import sys
 import tempfile
 
 from tandem._proc import process_alive
+from tandem.run._reaper import MARK
 from tandem.run._supervisor import cgroup_remove
 
 __all__ = ["Containment", "make_scratch", "sweep"]
@@ -37,6 +45,7 @@ SCRATCH_PREFIX = "tandemrun_"
 # pid namespace (containers of one pod may share /tmp)
 _OWNED = re.compile(r"tandemrun[-_](\d+)\.(\d+)[-_]")
 REMOVE_TIMEOUT = 10.0
+REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_reaper.py")
 
 
 def _pid_namespace() -> int:
@@ -68,14 +77,23 @@ def _own_cgroup() -> str:
 
 
 class Containment:
-    """The job's cgroup, or why there is none; see the module docstring."""
+    """The job's cgroup, or why there is none, and its reaper; see the module docstring."""
 
     def __init__(self, cgroup: str = "", reason: str = "") -> None:
         self.cgroup = cgroup  # empty: none
         self.reason = reason  # why there is none
+        self.mark = ""  # TANDEM_JOB_MARK of every worker (empty: no reaper)
+        self.guard = -1  # the write end the reaper waits on: held by us and the supervisors
+        self.reaper = 0  # its pid
 
     @classmethod
     def create(cls) -> Containment:
+        job = cls._with_cgroup()
+        job._start_reaper()
+        return job
+
+    @classmethod
+    def _with_cgroup(cls) -> Containment:
         try:
             parent = _own_cgroup()
         except (OSError, ValueError, IndexError) as exc:
@@ -90,8 +108,30 @@ class Containment:
             return cls(reason=f"cannot create {path}: {exc}")
         return cls(path)
 
+    def _start_reaper(self) -> None:
+        """Start ``_reaper.py``: it kills every process marked with this job's mark once
+        we and every supervisor are gone (whatever killed us)."""
+        read, write = os.pipe()  # both ends not inherited unless passed
+        mark = f"{_owner_tag()}-{secrets.token_hex(8)}"
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-S", REAPER, str(read), mark], pass_fds=(read,),
+                start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, env={k: v for k, v in os.environ.items()
+                                                if k != MARK})
+        except OSError:
+            os.close(write)
+            return  # describe() says there is none
+        finally:
+            os.close(read)
+        self.mark, self.guard, self.reaper = mark, write, proc.pid
+        self._reaper_proc = proc  # collected in close(), once it may have exited
+
     def describe(self) -> str:
         helpers = "a supervisor per worker (process group, subreaper, parent-death signal)"
+        if self.reaper:
+            helpers += (f" and a reaper (pid {self.reaper}) for what is left once the launcher "
+                        f"and every supervisor are gone")
         if self.cgroup:
             return f"workers are contained by the cgroup {self.cgroup} and {helpers}"
         return f"workers are contained by {helpers}; no cgroup: {self.reason}"
@@ -101,10 +141,16 @@ class Containment:
         return os.path.join(self.cgroup, f"worker-{supervisor}") if self.cgroup else ""
 
     def close(self) -> None:
-        """Kill whatever is still in the job's cgroup and remove it."""
+        """Kill whatever is still in the job's cgroup and remove it; let the reaper go
+        (it sweeps once the last supervisor is gone, then exits)."""
         if self.cgroup:
             cgroup_remove(self.cgroup, REMOVE_TIMEOUT)
             self.cgroup = ""
+        if self.guard >= 0:
+            os.close(self.guard)
+            self.guard = -1
+            # it outlives us on purpose: no warning about a child still running
+            self._reaper_proc.returncode = 0
 
 
 def make_scratch() -> str:

@@ -21,6 +21,9 @@ worker that fails does not stop the others. The agent
   waits for the zygote while it imports (it started earlier, so it is ready sooner
   than a new interpreter would be), and starts cold, with a line saying why, when the
   zygote cannot fork it (``--no-warm-start``: always cold);
+* kills its workers that the other members left out of a new generation (they took it
+  for lost: a collective timed out waiting on it), so that a stopped or hung worker
+  is replaced like a dead one instead of holding its slot;
 * falls back to stopping every worker (and the usual restart) when the workers decided
   the job cannot go on (fewer ranks or nodes than the minimum) or no member is alive.
 
@@ -40,6 +43,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import signal
 import time
 from typing import Callable, Sequence
 
@@ -90,6 +94,8 @@ class InPlace:
         self._spares_started = False
         self._pool: WarmPool | None = None  # the zygote, once the job runs elastic
         self._labelled = -1  # the generation whose ranks label our workers' lines
+        self._generation = 0  # the newest generation looked at for members left out
+        self._evicted: dict[str, str] = {}  # workers killed for being left out: why
 
     # -- the workers' environment ------------------------------------------------------
     def prepare(self, spec: WorkerSpec) -> WorkerSpec:
@@ -144,6 +150,8 @@ class InPlace:
             self.failures += found
             self._forget(_name(w))
             what = found[0].brief() if found else f"rank {w.spec.rank} failed"
+            if _name(w) in self._evicted:
+                what += f" ({self._evicted.pop(_name(w))})"
             self._say(f"{what}; the other workers go on without it (in-place recovery); "
                       f"{self._plan(w.spec.local_rank)}")
         # after the replacements are announced: a survivors' round short of the minimum
@@ -186,12 +194,13 @@ class InPlace:
             for i in range(self._cfg.spares):
                 self.roster.expect(+1)  # before it exists: a short round waits for it
                 self._due.append((0.0, self._cfg.nproc_per_node + i))
+        if self.roster.is_on():
+            self._evict(group)
+            self._label_by_rank(group)
         now = time.monotonic()
         for when, slot in [d for d in self._due if d[0] <= now]:
             if self._start(group, slot):  # announced when it was planned
                 self._due.remove((when, slot))
-        if self.roster.is_on():
-            self._label_by_rank(group)
         if self._coming:
             queued = set(self.roster.joiners())
             for name, w in list(self._coming.items()):
@@ -216,6 +225,34 @@ class InPlace:
             shown = w.spec.label or f"rank{w.spec.rank}"
             if shown != f"rank{rank}" and not shown.startswith(f"rank{rank}."):
                 w.show_as(f"rank{rank}")
+
+    def _evict(self, group: WorkerGroup) -> None:
+        """Kill this node's workers that the other members left out of a new generation.
+
+        The members take a member for lost when a collective timed out waiting on it (or
+        its connection closed); one that is alive but stuck (stopped, hung in native
+        code) never leaves by itself, and its slot would stay taken. Killed, it fails
+        like any lost worker, and :meth:`recover` replaces it.
+        """
+        latest = self.roster.latest()
+        while self._generation < latest:
+            number = self._generation + 1
+            before, after = self.roster.generation(number - 1), self.roster.generation(number)
+            if before is None or after is None:
+                return  # being written: look again next time
+            self._generation = number
+            if after.ended:
+                continue  # the job stops: every worker is stopped anyway
+            out = set(before.members) - set(after.members)
+            for w in group.workers:
+                name = _name(w)
+                if name in out and w.alive and not w.retired and name not in self._evicted:
+                    self._evicted[name] = (f"killed: left out of generation {number} by the "
+                                           f"other members, whose collectives timed out "
+                                           f"waiting on it (it stopped answering)")
+                    self._say(f"worker {name} (rank {w.spec.rank}) stopped answering and was "
+                              f"left out of generation {number}; killing it")
+                    w.send(signal.SIGKILL)
 
     def _start(self, group: WorkerGroup, slot: int) -> bool:
         """Start a new worker for ``slot``, warm if the zygote can; False to wait for the

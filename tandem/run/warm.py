@@ -204,7 +204,8 @@ class WarmPool:
                 ends[name] = os.pipe() if wanted[name] else (-1, os.open(os.devnull, os.O_WRONLY))
             request = {"argv": list(spec.argv[2:]), "env": spec.env, "cwd": os.getcwd()}
             socket.send_fds(self._sock, [json.dumps(request).encode()],
-                            [ends["stdout"][1], ends["stderr"][1], report])
+                            [ends["stdout"][1], ends["stderr"][1], report]
+                            + ([spec.guard] if spec.guard >= 0 else []))
             reply = self._receive(REPLY_WAIT)
         except (OSError, ValueError) as exc:
             reply = {"error": f"{type(exc).__name__}: {exc}"}

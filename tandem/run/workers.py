@@ -45,6 +45,7 @@ class WorkerSpec:
     stderr_console: bool = True
     cgroup: str = ""  # the job's cgroup, where the supervisor puts the worker
     label: str = ""  # how its output lines are prefixed (default ``rank<rank>``)
+    guard: int = -1  # the job reaper's pipe, held by every supervisor (``_reaper.py``)
 
 
 class Process(Protocol):
@@ -65,9 +66,10 @@ Launcher = Callable[[WorkerSpec, int, "dict[str, bool]"], Process]
 
 def popen(spec: WorkerSpec, report: int, wanted: dict[str, bool]) -> Process:
     """A new interpreter running the bootstrap: the usual (cold) start."""
+    guard = ("--guard", str(spec.guard)) if spec.guard >= 0 else ()
     return subprocess.Popen(
-        [*spec.argv[:2], "--report", str(report), *spec.argv[2:]], env=spec.env,
-        start_new_session=True, pass_fds=(report,),
+        [*spec.argv[:2], "--report", str(report), *guard, *spec.argv[2:]], env=spec.env,
+        start_new_session=True, pass_fds=(report,) if spec.guard < 0 else (report, spec.guard),
         stdout=subprocess.PIPE if wanted["stdout"] else subprocess.DEVNULL,
         stderr=subprocess.PIPE if wanted["stderr"] else subprocess.DEVNULL)
 

@@ -29,6 +29,7 @@ __all__ = ["Mailbox", "DEFAULT_PARK_LIMIT"]
 # enum members as module constants: looking one up on its class costs ~10x a global
 _ABORT = Kind.ABORT
 _BYE = Kind.BYE
+_STATE = Kind.STATE
 _COLL = Kind.COLL
 
 DEFAULT_PARK_LIMIT = 1 << 30  # bytes of early messages held at once, beyond the first
@@ -84,6 +85,9 @@ class Mailbox:
         if header.kind == _BYE:
             _drain(read, header.nbytes)
             self.failures.depart(peer)
+            return
+        if header.kind == _STATE:  # a stall question with no watchdog here to answer it
+            _drain(read, header.nbytes)
             return
         if header.kind == _ABORT:
             buf = bytearray(header.nbytes)

@@ -28,6 +28,7 @@ class Kind(enum.IntEnum):
     ABORT = 3  # a rank aborted a group; payload says which error (see failures)
     BYE = 4  # the sender is closing its transport on purpose (destroy_process_group)
     RPC = 5  # an RPC message: consumed by the handler registered for it (Mailbox.handle)
+    STATE = 6  # a stall report's question or answer (collectives.watchdog); step 0 or 1
 
 
 class Header(NamedTuple):

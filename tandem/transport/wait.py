@@ -83,9 +83,9 @@ def _raise(slot: Slot, pending: collections.deque[Slot], describe: Callable[[], 
         _cancel(pending, mailbox)
         missing = _verdict(slot.key[2], mine, error, mailbox, peers, describe)
         raise CollectiveTimeoutError(
-            f"{describe()} timed out: waiting on rank(s) {_names(mine)}; the group is waiting "
-            f"on rank(s) {_names(missing)}; peers report: {error}",
-            tuple(sorted(missing))) from error
+            f"{describe()} timed out: the group is waiting on rank(s) {_names(missing)}"
+            f"{_also(mine, missing)}; a peer timed out first and said so (the cause below "
+            f"is its report)", tuple(sorted(missing))) from error
     _cancel(pending, mailbox)
     if isinstance(error, PeerLostError) and "reported by" not in str(error):
         raise PeerLostError(f"{describe()} failed: {error}", error.rank) from error
@@ -104,9 +104,20 @@ def _timed_out(pending: Iterable[Slot], describe: Callable[[], str], mailbox: Ma
     missing = _verdict(next(iter(groups)), mine, error, mailbox, peers, describe)
     if missing == mine:
         return error
+    # the ranks nobody heard from come first: a rank this one waited on that reported is
+    # alive (waiting too), and is said to be
     return CollectiveTimeoutError(
-        f"{describe()} timed out: no message from rank(s) {_names(mine)}; the group is "
-        f"waiting on rank(s) {_names(missing)}", tuple(sorted(missing)))
+        f"{describe()} timed out: the group is waiting on rank(s) {_names(missing)}, from "
+        f"which no rank heard{_also(mine, missing)}", tuple(sorted(missing)))
+
+
+def _also(mine: set[int], missing: set[int]) -> str:
+    """What this rank waited on beyond the verdict: live ranks, waiting in turn."""
+    alive = sorted(mine - missing)
+    if not alive:
+        return ""
+    return (f" (this rank waited on {'rank' if len(alive) == 1 else 'ranks'} "
+            f"{_names(alive)}, alive and waiting too)")
 
 
 def _verdict(group: int, mine: set[int], cause: CollectiveTimeoutError, mailbox: Mailbox,

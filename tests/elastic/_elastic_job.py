@@ -11,7 +11,8 @@ schedule: each step's gradient is the average of the per-rank gradients of the
 batches the sampler assigns.
 
 The victim rank SIGKILLs itself at ``kill_step`` in its first life, ``where``:
-``backward`` (in a gradient hook, before its gradients are reduced), ``allreduce``
+``backward`` (in a gradient hook, before its gradients are reduced; ``stop``: there,
+it SIGSTOPs itself instead), ``allreduce``
 (in a DDP comm hook, 5 ms after its bucket's all-reduce was issued) or ``optimizer``
 (in the optimizer's step pre-hook, after the gradients were reduced).
 """
@@ -56,6 +57,7 @@ class Spec:
     kill_step2: int = -1  # before its commit (after the step was applied everywhere)
     max_ranks: int = 0  # TANDEM_ELASTIC_MAX_RANKS (joiners beyond it wait as spares)
     min_ranks: int = 1
+    op_timeout: float = 30.0  # the collectives' timeout
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +99,7 @@ def job(rank: int, world_size: int, spec: Spec) -> dict[str, Any]:
             signals.wait(["test/join-now"], 60)
     else:
         tandem.init_process_group(spec.backend, init_method=spec.pg_url, rank=rank,
-                                  world_size=spec.members, timeout=30)
+                                  world_size=spec.members, timeout=spec.op_timeout)
     x, y = data()
     net = model()
     ddp = DistributedDataParallel(net)
@@ -147,14 +149,20 @@ def _await_joiner(signals: TCPStore) -> None:
 _armed: dict[str, Any] = {}
 
 
+def _stop() -> None:
+    print(f"victim {os.getpid()}: SIGSTOP in backward", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)  # stuck for good: nothing here resumes it
+
+
 def arm_kill(step: int, where: str, net: nn.Module, opt: torch.optim.Optimizer,
              state: ElasticState) -> None:
     """SIGKILL this process at ``state.step == step``, ``where`` (see the module
     docstring; ``allreduce`` also needs :func:`killing_hook` as DDP's comm hook)."""
     _armed.update(step=step, where=where, state=state)
-    if where == "backward":
+    if where in ("backward", "stop"):
         first = next(net.parameters())  # the first layer's weight: its gradient comes last
-        first.register_hook(lambda g: _kill("in backward") if _due() else None)
+        first.register_hook(lambda g: (_stop() if where == "stop" else _kill("in backward"))
+                            if _due() else None)
     elif where == "optimizer":
         opt.register_step_pre_hook(lambda *_: _kill("in the optimizer step") if _due() else None)
 

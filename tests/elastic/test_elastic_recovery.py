@@ -64,6 +64,23 @@ def test_survivors_of_a_kill_go_on_and_match_the_oracle(tmp_path: Path, store_po
     assert {r["pid"] for r in results} == {o.value["pid"] for o in outcomes if o.ok}
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_survivors_of_a_stopped_rank_go_on_without_it(tmp_path: Path, store_port: int,
+                                                      backend: str) -> None:
+    """A stopped rank answers nothing: the others' collective times out, its verdict names
+    the stopped rank, and they go on without it instead of failing."""
+    spec = Spec(steps=14, members=3, pg_url=f"file://{tmp_path}/pg", store_port=store_port,
+                backend=backend, victim=1, kill_step=7, where="stop", op_timeout=8.0)
+    outcomes = _run(3, spec, timeout=120)
+    assert outcomes[1].error == "stopped", f"the victim did not stay stopped: {outcomes[1]}"
+    failed = [o for o in outcomes if not o.ok and o.rank != 1]
+    assert not failed, "\n".join(f"rank {o.rank}: {o.error}" for o in failed)
+    results = [o.value for o in outcomes if o.ok]
+    sizes = _sizes(check_against_oracle(results))
+    assert sizes == [3] * 7 + [2] * 7, sizes  # step 7 again, without the stopped rank
+
+
 @pytest.mark.timeout(120)
 def test_a_joiner_brings_the_group_back_at_a_commit(tmp_path: Path, store_port: int) -> None:
     spec = Spec(steps=16, members=3, pg_url=f"file://{tmp_path}/pg", store_port=store_port,

@@ -19,7 +19,7 @@ from typing import Iterator
 import pytest
 
 from runkit import SCRIPTS, Launch, finish, process_alive, wait_dead, wait_for_pids
-from tandem.run import containment
+from tandem.run import _reaper, containment
 from tandem.run.workers import BOOTSTRAP
 
 pytestmark = pytest.mark.timeout(120)
@@ -79,6 +79,82 @@ def test_nothing_survives_a_sigkilled_launcher(launch: Launch, tmp_path: Path,
                                   f"{sorted(str(p.relative_to(scratch)) for p in scratch.rglob('*'))}"
                                   f"; supervisors {supervisors}: {describe(supervisors)}")
     assert job_cgroups(proc.pid) == []
+
+
+# the launcher where no cgroup can be made (cgroup v1 hosts, no write access)
+NO_CGROUP = ("from tandem.run import containment\n"
+             "def unmounted():\n"
+             "    raise OSError('no cgroup v2 hierarchy is mounted')\n"
+             "containment._own_cgroup = unmounted\n"
+             "import runpy\n"
+             "runpy.run_module('tandem.run', run_name='__main__', alter_sys=True)\n")
+
+
+def test_nothing_survives_the_launcher_and_every_supervisor_killed(tmp_path: Path,
+                                                                   reap_kids: None) -> None:
+    """SIGKILL of the launcher and of each supervisor leaves no process of the job to kill
+    the helpers (without a cgroup): the job's reaper does, once they are all gone."""
+    proc = subprocess.Popen([sys.executable, "-c", NO_CGROUP, "--nproc-per-node", "2",
+                             str(SCRIPTS / "spawn_helpers.py"), str(tmp_path)],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        pids = started(tmp_path, 2, proc)
+        supervisors = [parent_of(pid) for pid in pids[:2]]  # the workers' parents
+        for pid in supervisors:  # stopped first: none may start its clean-up
+            os.kill(pid, signal.SIGSTOP)
+        for pid in [proc.pid, *supervisors]:
+            os.kill(pid, signal.SIGKILL)
+        res = finish(proc, 30)
+        assert "no cgroup: no cgroup v2 hierarchy is mounted" in res.err, res.err
+        left = wait_dead(pids, 30)
+        assert left == [], f"outlived the launcher and the supervisors: {describe(left)}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
+
+
+def test_the_reaper_kills_only_its_own_job(tmp_path: Path) -> None:
+    """Only processes whose environment holds exactly this job's mark are killed."""
+    sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
+    env = {k: v for k, v in os.environ.items() if k != _reaper.MARK}
+    procs = {mark: subprocess.Popen(sleep, env={**env, _reaper.MARK: mark} if mark else env)
+             for mark in ("job-1", "job-10", "job", "")}
+    try:
+        killed = _reaper.sweep("job-1", timeout=30)
+        assert procs["job-1"].wait(30) == -signal.SIGKILL
+        assert killed == [procs["job-1"].pid]
+        assert all(p.poll() is None for m, p in procs.items() if m != "job-1")
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait(30)
+
+
+def test_a_new_reaper_sweeps_jobs_whose_launcher_and_reaper_are_gone() -> None:
+    """Should a job's reaper be killed with the rest, the next launcher's reaper kills what
+    that job left; a job whose launcher lives is never touched."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)  # a launcher pid that no process has any more
+    ns = containment._pid_namespace()
+    dead_job, live_job = f"{gone.pid}.{ns}-{os.urandom(8).hex()}", f"{os.getpid()}.{ns}-x1"
+    sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
+    env = {k: v for k, v in os.environ.items() if k != _reaper.MARK}
+    procs = {mark: subprocess.Popen(sleep, env={**env, _reaper.MARK: mark})
+             for mark in (dead_job, live_job)}
+    try:
+        deadline = time.monotonic() + 30  # until both have exec'd (their environments show)
+        while len([m for m, p in procs.items() if p.pid in _reaper.marked(m)]) < 2:
+            assert time.monotonic() < deadline, "the marked processes did not start"
+            time.sleep(0.02)
+        _reaper.sweep_abandoned()  # (another launcher's reaper may sweep it first)
+        assert procs[dead_job].wait(30) == -signal.SIGKILL
+        assert procs[live_job].poll() is None, "a job whose launcher lives was swept"
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait(30)
 
 
 def parent_of(pid: int) -> int:

@@ -64,6 +64,26 @@ def test_a_killed_worker_is_replaced_while_the_others_go_on(run: Run, tmp_path: 
     assert not wait_dead([*names.values(), *zygotes(res.err)], 10), "outlived the launcher"
 
 
+@pytest.mark.timeout(240)
+def test_a_stopped_worker_is_the_one_replaced(run: Run, tmp_path: Path) -> None:
+    """A SIGSTOPped rank answers nothing: the healthy ranks time out, name it, and go on
+    without it; the launcher kills it and starts its replacement (not the other way round)."""
+    res = run("--standalone", "--nproc-per-node", "3", "--max-restarts", "2", TRAIN, tmp_path,
+              24, "--stop", "1:12", "--wait-full", "20", "--full", "3",
+              env={"TANDEM_TIMEOUT": "10"}, timeout=200)
+    assert res.code == 0, res.err
+    names, results = _names(tmp_path), _results(tmp_path)
+    assert set(names) == {"n0.s0.0", "n0.s1.0", "n0.s2.0", "n0.s1.1"}, (names, res.err)
+    assert set(results) == {"n0.s0.0", "n0.s2.0", "n0.s1.1"}, res.err
+    for survivor in ("n0.s0.0", "n0.s2.0"):  # the healthy processes from start to end
+        assert results[survivor]["pid"] == names[survivor]
+    sizes = _check(results, 24)
+    assert sizes[:12] == [3] * 12 and set(sizes) <= {2, 3} and sizes[-1] == 3, sizes
+    assert "recovered in place from 1 failure(s):" in res.err, res.err
+    assert "n0.s1.0" in res.err and "stopped answering" in res.err, res.err
+    assert not wait_dead(list(names.values()), 10), "outlived the launcher"
+
+
 @pytest.mark.timeout(180)
 def test_a_spare_takes_the_lost_place_in_the_same_round(run: Run, tmp_path: Path) -> None:
     res = run("--standalone", "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "1",

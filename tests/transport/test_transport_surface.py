@@ -34,7 +34,7 @@ def test_no_module_above_the_transport_reads_the_mailbox() -> None:
 
 def test_kind_is_an_int_enum_that_frames_as_one_byte() -> None:
     assert issubclass(Kind, enum.IntEnum)
-    assert [int(k) for k in Kind] == [1, 2, 3, 4, 5]
+    assert [int(k) for k in Kind] == [1, 2, 3, 4, 5, 6]
     assert all(0 < k < 256 for k in Kind)
 
 

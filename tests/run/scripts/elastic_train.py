@@ -18,7 +18,8 @@ makes every replacement started for that slot fail at once; ``--wait-spare`` hol
 every worker at that step until a joiner waits in the queue; ``--wait-exit`` holds
 every worker at STEP until the launcher has recorded the exit of worker NAME in the
 roster (which it does after saying what it does about that death); ``--kill-zygote``
-makes the worker that will kill itself SIGKILL the launcher's zygote a step before.
+makes the worker that will kill itself SIGKILL the launcher's zygote a step before;
+``--stop RANK:STEP`` makes the worker that started as RANK SIGSTOP itself at that step.
 """
 import argparse
 import os
@@ -58,6 +59,7 @@ p.add_argument("--min-ranks", type=int, default=1)
 p.add_argument("--wait-spare", type=int, default=-1)
 p.add_argument("--wait-exit", default="")
 p.add_argument("--kill-zygote", action="store_true")
+p.add_argument("--stop", default="")
 p.add_argument("--kill-where", choices=["backward", "allreduce", "optimizer"],
                default="backward")
 ns = p.parse_args()
@@ -113,6 +115,8 @@ kills = {int(r): int(s) for r, s in (k.split(":") for k in ns.kill)}
 victim = not joiner and int(os.environ["RANK"]) in kills
 if ns.kill_where == "allreduce":  # every rank the same hook; the victim's kills
     ddp.register_comm_hook(None, killing_hook if victim else allreduce_hook)
+stop_rank, _, stop_step = ns.stop.partition(":")
+stopper = bool(ns.stop) and not joiner and os.environ["RANK"] == stop_rank
 if victim:
     arm_kill(kills[int(os.environ["RANK"])], ns.kill_where, net, opt, state)
 
@@ -137,6 +141,8 @@ def train(state: ElasticState) -> None:
             return
         if victim and ns.kill_zygote and state.step == kills[int(os.environ["RANK"])] - 1:
             _kill_zygote()
+        if stopper and state.step == int(stop_step):  # stuck for good, as a SIGSTOP leaves it
+            os.kill(os.getpid(), signal.SIGSTOP)
         loss = F.mse_loss(ddp(x[idx]), y[idx])
         opt.zero_grad()
         loss.backward()
