@@ -8,7 +8,6 @@ stay inside it, so the transport can change them without touching the layers abo
 from __future__ import annotations
 
 import enum
-import os
 import re
 from pathlib import Path
 
@@ -44,12 +43,3 @@ def test_the_transport_seam_offers_what_collectives_need() -> None:
                  "shares_memory_with", "host_of"):
         assert callable(getattr(Transport, name, None)), name
     assert {"Transport", "Header", "Kind", "Slot", "Arena"} <= set(transport.__all__)
-
-
-def test_the_mailbox_is_split_by_job() -> None:
-    here = Path(transport.__file__).parent
-    for module in ("message", "mailbox", "mismatch", "failures", "sendqueue", "forks"):
-        assert (here / f"{module}.py").exists(), module
-    sizes = {p.name: len(p.read_text().splitlines()) for p in here.glob("*.py")}
-    assert max(sizes.values()) < 400, sizes
-    assert os.path.getsize(here / "base.py") < os.path.getsize(here / "mailbox.py") * 2
