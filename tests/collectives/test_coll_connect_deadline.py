@@ -18,7 +18,7 @@ import pytest
 import tandem
 from tandem.testing import launch
 
-pytestmark = pytest.mark.timeout(200)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(200)]
 
 CONNECT_TIMEOUT = 2.0
 LIMIT = 90.0  # seconds a case may take at most: far below the op timeout it must not use

@@ -22,7 +22,7 @@ from tandem.collectives.recorder import STARTED
 from tandem.collectives.world import default_group
 from tandem.testing import launch
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]
 
 SETTLE = 1.0  # seconds allowed for threads to end after destroy_process_group returns
 

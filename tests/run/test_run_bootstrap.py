@@ -13,7 +13,7 @@ import pytest
 
 from tandem.run.workers import BOOTSTRAP
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(60)]
 
 
 def bootstrap(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -14,6 +14,8 @@ import pytest
 
 from runkit import SCRIPTS, Result
 
+pytestmark = pytest.mark.procs
+
 Run = Callable[..., Result]
 
 

@@ -18,7 +18,7 @@ from _shm_fault_ranks import forks_then_dies, kill_during_all_reduce, oversized
 from tandem._proc import process_alive
 from tandem.testing import launch, spawn
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]
 
 NOTICED_WITHIN = 3.0  # seconds from the kill to the error; the op timeout is 60 s
 

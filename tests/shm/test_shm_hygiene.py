@@ -22,7 +22,7 @@ from tandem._proc import process_alive
 from tandem.testing import launch
 from tandem.transport import _shmem
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]
 
 
 def tandem_shm_names() -> set[str]:
