@@ -5,7 +5,8 @@ transport, units), plus one spawn smoke test per tandem package. A test that sta
 process (``multiprocessing``, ``subprocess``) is marked ``procs`` and left out of it; a
 test marked ``smoke("tandem.X")`` is its package's smoke test and stays in. Markers
 cannot drift: a test that starts a process without either marker fails, and so does a
-smoke test that starts none (``tests/test_tiers.py`` checks every package has one).
+smoke test that starts none under ``--fast`` (``tests/test_tiers.py`` checks every package
+has one).
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         problem = (f"{item.nodeid} started {len(started)} process(es) ({started[0]}) but is "
                    "not marked: mark it @pytest.mark.procs (or module-wide pytestmark), so "
                    "the fast tier (--fast) leaves it out")
-    elif smoke is not None and not started and item.stash.get(_PASSED, False):
+    elif smoke is not None and not started and item.stash.get(_PASSED, False) \
+            and item.config.getoption("--fast"):  # alone in its module: its fixtures are its own
         problem = (f"{item.nodeid} is {smoke.args[0]}'s smoke test but started no process: "
                    "a smoke test spawns ranks")
     else:
