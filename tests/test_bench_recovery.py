@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.procs
+
 HEADER = ["ranks", "mode", "resume", "time lost (full size)", "ratio", "redone steps",
           "work lost"]
 

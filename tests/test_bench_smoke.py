@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.procs
+
 NUMBER = re.compile(r"^(\d+(?:\.\d+)?)(?: MB/s|%)?")
 
 
@@ -85,6 +87,7 @@ def test_rooted_ops_run_checked_against_gloo_with_their_bound() -> None:
             _positive(row, column)
 
 
+@pytest.mark.smoke("tandem.bench")
 def test_bench_without_a_command_exits_with_usage() -> None:
     proc = subprocess.run([sys.executable, "-m", "tandem.bench"], capture_output=True,
                           text=True, timeout=60)

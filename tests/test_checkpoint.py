@@ -82,6 +82,7 @@ KILLED_SAVER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_intact(tmp_path: Path) -> None:
     path = tmp_path / "ckpt.pt"
@@ -173,6 +174,7 @@ def _save_on_rank0_then_read(rank: int, world_size: int, path: str) -> object:
     return checkpoint.load(path)  # every rank sees the file as soon as the call returns
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_save_on_rank0_writes_once_and_every_rank_sees_it(tmp_path: Path) -> None:
     path = str(tmp_path / "ckpt.pt")
@@ -184,6 +186,7 @@ def _save_on_rank0_into_a_directory(rank: int, world_size: int, path: str) -> No
     checkpoint.save_on_rank0({"written_by": rank}, path)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_a_failed_save_on_rank0_raises_on_every_rank(tmp_path: Path) -> None:
     target = tmp_path / "is_a_dir"

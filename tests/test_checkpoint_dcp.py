@@ -128,6 +128,7 @@ def _ddp_job(rank: int, world: int, directory: str) -> dict[str, Any]:
             "restored": _same(_snapshot(model, optimizer), saved)}
 
 
+@pytest.mark.procs
 def test_a_ddp_job_saves_once_and_every_rank_loads_what_it_saved(tmp_path: Path) -> None:
     got = spawn(2, _ddp_job, (str(tmp_path / "ckpt"),), backend="tcp", timeout=90)
     for rank, r in enumerate(got):

@@ -148,6 +148,7 @@ WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("style", ["slurm", "openmpi"])
 def test_processes_started_like_srun_or_mpirun_form_a_job(style: str) -> None:

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.procs
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_chars.py"
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.procs
+
 
 def test_dir_of_a_fresh_import_is_the_public_surface() -> None:
     # a fresh interpreter: other tests import submodules, which Python adds as attributes

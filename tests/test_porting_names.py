@@ -208,6 +208,7 @@ def test_a_real_timeout_is_caught_as_a_dist_backend_error(monkeypatch: pytest.Mo
         store.get("never-set")
 
 
+@pytest.mark.procs
 def test_torchelastics_record_decorator_at_tandems_path(monkeypatch: pytest.MonkeyPatch,
                                                         tmp_path: Any) -> None:
     from tandem.elastic.multiprocessing.errors import record

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tandem._proc import process_alive, process_stopped
 
 
@@ -16,6 +18,7 @@ def test_a_running_process_is_alive() -> None:
     assert process_alive(os.getpid())
 
 
+@pytest.mark.procs
 def test_a_zombie_is_dead_although_its_pid_still_exists() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     deadline = time.monotonic() + 30
@@ -32,6 +35,7 @@ def test_process_group_numbers_are_not_processes() -> None:
     assert not process_alive(0) and not process_alive(-os.getpid())
 
 
+@pytest.mark.procs
 def test_a_stopped_process_is_stopped_until_continued() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

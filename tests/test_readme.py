@@ -60,6 +60,7 @@ def test_the_snippet_differs_from_torch_code_in_its_imports_only() -> None:
     assert len(changed) == 3 and all(line.startswith(("import", "from")) for line in changed)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_the_snippet_trains_under_tandemrun_like_torch_under_torchrun(tmp_path: Path) -> None:
     (tmp_path / "port.py").write_text(porting_snippet())

@@ -11,6 +11,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.procs
+
 ROOT = Path(__file__).resolve().parents[1]
 
 FAKE_PYTHON = """#!/usr/bin/env bash

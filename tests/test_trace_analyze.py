@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tandem.trace.analyze import report
 
 T0 = 1_800_000_000.0
@@ -94,6 +96,8 @@ def test_waiting_sends_and_receives_are_listed(tmp_path: Path) -> None:
             in report(str(tmp_path)))
 
 
+@pytest.mark.smoke("tandem.trace")
+@pytest.mark.procs
 def test_the_command_line_prints_the_report_and_fails_without_dumps(tmp_path: Path) -> None:
     empty = subprocess.run([sys.executable, "-m", "tandem.trace", str(tmp_path)],
                            capture_output=True, text=True, timeout=60)
@@ -104,6 +108,7 @@ def test_the_command_line_prints_the_report_and_fails_without_dumps(tmp_path: Pa
     assert ok.returncode == 0 and "flight recorders of rank 0 (1 of 1)" in ok.stdout, ok
 
 
+@pytest.mark.procs
 def test_reading_dumps_and_timelines_does_not_import_torch() -> None:
     code = ("import sys, tandem.trace.__main__, tandem.run.dumps; "
             "print('torch' in sys.modules)")

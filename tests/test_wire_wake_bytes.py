@@ -18,6 +18,8 @@ import pytest
 from tandem import _wire
 from tandem.errors import NetworkError
 
+pytestmark = pytest.mark.procs
+
 _MARK = 512 << 10
 _DEADLINE_S = 20.0
 

@@ -21,6 +21,8 @@ from tandem.algorithms.join import Join, Joinable, JoinHook
 from tandem.errors import ArgumentError, StateError
 from tandem.testing import launch, spawn
 
+pytestmark = pytest.mark.procs
+
 
 class CounterJoinHook(JoinHook):
     def __init__(self, counter: "Counter", sync_max_count: bool) -> None:
@@ -144,6 +146,7 @@ def bad_arguments(rank: int, world: int) -> list[str]:
     return errors
 
 
+@pytest.mark.smoke("tandem.algorithms")
 def test_bad_arguments_are_refused_with_their_name() -> None:
     errors = spawn(1, bad_arguments, timeout=60)[0]
     assert "at least one" in errors[0]

@@ -20,7 +20,7 @@ from tandem.testing import run_threads, spawn
 
 import _coll_ranks
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]
 
 WORLD = 3
 

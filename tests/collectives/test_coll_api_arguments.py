@@ -137,6 +137,7 @@ HUGE_WORLD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.procs
 def test_a_world_of_2_to_the_40_ranks_is_refused_before_allocating(job_secret: bytes) -> None:
     done = subprocess.run([sys.executable, "-c", HUGE_WORLD], capture_output=True, text=True,
                           timeout=50, env=os.environ.copy())

@@ -15,7 +15,7 @@ from typing import Iterator
 
 import pytest
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(180)]
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ["custom_backend", "custom_algorithm"]

@@ -17,7 +17,7 @@ import torch
 import tandem
 from tandem.testing import launch, spawn
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(180)]
 
 BACKENDS = ["tcp", "shm"]
 OP_TIMEOUT = 30.0  # an undetected disagreement ends with this; detection takes far less

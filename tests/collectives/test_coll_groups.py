@@ -11,7 +11,7 @@ from tandem.testing import spawn
 
 import _coll_ranks
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]
 
 WORLD = 4
 
@@ -21,6 +21,7 @@ def seen() -> list[dict[str, Any]]:
     return spawn(WORLD, _coll_ranks.groups_behaviour, timeout=100, op_timeout=20)
 
 
+@pytest.mark.smoke("tandem.collectives")
 def test_new_group_sorts_ranks_like_torch(seen) -> None:
     for rank, s in enumerate(seen):
         assert s["odd_ranks"] == [1, 3], f"rank {rank}: get_process_group_ranks {s['odd_ranks']}"

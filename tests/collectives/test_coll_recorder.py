@@ -256,6 +256,7 @@ def test_a_running_call_is_seen_started_with_its_deadline_and_the_same_view() ->
     assert after == []  # it ended: nothing in flight
 
 
+@pytest.mark.procs
 def test_the_public_stats_are_per_group_name(monkeypatch: pytest.MonkeyPatch) -> None:
     # tandem.stats() reads the groups of the initialised world
     from tandem.testing import spawn

@@ -19,7 +19,7 @@ import torch
 import tandem
 from tandem.testing import RankFailed, launch, run_threads
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(240)]
 
 BACKENDS = ["tcp", "shm", "auto"]
 OP_TIMEOUT = 40.0  # an undetected disagreement ends with this

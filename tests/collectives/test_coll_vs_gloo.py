@@ -21,7 +21,7 @@ from tandem.testing import spawn
 import _coll_ranks
 from _coll_ranks import CASES, LOCAL_ANSWERS, encode
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda ws: f"ws{ws}")

@@ -72,6 +72,8 @@ def _tampered(rank: int, world_size: int, how: str) -> Any:
         return ("refused", str(exc))
 
 
+@pytest.mark.smoke("tandem.elastic")
+@pytest.mark.procs
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("how", ["intact", "truncate", "corrupt"])
 def test_a_tampered_transfer_over_the_transport_is_refused(how: str) -> None:

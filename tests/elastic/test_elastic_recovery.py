@@ -17,6 +17,8 @@ from tandem.testing import Outcome, launch
 
 from _elastic_job import Spec, check_against_oracle, job
 
+pytestmark = pytest.mark.procs
+
 SECRET = "tandem-test-secret"  # what tandem.testing gives its children
 
 

@@ -21,7 +21,7 @@ import tandem as dist
 from _fault_helpers import attempt, kill_self_at, values, warm_up
 from tandem.testing import launch
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(150)]
 
 WORLD = 4
 

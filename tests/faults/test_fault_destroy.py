@@ -18,9 +18,11 @@ import torch
 
 import tandem as dist
 from _fault_helpers import attempt, values
+from tandem.collectives.recorder import STARTED
+from tandem.collectives.world import default_group
 from tandem.testing import launch
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]
 
 SETTLE = 1.0  # seconds allowed for threads to end after destroy_process_group returns
 
@@ -98,7 +100,10 @@ def _pending_at_destroy(rank: int, world_size: int) -> Any:
         time.sleep(3.0)  # never joins the all_reduce before rank 0 destroys
         return None
     work = dist.all_reduce(torch.ones(4), async_op=True)
-    time.sleep(0.3)  # the engine is waiting on rank 1
+    recorder, deadline = default_group().recorder, time.monotonic() + 20
+    while not [c for c in recorder.in_flight() if c.state == STARTED]:  # waits on rank 1
+        assert time.monotonic() < deadline, "the all_reduce never started"
+        time.sleep(0.005)
     start = time.monotonic()
     dist.destroy_process_group()
     took = time.monotonic() - start

@@ -16,7 +16,7 @@ import tandem as dist
 from _fault_helpers import attempt
 from tandem.testing import launch
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(90)]
 
 INIT_TIMEOUT = 6.0
 

@@ -21,7 +21,7 @@ import tandem as dist
 from _fault_helpers import attempt, line_of, values, warm_up
 from tandem.testing import launch
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]
 
 OP_TIMEOUT = 2.0
 # a tick of the watchdog: a rank that learns of a failure elsewhere dumps within it

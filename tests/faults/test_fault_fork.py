@@ -16,6 +16,8 @@ import tandem
 from tandem.errors import PeerLostError
 from tandem.testing import launch
 
+pytestmark = pytest.mark.procs
+
 
 def _rank(rank: int, world_size: int, pid_file: str) -> dict[str, Any]:
     tandem.all_reduce(torch.ones(4))  # the mesh is up

@@ -12,7 +12,7 @@ import tandem as dist
 from _fault_helpers import attempt, values
 from tandem.testing import launch
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(90)]
 
 CAP = 4096
 BIG = 4 * CAP  # bytes of the oversized message

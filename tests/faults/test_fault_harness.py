@@ -16,13 +16,14 @@ import pytest
 from _fault_helpers import values
 from tandem.testing import launch
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(90)]
 
 
 def _rank_count(rank: int, world_size: int) -> int:
     return world_size
 
 
+@pytest.mark.smoke("tandem.testing")
 def test_tcp_rendezvous_works_without_a_secret_in_the_parent(
         monkeypatch: Any, tmp_path: Any) -> None:
     monkeypatch.delenv("TANDEM_SECRET", raising=False)

@@ -17,7 +17,7 @@ import tandem as dist
 from _fault_helpers import attempt, kill_self_at, read_stamp, values
 from tandem.testing import launch
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(90)]
 
 OP_TIMEOUT = 60.0
 NOTICED_WITHIN = 5.0  # seconds from the kill to the error; far below OP_TIMEOUT

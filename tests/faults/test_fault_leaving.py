@@ -19,7 +19,7 @@ import tandem as dist
 from _fault_helpers import attempt, values
 from tandem.testing import launch
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(90)]
 
 
 def _leave_early(rank: int, p: int) -> dict[str, Any]:

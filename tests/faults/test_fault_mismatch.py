@@ -17,7 +17,7 @@ import tandem as dist
 from _fault_helpers import attempt, line_of, values
 from tandem.testing import launch
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(90)]
 
 GROUP_TIMEOUT = 10.0  # a case that is not detected ends with this timeout instead
 FAST = GROUP_TIMEOUT / 2  # a detected one long before it

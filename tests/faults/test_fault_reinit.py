@@ -21,7 +21,7 @@ from _fault_helpers import attempt, values
 from tandem.collectives.world import world
 from tandem.testing import launch
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(90)]
 
 
 def _all_reduce_once(rank: int, offset: float) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from tandem.errors import ArgumentError, AuthenticationError, StoreError
 from tandem.store.tcp import PURPOSE as STORE_PURPOSE
 from tandem.testing import launch
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(90)]
 
 CONNECT_TIMEOUT = 3.0
 TRANSPORT_PURPOSE = b"tandem-transport"

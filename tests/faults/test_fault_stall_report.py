@@ -20,7 +20,7 @@ from _fault_helpers import attempt, line_of, values, warm_up
 from tandem.errors import TandemError
 from tandem.testing import launch
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]
 
 STALL = 1.0  # TANDEM_STALL_WARN in these tests
 # the first report may come STALL + the peers' answer time (~1.3 s here) + a tick late;

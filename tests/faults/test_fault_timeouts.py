@@ -20,7 +20,7 @@ import tandem as dist
 from _fault_helpers import attempt, values, warm_up
 from tandem.testing import launch
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(90)]
 
 OP_TIMEOUT = 3.0
 LATE = 1.5  # how much later one live rank enters, so the order of timeouts is fixed

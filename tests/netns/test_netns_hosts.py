@@ -38,7 +38,7 @@ from tandem._proc import process_alive
 from tandem.testing.netns import PREFIX, RankRun, Unavailable, netns_lab, unavailable_reason
 from _netns_rank import expected_for
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(90)]
 
 RANK_SCRIPT = Path(__file__).with_name("_netns_rank.py")
 

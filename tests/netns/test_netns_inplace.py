@@ -25,6 +25,8 @@ from tandem.testing.netns import RankRun, Unavailable, netns_lab
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "elastic"))
 from _elastic_job import check_against_oracle  # noqa: E402
 
+pytestmark = pytest.mark.procs
+
 TRAIN = Path(__file__).resolve().parents[1] / "run" / "scripts" / "elastic_train.py"
 STEPS = 50
 KILLS = {"2": 7, "1": 25}  # the rank a worker started as: the step it dies in

@@ -50,6 +50,7 @@ def test_link_shapes_parse_in_tc_units() -> None:
             LinkShape.parse(bad)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("link, rate", [("200mbit", 200e6), ("1gbit", 1e9), ("1gbit:1ms", 1e9)])
 def test_measured_rate_is_within_20_percent_of_the_configured_one(tmp_path: Path, link: str,
                                                                   rate: float) -> None:
@@ -59,6 +60,7 @@ def test_measured_rate_is_within_20_percent_of_the_configured_one(tmp_path: Path
     assert 0.8 * rate <= measured <= 1.2 * rate, f"{link}: {measured / 1e6:.0f} Mbit/s"
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("link, one_way", [("unshaped:1ms", 1e-3), ("1gbit:0.2ms", 2e-4)])
 def test_pings_take_twice_the_configured_delay(tmp_path: Path, link: str, one_way: float) -> None:
     with _Skipping(tmp_path, link) as lab:
@@ -71,12 +73,14 @@ def test_pings_take_twice_the_configured_delay(tmp_path: Path, link: str, one_wa
         f"{link}: median round trip {statistics.median(rtts) * 1e3:.3f} ms"
 
 
+@pytest.mark.procs
 def test_unshaped_links_add_no_delay(tmp_path: Path) -> None:
     with _Skipping(tmp_path, "unshaped") as lab:
         rtts = [r for r in lab.ping(0, 1, count=20) if r is not None]
     assert statistics.median(rtts) < 0.4e-3, f"median round trip {statistics.median(rtts) * 1e3} ms"
 
 
+@pytest.mark.procs
 def test_loss_drops_about_that_share_of_packets(tmp_path: Path) -> None:
     with _Skipping(tmp_path, "unshaped:0ms:20%") as lab:
         # a lost ping costs its whole wait; replies on this link come within a millisecond
@@ -88,6 +92,7 @@ def test_loss_drops_about_that_share_of_packets(tmp_path: Path) -> None:
     assert 0.15 <= lost <= 0.6, f"{lost:.0%} of pings lost"
 
 
+@pytest.mark.procs
 def test_a_dead_delay_process_is_reported_not_ignored(tmp_path: Path) -> None:
     with _Skipping(tmp_path, "unshaped:1ms") as lab:
         lab.check()
@@ -97,6 +102,7 @@ def test_a_dead_delay_process_is_reported_not_ignored(tmp_path: Path) -> None:
             lab.ping(0, 1, count=1)
 
 
+@pytest.mark.procs
 def test_a_shaped_lab_leaves_no_process_or_namespace_behind(tmp_path: Path) -> None:
     with _Skipping(tmp_path, "1gbit:0.2ms", hosts=3) as lab:
         pids = [p.pid for p in lab._helpers]
@@ -128,6 +134,7 @@ else:
 """
 
 
+@pytest.mark.procs
 def test_connections_between_hosts_keep_large_socket_buffers(tmp_path: Path) -> None:
     with _Skipping(tmp_path, "unshaped") as lab:
         runs = lab.run(["-c", _BUFFERS], [0, 1],

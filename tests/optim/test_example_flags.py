@@ -10,36 +10,53 @@ Run: ``python -m pytest tests/optim/test_example_flags.py -q``.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
+
+from tandem.testing import spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_chars.py"
 STEPS = 12
 
+pytestmark = pytest.mark.procs
 
-def _start(out: Path, *flags: str) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    return subprocess.Popen([sys.executable, str(SCRIPT), "--quick", "--steps", str(STEPS),
-                             "--save-every", "0", "--out", str(out), *flags],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+
+def _script() -> ModuleType:
+    """examples/train_chars.py itself (its package, examples/train_chars/, shares the name)."""
+    examples = str(SCRIPT.parent)
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    spec = importlib.util.spec_from_file_location("train_chars_script", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rank(rank: int, world_size: int, out: str, store: str, flags: list[str]) -> None:
+    # the script's own flag parsing and rank entry point, in a rank forked with torch loaded
+    # (a fresh interpreter per rank cost most of this test's time: 9 of them, ~130 s)
+    script = _script()
+    cfg, ns = script.parse_args(["--quick", "--steps", str(STEPS), "--save-every", "0",
+                                 "--out", out, *flags])
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    script.run_rank(cfg, ns.threads, f"file://{store}", rank, world_size)
 
 
 @pytest.mark.timeout(300)
 def test_zero_flags_train_like_the_plain_optimizer_and_uneven_ranks_finish(tmp_path: Path) -> None:
-    runs = {"plain": (), "zero": ("--zero",), "uneven": ("--shard-grads", "--uneven", "3")}
-    procs = {name: _start(tmp_path / name, *flags) for name, flags in runs.items()}
-    for name, proc in procs.items():
-        output, _ = proc.communicate(timeout=280)
-        assert proc.returncode == 0, f"{name} run failed:\n{output}"
+    runs = {"plain": [], "zero": ["--zero"], "uneven": ["--shard-grads", "--uneven", "3"]}
+    for name, flags in runs.items():
+        spawn(2, _rank, (str(tmp_path / name), str(tmp_path / f"{name}.store"), flags),
+              init=False, timeout=240)
     states = {name: torch.load(tmp_path / name / "checkpoint.pt", map_location="cpu",
                                weights_only=True) for name in runs}
     for key, value in states["plain"]["model"].items():

@@ -43,6 +43,7 @@ def test_usage_errors_exit_with_status_2() -> None:
         assert exc.value.code == 2, argv
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_every_contender_runs_a_step_and_reports_memory() -> None:
     times = bench.run_time(2, warmup=0, steps=1, rounds=1, width=32, timeout=200)

@@ -32,6 +32,8 @@ from tandem.testing import spawn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
 from test_ddp_training import LOCAL_BATCH, _inputs, mlp  # noqa: E402
 
+pytestmark = pytest.mark.procs
+
 
 def _pair(**ddp_kw: Any) -> tuple[DDP, DDP]:
     torch.manual_seed(4)

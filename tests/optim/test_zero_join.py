@@ -30,6 +30,8 @@ from test_ddp_training import LOCAL_BATCH, _inputs  # noqa: E402
 
 from test_zero_training import MODES, OPTIMIZERS, zero_for  # noqa: E402
 
+pytestmark = pytest.mark.procs
+
 CASES = {f"{o}-{m}": (o, spec) for o in ("sgd", "adam") for m, spec in MODES.items()}
 CASES["sgd-sharded-divide_by_active"] = ("sgd", {"shard": True, "divide": False})
 

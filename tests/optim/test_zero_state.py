@@ -30,6 +30,8 @@ from tandem.testing import spawn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
 from test_ddp_training import LOCAL_BATCH, _inputs, mlp  # noqa: E402
 
+pytestmark = pytest.mark.procs
+
 
 def _steps(ddp: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int, first: int,
            count: int) -> None:
@@ -240,6 +242,7 @@ def test_parameter_groups_and_add_param_group_train_like_the_plain_optimizer(
     assert max(totals) - min(totals) <= 32 * 32, totals
 
 
+@pytest.mark.smoke("tandem.optim")
 def test_misuse_is_refused_with_a_message(results: list[dict[str, Any]]) -> None:
     for rank, errors in enumerate(_ok(results, "misuse")):
         assert "optimizer_class" in errors[0], (rank, errors)

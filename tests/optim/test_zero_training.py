@@ -31,6 +31,8 @@ from tandem.testing import spawn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
 from test_ddp_training import LOCAL_BATCH, _inputs, mlp  # noqa: E402
 
+pytestmark = pytest.mark.procs
+
 STEPS = 20
 BUCKET_MB = 0.002  # the test MLP fills several buckets
 

@@ -23,7 +23,7 @@ from tandem.parallel import DistributedDataParallel as DDP
 from tandem.parallel.ddp import _buffer_sync
 from tandem.testing import spawn
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]
 HERE = Path(__file__).parent
 
 REFUSED: dict[str, tuple[Any, str]] = {  # parameter: (a value tandem refuses, in the message)
@@ -164,6 +164,7 @@ def job() -> list[dict[str, Any]]:
     return spawn(2, _job, backend="tcp", timeout=90)
 
 
+@pytest.mark.smoke("tandem.parallel")
 def test_init_sync_copies_rank_0s_weights_and_buffers_unless_told_not_to(
         job: list[dict[str, Any]]) -> None:
     for rank, got in enumerate(job):

@@ -21,6 +21,8 @@ from tandem.testing import spawn
 
 from test_ddp_training import LOCAL_BATCH, PlainSGD, SmallCNN, _inputs, mlp
 
+pytestmark = pytest.mark.procs
+
 STEPS = 3
 POWERSGD_STEPS = 50
 

@@ -18,6 +18,8 @@ from tandem.errors import ArgumentError
 from tandem.parallel.ddp import DistributedDataParallel as DDP
 from tandem.testing import spawn
 
+pytestmark = pytest.mark.procs
+
 
 def _catch(fn: Callable[[], Any]) -> dict[str, Any]:
     start = time.monotonic()

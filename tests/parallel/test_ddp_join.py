@@ -25,6 +25,8 @@ from tandem.algorithms.join import Join
 from test_ddp_torch_parity import each_case_with_gloo, spawn_with_gloo, twins
 from test_ddp_training import LOCAL_BATCH, PlainSGD, _inputs
 
+pytestmark = pytest.mark.procs
+
 BATCHES = {2: [9, 5], 3: [5, 9, 6]}  # batches per rank: rank 0 leaves last or first
 
 # case -> (model, DDP keyword arguments, Join keyword arguments)

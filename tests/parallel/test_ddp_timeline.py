@@ -20,6 +20,8 @@ import tandem
 from tandem.parallel.ddp import DistributedDataParallel as DDP
 from tandem.testing import spawn
 
+pytestmark = pytest.mark.procs
+
 STEPS = 3
 CAP_MB = 0.02  # ~20 KB buckets: the model below needs two
 

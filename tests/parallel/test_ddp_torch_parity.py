@@ -28,6 +28,8 @@ from tandem.testing import spawn
 
 from test_ddp_training import BUILDERS, LOCAL_BATCH, PlainSGD, _inputs, _scramble, _use_extra
 
+pytestmark = pytest.mark.procs
+
 STEPS = 3
 
 # case -> (model, keyword arguments for both DDPs, training mode)

@@ -24,6 +24,8 @@ from torch.nn import functional as F
 from tandem.parallel.ddp import DistributedDataParallel as DDP
 from tandem.testing import spawn
 
+pytestmark = pytest.mark.procs
+
 STEPS = 3
 LOCAL_BATCH = 4
 

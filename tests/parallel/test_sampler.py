@@ -88,6 +88,7 @@ def _shares_from_group(rank: int, world_size: int) -> tuple[int, int, list[int]]
     return s.rank, s.num_replicas, list(s)
 
 
+@pytest.mark.procs
 def test_defaults_come_from_the_default_group() -> None:
     results = spawn(2, _shares_from_group, timeout=60)
     for rank, (r, n, indices) in enumerate(results):

@@ -120,6 +120,7 @@ def _rank_run(rank: int, world_size: int, sizes: tuple[int, ...],
     return _portable(results)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("sizes,momentum", [((3, 5), 0.1), ((4, 1, 6), None), ((0, 6), 0.3)],
                          ids=["2-ranks", "3-ranks-cumulative", "2-ranks-one-empty"])
 def test_matches_batchnorm_on_the_concatenated_batch(sizes: tuple[int, ...],
@@ -157,6 +158,7 @@ def _float32_run(rank: int, world_size: int) -> Any:
     return _portable(bn(x[rank * 4:(rank + 1) * 4]).detach())
 
 
+@pytest.mark.procs
 def test_float32_statistics_survive_a_large_mean() -> None:
     got = torch.cat(_restore(spawn(2, _float32_run, timeout=60)))
     x = torch.randn(8, 4, 6, generator=torch.Generator().manual_seed(5)) * 0.1 + 1000.0
@@ -167,6 +169,7 @@ def _single_value_run(rank: int, world_size: int) -> None:
     SyncBatchNorm(3)(torch.randn(1 - rank, 3))
 
 
+@pytest.mark.procs
 def test_one_value_per_channel_fails_on_every_rank() -> None:
     outcomes = launch(2, _single_value_run, timeout=60)
     for o in outcomes:
@@ -225,6 +228,7 @@ def _ddp_run(rank: int, world_size: int, sizes: tuple[int, ...]) -> Any:
     return _portable([grads, [b.clone() for b in model.module.buffers()]])
 
 
+@pytest.mark.procs
 def test_inside_ddp_gradients_match_one_process_on_the_whole_batch() -> None:
     sizes = (3, 5)
     per_rank = _restore(spawn(2, _ddp_run, (sizes,), timeout=90))

@@ -18,7 +18,7 @@ import tandem.nn.functional as F
 from tandem.errors import ArgumentError
 from tandem.testing import spawn
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]
 WORLD = 3
 SHAPE = (2, 3)
 

@@ -23,7 +23,7 @@ from _rpc_workers import attempt, echo, run, wait_until
 from tandem.nn import RemoteModule
 from tandem.optim import DistributedOptimizer
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(150)]
 
 STEPS, SEQ, BATCH, EMB, HID = 20, 24, 4, 16, 32
 
@@ -171,6 +171,7 @@ def behaviour(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run(2, _behaviour, tmp_path_factory.mktemp("autograd"))[0]
 
 
+@pytest.mark.smoke("tandem.autograd")
 def test_gradients_go_to_the_context_not_to_dot_grad(behaviour: dict[str, Any]) -> None:
     assert behaviour["grad"] and behaviour["keys"] is True
     assert behaviour["dot_grad_untouched"]

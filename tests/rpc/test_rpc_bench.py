@@ -16,6 +16,7 @@ from tandem.bench import rpc as bench
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.mark.procs
 def test_quick_bench_prints_every_case_against_torch() -> None:
     proc = subprocess.run([sys.executable, "-m", "tandem.bench", "rpc", "--quick",
                            "--transports", "auto,tcp", "--per-round"], capture_output=True,

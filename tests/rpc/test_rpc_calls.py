@@ -18,7 +18,7 @@ from tandem.errors import StateError
 from _rpc_workers import (Batcher, Counter, LOG, add, add_later, attempt, boom, echo,
                           ping_pong, run, sleep_then, whoami)
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -105,6 +105,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
                rpc_timeout=45)
 
 
+@pytest.mark.smoke("tandem.rpc")
 def test_to_accepts_a_name_a_rank_or_a_worker_info(results: list[dict[str, Any]]) -> None:
     r = results[0]
     assert (r["by_name"], r["by_rank"], r["by_info"]) == ("worker1",) * 3

@@ -17,7 +17,7 @@ from typing import Iterator
 
 import pytest
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(420)]
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = {

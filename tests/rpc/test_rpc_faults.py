@@ -22,7 +22,7 @@ import tandem.rpc as rpc
 from _rpc_workers import attempt, echo, run, run_outcomes, sleep_then, start
 from tandem.testing import launch
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]
 
 
 def _timeouts(rank: int, world: int) -> dict[str, Any]:

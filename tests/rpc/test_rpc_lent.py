@@ -21,7 +21,7 @@ from tandem.transport._lend import lend_budget
 
 from tests.rpc._rpc_workers import echo, run
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(180)]
 
 MB = 1 << 20
 KEPT: list[torch.Tensor] = []  # tensors a callee keeps alive (in the callee's process)

@@ -13,7 +13,7 @@ import tandem.rpc as rpc
 from _rpc_workers import attempt, run
 from tandem.nn import RemoteModule
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]
 
 
 def seeded_linear(seed: int, n_in: int, n_out: int) -> nn.Module:
@@ -65,6 +65,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run(2, _body, tmp_path_factory.mktemp("remote_module"))[0]
 
 
+@pytest.mark.smoke("tandem.nn")
 def test_forward_runs_the_module_on_its_worker(results: dict[str, Any]) -> None:
     assert results["forward"] and results["forward_async"] and results["composes"]
 

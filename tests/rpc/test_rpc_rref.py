@@ -20,7 +20,7 @@ import torch
 import tandem.rpc as rpc
 from _rpc_workers import Barrier, attempt, echo, run, wait_until
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(180)]
 
 HELD: list[Any] = []  # RRefs a worker keeps for a while (module state of the workers)
 

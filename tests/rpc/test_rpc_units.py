@@ -106,6 +106,7 @@ def test_init_rpc_refuses_bad_names_and_backends_before_any_rendezvous() -> None
         rpc.init_rpc("w0", backend="gloo", rank=0, world_size=1)  # type: ignore[arg-type]
 
 
+@pytest.mark.procs
 def test_a_forked_child_does_not_inherit_the_agent() -> None:
     import os
 

@@ -13,12 +13,13 @@ import pytest
 
 from tandem.run.workers import BOOTSTRAP
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(240)]
 
 
 def bootstrap(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    # a deadline, not a bound: a worker importing torch took over 30 s with files run side by side
     return subprocess.run([sys.executable, BOOTSTRAP, *args], capture_output=True, text=True,
-                          timeout=30, env=env)
+                          timeout=110, env=env)
 
 
 def test_a_worker_whose_launcher_is_already_gone_exits_at_once(tmp_path: Path) -> None:

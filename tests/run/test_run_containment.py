@@ -60,6 +60,7 @@ def job_cgroups(launcher: int) -> list[str]:
     return [n for n in os.listdir(parent) if n.startswith(f"tandemrun-{launcher}.")]
 
 
+@pytest.mark.procs
 def test_nothing_survives_a_sigkilled_launcher(launch: Launch, tmp_path: Path,
                                                 reap_kids: None) -> None:
     proc = launch("--nproc-per-node", "2", SCRIPTS / "spawn_helpers.py", tmp_path)
@@ -176,6 +177,7 @@ def describe(pids: list[int]) -> list[str]:
     return said
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_nothing_survives_a_launcher_stopped_by_a_signal(launch: Launch, tmp_path: Path,
                                                          reap_kids: None, sig: int) -> None:
@@ -189,6 +191,7 @@ def test_nothing_survives_a_launcher_stopped_by_a_signal(launch: Launch, tmp_pat
     assert not scratch.exists() and job_cgroups(proc.pid) == []
 
 
+@pytest.mark.procs
 def test_what_a_worker_leaves_behind_ends_with_it(launch: Launch, tmp_path: Path,
                                                   reap_kids: None) -> None:
     proc = launch("--nproc-per-node", "2", SCRIPTS / "spawn_helpers.py", tmp_path, "exit")
@@ -197,6 +200,7 @@ def test_what_a_worker_leaves_behind_ends_with_it(launch: Launch, tmp_path: Path
     assert wait_dead(kids(tmp_path), 5) == []
 
 
+@pytest.mark.procs
 def test_the_launcher_says_how_its_workers_are_contained(launch: Launch, tmp_path: Path,
                                                          reap_kids: None) -> None:
     res = finish(launch("--nproc-per-node", "1", SCRIPTS / "spawn_helpers.py", tmp_path,
@@ -223,6 +227,7 @@ def test_where_no_cgroup_can_be_made_the_launcher_says_why(
     assert "supervisor per worker" in job.describe()
 
 
+@pytest.mark.procs
 def test_without_a_cgroup_the_supervisor_alone_cleans_up(tmp_path: Path,
                                                          reap_kids: None) -> None:
     """A stand-in launcher starts one supervised worker without --cgroup, then dies."""
@@ -243,6 +248,7 @@ def test_without_a_cgroup_the_supervisor_alone_cleans_up(tmp_path: Path,
             os.killpg(launcher.pid, signal.SIGKILL)
 
 
+@pytest.mark.procs
 def test_a_worker_killed_by_a_signal_is_reported_with_that_signal(tmp_path: Path) -> None:
     script = tmp_path / "s.py"
     script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n")
@@ -263,6 +269,7 @@ def run_with_a_readerless_stderr(code: str) -> subprocess.CompletedProcess[str]:
         os.close(write)
 
 
+@pytest.mark.procs
 def test_a_supervisor_goes_on_after_a_write_to_its_dead_launcher() -> None:
     """A supervisor's stderr is a pipe to the launcher; once the launcher has died, a line
     it writes (about a process that would not die, say) must not stop its clean-up."""

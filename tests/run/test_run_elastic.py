@@ -14,6 +14,8 @@ import pytest
 
 from runkit import SCRIPTS, Launch, finish, process_alive, worker_pids
 
+pytestmark = pytest.mark.procs
+
 SECRET = {"TANDEM_SECRET": "shared-by-both-nodes"}
 
 

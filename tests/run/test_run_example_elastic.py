@@ -19,6 +19,8 @@ import pytest
 
 from runkit import wait_dead
 
+pytestmark = pytest.mark.procs
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 500
 KILL_AFTER = 50  # rank 0 reports progress every STEPS // 10 steps

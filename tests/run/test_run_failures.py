@@ -14,6 +14,7 @@ from tandem.run.rootcause import Failure, describe_exit, format_summary, pick_ro
 Run = Callable[..., Result]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("wrapped", [[], ["record"]], ids=["plain", "torchs_record"])
 def test_an_exception_is_reported_with_rank_type_message_and_traceback(
@@ -31,6 +32,7 @@ def test_an_exception_is_reported_with_rank_type_message_and_traceback(
     assert "[rank1]: ValueError: bad batch on rank 1" in res.err  # the worker's own stderr
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_the_summary_prints_a_traceback_that_did_not_reach_the_console(run: Run) -> None:
     res = run("--nproc-per-node", "2", "--redirects", "2", SCRIPTS / "raise_on_rank.py", "1")
@@ -39,6 +41,7 @@ def test_the_summary_prints_a_traceback_that_did_not_reach_the_console(run: Run)
     assert 'raise_on_rank.py", line 8, in load_batch' in summary
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_the_cause_still_unwinding_is_the_root_cause_not_a_stopped_rank(run: Run) -> None:
     # rank 0 raises, leaves the group and takes a second in its finally block; rank 1
@@ -53,6 +56,7 @@ def test_the_cause_still_unwinding_is_the_root_cause_not_a_stopped_rank(run: Run
     assert "Stopped by the launcher" not in summary
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_a_rank_exiting_after_its_exception_is_not_reported_as_killed(run: Run) -> None:
     # rank 0 raised first and is running a slow exit handler when rank 1 fails
@@ -65,6 +69,7 @@ def test_a_rank_exiting_after_its_exception_is_not_reported_as_killed(run: Run) 
     assert "rank 1 (local_rank 1, host" in summary and "KeyError" in summary
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_a_killed_worker_is_reported_with_its_signal(run: Run, tmp_path: Path) -> None:
     res = run("--nproc-per-node", "2", "--log-dir", tmp_path / "logs",
@@ -76,6 +81,7 @@ def test_a_killed_worker_is_reported_with_its_signal(run: Run, tmp_path: Path) -
     assert f"logs       : {tmp_path / 'logs'}" in res.err
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(90)
 def test_a_transient_failure_is_survived_with_one_restart(run: Run, tmp_path: Path) -> None:
     res = run("--nproc-per-node", "2", "--max-restarts", "1", SCRIPTS / "fail_first_attempt.py",
@@ -88,6 +94,7 @@ def test_a_transient_failure_is_survived_with_one_restart(run: Run, tmp_path: Pa
     assert len(ports) == 2  # each attempt has its own MASTER_PORT
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(90)
 def test_giving_up_after_max_restarts(run: Run, tmp_path: Path) -> None:
     res = run("--nproc-per-node", "2", "--max-restarts", "1", SCRIPTS / "raise_on_rank.py", "0")
@@ -126,6 +133,7 @@ def test_failures_travel_between_nodes_as_json() -> None:
     assert Failure.from_json(f.to_json()) == f
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 def test_a_restarted_job_resumes_from_its_checkpoint(run: Run, tmp_path: Path) -> None:
     steps = 6

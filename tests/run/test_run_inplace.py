@@ -19,6 +19,8 @@ from test_run_multinode import SECRET, free_port
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "elastic"))
 from _elastic_job import check_against_oracle  # noqa: E402
 
+pytestmark = pytest.mark.procs
+
 Run = Callable[..., Result]
 TRAIN = SCRIPTS / "elastic_train.py"
 

@@ -18,6 +18,8 @@ def envs(directory: Path, n: int) -> list[dict[str, Any]]:
     return [json.loads((directory / f"env_{r}.json").read_text()) for r in range(n)]
 
 
+@pytest.mark.smoke("tandem.run")
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 def test_two_workers_all_reduce_with_tandem_over_env(run: Run, tmp_path: Path) -> None:
     res = run("--standalone", "--nproc-per-node", "2", SCRIPTS / "allreduce.py", tmp_path)
@@ -26,6 +28,7 @@ def test_two_workers_all_reduce_with_tandem_over_env(run: Run, tmp_path: Path) -
     assert "[rank1]: rank 1 of 2: sum 3" in res.out
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_workers_get_the_full_environment(run: Run, tmp_path: Path) -> None:
     res = run("--standalone", "--nproc_per_node", "2", "--role", "trainer",
@@ -62,6 +65,7 @@ def test_workers_get_the_full_environment(run: Run, tmp_path: Path) -> None:
     assert a["TANDEM_ERROR_FILE"] != b["TANDEM_ERROR_FILE"]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_a_user_secret_is_kept_and_pet_flags_apply(run: Run, tmp_path: Path) -> None:
     res = run(SCRIPTS / "dump_env.py", tmp_path,
@@ -73,6 +77,7 @@ def test_a_user_secret_is_kept_and_pet_flags_apply(run: Run, tmp_path: Path) -> 
     assert {r["env"]["WORLD_SIZE"] for r in seen} == {"3"}
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_console_lines_are_prefixed_and_filtered(run: Run, tmp_path: Path) -> None:
     res = run("--nproc-per-node", "2", "--local-ranks-filter", "1", SCRIPTS / "dump_env.py",
@@ -82,6 +87,7 @@ def test_console_lines_are_prefixed_and_filtered(run: Run, tmp_path: Path) -> No
     assert "rank 0" not in res.out + res.err
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_log_dir_keeps_each_rank_per_attempt_and_redirect_hides_it(run: Run,
                                                                    tmp_path: Path) -> None:
@@ -97,6 +103,7 @@ def test_log_dir_keeps_each_rank_per_attempt_and_redirect_hides_it(run: Run,
     assert "[rank0]: stderr of rank 0" in res.err and "[rank1]: stdout of rank 1" in res.out
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_module_and_no_python_modes(run: Run, tmp_path: Path) -> None:
     res = run("--nproc-per-node", "2", "-m", "mod_pkg.hello", "x", "-y",
@@ -109,6 +116,7 @@ def test_module_and_no_python_modes(run: Run, tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.procs
 def test_main_runs_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from tandem.run import main
 
@@ -118,6 +126,7 @@ def test_main_runs_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert envs(tmp_path, 2)[1]["env"]["RANK"] == "1"
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_a_missing_script_is_refused_before_any_worker_starts(run: Run, tmp_path: Path) -> None:
     res = run(tmp_path / "nope.py")
@@ -129,6 +138,7 @@ def test_a_missing_script_is_refused_before_any_worker_starts(run: Run, tmp_path
     assert res.code == 1 and "No module named tandem_no_such_module" in res.err, res.err
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_a_given_master_port_reaches_the_workers(run: Run, tmp_path: Path) -> None:
     import socket

@@ -19,6 +19,8 @@ import pytest
 
 from runkit import SCRIPTS, Launch, Result, finish, wait_dead, wait_for_pids
 
+pytestmark = pytest.mark.procs
+
 Run = Callable[..., Result]
 PREFIX = re.compile(r"^\[rank([0-9,-]+)\]: ")
 

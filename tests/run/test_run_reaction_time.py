@@ -12,6 +12,8 @@ import pytest
 
 from runkit import SCRIPTS, Result
 
+pytestmark = pytest.mark.procs
+
 Run = Callable[..., Result]
 INTERVAL = 0.5
 GRACE = 2.0

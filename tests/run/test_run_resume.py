@@ -12,6 +12,8 @@ import torch
 
 from runkit import SCRIPTS, Result
 
+pytestmark = pytest.mark.procs
+
 Run = Callable[..., Result]
 
 STEPS, SAVE_EVERY, KILL_AT = 16, 6, 9  # checkpoint at step 6; steps 7-8 are lost and redone

@@ -11,6 +11,8 @@ import pytest
 
 from runkit import SCRIPTS, Launch, finish, wait_dead, wait_for_pids
 
+pytestmark = pytest.mark.procs
+
 
 @pytest.mark.timeout(90)
 def test_sigterm_is_forwarded_and_every_worker_exits(launch: Launch, tmp_path: Path) -> None:

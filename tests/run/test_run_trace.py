@@ -16,6 +16,8 @@ import pytest
 
 from runkit import SCRIPTS, Launch, Result, finish, wait_for_pids
 
+pytestmark = pytest.mark.procs
+
 Run = Callable[..., Result]
 
 

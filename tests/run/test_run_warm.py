@@ -38,6 +38,7 @@ def _warm(out: Path) -> dict[str, tuple[int, int]]:
     return found
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 def test_a_replacement_is_forked_warm_and_is_a_worker_like_any_other(
         launch: Launch, tmp_path: Path) -> None:
@@ -65,6 +66,7 @@ def test_a_replacement_is_forked_warm_and_is_a_worker_like_any_other(
     assert not wait_dead([*zygotes(res.err), supervisor, *names.values()], 10), "outlived"
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 def test_with_no_warm_start_replacements_start_cold(run: Run, tmp_path: Path) -> None:
     res = run("--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--no-warm-start",
@@ -76,6 +78,7 @@ def test_with_no_warm_start_replacements_start_cold(run: Run, tmp_path: Path) ->
     assert set(results) == {"n0.s0.0", "n0.s1.1"} and _check(results, 20)[-1] == 2
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 def test_a_zygote_with_threads_is_refused_and_the_replacement_starts_cold(
         run: Run, tmp_path: Path) -> None:
@@ -90,6 +93,7 @@ def test_a_zygote_with_threads_is_refused_and_the_replacement_starts_cold(
     assert _check(_results(tmp_path), 20)[-1] == 2
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 def test_a_dead_zygote_means_a_cold_start_with_a_line(run: Run, tmp_path: Path) -> None:
     res = run("--standalone", "--nproc-per-node", "2", "--max-restarts", "1", TRAIN, tmp_path,
@@ -102,6 +106,7 @@ def test_a_dead_zygote_means_a_cold_start_with_a_line(run: Run, tmp_path: Path) 
     assert _check(_results(tmp_path), 20)[-1] == 2
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 def test_a_worker_of_another_program_starts_cold(run: Run, tmp_path: Path) -> None:
     res = run("--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--no-python",
@@ -128,6 +133,7 @@ def _forked_by_zygote(launcher: int) -> list[int]:
     return found
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_nothing_outlives_a_launcher_stopped_after_a_warm_replacement(
@@ -182,6 +188,7 @@ def test_warm_starts_are_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -
     assert not parse(["train.py"]).warm_start
 
 
+@pytest.mark.procs
 def test_the_zygote_refuses_to_serve_with_threads_and_says_why() -> None:
     code = ("import threading, time, sys; sys.argv = ['z']; "
             "sys.path.insert(0, %r); import _zygote; "

@@ -28,6 +28,7 @@ def _values(outcomes: Any) -> list[Any]:
     return [o.value for o in outcomes]
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("p", [2, 3])
 def test_every_dtype_and_op_matches_the_member_order_reduction(p: int) -> None:
     for rank, r in enumerate(_values(launch(p, every_dtype_and_op, backend="shm", timeout=150,
@@ -36,6 +37,7 @@ def test_every_dtype_and_op_matches_the_member_order_reduction(p: int) -> None:
         assert not r["wrong"], f"rank {rank} of {p}: wrong results for {r['wrong']}"
 
 
+@pytest.mark.procs
 def test_subgroups_run_concurrently_each_through_its_own_arena() -> None:
     results = _values(launch(4, subgroups_concurrently, backend="shm", timeout=120))
     for rank, r in enumerate(results):
@@ -43,6 +45,7 @@ def test_subgroups_run_concurrently_each_through_its_own_arena() -> None:
     assert results[0]["shares"] == [True, True]
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("joined_before", [False, True], ids=["first-call", "later-call"])
 def test_a_missing_peer_times_out_naming_it(joined_before: bool) -> None:
     r0 = _values(launch(2, late_peer, (joined_before,), backend="shm", timeout=60))[0]
@@ -52,6 +55,7 @@ def test_a_missing_peer_times_out_naming_it(joined_before: bool) -> None:
     assert r0["elapsed"] < 3.0, r0
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("backend,p", [("shm", 2), ("shm", 3), ("tcp", 3)])
 def test_all_reduce_coalesced_reduces_each_tensor_in_place(backend: str, p: int) -> None:
     outcomes = launch(p, coalesced, (backend == "shm",), backend=backend, timeout=120,
@@ -60,12 +64,14 @@ def test_all_reduce_coalesced_reduces_each_tensor_in_place(backend: str, p: int)
         assert not r["wrong"], f"{backend}, rank {rank} of {p}: wrong results for {r['wrong']}"
 
 
+@pytest.mark.procs
 def test_the_arena_can_be_switched_off_and_shm_is_then_refused_by_name() -> None:
     for r in _values(launch(2, without_arena, backend="shm", env={"TANDEM_SHM_ARENA": "0"})):
         assert (r["shares"], r["arena"], r["ok"]) == (False, False, True), r
         assert "'shm'" in r["refused"] and "TANDEM_SHM_ARENA" in r["refused"], r["refused"]
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("p", [2, 3])
 def test_broadcast_and_all_gather_through_shared_memory(p: int) -> None:
     outcomes = launch(p, broadcast_and_gather, backend="shm", timeout=150, env=SMALL_STAGING)
@@ -73,6 +79,7 @@ def test_broadcast_and_all_gather_through_shared_memory(p: int) -> None:
         assert not r["wrong"], f"rank {rank} of {p}: wrong results for {r['wrong']}"
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("p", [2, 3])
 def test_reduce_through_shared_memory_gives_the_root_the_member_order_reduction(p: int) -> None:
     outcomes = launch(p, reduces, backend="shm", timeout=150, env=SMALL_STAGING)
@@ -81,6 +88,7 @@ def test_reduce_through_shared_memory_gives_the_root_the_member_order_reduction(
         assert not r["wrong"], f"rank {rank} of {p}: wrong results for {r['wrong']}"
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("p", [2, 3])
 def test_reduce_scatter_through_shared_memory_matches_the_member_order_reduction(p: int) -> None:
     outcomes = launch(p, reduce_scatters, backend="shm", timeout=150, env=SMALL_STAGING)

@@ -15,7 +15,7 @@ import pytest
 from _shm_ranks import battery, expected_for
 from tandem.testing import launch
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(240)]
 
 RUNS = {
     "shm-2": ("shm", 2, None),

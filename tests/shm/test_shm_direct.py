@@ -17,7 +17,7 @@ from _shm_direct_ranks import every_dtype_and_op, large_default, mismatched_size
 from tandem.testing import launch
 from tandem.transport import _cma
 
-pytestmark = [pytest.mark.timeout(180),
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(180),
               pytest.mark.skipif(not _cma.available(), reason="no process_vm_readv here")]
 
 

@@ -15,7 +15,7 @@ import pytest
 from _shm_one_round_ranks import one_round_limits, strided_input
 from tandem.testing import launch
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(180)]
 
 
 def _values(outcomes: Any) -> list[Any]:

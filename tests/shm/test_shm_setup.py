@@ -19,6 +19,7 @@ from tandem.transport.tcp import TcpTransport
 pytestmark = pytest.mark.timeout(120)
 
 
+@pytest.mark.procs
 def test_shm_across_hosts_fails_on_every_rank_naming_the_hosts(tmp_path: Any) -> None:
     outcomes = launch(2, hosts_differ, (str(tmp_path / "store"),), init=False, timeout=60)
     for o in outcomes:
@@ -39,6 +40,7 @@ def test_shm_is_a_known_backend_name() -> None:
     assert resolve_backend("SHM") == "shm"
 
 
+@pytest.mark.procs
 def test_torch_s_gloo_name_gets_shared_memory_on_one_host(tmp_path: Any) -> None:
     # a script ported by changing its imports keeps init_process_group("gloo"): it must get
     # the same-host fast path, not loopback tcp
@@ -63,6 +65,7 @@ def test_unsupported_machines_refuse_shm_and_auto_falls_back_to_tcp(monkeypatch:
         t.close()
 
 
+@pytest.mark.procs
 def test_a_stranger_at_the_socket_is_rejected_and_the_job_runs(tmp_path: Any) -> None:
     r0, r1 = spawn(2, stranger_knocks, (str(tmp_path / "store"),), init=False, timeout=60)
     assert r0["sum"] == r1["sum"] == 1.0
@@ -71,6 +74,7 @@ def test_a_stranger_at_the_socket_is_rejected_and_the_job_runs(tmp_path: Any) ->
     assert wrong_secret == "rejected: AuthenticationError", wrong_secret
 
 
+@pytest.mark.procs
 def test_ranks_waiting_for_a_late_peer_sleep_instead_of_spinning(tmp_path: Any) -> None:
     # 4 ranks on (here) 2 cores: ranks 1-3 wait ~2 s for rank 0 inside an all_reduce
     results = spawn(4, idle_waiter_cpu, (str(tmp_path / "store"),), init=False, timeout=60)
@@ -79,6 +83,7 @@ def test_ranks_waiting_for_a_late_peer_sleep_instead_of_spinning(tmp_path: Any) 
         assert r["cpu"] < 0.25 * r["wall"], f"rank {rank} burnt {r['cpu']:.2f}s CPU waiting {r['wall']:.2f}s"
 
 
+@pytest.mark.procs
 def test_mismatched_collectives_over_shm_fail_on_both_ranks_untouched(tmp_path: Any) -> None:
     r0, r1 = spawn(2, mismatched, (str(tmp_path / "store"),), init=False, timeout=60)
     assert not r0["ok"] and r0["type"] == "CollectiveMismatchError", r0

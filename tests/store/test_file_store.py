@@ -16,6 +16,7 @@ from tandem.store import FileStore
 CHILD_START = 20.0  # a spawned child imports torch: about 2s idle, more on a busy machine
 
 
+@pytest.mark.procs
 def test_two_processes_share_a_store(tmp_path: Path, spawn: Any) -> None:
     path = str(tmp_path / "store")
     adds = 50

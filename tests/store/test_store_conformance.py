@@ -101,6 +101,7 @@ def test_binary_values_with_nul_bytes_round_trip(pair: Pair) -> None:
     assert b.get("empty") == b""
 
 
+@pytest.mark.procs
 def test_get_waits_for_a_later_set_from_another_thread(pair: Pair) -> None:
     a, b = pair
     writer = _in_thread(lambda: b.set("late", b"here"), delay=0.2)
@@ -110,6 +111,7 @@ def test_get_waits_for_a_later_set_from_another_thread(pair: Pair) -> None:
     writer.join(TIMEOUT)
 
 
+@pytest.mark.procs
 def test_blocked_get_does_not_block_a_set_through_the_same_handle(store: Store) -> None:
     writer = _in_thread(lambda: store.set("same", b"handle"), delay=0.2)
     assert store.get("same") == b"handle"

@@ -74,6 +74,8 @@ def test_non_master_needs_a_port() -> None:
         TCPStore(HOST, 0, timeout=1)
 
 
+@pytest.mark.smoke("tandem.store")
+@pytest.mark.procs
 def test_two_processes_share_a_store(master: TCPStore, spawn: Any) -> None:
     child = spawn(children.tcp_worker, master.port)
     master.set("parent", b"from parent")
@@ -83,6 +85,7 @@ def test_two_processes_share_a_store(master: TCPStore, spawn: Any) -> None:
     assert child.exitcode == 0
 
 
+@pytest.mark.procs
 def test_master_waits_until_world_size_workers_joined(spawn: Any) -> None:
     port = _free_port()
     child = spawn(children.tcp_joining_worker, port)
@@ -203,6 +206,7 @@ def test_closing_the_server_fails_a_blocked_client_promptly(master: TCPStore) ->
     client.close()
 
 
+@pytest.mark.procs
 def test_killed_server_process_fails_clients_promptly(spawn: Any, mp_queue: Any) -> None:
     server = spawn(children.tcp_master, mp_queue)
     port = mp_queue.get(timeout=CHILD_START)
@@ -253,6 +257,7 @@ def test_close_leaves_no_store_threads_running() -> None:
     assert all(t.daemon for t in threading.enumerate() if t.name.startswith("tandem-store"))
 
 
+@pytest.mark.procs
 def test_a_process_with_an_open_store_still_exits(spawn: Any) -> None:
     child = spawn(children.tcp_master_left_open, 3)
     child.join(CHILD_START)

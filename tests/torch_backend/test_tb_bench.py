@@ -67,6 +67,7 @@ def test_unknown_part_is_a_usage_error() -> None:
     assert exc.value.code == 2
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_quick_run_prints_every_part_against_gloo() -> None:
     parts = "all_reduce,coalesced,ddp,fsdp,fsdp-short"

@@ -21,6 +21,8 @@ import torch.distributed._functional_collectives as funcol
 
 from _tb_util import checked, init, results_on, same
 
+pytestmark = pytest.mark.procs
+
 R = dist.ReduceOp
 Case = Callable[[Any, int, int], Any]  # (group, rank, world) -> outputs to compare
 

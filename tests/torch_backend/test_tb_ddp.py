@@ -30,6 +30,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _tb_util import checked, init, results_on
 
+pytestmark = pytest.mark.procs
+
 STEPS = 10
 BATCH = 8
 

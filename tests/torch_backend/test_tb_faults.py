@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _tb_util import attempt, init, run, values
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]
 
 NOTICED_WITHIN = 5.0  # seconds; the op timeout is 60
 

@@ -28,6 +28,8 @@ from tandem.bench.torch_backend import TinyTransformer
 
 from _tb_util import checked, init, results_on
 
+pytestmark = pytest.mark.procs
+
 STEPS = 10
 TOLERANCE = 1e-6
 VOCAB, WIDTH, SEQ, BATCH = 64, 32, 8, 4

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from _tb_util import attempt, checked, init, results_on
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(150)]
 
 
 def _sum_of_ranks(group: Any = None) -> float:
@@ -103,6 +103,7 @@ def _case(results: list[dict[str, Any]], name: str) -> list[Any]:
     return [r[name] for r in results]
 
 
+@pytest.mark.smoke("tandem.torch_backend")
 def test_subgroups_share_the_default_groups_connections(lives: list[dict[str, Any]]) -> None:
     for rank, r in enumerate(_case(lives, "shared")):
         assert r["world"] == r["tcp"] == r["world_after_destroying_a_subgroup"] == 3.0, r

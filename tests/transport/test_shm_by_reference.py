@@ -89,10 +89,11 @@ def test_a_send_by_reference_completes_only_once_the_receiver_took_it(
     a, b = pair
     _warm(a, b)
     assert _readable(a, 1)
-    go = threading.Event()
+    go, arrived = threading.Event(), threading.Event()
     real = b.mailbox.arrive
 
     def slow(peer: int, header: Header, read: Callable[[memoryview], None]) -> None:
+        arrived.set()
         go.wait(FAST)
         real(peer, header, read)
 
@@ -100,7 +101,7 @@ def test_a_send_by_reference_completes_only_once_the_receiver_took_it(
     buf = bytearray(BIG)
     got = b.irecv(0, Kind.P2P, 2, 0, 0, memoryview(buf))
     sent = a.isend(1, Header(Kind.P2P, 2, 0, 0, BIG), memoryview(_payload()))
-    time.sleep(0.3)
+    assert arrived.wait(FAST), "the message never reached the receiver"
     assert not sent.done(), "the sender's memory must stay untouched until the peer read it"
     go.set()
     assert _finished(sent) is None and _finished(got) is None

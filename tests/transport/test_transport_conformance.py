@@ -18,7 +18,7 @@ from _transport_ranks import WORLD, conformance
 from tandem.testing import launch
 from tandem.transport.loopback import LoopbackHub
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(180)]
 
 KINDS = ["loopback", "tcp", "shm", "shm-devshm", "mixed"]
 

@@ -26,7 +26,7 @@ from tandem.collectives.world import world
 from tandem.testing import launch
 from tandem.transport import Header, Kind
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]
 
 NBYTES = 256 << 20
 NOTICED_WITHIN = 5.0
@@ -74,7 +74,8 @@ def _killed_mid_send(rank: int, world_size: int, how: str, stamp: str) -> Any:
     return result
 
 
-@pytest.mark.parametrize("backend", ["tcp", "shm", "auto"])
+@pytest.mark.parametrize("backend", [pytest.param("tcp", marks=pytest.mark.smoke("tandem.transport")),
+                                     "shm", "auto"])
 @pytest.mark.parametrize("how", ["cut", "send"])
 def test_receive_of_a_message_cut_by_the_senders_death_fails_naming_it(
         tmp_path: Path, backend: str, how: str) -> None:
