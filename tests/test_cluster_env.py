@@ -79,6 +79,7 @@ def test_the_step_nodelist_wins_over_the_jobs() -> None:
     assert env["MASTER_ADDR"] == "n11"  # srun -N1 in a 2-node job: task 0 is on n11
 
 
+@pytest.mark.procs
 def test_a_node_name_that_does_not_resolve_is_asked_of_slurm(tmp_path: Path) -> None:
     # a fake scontrol on PATH answers as SLURM does for a node with its own NodeAddr
     fake = tmp_path / "scontrol"
@@ -107,6 +108,7 @@ def test_multi_node_jobs_without_a_secret_are_refused(tmp_path: Path) -> None:
     assert load_secret({**SLURM_TASK, "SLURM_STEP_NUM_NODES": "1", **home})  # one node: per-user file
 
 
+@pytest.mark.procs
 def test_python_m_tandem_secret_prints_a_fresh_secret() -> None:
     made = [subprocess.run([sys.executable, "-m", "tandem.secret"], capture_output=True,
                            text=True, check=True).stdout.strip() for _ in range(2)]

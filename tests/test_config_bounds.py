@@ -123,6 +123,7 @@ def _load_secret_in_child(path: str) -> subprocess.CompletedProcess[str]:
                           timeout=20, preexec_fn=limit)
 
 
+@pytest.mark.procs
 def test_a_secret_file_that_is_a_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
     fifo = tmp_path / "secret"
     os.mkfifo(fifo, 0o600)
@@ -133,11 +134,13 @@ def test_a_secret_file_that_is_a_fifo_is_refused_without_blocking(tmp_path: Path
     assert "is a FIFO, not a regular file" in done.stdout, done
 
 
+@pytest.mark.procs
 def test_dev_zero_as_secret_file_is_refused_before_it_is_read() -> None:
     done = _load_secret_in_child("/dev/zero")
     assert "is a character device, not a regular file" in done.stdout, done
 
 
+@pytest.mark.procs
 def test_a_huge_secret_file_is_refused_by_its_size(tmp_path: Path) -> None:
     big = tmp_path / "secret"
     with open(big, "wb") as f:

@@ -92,6 +92,7 @@ def test_the_readme_carries_its_quick_starts_as_running_blocks() -> None:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("block", _marked("run"), ids=str)
+@pytest.mark.procs
 def test_a_run_block_runs(block: Block, tmp_path: Path) -> None:
     script = tmp_path / "block.py"
     script.write_text(block.code)
@@ -102,6 +103,7 @@ def test_a_run_block_runs(block: Block, tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("block", _marked(r"tandemrun \d+"), ids=str)
+@pytest.mark.procs
 def test_a_tandemrun_block_runs(block: Block, tmp_path: Path) -> None:
     script = tmp_path / "block.py"
     script.write_text(block.code)
@@ -112,6 +114,7 @@ def test_a_tandemrun_block_runs(block: Block, tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.procs
 def test_the_site_builds_strictly(tmp_path: Path) -> None:
     missing = [m for m in SITE_MODULES if importlib.util.find_spec(m.split(".")[0]) is None]
     if missing:

@@ -42,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
 from test_ddp_torch_parity import each_case_with_gloo, spawn_with_gloo, twins  # noqa: E402
 from test_ddp_training import BUILDERS, LOCAL_BATCH, _inputs, _scramble  # noqa: E402
 
+pytestmark = pytest.mark.procs  # every test here starts processes
+
 WARMUP = 2  # global gradient averaging for 2 steps, then averaging every PERIOD steps
 PERIOD = 2
 

@@ -24,6 +24,8 @@ import pytest
 
 from tandem.testing.netns import Unavailable, netns_lab
 
+pytestmark = pytest.mark.procs  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "examples" / "kubernetes"
 EXAMPLE = ROOT / "examples" / "train_chars.py"

@@ -20,6 +20,8 @@ from tandem.testing.netns import Unavailable
 sys.path.insert(0, str(Path(__file__).parent))
 from _reports import rank_reports  # noqa: E402
 
+pytestmark = pytest.mark.procs  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_chars.py"
 PROBE = Path(__file__).with_name("_probe.py")

@@ -65,6 +65,7 @@ def _run(body: Any, backend: str, strict: bool) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.procs
 def test_a_skipped_call_is_a_mismatch_naming_both_lines_when_sites_are_checked(
         backend: str) -> None:
     for rank, r in enumerate(_run(_skips_a_call, backend, strict=True)):
@@ -75,6 +76,7 @@ def test_a_skipped_call_is_a_mismatch_naming_both_lines_when_sites_are_checked(
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.procs
 def test_one_collective_from_two_lines_works_by_default(backend: str) -> None:
     results = _run(_one_call_from_two_lines, backend, strict=False)
     for rank, r in enumerate(results):
@@ -82,6 +84,7 @@ def test_one_collective_from_two_lines_works_by_default(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.procs
 def test_one_collective_from_two_lines_is_refused_when_sites_are_checked(backend: str) -> None:
     for rank, r in enumerate(_run(_one_call_from_two_lines, backend, strict=True)):
         assert not r["ok"] and "collective mismatch" in r["msg"], (backend, rank, r)

@@ -195,6 +195,7 @@ def seen(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, dict[str, 
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.procs
 def test_per_rank_behaviour_is_a_mismatch_on_every_rank(seen, case: str) -> None:
     backend, results = seen
     for rank in range(2):
@@ -206,6 +207,7 @@ def test_per_rank_behaviour_is_a_mismatch_on_every_rank(seen, case: str) -> None
         assert r["elapsed"] < OP_TIMEOUT / 4, (backend, rank, r["elapsed"], r["msg"])
 
 
+@pytest.mark.procs
 def test_a_result_mismatch_names_the_op_and_each_ranks_checksum(seen) -> None:
     backend, results = seen
     for rank in range(2):
@@ -215,12 +217,14 @@ def test_a_result_mismatch_names_the_op_and_each_ranks_checksum(seen) -> None:
         assert "pure=True" in msg, msg
 
 
+@pytest.mark.procs
 def test_an_op_declared_pure_is_not_compared(seen) -> None:
     backend, results = seen
     # each rank's own scale applied to the lower rank's data: they differ, as declared
     assert results[0]["pure"]["value"] != results[1]["pure"]["value"], backend
 
 
+@pytest.mark.procs
 def test_an_honest_custom_op_still_works(seen) -> None:
     backend, results = seen
     for rank in range(2):

@@ -165,6 +165,7 @@ def _unreceived(rank: int, world_size: int) -> list[str]:
 
 
 @pytest.mark.parametrize("backend", ["tcp", "shm"])
+@pytest.mark.procs
 def test_sends_nobody_received_are_named_when_the_group_is_destroyed(backend: str) -> None:
     from tandem.testing import spawn
 

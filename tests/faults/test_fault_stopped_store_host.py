@@ -18,7 +18,7 @@ import tandem as dist
 from _fault_helpers import attempt, values, warm_up
 from tandem.testing import launch
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.procs]
 
 WORLD = 4
 STALL = 1.5  # TANDEM_STALL_WARN: the first report comes well before the timeout

@@ -22,7 +22,7 @@ import tandem.rpc as rpc
 from _rpc_workers import attempt, echo, run_outcomes
 from tandem._proc import process_stopped
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.timeout(150), pytest.mark.procs]
 
 RPC_TIMEOUT = 30.0  # what a call to a departed worker used to wait
 FAST = 5.0  # seconds within which such a call must fail instead

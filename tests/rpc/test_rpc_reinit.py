@@ -17,7 +17,7 @@ import tandem.rpc as rpc
 from _rpc_workers import attempt, echo
 from tandem.testing import launch
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.procs]
 
 CYCLES = 12
 

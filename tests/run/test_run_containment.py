@@ -91,6 +91,7 @@ NO_CGROUP = ("from tandem.run import containment\n"
              "runpy.run_module('tandem.run', run_name='__main__', alter_sys=True)\n")
 
 
+@pytest.mark.procs
 def test_nothing_survives_the_launcher_and_every_supervisor_killed(tmp_path: Path,
                                                                    reap_kids: None) -> None:
     """SIGKILL of the launcher and of each supervisor leaves no process of the job to kill
@@ -116,6 +117,7 @@ def test_nothing_survives_the_launcher_and_every_supervisor_killed(tmp_path: Pat
             proc.communicate(timeout=30)
 
 
+@pytest.mark.procs
 def test_the_reaper_kills_only_its_own_job(tmp_path: Path) -> None:
     """Only processes whose environment holds exactly this job's mark are killed."""
     sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
@@ -133,6 +135,7 @@ def test_the_reaper_kills_only_its_own_job(tmp_path: Path) -> None:
             p.wait(30)
 
 
+@pytest.mark.procs
 def test_a_new_reaper_sweeps_jobs_whose_launcher_and_reaper_are_gone() -> None:
     """Should a job's reaper be killed with the rest, the next launcher's reaper kills what
     that job left; a job whose launcher lives is never touched."""
@@ -215,6 +218,7 @@ def test_the_launcher_says_how_its_workers_are_contained(launch: Launch, tmp_pat
         assert f"no cgroup: {reason}" in res.err, res.err
 
 
+@pytest.mark.procs
 def test_where_no_cgroup_can_be_made_the_launcher_says_why(
         monkeypatch: pytest.MonkeyPatch) -> None:
     def unmounted() -> str:

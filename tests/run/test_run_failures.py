@@ -148,6 +148,7 @@ def test_a_restarted_job_resumes_from_its_checkpoint(run: Run, tmp_path: Path) -
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.procs
 def test_the_root_cause_is_the_rank_that_stalled_not_the_one_that_reported_it(run: Run) -> None:
     res = run("--nproc-per-node", "3", SCRIPTS / "stalls_in_loader.py")
     assert res.code == 1
@@ -217,6 +218,7 @@ def _memory_cgroup(limit: int) -> Path | None:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.procs
 def test_a_worker_the_oom_killer_killed_is_said_to_be(run: Run) -> None:
     import os
     if os.geteuid() != 0:

@@ -13,7 +13,7 @@ import pytest
 from _shm_bound_ranks import arena_on_a_smaller_machine
 from tandem.testing import launch
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.procs]
 
 
 def test_a_staging_chunk_too_large_for_the_host_is_refused_before_it_is_reserved() -> None:

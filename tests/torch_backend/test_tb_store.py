@@ -102,6 +102,7 @@ def _two_ranks(rank: int, world: int, port: int) -> list[float]:
     return t.tolist()
 
 
+@pytest.mark.procs
 def test_two_ranks_rendezvous_through_the_authenticated_store(tmp_path: Path) -> None:
     from tandem.testing import launch
 
