@@ -17,7 +17,7 @@ Segment layout (one per member, created by that member)::
 
     byte 0            posted   u64   phases this member has published
     byte 8            pid      u64   the member's process id         (direct access,
-    byte 16           here     u64   where it mapped its own segment  see _arena_direct)
+    byte 16           here     u64   where it mapped its own segment  below)
     byte 24           verdict  u64   0 not yet, 1 it may read and write every member's
                                      memory, 2 it may not
     byte 32           buffer   u64   address of the tensor of its current call
@@ -40,7 +40,16 @@ posted the call's first phase (then nobody reads the previous call any more), an
 it did write there, ends with :meth:`settle` (one more post, after its last read),
 which the next round waits for.
 
-Direct access (pid, here, verdict, buffer): see ``_arena_direct``.
+A collective may also move bytes straight between the members' tensors with
+cross-memory reads and writes (``_cma``; the algorithm is
+``tandem.collectives.algorithms.shm_direct``) instead of staging them. Each member's
+pid and the address where it mapped its own segment, written once when the arena is
+made, let a peer probe whether the kernel lets it read and write this process
+(:meth:`Arena.probe_direct`); the member publishes that probe's verdict, and the
+address of the tensor it works on in the current call (:meth:`Arena.publish_buffer`)::
+
+    arena.publish_buffer(t.data_ptr()); arena.post(); arena.wait_all(...)
+    arena.read_member(q, arena.buffer_of(q) + offset, scratch.data_ptr(), nbytes)
 
 Ordering rests on x86-64 total store order, as for the rings (see ``_ring``): data
 is stored before the counter that publishes it; a :func:`fence` separates "publish"
@@ -59,7 +68,7 @@ from typing import Callable, Sequence
 import torch
 
 from tandem.errors import ArgumentError
-from tandem.transport._arena_direct import HERE, PID, DirectAccess
+from tandem.transport import _cma
 from tandem.transport._shmem import address_of, fence, futex_wait, futex_wake
 
 __all__ = ["Arena", "MAX_MEMBERS", "CONTROL_BYTES", "segment_bytes", "default_chunk"]
@@ -67,6 +76,7 @@ __all__ = ["Arena", "MAX_MEMBERS", "CONTROL_BYTES", "segment_bytes", "default_ch
 CONTROL_BYTES = 8192
 MAX_MEMBERS = 256
 _POSTED = 0
+PID, HERE, VERDICT, BUFFER = 1, 2, 3, 4  # u64 indexes of direct access in a control area
 _ASLEEP = 8  # u64 index of member 0's sleep flag
 _CALLS = (_ASLEEP + MAX_MEMBERS) * 8  # byte offset of the announcement entries: 2112
 _KEPT = 4  # announcements kept per member
@@ -96,7 +106,7 @@ def default_chunk(local_ranks: int) -> int:
     return chunk
 
 
-class Arena(DirectAccess):
+class Arena:
     """Staging segments of ``members`` (global ranks, in group order); ``index`` is mine.
 
     ``maps[i]`` is member i's segment (mine included). ``spin`` is how long a waiter
@@ -132,8 +142,10 @@ class Arena(DirectAccess):
         self._heads: dict[tuple[torch.dtype, int], list[list[torch.Tensor]]] = {}
         mine = self._ctl[index]
         mine[PID], mine[HERE] = os.getpid(), self._addr[index]
-        self.direct = None
-        self._scratch = None
+        # whether every member may read and write every member's memory: None until the
+        # members agreed (shm_direct does that in its first call)
+        self.direct: bool | None = None
+        self._scratch: torch.Tensor | None = None
 
     # -- lifetime --------------------------------------------------------------------
     def close(self) -> None:
@@ -330,3 +342,49 @@ class Arena(DirectAccess):
         return (ctl[w] == seq + 1 and ctl[w + 1] == len(sig)
                 and self._maps[member][base + 24:base + 24 + len(sig)] == sig
                 and ctl[w] == seq + 1)
+
+    # -- direct access to the members' memory ----------------------------------------
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        """A private buffer of at least ``nbytes`` (uint8), kept for the next call."""
+        if self._scratch is None or len(self._scratch) < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+            self._scratch.zero_()  # fault it in now, not inside a timed call
+        return self._scratch
+
+    def probe_direct(self) -> bool:
+        """Whether this process may read and write every other member's memory; the
+        answer is published as this member's verdict (:meth:`verdict`)."""
+        ok = _cma.available()
+        for q in range(self.size):
+            if ok and q != self.index:
+                ctl = self._ctl[q]
+                ok = _cma.may_write(int(ctl[PID]), int(ctl[HERE]) + 8 * PID, int(ctl[PID]))
+        self._ctl[self.index][VERDICT] = 1 if ok else 2
+        return ok
+
+    def verdict(self, member: int) -> bool | None:
+        """``member``'s published :meth:`probe_direct` answer (None: not yet)."""
+        v = self._ctl[member][VERDICT]
+        return None if v == 0 else v == 1
+
+    @staticmethod
+    def direct_possible() -> bool:
+        """Whether this system has cross-memory reads and writes at all."""
+        return _cma.available()
+
+    def read_member(self, member: int, address: int, local: int, nbytes: int) -> None:
+        """Copy ``nbytes`` at ``address`` of ``member``'s process to ``local`` (OSError:
+        the kernel refused, or the process is gone)."""
+        _cma.read_from(int(self._ctl[member][PID]), local, address, nbytes)
+
+    def write_member(self, member: int, address: int, local: int, nbytes: int) -> None:
+        """Copy ``nbytes`` at ``local`` to ``address`` of ``member``'s process."""
+        _cma.write_to(int(self._ctl[member][PID]), address, local, nbytes)
+
+    def publish_buffer(self, address: int) -> None:
+        """Where this member's tensor of the current call is (before the call's post)."""
+        self._ctl[self.index][BUFFER] = address
+
+    def buffer_of(self, member: int) -> int:
+        """The address of ``member``'s published tensor, in its process."""
+        return int(self._ctl[member][BUFFER])
