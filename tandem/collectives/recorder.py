@@ -31,13 +31,10 @@ import itertools
 import operator
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.autograd.profiler as _torch_profiler
-
-if TYPE_CHECKING:
-    from tandem.collectives.timeline import Timeline
 
 __all__ = ["Call", "Recorder", "OpStats", "QUEUED", "STARTED", "COMPLETED", "FAILED",
            "RECORD_FIELDS", "STATE_NAMES", "clock", "payload_bytes"]
@@ -106,6 +103,19 @@ class Call:
         return f"{self.op} #{self.seq}"
 
 
+class Spans(Protocol):
+    """Where a recorder sends finished calls while a timeline runs, and DDP its phases
+    (:class:`tandem.collectives.timeline.Timeline`, which renders the recorder's calls)."""
+
+    def call(self, call: Call, group: str) -> None: ...
+
+    def span(self, name: str, t0: float, t1: float, cat: str = ...,
+             args: dict[str, Any] | None = ...) -> None: ...
+
+    def ddp_backward(self, t_backward: float, t_compute_end: float, t_waited: float,
+                     t_end: float, buckets: list[tuple[int, int, float, float]]) -> None: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class OpStats:
     """Totals of one operation on one group: calls finished, bytes, seconds, failures."""
@@ -161,7 +171,7 @@ class Recorder:
         self._late: list[list[Any]] = []  # collectives still running when their lap was added up
         self._lock = threading.Lock()
         self._read_lock = threading.Lock()
-        self.timeline: Timeline | None = None
+        self.timeline: Spans | None = None
         self.on_failure: Callable[[str], object] | None = None
 
     # -- the collective path (the rest is written out in ProcessGroup._execute) --------

@@ -113,7 +113,7 @@ class Agent:
         self._sent = itertools.count()
         self._handled = itertools.count()
         self.closed = False
-        self.rrefs = RRefTable(self)
+        self.rrefs: RRefTable = RRefTable(self)
         self.autograd = Contexts(self.rank)
         self.buffers = ReceiveBuffers()  # large received tensors' memory, recycled
         # per peer, made once: each message would otherwise build its own (~0.4 us each)

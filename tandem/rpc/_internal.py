@@ -75,7 +75,7 @@ def rref_method(rref: Any, name: str, args: tuple[Any, ...],
 
 def rref_backward(rref: Any, context_id: int, retain_graph: bool) -> None:
     """``RRef.backward`` from a user: the distributed backward pass starts on the owner."""
-    from tandem.autograd import backward
+    from tandem.autograd import backward  # lazy: autograd's engine runs on the RPC agent
 
     _owned(rref, "RRef.backward")
     backward(context_id, [rref.local_value()], retain_graph)

@@ -16,24 +16,39 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Callable, Protocol
 
 from tandem.errors import PeerLostError
 from tandem.rpc._calls import Pending, timeout_error
+from tandem.rpc._rrefs import RRefTable
+from tandem.transport.base import Transport
 from tandem.transport.message import Flag
-
-if TYPE_CHECKING:
-    from tandem.rpc._agent import Agent
 
 __all__ = ["Monitor"]
 
 INTERVAL_S = 0.1
 
 
+class _Agent(Protocol):
+    """What the monitor watches of its agent (:class:`~tandem.rpc._agent.Agent`)."""
+
+    rank: int
+    transport: Transport
+    rrefs: RRefTable
+    pending: dict[int, Pending]
+    next_deadline: float
+    deadline_lock: threading.Lock
+
+    def label(self, rank: int) -> str: ...
+
+    def fail_pending(self, match: Callable[[Pending], bool],
+                     error: Callable[[Pending], BaseException]) -> None: ...
+
+
 class Monitor:
     """Started with its agent, stopped by ``stop`` (joins the thread)."""
 
-    def __init__(self, agent: "Agent") -> None:
+    def __init__(self, agent: _Agent) -> None:
         self._agent = agent
         self._flag = Flag()
         self._stopping = False

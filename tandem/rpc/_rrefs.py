@@ -25,20 +25,27 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from tandem.errors import RpcTimeoutError
 from tandem.rpc._calls import wait_flag
 from tandem.transport.message import Flag
-
-if TYPE_CHECKING:
-    from tandem.rpc._agent import Agent
 
 __all__ = ["Entry", "RRefTable", "RRefId"]
 
 RRefId = tuple[int, int]  # (worker that made it, a number unique on that worker)
 _READY = threading.Lock()  # orders Entry.settle against Entry.when_ready (held briefly)
 
+
+
+class _Agent(Protocol):
+    """What the table needs of its agent (:class:`~tandem.rpc._agent.Agent`)."""
+
+    rank: int
+
+    def new_id(self) -> int: ...
+
+    def notify(self, dest: int, note: tuple[Any, ...]) -> None: ...
 
 class Entry:
     """The owner's record of one RRef value (pending until ``settle``)."""
@@ -80,7 +87,7 @@ class Entry:
 class RRefTable:
     """One worker's RRef bookkeeping, as owner and as user (see the module docstring)."""
 
-    def __init__(self, agent: "Agent") -> None:
+    def __init__(self, agent: _Agent) -> None:
         self.agent = agent
         self.me = agent.rank
         self._lock = threading.Lock()
@@ -162,14 +169,15 @@ class RRefTable:
     # -- receiving RRefs ---------------------------------------------------------------
     def build(self, src: int, owner: int, rref_id: RRefId, fork: RRefId | None,
               parent: int) -> Any:
-        from tandem.rpc.rref import RRef  # the public class builds on this module
+        from tandem.rpc.rref import RRef  # lazy: the public class builds on this module
 
+        agent: Any = self.agent  # the whole Agent, which an RRef uses as its owner's API
         if owner == self.me:
             with self._lock:
                 entry = self._find(tuple(rref_id))  # type: ignore[arg-type]
-            return RRef._owned(self.agent, entry)
+            return RRef._owned(agent, entry)
         assert fork is not None
-        rref = RRef._user(self.agent, owner, (rref_id[0], rref_id[1]), (fork[0], fork[1]),
+        rref = RRef._user(agent, owner, (rref_id[0], rref_id[1]), (fork[0], fork[1]),
                           confirmed=parent == owner)
         if parent != owner:
             self.unconfirmed[(fork[0], fork[1])] = rref

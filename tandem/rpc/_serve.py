@@ -13,19 +13,19 @@ with the error, which the entry also keeps for later uses of the RRef.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
+from tandem.autograd._context import Contexts
 from tandem.errors import StateError, TandemError
 from tandem.rpc import _codec
 from tandem.rpc._calls import describe, remote_error_fields
 from tandem.rpc._codec import ERROR, REPLY
 from tandem.rpc._pool import Job, ServerPool, poll_as_reader, role
+from tandem.rpc._rrefs import RRefTable
 from tandem.rpc.functions import ASYNC_ATTR
-
-if TYPE_CHECKING:
-    from tandem.rpc._agent import Agent
+from tandem.transport.base import Poller
 
 __all__ = ["Server"]
 
@@ -33,10 +33,31 @@ MAX_EXTRA_THREADS = 128  # threads beyond num_worker_threads, for calls blocked 
 MAX_QUEUED = 1 << 16  # calls waiting for a server thread before the reader stops reading
 
 
+
+class _Agent(Protocol):
+    """What serving needs of its agent (:class:`~tandem.rpc._agent.Agent`)."""
+
+    rank: int
+    spin: float
+    pollers: dict[int, Poller]
+    rrefs: RRefTable
+    autograd: Contexts
+
+    def label(self, rank: int) -> str: ...
+
+    def decode(self, src: int, incoming: _codec.Incoming) -> Any: ...
+
+    def encode(self, obj: Any, dest: int, what: str, ctx: int = 0) -> _codec.Outgoing: ...
+
+    def send(self, dest: int, msg: int, seq: int, out: _codec.Outgoing,
+             wait: bool = False) -> None: ...
+
+    def handled_one(self) -> None: ...
+
 class Server:
     """The serving half of one worker's agent."""
 
-    def __init__(self, agent: "Agent", threads: int) -> None:
+    def __init__(self, agent: _Agent, threads: int) -> None:
         self.agent = agent
         self.pool = ServerPool(threads, f"tandem-rpc-{agent.rank}", threads + MAX_EXTRA_THREADS,
                                MAX_QUEUED, agent.spin)

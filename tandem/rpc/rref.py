@@ -159,7 +159,7 @@ class RRef(Generic[T]):
                                     f"{type(value).__name__}")
             value.backward(retain_graph=retain_graph)
             return
-        from tandem.rpc.api import rpc_sync
+        from tandem.rpc.api import rpc_sync  # lazy: the API hands out RRefs, built on this class
 
         rpc_sync(self._owner, _internal.rref_backward, (self, dist_autograd_ctx_id, retain_graph))
 
@@ -195,7 +195,7 @@ class _Proxy:
 
 def _invoke(rref: RRef[Any], kind: str, timeout: float, name: str, *args: Any,
             **kwargs: Any) -> Any:
-    from tandem.rpc import api
+    from tandem.rpc import api  # lazy: the API hands out RRefs, built on this class
 
     call = getattr(api, kind)
     return call(rref._owner, _internal.rref_method, (rref, name, args, kwargs), timeout=timeout)
