@@ -38,20 +38,20 @@ _EXPORTS: dict[str, str] = {
     "reduce_scatter_single": "tandem.collectives.api",
     "reduce_scatter_tensor": "tandem.collectives.api",
     "scatter": "tandem.collectives.api",
-    "OpStats": "tandem.collectives.observe",
-    "dump_flight_recorder": "tandem.collectives.observe",
-    "stats": "tandem.collectives.observe",
-    "timeline": "tandem.collectives.observe",
+    "OpStats": "tandem.collectives.debug_api",
+    "dump_flight_recorder": "tandem.collectives.debug_api",
+    "stats": "tandem.collectives.debug_api",
+    "timeline": "tandem.collectives.debug_api",
     "Backend": "tandem.collectives.backend",
     "BackendOptions": "tandem.collectives.backend",
     "NonMemberGroup": "tandem.collectives.group",
     "ProcessGroup": "tandem.collectives.group",
-    "get_global_rank": "tandem.collectives.groups",
-    "get_group_rank": "tandem.collectives.groups",
-    "get_process_group_ranks": "tandem.collectives.groups",
-    "new_group": "tandem.collectives.groups",
-    "new_subgroups": "tandem.collectives.groups",
-    "new_subgroups_by_enumeration": "tandem.collectives.groups",
+    "get_global_rank": "tandem.collectives.subgroups",
+    "get_group_rank": "tandem.collectives.subgroups",
+    "get_process_group_ranks": "tandem.collectives.subgroups",
+    "new_group": "tandem.collectives.subgroups",
+    "new_subgroups": "tandem.collectives.subgroups",
+    "new_subgroups_by_enumeration": "tandem.collectives.subgroups",
     "all_gather_object": "tandem.collectives.objects",
     "broadcast_object_list": "tandem.collectives.objects",
     "gather_object": "tandem.collectives.objects",
@@ -140,7 +140,7 @@ if _TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eager
     from tandem.collectives.barriers import barrier, monitored_barrier
     from tandem.collectives.backend import Backend, BackendOptions
     from tandem.collectives.group import NonMemberGroup, ProcessGroup
-    from tandem.collectives.groups import (
+    from tandem.collectives.subgroups import (
         get_global_rank,
         get_group_rank,
         get_process_group_ranks,
@@ -148,7 +148,7 @@ if _TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eager
         new_subgroups,
         new_subgroups_by_enumeration,
     )
-    from tandem.collectives.observe import OpStats, dump_flight_recorder, stats, timeline
+    from tandem.collectives.debug_api import OpStats, dump_flight_recorder, stats, timeline
     from tandem.collectives.objects import (
         all_gather_object,
         broadcast_object_list,

@@ -48,7 +48,7 @@ import torch
 from tandem import _dcp
 from tandem._proc import process_alive
 from tandem.collectives.api import broadcast
-from tandem.collectives.groups import get_global_rank
+from tandem.collectives.subgroups import get_global_rank
 from tandem.collectives.world import AnyGroup, get_rank, is_initialized
 from tandem.errors import ArgumentError, StateError
 

@@ -37,7 +37,7 @@ from typing import Any, Iterable, Mapping
 
 from tandem.collectives.group import ProcessGroup
 from tandem.collectives.recorder import STATE_NAMES, Call, clock
-from tandem.collectives.stall import main_thread_site, main_thread_stack
+from tandem.collectives.stall_report import main_thread_site, main_thread_stack
 from tandem.collectives.trace_files import DUMP_FORMAT, dump_path
 
 __all__ = ["snapshot", "write_dump"]

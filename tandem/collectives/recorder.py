@@ -5,7 +5,7 @@ group's ring of ``TANDEM_FLIGHT_RECORDER`` entries (2000 by default; 0 turns it
 off). A call moves through the states ``queued`` (issued; an ``async_op=True`` call
 waits here for the group's progress engine), ``started``, then ``completed`` or
 ``failed``, with a timestamp at each step. The watchdog reads the ring to find
-stalled calls (:mod:`tandem.collectives.stall`), the dump writes it out as JSON
+stalled calls (:mod:`tandem.collectives.stall_report`), the dump writes it out as JSON
 (:mod:`tandem.collectives.dump`), the timeline turns finished calls into spans
 (:mod:`tandem.collectives.timeline`), and :func:`tandem.stats` sums it up::
 

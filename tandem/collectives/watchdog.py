@@ -42,7 +42,7 @@ from typing import Any, Callable, Hashable
 
 from tandem.collectives.group import ProcessGroup
 from tandem.collectives.recorder import STARTED, Call, clock
-from tandem.collectives.stall import process_state, stall_warning
+from tandem.collectives.stall_report import process_state, stall_warning
 from tandem.errors import TandemError
 from tandem.store.base import Store
 from tandem.transport import Header, Kind, Transport

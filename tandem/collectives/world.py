@@ -19,7 +19,7 @@ from tandem.collectives.backend import Backend, BackendOptions, resolve_backend
 from tandem.collectives.checks import check_cpu_device, refuse_pg_options
 from tandem.collectives.group import NonMemberGroup, ProcessGroup
 from tandem.collectives.init_method import check_rank, open_store
-from tandem.collectives.monitor import Monitor
+from tandem.collectives.process_monitor import Monitor
 from tandem.config import Settings, load_secret, load_settings, timeout_seconds
 from tandem.errors import (ArgumentError, NetworkError, StateError, StoreTimeoutError, TandemError,
                            TimeoutError)
@@ -146,7 +146,7 @@ def init_process_group(
     scoped.set_timeout(seconds)  # later store use (new_group) is bounded by the op timeout
     _world = World(default, store, transport, settings, backend_name, generation, owns_store,
                    scoped)
-    # [observability hook] stall warnings, flight-recorder dumps, timeline (monitor.py)
+    # [observability hook] stall warnings, flight-recorder dumps, timeline (process_monitor.py)
     _world.monitor = Monitor(rank, world_size, settings, transport,
                              PrefixStore("watch", scoped), _world.process_groups)
     _world.monitor.adopt(default)

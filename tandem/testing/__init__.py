@@ -98,7 +98,7 @@ def _mp() -> Any:
         # tandem packages after it took a rank 0.2-0.5 s each at load 12.
         _context.set_forkserver_preload(["torch", "torch._dynamo", "tandem.collectives.api",
                                           "tandem.collectives.p2p", "tandem.collectives.objects",
-                                          "tandem.collectives.groups", "tandem.parallel",
+                                          "tandem.collectives.subgroups", "tandem.parallel",
                                           "tandem.optim", "tandem.elastic"])
     return _context
 

@@ -14,7 +14,7 @@ rank and all subgroups use it. A tandem subgroup under another default backend
 (``init_process_group("gloo")`` then ``new_group(backend="tandem")``) gets a fabric
 over its own members, which later groups within those members reuse.
 
-Each fabric runs one :class:`~tandem.collectives.monitor.Monitor` over its groups, as
+Each fabric runs one :class:`~tandem.collectives.process_monitor.Monitor` over its groups, as
 tandem's own ``init_process_group`` does for its groups: stall warnings
 (``TANDEM_STALL_WARN``), flight-recorder dumps when a call fails or a peer is lost,
 and the timeline. Its store exchange (what a stalled peer is doing) runs under the
@@ -39,7 +39,7 @@ from torch.distributed.constants import default_pg_timeout
 from tandem import _wire
 from tandem.collectives.backend import Backend, BackendOptions, resolve_backend
 from tandem.collectives.group import ProcessGroup
-from tandem.collectives.monitor import Monitor
+from tandem.collectives.process_monitor import Monitor
 from tandem.collectives.world import bind_address
 from tandem.config import Settings, load_secret, load_settings
 from tandem.errors import StateError

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from tandem.algorithms.model_averaging.averagers import check_count
-from tandem.collectives.groups import new_subgroups
+from tandem.collectives.subgroups import new_subgroups
 from tandem.collectives.world import AnyGroup
 from tandem.errors import ArgumentError
 from tandem.parallel.comm_hooks import GradBucket, allreduce_hook

@@ -9,7 +9,7 @@ import warnings
 
 from tandem.algorithms.model_averaging import utils
 from tandem.algorithms.model_averaging.averagers import ModelAverager, check_count
-from tandem.collectives.groups import new_subgroups
+from tandem.collectives.subgroups import new_subgroups
 from tandem.collectives.world import AnyGroup, get_world_size
 from tandem.errors import ArgumentError
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from tandem.collectives.monitor import Monitor
+from tandem.collectives.process_monitor import Monitor
 from tandem.collectives.recorder import OpStats
 from tandem.collectives.timeline import Timeline
 from tandem.collectives.world import AnyGroup, resolve_group, world
