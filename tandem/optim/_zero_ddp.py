@@ -52,7 +52,7 @@ def _check_pair(ddp: Any, zero: Any, what: str) -> None:
                             f"{type(zero).__name__}")
     if ddp.process_group is not zero.process_group:
         raise ArgumentError(f"{what}: DDP and the optimizer must use the same process group")
-    if ddp.stats.steps > 0 or ddp.reducer._started:
+    if ddp.backward_started:
         raise StateError(f"{what}: attach before the first backward")
 
 
