@@ -243,7 +243,7 @@ class DistributedDataParallel(nn.Module, GroupJoinable):
         if self._join_config.enable:
             Join.notify_join_context(self)
             flags = TRAINING | (SYNC if sync else 0) | (BUFFERS if buffers else 0)
-            _, self.reducer.divisor = join_round(self, flags)
+            _, self.reducer.divisor = self._join_round(flags)
         elif buffers:
             self._buffers_sync()
         output = self.module(*inputs, **kwargs)
@@ -281,7 +281,19 @@ class DistributedDataParallel(nn.Module, GroupJoinable):
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """The hook a joined rank runs (``divide_by_initial_world_size``, default True)."""
-        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+        self._divide_by_initial_world_size = bool(kwargs.get("divide_by_initial_world_size", True))
+        return DDPJoinHook(self, self._join_round, self._replica)
+
+    def _join_round(self, mine: int) -> tuple[int, int | None]:
+        return join_round(self.process_group, self._buffers_sync,
+                          self._divide_by_initial_world_size, mine)
+
+    def _replica(self) -> list[torch.Tensor]:
+        """What the last rank to join copies to the others when all have joined."""
+        tensors = [p.detach() for p in self._synced_params]
+        if self.broadcast_buffers:
+            tensors += self._buffers_sync.buffers
+        return tensors
 
     # -- communication hooks -------------------------------------------------------------
     def register_comm_hook(self, state: object,
