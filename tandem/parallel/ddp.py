@@ -338,8 +338,9 @@ class DistributedDataParallel(nn.Module, GroupJoinable):
 
         For a membership that changed while the processes live on (``tandem.elastic``
         calls it on every survivor and joiner after a lost rank or a scale-up, with the
-        new default group). Call it on every member of ``new_group``, between steps,
-        never while a backward runs.
+        new default group). Call it on every member of ``new_group``, between steps; a
+        backward that failed half-way on the old group (a rank was lost) is dropped with
+        the old group's buckets.
 
         The gradient buckets and the buffer broadcaster are rebuilt on ``new_group``
         with this DDP's settings; the buckets keep their layout. Parameters and buffers
@@ -348,10 +349,10 @@ class DistributedDataParallel(nn.Module, GroupJoinable):
         state None or the old group moves along, its state becoming ``new_group``.
 
         Raises :class:`~tandem.errors.ArgumentError` if ``new_group`` is not a process
-        group this rank belongs to, and :class:`~tandem.errors.StateError` during a
-        backward, or when the DDP carries something bound to the old group: sharded
-        gradients (``shard_gradients``), an observing hook (``hook_with_zero_step``) or
-        a comm hook with a state of its own.
+        group this rank belongs to, and :class:`~tandem.errors.StateError` when the DDP
+        carries something bound to the old group: sharded gradients
+        (``shard_gradients``), an observing hook (``hook_with_zero_step``) or a comm hook
+        with a state of its own.
         """
         if not isinstance(new_group, ProcessGroup):
             what = ("a group this rank is not a member of" if isinstance(new_group, NonMemberGroup)
@@ -359,9 +360,6 @@ class DistributedDataParallel(nn.Module, GroupJoinable):
             raise ArgumentError(f"DistributedDataParallel.regroup: new_group must be a "
                                 f"ProcessGroup holding this rank, got {what}")
         old = self.reducer
-        if old.reducing:
-            raise StateError("DistributedDataParallel.regroup: a backward is under way; move "
-                             "to the new group between steps")
         why = ("sharded gradients" if old.shards is not None else
                "an observing comm hook (hook_with_zero_step)" if old.observer is not None else
                "a comm hook with a state of its own" if old.hook is not None
