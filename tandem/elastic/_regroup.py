@@ -74,4 +74,4 @@ def enter(store: Store, prefix: str, number: int, rank: int, size: int, backend:
 def regroup_model(model: object) -> None:
     """Move a DDP model to the current default group (plain modules need nothing)."""
     if isinstance(model, DistributedDataParallel):
-        model._regroup(default_group())
+        model.regroup(default_group())

@@ -52,10 +52,7 @@ def run_elastic(state: ElasticState) -> Callable[[Callable[Concatenate[ElasticSt
     def decorate(fn: Callable[Concatenate[ElasticState, P], R]) -> Callable[P, R]:
         @functools.wraps(fn)
         def run(*args: P.args, **kwargs: P.kwargs) -> R:
-            if state._session is not None:
-                raise ArgumentError("run_elastic: this ElasticState is already running")
-            session = Session(state)
-            object.__setattr__(state, "_session", session)
+            session = state._open_session(Session)
             try:
                 session.start()
                 if session.joining:
@@ -67,7 +64,7 @@ def run_elastic(state: ElasticState) -> Callable[[Callable[Concatenate[ElasticSt
                 note(f"the job finished before worker {session.me} was admitted; it leaves")
                 raise SystemExit(0) from None
             finally:
-                object.__setattr__(state, "_session", None)
+                state._close_session()
                 session.close()
 
         return run

@@ -20,7 +20,7 @@ dead rank would take its shard with it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -120,7 +120,19 @@ class ElasticState:
         if self._session is not None:
             self._session.committed()
 
-    # -- used by the session ----------------------------------------------------------------
+    # -- used by run_elastic, the session and the samplers (underscored: every other -----
+    # -- attribute name belongs to the user's values) ------------------------------------
+    def _open_session(self, make: Callable[[ElasticState], Session]) -> Session:
+        """Run under a new session, ``make(self)``; one at a time."""
+        if self._session is not None:
+            raise ArgumentError("run_elastic: this ElasticState is already running")
+        session = make(self)
+        object.__setattr__(self, "_session", session)
+        return session
+
+    def _close_session(self) -> None:
+        object.__setattr__(self, "_session", None)
+
     def _add_sampler(self, sampler: ElasticSampler) -> None:
         self._samplers.append(sampler)
 

@@ -52,13 +52,13 @@ def _check_pair(ddp: Any, zero: Any, what: str) -> None:
                             f"{type(zero).__name__}")
     if ddp.process_group is not zero.process_group:
         raise ArgumentError(f"{what}: DDP and the optimizer must use the same process group")
-    if ddp.stats.steps > 0 or ddp.reducer._started:
+    if ddp.backward_started:
         raise StateError(f"{what}: attach before the first backward")
 
 
 def _owners_of(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer,
                what: str) -> list[int]:
-    owner = {id(p): o for p, o in zip(zero._params(), zero._owners)}
+    owner = {id(p): o for p, o in zero.param_owners()}
     missing = [n for n, p in zip(ddp.reducer.names, ddp.reducer.params) if id(p) not in owner]
     if missing:
         raise ArgumentError(f"{what}: DDP trains parameter(s) {missing[:5]} that the "
@@ -77,7 +77,7 @@ def shard_gradients(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer)
         raise ArgumentError("shard_gradients: this DDP reduces with a communication hook; "
                             "sharding reduce-scatters the buckets itself and cannot use it")
     ddp.reducer.shard(_owners_of(ddp, zero, "shard_gradients"))
-    zero._grads_sharded = True
+    zero.use_sharded_gradients()
 
 
 class ZeroStepHook(ObservingHook):
@@ -102,19 +102,20 @@ class ZeroStepHook(ObservingHook):
         _check_pair(ddp, zero, "hook_with_zero_step")
         owners = _owners_of(ddp, zero, "hook_with_zero_step")
         trained = {id(p) for p in ddp.reducer.params}
-        extra = [i for i, p in enumerate(zero._params()) if p.requires_grad and id(p) not in trained]
+        extra = [i for i, (p, _) in enumerate(zero.param_owners())
+                 if p.requires_grad and id(p) not in trained]
         if extra:
             raise ArgumentError(f"hook_with_zero_step: the optimizer holds {len(extra)} "
                                 f"trainable parameter(s) DDP does not train; with "
                                 f"overlap_with_ddp both must hold the same parameters")
         if not self.shard_buckets:  # torch's default: each bucket wholly to one rank
-            if zero.optim.state or zero._steps:
+            if zero.has_stepped:
                 raise StateError("hook_with_zero_step: attach before the first step")
             by_bucket = bucket_owners([b.members for b in ddp.reducer.buckets],
                                       len(owners), zero.world_size)
             index = {id(p): o for p, o in zip(ddp.reducer.params, by_bucket)}
-            zero._repartition([index.get(id(p), 0) for p in zero._params()])
-            if zero._grads_sharded:
+            zero.repartition([index.get(id(p), 0) for p, _ in zero.param_owners()])
+            if zero.gradients_sharded:
                 ddp.reducer.shard(_owners_of(ddp, zero, "hook_with_zero_step"))
 
     # -- GradObserver: called by DDP's reducer in the thread that ends backward ----------
@@ -122,7 +123,7 @@ class ZeroStepHook(ObservingHook):
         zero = self.zero
         if self._version != zero.layout_version:
             self._plans.clear()
-            self._owner = {id(p): o for p, o in zip(zero._params(), zero._owners)}
+            self._owner = {id(p): o for p, o in zero.param_owners()}
             self._version = zero.layout_version
         plan = self._plans.get(index)
         if plan is None:
@@ -161,7 +162,7 @@ class ZeroStepHook(ObservingHook):
         for plan, started in pending:
             plan.finish(started)
         copy_hyperparameters(zero.optim.param_groups, zero.param_groups)
-        zero._stepped()
+        zero.end_step()
 
 
 def hook_with_zero_step(hook: Hook, ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer,
@@ -174,7 +175,7 @@ def hook_with_zero_step(hook: Hook, ddp: DistributedDataParallel, zero: ZeroRedu
     which spreads every bucket over the ranks. Register the result with
     ``ddp.register_comm_hook(None, ...)`` before the first backward.
     """
-    if not isinstance(zero, ZeroRedundancyOptimizer) or not zero._overlap_with_ddp:
+    if not isinstance(zero, ZeroRedundancyOptimizer) or not zero.overlap_with_ddp:
         raise ArgumentError("hook_with_zero_step: the ZeroRedundancyOptimizer must be built "
                             "with overlap_with_ddp=True")
     if not callable(hook):

@@ -32,13 +32,13 @@ With ``overlap_with_ddp`` tandem updates the parameters from the first iteration
 
 Parameters must live on the CPU and be dense; dtypes may differ. Every rank must
 pass the same parameters (checked at construction and by ``add_param_group``).
-``consolidate_state_dict``/``state_dict`` are in ``_zero_state``.
+How shards of the state are gathered and split for the state dicts is in ``_zero_state``.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch.optim import Optimizer
@@ -95,8 +95,7 @@ class ZeroRedundancyOptimizer(Optimizer, GroupJoinable):
         self._overlap_with_ddp = bool(overlap_with_ddp)
         self._optimizer_class = optimizer_class
         self._defaults = defaults
-        self._all_state_dicts: list[dict[str, Any]] = []
-        self._consolidated_at = -1
+        self._consolidation = _zero_state.Consolidation()
         self._steps = 0
         self._grads_sharded = False
         self._clip_now: tuple[float, float] | None = None  # clip_grad_norm_ of this step
@@ -172,8 +171,28 @@ class ZeroRedundancyOptimizer(Optimizer, GroupJoinable):
                         [o for _, o in picked], [self._where[i] for i, _ in picked],
                         self._bases, self.process_group)
 
-    def _repartition(self, owners: list[int]) -> None:
-        """Adopt a new owner per parameter (before any state exists: see ``_zero_ddp``)."""
+    def param_owners(self) -> list[tuple[torch.Tensor, int]]:
+        """Every parameter, group by group, with the group rank that updates it."""
+        return list(zip(self._params(), self._owners))
+
+    def repartition(self, owners: Sequence[int]) -> None:
+        """Give parameter ``i`` (in :meth:`param_owners` order) to group rank ``owners[i]``
+        and rebuild the local optimizer over this rank's new shard. Call it on every rank
+        with the same owners, before the first step: ``hook_with_zero_step`` gives each DDP
+        bucket wholly to one rank this way."""
+        count = len(self._owners)
+        if len(owners) != count:
+            raise ArgumentError(f"ZeroRedundancyOptimizer.repartition: {len(owners)} owner(s) "
+                                f"for {count} parameter(s); give one group rank per parameter")
+        bad = [o for o in owners if isinstance(o, bool) or not isinstance(o, int)
+               or not 0 <= o < self.world_size]
+        if bad:
+            raise ArgumentError(f"ZeroRedundancyOptimizer.repartition: owner {bad[0]!r} is not "
+                                f"a group rank in [0, {self.world_size})")
+        if self.has_stepped:
+            raise StateError("ZeroRedundancyOptimizer.repartition: the optimizer has state "
+                             "(a step ran, or a state dict was loaded), which stays with the "
+                             "old owners; repartition before the first step")
         self._owners = list(owners)
         self.optim = self._optimizer_class(self._local_groups(), **self._defaults)
         copy_hyperparameters(self.param_groups, self.optim.param_groups)
@@ -209,10 +228,13 @@ class ZeroRedundancyOptimizer(Optimizer, GroupJoinable):
         Join.notify_join_context(self)
         loss = self._local_step(closure, **kwargs)
         self._exchange.run()
-        self._stepped()
+        self.end_step()
         return loss
 
-    def _stepped(self) -> None:
+    def end_step(self) -> None:
+        """Count a step that ran outside :meth:`step`: ``hook_with_zero_step`` steps inside
+        DDP's backward and calls this when the backward ends (a state consolidated before
+        it is then stale)."""
         self._steps += 1
         self._clip_last, self._clip_now = self._clip_now, None
 
@@ -230,9 +252,52 @@ class ZeroRedundancyOptimizer(Optimizer, GroupJoinable):
         copy_hyperparameters(self.optim.param_groups, self.param_groups)
         return loss
 
-    consolidate_state_dict = _zero_state.consolidate_state_dict
-    state_dict = _zero_state.state_dict
-    load_state_dict = _zero_state.load_state_dict
+    @property
+    def has_stepped(self) -> bool:
+        """True once the optimizer has state: a step ran, or a state dict was loaded."""
+        return self._steps > 0 or bool(self.optim.state)
+
+    @property
+    def overlap_with_ddp(self) -> bool:
+        """Built with ``overlap_with_ddp=True``: the step runs inside DDP's backward."""
+        return self._overlap_with_ddp
+
+    @property
+    def gradients_sharded(self) -> bool:
+        """True once ``shard_gradients`` made DDP keep only this rank's gradients."""
+        return self._grads_sharded
+
+    def use_sharded_gradients(self) -> None:
+        """Note that DDP keeps on this rank only the gradients of the parameters it owns
+        (``shard_gradients`` calls it): :meth:`clip_grad_norm_` then takes the norm over
+        every rank's share."""
+        self._grads_sharded = True
+
+    # -- state dicts (torch's format; see _zero_state) ------------------------------------
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's shard of the optimizer state on group rank ``to``.
+
+        Call it on every rank; then ``state_dict()`` works on rank ``to``.
+        """
+        _zero_state.check_destination(to, self.process_group)
+        copy_hyperparameters(self.param_groups, self.optim.param_groups)
+        self._consolidation.gather(self.optim, self.process_group, to, self._steps)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole optimizer state, as the plain ``optimizer_class`` would give it.
+
+        Only on the rank that ``consolidate_state_dict(to=...)`` gathered it on, and only
+        until the next step.
+        """
+        self._consolidation.require_current(self.rank, self._steps)
+        return self._consolidation.merged(Optimizer.state_dict(self), self._owners)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of the plain optimizer's format; this rank keeps its shard."""
+        self.optim.load_state_dict(_zero_state.local_state_dict(
+            state_dict, self.param_groups, self._owners, self.rank))
+        copy_hyperparameters(self.optim.param_groups, self.param_groups)
+        self._consolidation.forget()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the gradients so that their norm over all parameters (all ranks) is at
@@ -247,7 +312,12 @@ class ZeroRedundancyOptimizer(Optimizer, GroupJoinable):
                              "the step runs inside backward, before clipping could change the "
                              "gradients; clip inside a communication hook, or do not overlap")
         self._clip_now = (float(max_norm), float(norm_type))
-        return _zero_state.clip_grad_norm(self, max_norm, norm_type)
+        params = self._params()
+        if not self._grads_sharded:  # every rank holds every gradient
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        grads = [p.grad for p, o in zip(params, self._owners)
+                 if o == self.rank and p.grad is not None]
+        return _zero_state.clip_sharded(grads, max_norm, norm_type, self.process_group)
 
     # -- Join -----------------------------------------------------------------------------
     def join_hook(self, **kwargs: Any) -> JoinHook:
@@ -268,4 +338,4 @@ class _ZeroJoinHook(JoinHook):
             zero.clip_grad_norm_(*zero._clip_last)
         zero._local_step()
         zero._exchange.run()
-        zero._stepped()
+        zero.end_step()

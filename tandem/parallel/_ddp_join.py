@@ -21,14 +21,15 @@ When every rank has joined, ``post_hook`` copies the parameters (and buffers, wi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from tandem.algorithms.join import JoinHook
 from tandem.collectives.api import all_reduce
+from tandem.collectives.group import ProcessGroup
 from tandem.collectives.reduce_op import ReduceOp
-from tandem.parallel._module_sync import broadcast_tensors
+from tandem.parallel._module_sync import BufferBroadcaster, broadcast_tensors
 
 if TYPE_CHECKING:
     from tandem.parallel.ddp import DistributedDataParallel
@@ -38,36 +39,44 @@ __all__ = ["DDPJoinHook", "join_round", "TRAINING", "SYNC", "BUFFERS"]
 TRAINING, SYNC, BUFFERS = 1, 2, 4  # the bits of a rank's flag
 
 
-def join_round(ddp: "DistributedDataParallel", mine: int) -> tuple[int, int | None]:
+def join_round(g: ProcessGroup, buffers: BufferBroadcaster, divide_by_initial_world_size: bool,
+               mine: int) -> tuple[int, int | None]:
     """One iteration's join bookkeeping: (ranks synchronising gradients, divisor).
 
     ``mine`` is this rank's flag bits (0 on a joined rank). Broadcasts the buffers
     from the highest rank that asked for it. The divisor is what the reducer averages
     over: None for the whole group.
     """
-    g = ddp.process_group
     flags = torch.zeros(g.group_size, dtype=torch.int32)
     flags[g.group_rank] = mine
     all_reduce(flags, group=g)  # each rank writes only its own place: the sum is the list
     values = flags.tolist()
     senders = [r for r, f in enumerate(values) if f & BUFFERS]
     if senders:
-        ddp._buffers_sync(src=max(senders))
+        buffers(src=max(senders))
     syncing = sum(1 for f in values if f & SYNC)
-    if ddp._divide_by_initial_world_size or syncing in (0, g.group_size):
+    if divide_by_initial_world_size or syncing in (0, g.group_size):
         return syncing, None
     return syncing, syncing
 
 
 class DDPJoinHook(JoinHook):
-    """Shadows DDP's collectives on a joined rank; copies the last joiner's model at the end."""
+    """Shadows DDP's collectives on a joined rank; copies the last joiner's model at the end.
 
-    def __init__(self, ddp: "DistributedDataParallel", divide_by_initial_world_size: bool) -> None:
+    ``ddp`` hands over what the hook needs of its private state: ``take_round`` runs
+    :func:`join_round` with its flags, ``replica`` lists the tensors the last rank to
+    join copies to the others (its parameters, and its buffers when it broadcasts them).
+    """
+
+    def __init__(self, ddp: "DistributedDataParallel",
+                 take_round: Callable[[int], tuple[int, int | None]],
+                 replica: Callable[[], list[torch.Tensor]]) -> None:
         self.ddp = ddp
-        ddp._divide_by_initial_world_size = bool(divide_by_initial_world_size)
+        self.take_round = take_round
+        self.replica = replica
 
     def main_hook(self) -> None:
-        syncing, divisor = join_round(self.ddp, 0)
+        syncing, divisor = self.take_round(0)
         if syncing:
             self.ddp.reducer.shadow_backward(divisor)
 
@@ -76,8 +85,6 @@ class DDPJoinHook(JoinHook):
         g = ddp.process_group
         source = torch.tensor([g.group_rank if is_last_joiner else -1], dtype=torch.int64)
         all_reduce(source, op=ReduceOp.MAX, group=g)
-        tensors = [p.detach() for p in ddp._synced_params]
-        if ddp.broadcast_buffers:
-            tensors += ddp._buffers_sync.buffers
+        tensors = self.replica()
         with torch.no_grad():
             broadcast_tensors(g, tensors, src=int(source.item()))

@@ -130,6 +130,12 @@ class Reducer:
         self._finalizer = weakref.finalize(self, _remove_handles, handles)
 
     # -- called by DistributedDataParallel -------------------------------------------
+    @property
+    def reducing(self) -> bool:
+        """A synchronising backward is under way: its first gradient hook has fired and
+        its buckets are not all reduced yet."""
+        return self._started
+
     def check_idle(self) -> None:
         if self._started:
             raise StateError(

@@ -243,7 +243,7 @@ class DistributedDataParallel(nn.Module, GroupJoinable):
         if self._join_config.enable:
             Join.notify_join_context(self)
             flags = TRAINING | (SYNC if sync else 0) | (BUFFERS if buffers else 0)
-            _, self.reducer.divisor = join_round(self, flags)
+            _, self.reducer.divisor = self._join_round(flags)
         elif buffers:
             self._buffers_sync()
         output = self.module(*inputs, **kwargs)
@@ -281,7 +281,19 @@ class DistributedDataParallel(nn.Module, GroupJoinable):
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """The hook a joined rank runs (``divide_by_initial_world_size``, default True)."""
-        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+        self._divide_by_initial_world_size = bool(kwargs.get("divide_by_initial_world_size", True))
+        return DDPJoinHook(self, self._join_round, self._replica)
+
+    def _join_round(self, mine: int) -> tuple[int, int | None]:
+        return join_round(self.process_group, self._buffers_sync,
+                          self._divide_by_initial_world_size, mine)
+
+    def _replica(self) -> list[torch.Tensor]:
+        """What the last rank to join copies to the others when all have joined."""
+        tensors = [p.detach() for p in self._synced_params]
+        if self.broadcast_buffers:
+            tensors += self._buffers_sync.buffers
+        return tensors
 
     # -- communication hooks -------------------------------------------------------------
     def register_comm_hook(self, state: object,
@@ -294,7 +306,7 @@ class DistributedDataParallel(nn.Module, GroupJoinable):
             raise ArgumentError("register_comm_hook: hook must be callable")
         if self._comm_hook_set:
             raise StateError("register_comm_hook can only be called once")
-        if self.stats.steps > 0 or self.reducer._started:
+        if self.backward_started:
             raise StateError("register_comm_hook must be called before the first backward")
         reduce: Callable[[Any, GradBucket], torch.futures.Future[Any]] | None = hook
         if isinstance(hook, ObservingHook):  # e.g. tandem.optim.hook_with_zero_step
@@ -314,14 +326,39 @@ class DistributedDataParallel(nn.Module, GroupJoinable):
             self.reducer.hook = reduce
             self.reducer.hook_state = state
 
-    def _regroup(self, group: ProcessGroup) -> None:
-        """Go on training on ``group`` (``tandem.elastic``, after the membership changed).
+    @property
+    def backward_started(self) -> bool:
+        """True once a synchronising backward through this DDP has begun (one is under way,
+        or one has finished). Comm hooks, ``hook_with_zero_step`` and ``shard_gradients``
+        must be set before that."""
+        return self.stats.steps > 0 or self.reducer.reducing
 
-        The reducer and the buffer broadcaster are rebuilt on ``group``; parameters are
-        not synchronised here (the caller has made them equal on every member). A comm
-        hook moves along when its state is None or the old group; other hook states,
-        observers (``hook_with_zero_step``) and sharded gradients cannot be re-bound.
+    def regroup(self, new_group: ProcessGroup) -> None:
+        """Go on training on ``new_group``: later backwards average over its ranks.
+
+        For a membership that changed while the processes live on (``tandem.elastic``
+        calls it on every survivor and joiner after a lost rank or a scale-up, with the
+        new default group). Call it on every member of ``new_group``, between steps; a
+        backward that failed half-way on the old group (a rank was lost) is dropped with
+        the old group's buckets.
+
+        The gradient buckets and the buffer broadcaster are rebuilt on ``new_group``
+        with this DDP's settings; the buckets keep their layout. Parameters and buffers
+        are not synchronised: make them equal on every member first (elastic restores
+        the same commit everywhere, or sends it to joiners). A comm hook registered with
+        state None or the old group moves along, its state becoming ``new_group``.
+
+        Raises :class:`~tandem.errors.ArgumentError` if ``new_group`` is not a process
+        group this rank belongs to, and :class:`~tandem.errors.StateError` when the DDP
+        carries something bound to the old group: sharded gradients
+        (``shard_gradients``), an observing hook (``hook_with_zero_step``) or a comm hook
+        with a state of its own.
         """
+        if not isinstance(new_group, ProcessGroup):
+            what = ("a group this rank is not a member of" if isinstance(new_group, NonMemberGroup)
+                    else type(new_group).__name__)
+            raise ArgumentError(f"DistributedDataParallel.regroup: new_group must be a "
+                                f"ProcessGroup holding this rank, got {what}")
         old = self.reducer
         why = ("sharded gradients" if old.shards is not None else
                "an observing comm hook (hook_with_zero_step)" if old.observer is not None else
@@ -332,16 +369,16 @@ class DistributedDataParallel(nn.Module, GroupJoinable):
                              f"with {why}")
         hook, moves = old.hook, old.hook_state is self.process_group
         old.close()
-        self.process_group = group
-        self._buffers_sync = BufferBroadcaster(group, self._buffers_sync.buffers)
+        self.process_group = new_group
+        self._buffers_sync = BufferBroadcaster(new_group, self._buffers_sync.buffers)
         self.reducer = Reducer(
-            old.names, old.params, group, bucket_cap_bytes=old.bucket_cap_bytes,
+            old.names, old.params, new_group, bucket_cap_bytes=old.bucket_cap_bytes,
             first_bucket_bytes=old.first_bucket_bytes, gradient_as_bucket_view=old.view_mode,
             find_unused_parameters=old.find_unused, static_graph=self.static_graph,
             stats=self.stats)
         if hook is not None:
             self.reducer.hook = hook
-            self.reducer.hook_state = group if moves else None
+            self.reducer.hook_state = new_group if moves else None
 
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module: nn.Module,
