@@ -162,7 +162,6 @@ def _import_graph() -> dict[str, set[str]]:
 # Cycles other work on the same issue removes (the helpers of ZeRO, DDP and elastic get
 # owners: methods and small interfaces); each must still exist, so the list only shrinks.
 KNOWN_CYCLES: list[list[str]] = [
-    ["tandem.optim._zero_state", "tandem.optim.zero"],
     ["tandem.parallel._ddp_join", "tandem.parallel.ddp"],
     ["tandem.elastic._sampler", "tandem.elastic._session", "tandem.elastic._state"],
 ]
