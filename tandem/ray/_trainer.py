@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping, TextIO
 from tandem.config import load_settings
 from tandem.elastic.roster import Roster
 from tandem.errors import ArgumentError, StateError, TimeoutError, WorkerFailedError
-from tandem.ray._actor import RankActor
+from tandem.ray._actor import OutputSink, RankActor
 from tandem.ray._scaling import Placed, ScalingConfig, assign_ranks
 from tandem.secret import new_secret
 from tandem.store.tcp import TCPStore
@@ -46,7 +46,6 @@ class _Slot:
     ref: Any = None  # the running ``run`` call
     name: str = ""  # the worker's elastic name
     starts: int = 1
-    next_line: int = 0
     done: bool = False
     value: Any = None
     joining: bool = False  # a replacement not yet in the elastic joiner queue
@@ -96,6 +95,9 @@ class Trainer:
         self._err = stderr
         self.replaced = 0  # actors replaced in place during the last fit()
         self.failures: list[str] = []  # ranks recovered from in place, in words
+        self._sink: Any = None
+        self._labels: dict[str, str] = {}  # an actor's key in the sink -> its line prefix
+        self._dropped = 0
 
     # -- the run ---------------------------------------------------------------------------
     def fit(self) -> list[Any]:
@@ -111,9 +113,10 @@ class Trainer:
         try:
             self.scaling.check_fits(ray.nodes())
             pg = self._place(ray)
+            self._sink = self._new_sink(ray)
             slots = [_Slot(i, -1) for i in range(self.scaling.num_workers)]
             for s in slots:
-                s.actor = self._new_actor(ray, pg, s.index)
+                s.actor = self._new_actor(ray, pg, s)
             deadline = time.monotonic() + self.start_timeout
             placed = self._get(ray, [s.actor.where.remote() for s in slots], deadline,
                                "the actors to start")
@@ -122,6 +125,7 @@ class Trainer:
             ranks = assign_ranks([s.placed for s in slots if s.placed is not None])
             for s, (rank, *_rest) in zip(slots, ranks):
                 s.rank = rank
+                self._labels[f"{s.index}.0"] = f"rank{rank}"
             first = next(s for s in slots if s.rank == 0)
             assert first.placed is not None
             port = self._get(ray, [first.actor.free_port.remote()], deadline,
@@ -147,12 +151,12 @@ class Trainer:
                 s.ref = s.actor.run.remote(fn, self.config, env)
             return self._watch(ray, pg, slots, fn, base, roster)
         finally:
+            if self._sink is not None:
+                self._kill(ray, self._sink)
+                self._sink = None
             for s in slots:
                 if s.actor is not None:
-                    try:
-                        ray.kill(s.actor)
-                    except Exception:  # already gone
-                        pass
+                    self._kill(ray, s.actor)
             if pg is not None:
                 from ray.util.placement_group import remove_placement_group
 
@@ -178,15 +182,31 @@ class Trainer:
                                f"{ray.cluster_resources()}")
         return pg
 
-    def _new_actor(self, ray: Any, pg: Any, index: int) -> Any:
+    def _new_actor(self, ray: Any, pg: Any, s: _Slot) -> Any:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         strategy = PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=index)
+            placement_group=pg, placement_group_bundle_index=s.index)
         extra = dict(self.scaling.resources_per_worker)
         return ray.remote(RankActor).options(
-            num_cpus=self.scaling.cpus_per_worker, resources=extra or None,
-            max_concurrency=4, max_restarts=0, scheduling_strategy=strategy).remote()
+            num_cpus=self.scaling.cpus_per_worker, resources=extra or None, max_restarts=0,
+            scheduling_strategy=strategy).remote(self._sink, f"{s.index}.{s.starts - 1}")
+
+    @staticmethod
+    def _new_sink(ray: Any) -> Any:
+        """The actors' output sink, on the driver's node (no CPU of the job's)."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                              soft=True)
+        return ray.remote(OutputSink).options(num_cpus=0, scheduling_strategy=here).remote()
+
+    @staticmethod
+    def _kill(ray: Any, actor: Any) -> None:
+        try:
+            ray.kill(actor)
+        except Exception:  # already gone
+            pass
 
     @staticmethod
     def _get(ray: Any, refs: list[Any], deadline: float, what: str) -> list[Any]:
@@ -212,19 +232,15 @@ class Trainer:
         out.write(f"[{label}]: {text}\n")
         out.flush()
 
-    def _drain(self, ray: Any, slots: list[_Slot]) -> None:
-        """Print every line the live actors kept since the last look."""
-        live = [s for s in slots if s.actor is not None]
-        refs = [s.actor.output.remote(s.next_line) for s in live]
-        for s, ref in zip(live, refs):
-            try:
-                nxt, lines, _dropped = ray.get(ref, timeout=30)
-            except Exception:  # the actor died: its last lines are lost with it
-                continue
-            s.next_line = nxt
-            label = f"rank{s.rank}" if s.starts == 1 else f"rank{s.rank}.{s.starts - 1}"
-            for stream, text in lines:
-                self._print(label, stream, text)
+    def _drain(self, ray: Any) -> None:
+        """Print every line the actors pushed since the last look."""
+        lines, dropped = ray.get(self._sink.take.remote(), timeout=60)
+        if dropped > self._dropped:
+            self._print("tandem.ray", "stderr", f"{dropped - self._dropped} lines of the "
+                        f"ranks' output were dropped: the driver fell behind")
+            self._dropped = dropped
+        for key, stream, text in lines:
+            self._print(self._labels.get(key, key), stream, text)
 
     def _watch(self, ray: Any, pg: Any, slots: list[_Slot], fn: Any, base: dict[str, str],
                roster: Roster | None) -> list[Any]:
@@ -236,7 +252,7 @@ class Trainer:
             if not running:
                 break
             done, _ = ray.wait([s.ref for s in running], num_returns=1, timeout=_POLL_S)
-            self._drain(ray, slots)
+            self._drain(ray)
             self._joined(slots, roster)
             for s in running:
                 if s.ref not in done:
@@ -264,6 +280,7 @@ class Trainer:
             if deadline is not None and now > deadline and not failed:
                 raise TimeoutError(f"tandem.ray: the job ran past timeout="
                                    f"{self.timeout:g}s ({len(running)} ranks still running)")
+        self._drain(ray)  # the lines pushed as the last ranks ended
         if failed:
             raise self._failure(slots, failed)
         return [s.value for s in sorted(slots, key=lambda s: s.rank)]
@@ -333,15 +350,16 @@ class Trainer:
                     f"{self.max_restarts})")
         roster.expect(+1)  # before the exit report: a short round waits for it
         roster.report_exit(old)
-        s.actor = self._new_actor(ray, pg, s.index)
+        s.starts += 1
+        key = f"{s.index}.{s.starts - 1}"
+        self._labels[key] = f"rank{s.rank}.{s.starts - 1}"
+        s.actor = self._new_actor(ray, pg, s)
         deadline = time.monotonic() + self.start_timeout
         s.placed = Placed(*self._get(ray, [s.actor.where.remote()], deadline,
                                      "a replacement actor to start")[0])
         port = self._get(ray, [s.actor.free_port.remote()], deadline,
                          "a replacement actor to pick a port")[0]
-        s.name = f"w{s.index}.{s.starts}"
-        s.starts += 1
-        s.next_line = 0
+        s.name = f"w{s.index}.{s.starts - 1}"
         # a joiner's code before run_elastic runs in a world of its own, then it waits to
         # be let in; its transport then listens where the other nodes reach it
         env = {**base, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",

@@ -16,6 +16,7 @@ import pytest
 
 from tandem.errors import ArgumentError, StateError
 from tandem.ray import ScalingConfig, Trainer
+from tandem.ray import _actor
 from tandem.ray._scaling import Placed, assign_ranks
 
 
@@ -85,36 +86,47 @@ def test_without_ray_installed_fit_says_how_to_install_it(
 
 _CAPTURE = textwrap.dedent("""
     import json, os, sys
-    from tandem.ray._actor import RankActor
+    from tandem.ray._actor import capture_output
 
-    def fn(config):
-        print("from python", config["x"])
+    def fn():
+        print("from python", 21)
         os.write(1, b"from C, no newline at first")
         os.write(1, b"; now it ends\\n")
         print("to stderr", file=sys.stderr)
-        return config["x"] * 2
+        os.write(2, b"x" * 70000 + b"\\n")  # past the cap: cut in two
+        return 42
 
-    actor = RankActor()
-    value = actor.run(fn, {"x": 21}, {"TANDEM_PROBE": "set"})
-    nxt, lines, dropped = actor.output(0)
-    again = actor.output(nxt)
-    print(json.dumps({"value": value, "lines": lines, "next": nxt, "again": again[1],
-                      "env": os.environ.get("TANDEM_PROBE")}))
+    pushed, settled = [], []
+    value = capture_output(fn, lambda lines: pushed.append(list(lines)) or len(pushed),
+                           settled.append)
+    print(json.dumps({"value": value, "lines": [l for batch in pushed for l in batch],
+                      "settled": settled, "pushes": len(pushed)}))
 """)
 
 
 @pytest.mark.smoke("tandem.ray")
-def test_an_actor_keeps_every_line_of_both_streams_and_returns_the_value() -> None:
+def test_an_actors_output_is_captured_line_by_line_from_both_descriptors() -> None:
     done = subprocess.run([sys.executable, "-c", _CAPTURE], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.strip().splitlines()[-1])  # fd 1 is its own again
-    assert out["value"] == 42 and out["env"] == "set"
+    assert out["value"] == 42
     by_stream = {s: [text for stream, text in out["lines"] if stream == s]
                  for s in ("stdout", "stderr")}  # the two pipes are read apart
     assert by_stream == {"stdout": ["from python 21", "from C, no newline at first; now it ends"],
-                         "stderr": ["to stderr"]}
-    assert out["next"] == 3 and out["again"] == []
+                         "stderr": ["to stderr", "x" * 65536, "x" * (70000 - 65536)]}
+    assert out["settled"] == [out["pushes"]]  # the last push was waited for
+
+
+def test_the_sink_hands_out_lines_once_and_drops_the_oldest_past_its_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_actor, "MAX_KEPT_LINES", 3)
+    sink = _actor.OutputSink()
+    sink.put("0.0", [("stdout", "a"), ("stderr", "b")])
+    assert sink.take() == ([("0.0", "stdout", "a"), ("0.0", "stderr", "b")], 0)
+    assert sink.take() == ([], 0)
+    sink.put("1.0", [("stdout", str(i)) for i in range(5)])
+    assert sink.take() == ([("1.0", "stdout", str(i)) for i in (2, 3, 4)], 2)
 
 
 def test_a_dead_actor_is_described_from_rays_exit_type_and_detail_in_one_line() -> None:
