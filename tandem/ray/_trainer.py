@@ -24,6 +24,7 @@ _POLL_S = 0.2  # how often the driver fetches the ranks' output and looks for de
 # connections at once) before the driver stops them: their errors name the cause
 _SETTLE_S = 15.0
 _CAUSE_CHARS = 600
+_TRACEBACK_CHARS = 4000
 
 
 def _ray() -> Any:
@@ -49,6 +50,7 @@ class _Slot:
     done: bool = False
     value: Any = None
     joining: bool = False  # a replacement not yet in the elastic joiner queue
+    traceback: str = ""  # Ray's account of the exception the function raised
 
 
 class Trainer:
@@ -265,6 +267,7 @@ class Trainer:
                     cause, died = self._death(exc), True
                 except ray.exceptions.RayTaskError as exc:
                     cause, died = self._raised(exc), False
+                    s.traceback = str(exc)
                 except ray.exceptions.RayError as exc:  # lost with its node, out of memory
                     cause, died = self._death(exc), True
                 if died and roster is not None and self._replace(ray, pg, s, fn, base,
@@ -290,7 +293,7 @@ class Trainer:
         """How Ray says the actor's process ended, in one line."""
         text = " ".join(str(exc).split())
         kind = re.search(r"Worker exit type: (\S+)", text)
-        detail = re.search(r"Worker exit detail: (.*?\.)(?: End of file\.)?(?= |$)", text)
+        detail = re.search(r"Worker exit detail: (.*?)\.(?: End of file\.)?(?= |$)", text)
         if kind or detail:
             eof = " (end of file: killed, by a signal or the OOM killer, or crashed)" \
                 if "End of file" in text else ""
@@ -323,6 +326,8 @@ class Trainer:
         root = min(failed, key=order)
         _, s, cause, _ = root
         lines = [f"tandem.ray: {self._where(s)} {cause}"]
+        if s.traceback:  # the root cause's own traceback, from Ray
+            lines.append(s.traceback[-_TRACEBACK_CHARS:])
         for _, other, ocause, _ in sorted(failed, key=order)[1:]:
             lines.append(f"  then {self._where(other)} {ocause}")
         still = [x for x in slots if not x.done]

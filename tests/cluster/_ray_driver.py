@@ -104,7 +104,7 @@ def elastic(config: dict[str, Any]) -> dict[str, Any]:
     return {"params": [p.detach().clone() for p in net.parameters()],
             "history": list(state.history), "rank": tandem.get_rank(),
             "world_size": tandem.get_world_size(),
-            "name": os.environ["TANDEM_ELASTIC_ID"]}
+            "name": os.environ["TANDEM_ELASTIC_ID"], "secret": os.environ["TANDEM_SECRET"]}
 
 
 def main() -> None:
@@ -131,7 +131,8 @@ def main() -> None:
         _elastic_job.check_against_oracle(ranks)  # raises if a rank differs from it
         result.update(replaced=trainer.replaced, failures=trainer.failures,
                       history=ranks[0]["history"], names=[r["name"] for r in ranks],
-                      worlds=[r["world_size"] for r in ranks])
+                      worlds=[r["world_size"] for r in ranks],
+                      secrets=[r["secret"] for r in ranks])
     elif mode == "refuse":
         try:
             Trainer(killed, scaling_config=ScalingConfig(

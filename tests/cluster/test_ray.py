@@ -100,6 +100,21 @@ def test_with_elastic_a_killed_actor_is_replaced_and_training_matches_the_oracle
     sizes = [world for _, world, _ in result["history"]]
     assert 1 in sizes and sizes[-1] == 2, sizes  # trained alone for a while, then as 2
     assert "a replacement starts now" in out
+    # one secret for the job, the replacement's included, made by the driver and
+    # written nowhere: not in the driver's output, not in any log of the Ray cluster
+    (secret,) = set(result["secrets"])
+    assert len(secret) == 64
+    shown = "\n".join(ln for ln in out.splitlines() if not ln.startswith("RESULT "))
+    assert secret not in shown
+    logged = [f for f in cluster.temp.rglob("*") if _holds(f, secret.encode())]
+    assert not logged, logged
+
+
+def _holds(path: Path, data: bytes) -> bool:
+    try:
+        return path.is_file() and data in path.read_bytes()
+    except OSError:  # a socket, or a file Ray removed meanwhile
+        return False
 
 
 @pytest.mark.timeout(300)

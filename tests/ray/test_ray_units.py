@@ -137,5 +137,31 @@ def test_a_dead_actor_is_described_from_rays_exit_type_and_detail_in_one_line() 
     assert Trainer._death(RuntimeError(ray_says)) == (
         "died: its actor's process ended (end of file: killed, by a signal or the OOM "
         "killer, or crashed); Ray says SYSTEM_ERROR, Worker unexpectedly exits with a "
-        "connection error code 2.")
+        "connection error code 2")
     assert Trainer._death(RuntimeError("node lost")) == "died: node lost"
+
+
+def test_the_first_rank_named_is_a_death_not_the_peers_that_lost_it() -> None:
+    from tandem.ray._trainer import _Slot
+
+    trainer = Trainer(print, scaling_config=ScalingConfig(num_workers=3))
+    slots = [_Slot(i, i, placed=Placed(f"n{i}", f"10.0.0.{i}", f"h{i}", 100 + i))
+             for i in range(3)]
+    for s in slots:
+        s.done = True
+    slots[0].traceback = "Traceback ... PeerLostError"
+    # rank 0 noticed first that rank 2 was gone; rank 2's death came in after it
+    failed = [(1.0, slots[0], "raised PeerLostError: rank 2 closed its connection", False),
+              (2.0, slots[2], "died: its actor's process ended", True)]
+    err = trainer._failure(slots, failed)
+    assert (err.rank, err.node, err.cause) == (2, "10.0.0.2", "died: its actor's process ended")
+    lines = str(err).splitlines()
+    assert lines[0] == ("tandem.ray: rank 2 (node 10.0.0.2, host h2, pid 102) died: its "
+                        "actor's process ended")
+    assert lines[1].startswith("  then rank 0 (node 10.0.0.0, host h0, pid 100) raised Peer")
+    # a rank that raised something of its own is the root cause, with its traceback
+    failed = [(1.0, slots[0], "raised PeerLostError: rank 1 closed its connection", False),
+              (2.0, slots[1], "raised ValueError: bad batch", False)]
+    slots[1].traceback = "Traceback (most recent call last): ... ValueError: bad batch"
+    err = trainer._failure(slots, failed)
+    assert err.rank == 1 and str(err).splitlines()[1].startswith("Traceback")
