@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import re
 import sys
@@ -236,7 +237,15 @@ class Trainer:
 
     def _drain(self, ray: Any) -> None:
         """Print every line the actors pushed since the last look."""
-        lines, dropped = ray.get(self._sink.take.remote(), timeout=60)
+        if self._sink is None:
+            return
+        try:
+            lines, dropped = ray.get(self._sink.take.remote(), timeout=60)
+        except (ray.exceptions.RayError, builtins.TimeoutError) as exc:  # its node is gone
+            self._print("tandem.ray", "stderr", f"the ranks' output is lost from here on: "
+                        f"its sink actor failed ({type(exc).__name__}); the job goes on")
+            self._sink = None
+            return
         if dropped > self._dropped:
             self._print("tandem.ray", "stderr", f"{dropped - self._dropped} lines of the "
                         f"ranks' output were dropped: the driver fell behind")

@@ -19,7 +19,9 @@ cgroup of its own limited to ``memory_limit`` bytes where cgroup v1's memory con
 or cgroup v2 is writable (``bounded`` says whether it was); the object store of each
 node gets 100 MB. ``close()`` SIGKILLs every process in the lab's namespaces and the
 cgroup, by pid, then deletes both: never ``ray stop``, which stops every Ray process on
-the machine, other users' included. Measured on a loaded 2-core machine: about 40 s
+the machine, other users' included. A cluster whose maker was killed outright leaves its
+cgroup and temp directory, named with the maker's pid: the next cluster removes them
+(the lab removes the namespaces, killing what ran there). Measured on a loaded 2-core machine: about 40 s
 from nothing to 2 alive nodes, ~1 GB resident.
 
 Needs root, iproute2, util-linux (nsenter, unshare) and Ray (``pip install
@@ -40,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
+from tandem._proc import process_alive
 from tandem.testing.netns import NetnsLab, Unavailable, unavailable_reason
 from tandem.testing.slurm import namespace_command
 
@@ -52,6 +55,7 @@ _CPUS_PER_NODE = 2
 _NODE_ATTEMPTS = 3
 _MEMORY_LIMIT = 6 << 30  # an idle 2-node cluster holds ~1 GB; ~80 MB and torch per actor
 _CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+_PREFIX = "tandem-ray-"  # then the pid of the process that made it: of a cgroup, a temp dir
 _WAIT_NODES = """\
 import sys, time, ray
 want, deadline = int(sys.argv[1]), time.monotonic() + float(sys.argv[2])
@@ -87,7 +91,10 @@ class _MemoryCgroup:
 
     def __init__(self, limit: int) -> None:
         self.path: Path | None = None
-        name = f"tandem-ray-{os.getpid()}-{secrets.token_hex(3)}"
+        name = f"{_PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
+        for root in (_CGROUP_V1, Path("/sys/fs/cgroup")):
+            for stale in _stale(root):  # a run killed outright left it
+                _MemoryCgroup._empty(stale)
         try:
             if (_CGROUP_V1 / "cgroup.procs").exists():
                 path = _CGROUP_V1 / name
@@ -117,18 +124,36 @@ class _MemoryCgroup:
         return []
 
     def close(self) -> None:
-        if self.path is None:
-            return
+        if self.path is not None:
+            self._empty(self.path)
+        self.path = None
+
+    @staticmethod
+    def _empty(path: Path) -> None:
+        """SIGKILL every process in the cgroup at ``path``, by pid; remove it."""
         for _ in range(100):  # a killed process leaves the cgroup once it is reaped
-            for pid in self.pids():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(OSError, ValueError):
+                for pid in (path / "cgroup.procs").read_text().split():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(pid), signal.SIGKILL)
             try:
-                self.path.rmdir()
-                break
+                path.rmdir()
+                return
+            except FileNotFoundError:
+                return
             except OSError:
                 time.sleep(0.1)
-        self.path = None
+
+
+def _stale(root: Path) -> list[Path]:
+    """This module's cgroups or temp directories under ``root`` whose maker is gone."""
+    found = []
+    with contextlib.suppress(OSError):
+        for entry in root.glob(f"{_PREFIX}*"):
+            pid = entry.name[len(_PREFIX):].partition("-")[0]
+            if pid.isdigit() and not process_alive(int(pid)):
+                found.append(entry)
+    return found
 
 
 class RayCluster:
@@ -140,7 +165,9 @@ class RayCluster:
         self.lab = NetnsLab(nodes, workdir / "net")
         self.hostnames = [f"node{n + 1}" for n in range(nodes)]
         # Ray's unix sockets live in its temp directory: a pytest path is too long for them
-        self.temp = Path(tempfile.mkdtemp(prefix="tandem-ray-"))
+        for stale in _stale(Path(tempfile.gettempdir())):
+            shutil.rmtree(stale, ignore_errors=True)
+        self.temp = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-"))
         self.cgroup = _MemoryCgroup(memory_limit)
         # every node and driver proves this token (Ray would otherwise make one in ~/.ray)
         self._token = secrets.token_hex(32)
