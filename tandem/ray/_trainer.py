@@ -106,6 +106,7 @@ class Trainer:
     def fit(self) -> list[Any]:
         """Run the job; each rank's return value, by rank (see the module docstring)."""
         ray = _ray()
+        self.replaced, self.failures, self._labels, self._dropped = 0, [], {}, 0
         started = False
         if not ray.is_initialized():
             ray.init(address=self.address)
