@@ -13,6 +13,7 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any, Iterator, NoReturn
 
@@ -134,6 +135,7 @@ def test_without_an_address_fit_starts_ray_on_this_machine(tmp_path: Path) -> No
         with ray_cluster(1, tmp_path / "host", start=False) as host:
             done = host.run([sys.executable, str(EXAMPLE), "--workers", "2", *TINY, "--out",
                              str(tmp_path / "run")], timeout=500, check=False, local=True)
+            left = _leftovers(host)  # nothing of the local Ray outlives its driver
     except Unavailable as why:
         _unavailable(str(why))
     out = done.stdout + done.stderr
@@ -142,3 +144,20 @@ def test_without_an_address_fit_starts_ray_on_this_machine(tmp_path: Path) -> No
     assert len(re.findall(r"ray_train_chars: rank \d ran on node1 \(local rank \d of 2\)",
                           done.stdout)) == 2, out[-3000:]
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["world_size"] == 2
+    assert not left, left
+
+
+def _leftovers(host: RayCluster, timeout: float = 30.0) -> list[str]:
+    """The processes still running on the host once none are, or at ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = []
+        for pid in host.lab.pids(0):
+            try:
+                left.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                            .decode(errors="replace")[:200])
+            except OSError:
+                pass  # gone meanwhile
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
