@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install tandem with its test tools, the example's extras
-# and the docs site's tools into it. torch is pinned to the CPU build 2.13.0; other versions are multi-GB
+# Create .venv (if missing) and install tandem with its test tools, the example's extras,
+# the docs site's tools and Ray (tandem.ray's tests run a real Ray cluster) into it. torch is pinned to the CPU build 2.13.0; other versions are multi-GB
 # downloads. A second run with nothing changed skips pip entirely (5.6 s measured on a busy 2-core machine).
 #   PYTHON=python3.12 bash scripts/setup.sh      # pick the interpreter for a new .venv
 set -euo pipefail
@@ -40,7 +40,7 @@ fi
 rm -f .venv/.tandem-setup
 say "installing torch 2.13.0 (CPU build; it lies on this machine's disk, seconds)"
 pip_install torch==2.13.0
-say "installing tandem (editable) with its test tools, the example's and the docs' extras"
-pip_install -e '.[test,example,docs]'
+say "installing tandem (editable) with its test tools, the example's, the docs' and Ray's extras"
+pip_install -e '.[test,example,docs,ray]'
 .venv/bin/python -c "import torch, tandem; print('setup: tandem', tandem.__version__, 'on torch', torch.__version__)"
 stamp_of | cksum > .venv/.tandem-setup

@@ -24,6 +24,9 @@ traceback::
     ├── CollectiveMismatchError     ranks called different collectives (op, sequence number,
     │                               dtype, shape, reduce op or root); the message names the
     │                               ranks, both signatures and both callers' file:line
+    ├── WorkerFailedError    (also a RuntimeError) a rank of a job that tandem started (Ray
+    │                        actors: ``tandem.ray``) died or raised; ``.rank``, ``.node`` and
+    │                        ``.cause`` name the first one, the message every rank's end
     └── RpcError             (also a RuntimeError) a remote call failed; a remote exception
         │                    whose own class cannot be rebuilt arrives as this, with the
         │                    worker's name and the remote traceback in its message
@@ -62,6 +65,7 @@ __all__ = [
     "CollectiveMismatchError",
     "RpcError",
     "RpcTimeoutError",
+    "WorkerFailedError",
     "DistError",
     "DistBackendError",
     "DistNetworkError",
@@ -159,6 +163,17 @@ class PeerLostError(NetworkError, CollectiveError):
 
 class CollectiveMismatchError(CollectiveError):
     """Ranks issued different collectives; nothing was combined."""
+
+
+class WorkerFailedError(TandemError, RuntimeError):
+    """A rank of a job that tandem started died or raised (the first to fail is named).
+
+    ``rank``, ``node`` (its address) and ``cause`` (how it ended) describe that rank.
+    """
+
+    def __init__(self, message: str, rank: int = -1, node: str = "", cause: str = "") -> None:
+        super().__init__(message)
+        self.rank, self.node, self.cause = rank, node, cause
 
 
 class RpcError(TandemError, RuntimeError):

@@ -18,7 +18,7 @@ LAYERS = {
     "tandem.parallel": 4, "tandem.rpc": 4, "tandem.checkpoint": 4, "tandem._dcp": 4, "tandem.torch_backend": 4,
     "tandem.autograd": 4, "tandem.nn": 4, "tandem.optim": 4, "tandem.algorithms": 4,
     "tandem.run": 5, "tandem.elastic": 5, "tandem.trace": 5,
-    "tandem.testing": 6, "tandem.bench": 6,
+    "tandem.testing": 6, "tandem.bench": 6, "tandem.ray": 6,
 }
 
 
