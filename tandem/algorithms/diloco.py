@@ -29,9 +29,14 @@ compressed averages, so every rank decodes the same bytes and the outer paramete
 identical on all ranks. Uncompressed, it is one all-reduce.
 
 Hierarchical training: DDP inside a host (shared memory, every step), DiLoCo across
-hosts: pass ``group`` = the cross-host group of this rank's local index (see
-:func:`host_groups`); every rank of a host holds the same parameters, so each cross-host
-group computes the same outer step.
+hosts. :func:`host_groups` gives this rank's host group and its cross-host group (the
+ranks with its index on every host); with ``group=cross, host_group=host`` each rank of
+a host carries one slice of the pseudo-gradient across hosts and the host all-gathers
+the averaged slices over shared memory, so the host's link carries the model once::
+
+    host, cross = host_groups(local_size)
+    model = DistributedDataParallel(net, process_group=host)
+    diloco = DiLoCo(net, opt, outer, sync_every=H, group=cross, host_group=host)
 """
 
 from __future__ import annotations
@@ -120,6 +125,8 @@ class _Exchange:
     finish: int           # inner step at which it is finished
     start_local: torch.Tensor   # the fragment's local parameters when it started (flat)
     mine: torch.Tensor          # this rank's pseudo-gradient (flat, fp32)
+    payload: torch.Tensor | None = None  # what crosses the group: mine, or this host rank's slice
+    issued: bool = False
     world: int = 1
     result: torch.Tensor | None = None  # the averaged pseudo-gradient, once known
     work: Work | None = None
@@ -142,7 +149,8 @@ class DiLoCo:
     default group, looked up at each exchange, so it follows an elastic regroup),
     ``delay`` (inner steps between starting and finishing an exchange; default 0 without
     fragments, ``max(1, sync_every // fragments)`` with), ``block_size`` (values per int8
-    scale).
+    scale), ``host_group`` (hierarchical: the ranks of this host, which hold the same
+    parameters through DDP; each carries a slice across ``group``).
 
     Counters for benchmarks: ``bytes_sent`` (bytes this rank sent in outer exchanges; for
     an uncompressed all-reduce, the bandwidth-optimal volume 2(W-1)/W of the payload,
@@ -155,7 +163,7 @@ class DiLoCo:
                  outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
                  sync_every: int, fragments: int = 1, compression: str | None = None,
                  group: AnyGroup | None = None, *, delay: int | None = None,
-                 block_size: int = 256) -> None:
+                 block_size: int = 256, host_group: AnyGroup | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise ArgumentError(f"DiLoCo: model must be an nn.Module, got "
                                 f"{type(model).__name__}")
@@ -196,6 +204,10 @@ class DiLoCo:
                 raise ArgumentError(f"DiLoCo: parameters must be on the CPU (tandem's "
                                     f"collectives are), got one on {p.device}")
         self.group = group
+        if host_group is not None and not isinstance(host_group, (ProcessGroup, NonMemberGroup)):
+            raise ArgumentError(f"DiLoCo: host_group must be a process group (the ranks of this "
+                                f"host, see host_groups), got {type(host_group).__name__}")
+        self.host_group = host_group
         self.inner_optimizer = inner_optimizer
         self._codec = None if compression is None else _Codec(compression, self.block_size)
         self._frags = _split([p.numel() for p in self.params], self.fragments)
@@ -222,6 +234,9 @@ class DiLoCo:
         """Count one inner step; start, advance or finish the exchanges that are due."""
         self.inner_steps += 1
         t = self.inner_steps
+        for ex in self._pending:  # loaded from a state dict: started again on this group
+            if not ex.issued:
+                self._issue(ex)
         for ex in list(self._pending):
             if ex.finish == t:
                 self._finish(ex)
@@ -241,6 +256,8 @@ class DiLoCo:
     def sync(self) -> None:
         """Finish the exchanges in flight now (every rank must call it at the same step)."""
         for ex in list(self._pending):
+            if not ex.issued:
+                self._issue(ex)
             self._finish(ex)
 
     # -- one exchange -----------------------------------------------------------------------
@@ -269,23 +286,39 @@ class DiLoCo:
         if self.delay == 0:
             self._finish(ex)
 
+    def _host(self) -> ProcessGroup | None:
+        if self.host_group is None or isinstance(self.host_group, NonMemberGroup):
+            return None
+        host = resolve_group(self.host_group, "DiLoCo")
+        return host if host.group_size > 1 else None
+
     def _issue(self, ex: _Exchange) -> None:
         """Start the exchange's first collective (asynchronously)."""
+        ex.issued = True
+        host = self._host()
+        payload = ex.mine
+        if host is not None:  # each rank of the host carries one slice across hosts
+            size = math.ceil(ex.mine.numel() / host.group_size)
+            lo = min(host.rank() * size, ex.mine.numel())
+            payload = torch.zeros(size)
+            part = ex.mine[lo:lo + size]
+            payload[:part.numel()] = part
+        ex.payload = payload
         g = self._group()
         if g is None:  # not a member: nothing to average with
-            ex.result = ex.mine.clone()
+            ex.result = payload.clone()
             return
         w = ex.world = g.group_size
         if self._codec is None:
-            buf = ex.mine / w  # divided before summing: no overflow, the same rounding as DDP
+            buf = payload / w  # divided before summing: no overflow, the same rounding as DDP
             ex.result = buf
             self.bytes_sent += 2 * (w - 1) * buf.numel() * 4 // w
             ex.work = self._launch(ex, lambda: all_reduce(buf, op=ReduceOp.SUM, group=g,
                                                           async_op=True))
             return
-        per = self.block_size * w
-        padded = torch.zeros(math.ceil(ex.mine.numel() / per) * per)
-        padded[:ex.mine.numel()] = ex.mine
+        per = self._unit() * w
+        padded = torch.zeros(math.ceil(payload.numel() / per) * per)
+        padded[:payload.numel()] = payload
         chunk = padded.numel() // w
         send = torch.cat([self._codec.encode(c) for c in padded.split(chunk)])
         ex.recv = torch.empty_like(send)
@@ -344,8 +377,13 @@ class DiLoCo:
                                                                   async_op=True))
 
     def _chunk_len(self, ex: _Exchange) -> int:
-        per = self.block_size * ex.world
-        return math.ceil(ex.mine.numel() / per) * self.block_size
+        per = self._unit() * ex.world
+        assert ex.payload is not None
+        return math.ceil(ex.payload.numel() / per) * self._unit()
+
+    def _unit(self) -> int:
+        """Chunks are whole int8 blocks; bf16 needs no alignment."""
+        return self.block_size if self.compression == "int8" else 1
 
     def _finish(self, ex: _Exchange) -> None:
         """Average known: the outer step on the fragment, and the model's fragment updated."""
@@ -353,11 +391,17 @@ class DiLoCo:
             self._second_phase(ex)
         self._wait(ex)
         if self._codec is not None and ex.gathered is not None:
+            assert ex.payload is not None
             chunk = self._chunk_len(ex)
             rows = ex.gathered.view(ex.world, -1)
             ex.result = torch.cat([self._codec.decode(rows[r], chunk)
-                                   for r in range(ex.world)])[:ex.mine.numel()]
+                                   for r in range(ex.world)])[:ex.payload.numel()]
         assert ex.result is not None
+        host = self._host()
+        if host is not None:  # the host's slices, over shared memory
+            whole = torch.empty(ex.result.numel() * host.group_size)
+            all_gather_into_tensor(whole, ex.result.contiguous(), group=host)
+            ex.result = whole[:ex.mine.numel()]
         self._pending.remove(ex)
         self._outer_step(ex)
 
@@ -407,8 +451,9 @@ class DiLoCo:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`. Exchanges in flight are dropped and those of
-        ``state`` started again, on the current group: every member must load at once."""
+        """Resume from :meth:`state_dict`. Exchanges in flight are dropped; those of
+        ``state`` start again at the next :meth:`step`, on the group current then (so
+        loading issues no collective: an elastic restore may run it at any point)."""
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
             raise ArgumentError(f"DiLoCo.load_state_dict: not a DiLoCo state dict of version "
                                 f"{_STATE_VERSION} (keys: {sorted(state) if isinstance(state, dict) else type(state).__name__})")
@@ -435,8 +480,7 @@ class DiLoCo:
             ex = _Exchange(fragment=int(item["fragment"]), started=int(item["started"]),
                            finish=int(item["started"]) + self.delay,
                            start_local=item["start_local"].clone(), mine=item["mine"].clone())
-            self._pending.append(ex)
-            self._issue(ex)
+            self._pending.append(ex)  # started again at the next step() or sync()
 
 
 def host_groups(local_size: int, group: AnyGroup | None = None

@@ -158,7 +158,33 @@ def _hidden(rank: int, world: int) -> dict[str, Any]:
             "blocking": (blocking.hidden_fraction, blocking.comm_seconds)}
 
 
+def _hierarchical(rank: int, world: int, compression: str | None) -> dict[str, Any]:
+    """2 hosts of 2 ranks: DDP inside each host, DiLoCo across; the host's ranks carry one
+    slice each, and the result is that of each rank carrying the whole model."""
+    from tandem.algorithms.diloco import host_groups
+    from tandem.parallel.ddp import DistributedDataParallel as DDP
+
+    host, cross = host_groups(2)
+    runs = {}
+    for sliced in (True, False):
+        net = _model()
+        ddp = DDP(net, process_group=host)
+        opt = _inner(net)
+        diloco = DiLoCo(net, opt, outer_optimizer=_nesterov, sync_every=3, fragments=2,
+                        delay=1, compression=compression, group=cross,
+                        host_group=host if sliced else None)
+        for step in range(STEPS):
+            _inner_step(ddp, opt, rank // 2, step)  # a host's ranks split one batch's data
+            diloco.step()
+        runs[sliced] = ([p.detach().clone() for p in net.parameters()], diloco.bytes_sent)
+    diff = max((a - b).abs().max().item() for a, b in zip(runs[True][0], runs[False][0]))
+    return {"diff": diff, "bytes": (runs[True][1], runs[False][1]),
+            "params": runs[True][0]}
+
+
 CASES: dict[str, Callable[[int, int], Any]] = {
+    "hierarchical": lambda rank, world: _hierarchical(rank, world, None),
+    "hierarchical_bf16": lambda rank, world: _hierarchical(rank, world, "bf16"),
     "ddp_equal": _ddp_equal,
     "hidden": _hidden,
     **{f"trained_{name}": (lambda c: lambda rank, world: _trained(rank, c))(config)
@@ -332,7 +358,7 @@ def test_bytes_sent_follow_the_payload_and_the_compression(results: Any) -> None
     # 3 syncs of the whole model, as a ring all-reduce moves it: 2 (W-1)/W of 4 bytes each
     assert plain["bytes"] == 3 * (2 * (WORLD - 1) * numel * 4 // WORLD)
     bf16 = _case(results, "trained_bf16_h3")[0]
-    padded = math.ceil(numel / (256 * WORLD)) * 256 * WORLD
+    padded = math.ceil(numel / WORLD) * WORLD  # bf16 chunks need no block alignment
     assert bf16["bytes"] == 3 * 2 * ((WORLD - 1) * padded * 2 // WORLD)
     # per (padded) element, half the bytes of the fp32 ring
     assert bf16["bytes"] / padded == pytest.approx(plain["bytes"] / numel / 2, rel=1e-3)
@@ -356,6 +382,20 @@ def test_overlapped_exchanges_are_counted_as_hidden(results: Any) -> None:
         assert comm > 0 and exposed == 0.0 and fraction == 1.0, info
         blocking_fraction, blocking_comm = info["blocking"]
         assert blocking_comm > 0 and blocking_fraction < 0.05, info
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["hierarchical", "hierarchical_bf16"])
+def test_hierarchical_slices_equal_whole_model_exchange_at_half_the_bytes(
+        results: Any, name: str) -> None:
+    per_rank = _case(results, name)
+    for rank, info in enumerate(per_rank):
+        assert info["diff"] <= 1e-6, f"{name}, rank {rank}: {info['diff']}"
+        sliced, whole = info["bytes"]
+        assert 0 < sliced <= whole / 2 + 2048, info["bytes"]  # 2 ranks a host: half, padding aside
+        for a, b in zip(info["params"], per_rank[rank ^ 1]["params"]):  # DDP: host-mates equal
+            assert (a - b).abs().max().item() <= 1e-6
 
 
 def _sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
