@@ -27,11 +27,9 @@ from tandem.testing import launch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "elastic"))
 import _elastic_job as ej  # noqa: E402
+from test_elastic_recovery import store_port  # noqa: E402,F401 - the test's TCPStore
 
 pytestmark = pytest.mark.procs
-
-SECRET = "tandem-test-secret"  # what tandem.testing gives its children
-
 
 def _outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
@@ -86,17 +84,9 @@ def diloco_job(rank: int, world_size: int, spec: ej.Spec) -> dict[str, Any]:
             "start_loss": F.mse_loss(ej.model()(x), y).item()}
 
 
-@pytest.fixture
-def store_port() -> Any:
-    store = tandem.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=60,
-                            secret=SECRET)
-    yield store.port
-    store.close()
-
-
 @pytest.mark.timeout(180)
 def test_a_killed_rank_does_not_stop_the_others_and_a_joiner_gets_the_outer_state(
-        tmp_path: Path, store_port: int) -> None:
+        tmp_path: Path, store_port: int) -> None:  # noqa: F811
     spec = ej.Spec(steps=16, members=3, pg_url=f"file://{tmp_path}/pg", store_port=store_port,
                    backend="tcp", victim=1, kill_step=7, rejoin_step=12)
     outcomes = launch(4, diloco_job, (spec,), init=False, timeout=150)
