@@ -57,6 +57,7 @@ from tandem.collectives.group import NonMemberGroup, ProcessGroup
 from tandem.collectives.reduce_op import ReduceOp
 from tandem.collectives.work import Work
 from tandem.collectives.world import AnyGroup, resolve_group
+from tandem.config import at_most
 from tandem.errors import ArgumentError, StateError
 
 __all__ = ["DiLoCo", "host_groups"]
@@ -189,6 +190,10 @@ class DiLoCo:
                                 f"got {compression!r}")
         self.compression = compression
         self.block_size = _count("block_size", block_size, 1)
+        values = sum(p.numel() for p in self.params)
+        at_most("DiLoCo: block_size", self.block_size, max(values, 256),
+                f"a block longer than the model's {values} trainable values only adds padding",
+                "use the default 256 or a smaller block")
         if delay is None:
             delay = 0 if self.fragments == 1 else max(1, self.sync_every // self.fragments)
         self.delay = _count("delay", delay, 0)

@@ -411,6 +411,8 @@ def _sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
                                               "'int8', got 'fp8'"),
     ({"sync_every": 4, "delay": 5}, "delay=5 is more than sync_every=4"),
     ({"sync_every": 4, "block_size": 0}, "block_size must be an int >= 1"),
+    ({"sync_every": 4, "block_size": 10**12}, "block_size=1000000000000 is above its limit of "
+                                              "715 .a block longer than the model's 715"),
 ])
 def test_bad_arguments_are_refused_with_the_reason(kwargs: dict[str, Any], words: str) -> None:
     model = _model()
