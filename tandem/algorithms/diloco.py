@@ -500,7 +500,7 @@ def host_groups(local_size: int, group: AnyGroup | None = None
     from tandem.collectives.world import get_world_size
 
     size = get_world_size(group)
-    local_size = _count("local_size", local_size, 1)
+    local_size = check_count("host_groups", "local_size", local_size, 1)
     if size % local_size:
         raise ArgumentError(f"host_groups: local_size={local_size} does not divide the group's "
                             f"{size} ranks")

@@ -182,7 +182,18 @@ def _hierarchical(rank: int, world: int, compression: str | None) -> dict[str, A
             "params": runs[True][0]}
 
 
+def _host_groups_refusal(rank: int, world: int) -> str:
+    from tandem.algorithms.diloco import host_groups
+
+    try:
+        host_groups(3)
+    except ArgumentError as exc:
+        return str(exc)
+    return "accepted"
+
+
 CASES: dict[str, Callable[[int, int], Any]] = {
+    "host_groups_refusal": _host_groups_refusal,
     "hierarchical": lambda rank, world: _hierarchical(rank, world, None),
     "hierarchical_bf16": lambda rank, world: _hierarchical(rank, world, "bf16"),
     "ddp_equal": _ddp_equal,
@@ -396,6 +407,13 @@ def test_hierarchical_slices_equal_whole_model_exchange_at_half_the_bytes(
         assert 0 < sliced <= whole / 2 + 2048, info["bytes"]  # 2 ranks a host: half, padding aside
         for a, b in zip(info["params"], per_rank[rank ^ 1]["params"]):  # DDP: host-mates equal
             assert (a - b).abs().max().item() <= 1e-6
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+def test_host_groups_refuses_a_local_size_that_does_not_divide_the_world(results: Any) -> None:
+    for message in _case(results, "host_groups_refusal"):
+        assert message == "host_groups: local_size=3 does not divide the group's 4 ranks"
 
 
 def _sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
