@@ -52,7 +52,7 @@ from torch import nn
 
 from tandem.algorithms.model_averaging.averagers import check_count
 from tandem.collectives.alltoall import all_to_all_single
-from tandem.collectives.api import all_gather_into_tensor, all_reduce
+from tandem.collectives.api import all_gather_into_tensor, all_reduce, broadcast
 from tandem.collectives.group import NonMemberGroup, ProcessGroup
 from tandem.collectives.reduce_op import ReduceOp
 from tandem.collectives.work import Work
@@ -142,7 +142,9 @@ class _Exchange:
 class DiLoCo:
     """Outer steps every ``sync_every`` inner steps; see the module docstring.
 
-    Arguments: ``model`` (its parameters with ``requires_grad`` are synchronised),
+    Every member of ``group`` must construct it: the first rank's parameters are
+    broadcast to the others. Arguments: ``model`` (its parameters with ``requires_grad``
+    are synchronised),
     ``inner_optimizer`` (the optimizer the caller steps), ``outer_optimizer`` (a callable
     building the outer optimizer from a list of tensors), ``sync_every`` (H, inner steps
     between a fragment's syncs), ``fragments`` (streaming when > 1), ``compression``
@@ -220,6 +222,7 @@ class DiLoCo:
         # multiples of H, as plain DiLoCo does
         self._offsets = [((f + 1) * self.sync_every // self.fragments) % self.sync_every
                          for f in range(self.fragments)]
+        self._start_equal()
         self.outer_params = [p.detach().clone().to(torch.float32) for p in self.params]
         self.outer_optimizer = outer_optimizer(self.outer_params)
         if not isinstance(self.outer_optimizer, torch.optim.Optimizer):
@@ -233,6 +236,20 @@ class DiLoCo:
         self.exposed_seconds = 0.0
         self._pending: list[_Exchange] = []
         self._lock = threading.Lock()
+
+    def _start_equal(self) -> None:
+        """Every rank starts from the first rank's parameters (as DDP does): outer
+        parameters that began apart would stay apart."""
+        g = self._group()
+        if g is None or g.group_size == 1:
+            return
+        flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in self.params])
+        broadcast(flat, group=g, group_src=0)
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
 
     # -- the training loop's call ---------------------------------------------------------
     def step(self) -> None:

@@ -192,7 +192,17 @@ def _host_groups_refusal(rank: int, world: int) -> str:
     return "accepted"
 
 
+def _starts_equal(rank: int, world: int) -> list[torch.Tensor]:
+    """Ranks built with different weights all start from rank 0's, outer ones included."""
+    torch.manual_seed(rank)
+    net = nn.Linear(5, 4)
+    diloco = DiLoCo(net, _inner(net), outer_optimizer=_plain, sync_every=2)
+    assert all(torch.equal(p, o) for p, o in zip(net.parameters(), diloco.outer_params))
+    return [p.detach().clone() for p in net.parameters()]
+
+
 CASES: dict[str, Callable[[int, int], Any]] = {
+    "starts_equal": _starts_equal,
     "host_groups_refusal": _host_groups_refusal,
     "hierarchical": lambda rank, world: _hierarchical(rank, world, None),
     "hierarchical_bf16": lambda rank, world: _hierarchical(rank, world, "bf16"),
@@ -414,6 +424,16 @@ def test_hierarchical_slices_equal_whole_model_exchange_at_half_the_bytes(
 def test_host_groups_refuses_a_local_size_that_does_not_divide_the_world(results: Any) -> None:
     for message in _case(results, "host_groups_refusal"):
         assert message == "host_groups: local_size=3 does not divide the group's 4 ranks"
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+def test_ranks_built_with_different_weights_start_from_the_first_ranks(results: Any) -> None:
+    per_rank = _case(results, "starts_equal")
+    torch.manual_seed(0)
+    want = list(nn.Linear(5, 4).parameters())
+    for got in per_rank:
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def _sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
