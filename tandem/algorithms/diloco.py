@@ -156,8 +156,8 @@ class DiLoCo:
     parameters through DDP; each carries a slice across ``group``).
 
     Counters for benchmarks: ``bytes_sent`` (bytes this rank sent in outer exchanges; for
-    an uncompressed all-reduce, the bandwidth-optimal volume 2(W-1)/W of the payload,
-    which tandem's ring sends), ``comm_seconds`` (from issuing each exchange's collective
+    an uncompressed all-reduce, those of the algorithm tandem picks: recursive doubling's
+    log2(W) payloads for small ones, the ring's 2(W-1)/W of it for large), ``comm_seconds`` (from issuing each exchange's collective
     to its completion), ``exposed_seconds`` (of those, spent blocked waiting), and
     ``hidden_fraction`` (1 - exposed/comm).
     """
@@ -334,7 +334,7 @@ class DiLoCo:
         if self._codec is None:
             buf = payload / w  # divided before summing: no overflow, the same rounding as DDP
             ex.result = buf
-            self.bytes_sent += 2 * (w - 1) * buf.numel() * 4 // w
+            self.bytes_sent += _all_reduce_bytes(g, buf)
             ex.work = self._launch(ex, lambda: all_reduce(buf, op=ReduceOp.SUM, group=g,
                                                           async_op=True))
             return
@@ -503,6 +503,23 @@ class DiLoCo:
                            finish=int(item["started"]) + self.delay,
                            start_local=item["start_local"].clone(), mine=item["mine"].clone())
             self._pending.append(ex)  # started again at the next step() or sync()
+
+
+def _all_reduce_bytes(g: ProcessGroup, buf: torch.Tensor) -> int:
+    """The bytes this rank sends in an all-reduce of ``buf`` over ``g``, by the algorithm
+    tandem picks for it: recursive doubling (small payloads) exactly; otherwise the ring's
+    2 (W-1)/W of the payload, the bandwidth-optimal volume."""
+    from tandem.collectives.algorithms import select_all_reduce
+
+    w, n = g.group_size, buf.numel() * buf.element_size()
+    name, _ = select_all_reduce(g, buf)
+    if name == "doubling":
+        pow2 = 1 << (w.bit_length() - 1)
+        r = g.group_rank
+        if r >= pow2:  # folded: hands its buffer to a partner, gets the result back
+            return n
+        return (pow2.bit_length() - 1) * n + (n if r < w - pow2 else 0)
+    return 2 * (w - 1) * n // w
 
 
 def host_groups(local_size: int, group: AnyGroup | None = None
