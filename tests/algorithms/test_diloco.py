@@ -83,6 +83,8 @@ STREAM_CONFIGS: dict[str, dict[str, Any]] = {
     "plain_h3": {"sync_every": 3},
     "stream_f2_d1": {"sync_every": 4, "fragments": 2, "delay": 1},
     "stream_f3_d3": {"sync_every": 4, "fragments": 3, "delay": 3},
+    "stream_f2_d0": {"sync_every": 4, "fragments": 2, "delay": 0},
+    "more_fragments_than_h": {"sync_every": 2, "fragments": 3},  # two start at one step
     "bf16_h3": {"sync_every": 3, "compression": "bf16"},
     "int8_f2_d2": {"sync_every": 4, "fragments": 2, "delay": 2, "compression": "int8",
                    "block_size": 8},
@@ -294,7 +296,7 @@ def _average(pgs: list[torch.Tensor], kind: str | None, block: int) -> torch.Ten
 def _oracle(config: dict[str, Any]) -> list[list[torch.Tensor]]:
     h = config["sync_every"]
     count = config.get("fragments", 1)
-    delay = config.get("delay", 0)
+    delay = config.get("delay", 0 if count == 1 else max(1, h // count))  # the documented default
     kind = config.get("compression")
     block = config.get("block_size", 256)
     models = [_model() for _ in range(WORLD)]
