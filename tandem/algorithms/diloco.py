@@ -215,6 +215,7 @@ class DiLoCo:
             raise ArgumentError(f"DiLoCo: host_group must be a process group (the ranks of this "
                                 f"host, see host_groups), got {type(host_group).__name__}")
         self.host_group = host_group
+        self._check_hierarchy()
         self.inner_optimizer = inner_optimizer
         self._codec = None if compression is None else _Codec(compression, self.block_size)
         self._frags = _split([p.numel() for p in self.params], self.fragments)
@@ -236,6 +237,22 @@ class DiLoCo:
         self.exposed_seconds = 0.0
         self._pending: list[_Exchange] = []
         self._lock = threading.Lock()
+
+    def _check_hierarchy(self) -> None:
+        """With a host group, ``group`` must hold this rank and no other of its host: the
+        slices of one index travel together."""
+        host = self._host()
+        if host is None:
+            return
+        cross = self._group()
+        if self.group is None or cross is None:
+            raise ArgumentError("DiLoCo: host_group needs group= the cross-host group of this "
+                                "rank's index (host_groups(local_size) gives both)")
+        shared = sorted(set(host.ranks) & set(cross.ranks))
+        if len(shared) != 1:
+            raise ArgumentError(f"DiLoCo: group and host_group share the ranks {shared}; the "
+                                f"cross-host group must hold one rank per host (host_groups"
+                                f"(local_size) gives both)")
 
     def _start_equal(self) -> None:
         """Every rank starts from the first rank's parameters (as DDP does): outer

@@ -194,6 +194,24 @@ def _host_groups_refusal(rank: int, world: int) -> str:
     return "accepted"
 
 
+def _hierarchy_refusals(rank: int, world: int) -> list[str]:
+    """host_group without a cross-host group, or with the world as one, is refused."""
+    from tandem.algorithms.diloco import host_groups
+    from tandem.collectives.world import default_group
+
+    host, _ = host_groups(2)
+    out = []
+    for group in (None, default_group()):
+        net = _model()
+        try:
+            DiLoCo(net, _inner(net), outer_optimizer=_plain, sync_every=2, group=group,
+                   host_group=host)
+            out.append("accepted")
+        except ArgumentError as exc:
+            out.append(str(exc))
+    return out
+
+
 def _starts_equal(rank: int, world: int) -> list[torch.Tensor]:
     """Ranks built with different weights all start from rank 0's, outer ones included."""
     torch.manual_seed(rank)
@@ -206,6 +224,7 @@ def _starts_equal(rank: int, world: int) -> list[torch.Tensor]:
 CASES: dict[str, Callable[[int, int], Any]] = {
     "starts_equal": _starts_equal,
     "host_groups_refusal": _host_groups_refusal,
+    "hierarchy_refusals": _hierarchy_refusals,
     "hierarchical": lambda rank, world: _hierarchical(rank, world, None),
     "hierarchical_bf16": lambda rank, world: _hierarchical(rank, world, "bf16"),
     "ddp_equal": _ddp_equal,
@@ -438,6 +457,14 @@ def test_ranks_built_with_different_weights_start_from_the_first_ranks(results: 
     want = list(nn.Linear(5, 4).parameters())
     for got in per_rank:
         assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(600)
+def test_host_group_without_a_cross_host_group_is_refused(results: Any) -> None:
+    for missing, world in _case(results, "hierarchy_refusals"):
+        assert missing.startswith("DiLoCo: host_group needs group= the cross-host group"), missing
+        assert "group and host_group share the ranks [" in world, world
 
 
 def _sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
