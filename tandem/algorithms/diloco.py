@@ -448,9 +448,9 @@ class DiLoCo:
         members = self._frags[ex.fragment]
         result = ex.result
         assert result is not None
+        for outer in self.outer_params:  # the other fragments' outer parameters stay put
+            outer.grad = None
         offset = 0
-        for i, p in enumerate(self.outer_params):
-            p.grad = None
         for i in members:
             n = self.outer_params[i].numel()
             self.outer_params[i].grad = result[offset:offset + n].view_as(
