@@ -264,21 +264,30 @@ def format_tables(results: Sequence[dict[str, Any]]) -> str:
     conn = []
     for r in results:
         t, g = r["resources"]["tandem"], r["resources"]["gloo"]
+        h, per = r["hosts"], r["ranks_per_host"]
         conn.append([r["layout"], f"{t['local_tcp']} / {g['local_tcp']}",
                      f"{t['remote_tcp']} / {g['remote_tcp']}",
                      f"{t['remote_tcp_per_host']} / {g['remote_tcp_per_host']}",
+                     f"{(h - 1) * per * per}", f"{2 * (h - 1)}",
                      f"{r['waiting']['tandem']:.2f} / {r['waiting']['gloo']:.2f}"])
     out += ["", "TCP connections (tandem / gloo; same host: per rank; across hosts: per rank "
-            "and per host) and CPU seconds per second spent waiting in a barrier", "",
-            _md(["layout", "same host /rank", "across /rank", "across /host", "CPU waiting"],
-                conn)]
+            "and per host), against a full mesh's (H-1)*R*R per host and the O(hosts) target "
+            "2*(H-1); CPU seconds per second spent waiting in a barrier", "",
+            _md(["layout", "same host /rank", "across /rank", "across /host",
+                 "mesh (H-1)R^2", "target 2(H-1)", "CPU waiting"], conn)]
+    keys = sorted({(c["op"], c["size"]) for r in results for c in r["collectives"]},
+                  key=lambda k: (OPS.index(k[0]), k[1]))
     coll = []
-    for r in results:
-        for c in r["collectives"]:
-            coll.append([r["layout"], c["op"], "-" if c["op"] == "barrier" else _fmt_size(c["size"]),
-                         _fmt_time(c["tandem"]), _fmt_time(c["gloo"]), _ratio(c["gloo"], c["tandem"])])
-    out += ["", "Collectives, time per op (speed-up = gloo / tandem: above 1, tandem is faster)",
-            "", _md(["layout", "op", "size", "tandem", "gloo", "speed-up"], coll)]
+    for op, size in keys:
+        cells = []
+        for r in results:
+            c = next((c for c in r["collectives"] if (c["op"], c["size"]) == (op, size)), None)
+            cells.append(f"{_ratio(c['gloo'], c['tandem'])} ({_fmt_time(c['tandem'])} vs "
+                         f"{_fmt_time(c['gloo'])})" if c else "-")
+        coll.append([op, "-" if op == "barrier" else _fmt_size(size), *cells])
+    out += ["", "Collectives: speed-up = gloo time / tandem time (above 1, tandem is faster), "
+            "then tandem's and gloo's time per op", "",
+            _md(["op", "size", *[r["layout"] for r in results]], coll)]
     return "\n".join(out)
 
 
@@ -368,6 +377,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default="",
                         help="write the tables to OUT (markdown), the plot to OUT's .png and "
                              "the figures to its .json")
+    parser.add_argument("--render", default="", metavar="JSON[,JSON]",
+                        help="measure nothing: print (and --out) the tables and plot of "
+                             "figures saved by earlier runs' --out, one file per run")
     parser.add_argument("--smoke", action="store_true",
                         help=f"layouts {SMOKE_LAYOUTS}, 4 KB, one short round: a quick check")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -386,22 +398,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     rounds, round_s, wait_s = args.rounds, args.round_ms / 1e3, args.wait
     if args.smoke:
         rounds, round_s, wait_s = 1, 0.01, 0.3
-    print(f"machine: {machine()}", flush=True)
-    results = []
-    began = time.monotonic()
-    try:
-        for layout in layouts:
-            t = time.monotonic()
-            results.append(run_layout(layout, link, ops, sizes, rounds, round_s, wait_s,
-                                      args.launch_rounds, args.timeout))
-            print(f"{layout}: {time.monotonic() - t:.0f} s", flush=True)
-    except Unavailable as exc:
-        print(f"simulated hosts are unavailable here: {exc}")
-        return 1
-    text = (f"tandem 'auto' vs torch.distributed 'gloo' on simulated hosts, links "
-            f"{link}; float32, 1 thread/rank; best of {rounds} rounds of "
-            f"~{round_s * 1e3:.0f} ms; {time.monotonic() - began:.0f} s\n\n"
-            + format_tables(results))
+    if args.render:
+        results = [r for name in args.render.split(",") if name.strip()
+                   for r in json.loads(Path(name.strip()).read_text())]
+        text = format_tables(results)
+    else:
+        print(f"machine: {machine()}", flush=True)
+        results = []
+        began = time.monotonic()
+        try:
+            for layout in layouts:
+                t = time.monotonic()
+                results.append(run_layout(layout, link, ops, sizes, rounds, round_s, wait_s,
+                                          args.launch_rounds, args.timeout))
+                print(f"{layout}: {time.monotonic() - t:.0f} s, load average "
+                      f"{os.getloadavg()[0]:.0f}", flush=True)
+        except Unavailable as exc:
+            print(f"simulated hosts are unavailable here: {exc}")
+            return 1
+        text = (f"tandem 'auto' vs torch.distributed 'gloo' on simulated hosts, links "
+                f"{link}; float32, 1 thread/rank; best of {rounds} rounds of "
+                f"~{round_s * 1e3:.0f} ms; {time.monotonic() - began:.0f} s\n\n"
+                + format_tables(results))
     print(text)
     if args.out:
         out = Path(args.out)

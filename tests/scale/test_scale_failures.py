@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]
 NOTICED_WITHIN = 5.0  # seconds from the kill to each survivor's error
 VICTIM = 13  # host 1 of 4, neither a host's first rank nor the last
 STALL = 1.0  # TANDEM_STALL_WARN
-OP_S = 15.0  # the stalled call's deadline: reports come long before it
+OP_S = 8.0  # the stalled call's deadline: reports come long before it
 
 
 def _ranks(text: str) -> list[int]:
