@@ -6,6 +6,7 @@ Run as root (network namespaces), big layouts inside a memory cgroup::
     python -m tandem.bench scale --layouts 1x8,2x8 --out /tmp/scale.md   # + scale.png, .json
     python -m tandem.bench scale --link 1gbit:0.2ms       # shaped links between hosts
     python -m tandem.bench scale --smoke                  # 1x2 and 2x2, 4 KB, one round
+    python -m tandem.bench scale --store 64               # the store alone, 64 ranks
 
 How it measures. A layout ``HxR`` is ``H`` simulated hosts (``tandem.testing.netns``,
 links shaped as ``--link`` says) with ``R`` ranks each; every rank is one process that
@@ -34,6 +35,12 @@ imports torch, then, in order:
 
 Launch, for one-host layouts only: ``tandemrun`` against ``torchrun`` + gloo from the
 launcher's start to every rank past its first barrier (:mod:`tandem.bench.startup`).
+
+The store (``--store N``, instead of the layouts): ``N`` harness processes on this host
+each do ``--store-ops`` operations (a set and a get of its own key, in turn) on tandem's
+``TCPStore`` and on torch's, both served from the benchmark's process, every rank
+starting at once; operations per second = all ranks' operations / (last end - first
+start), the best of rounds that alternate which store goes first.
 
 Ratios are tandem / gloo for times and resources (below 1: tandem is faster or
 smaller), and gloo / tandem, a speed-up, for collectives (above 1: tandem is faster).
@@ -168,7 +175,77 @@ def _scale_rank(rank: int, world: int, workdir: str, ops: Sequence[str], sizes: 
     return out
 
 
+def _store_rank(rank: int, world: int, ports: dict[str, int], order: Sequence[str],
+                ops: int) -> dict[str, list[float]]:
+    """``ops`` store operations (set and get of this rank's own keys) on each store, in
+    ``order``, all ranks starting together; this rank's (start, end) wall-clock times."""
+    import torch.distributed as td
+
+    import tandem
+
+    out = {}
+    for lib in order:
+        timeout = datetime.timedelta(seconds=_OP_TIMEOUT_S)
+        store: Any = (tandem.TCPStore("127.0.0.1", ports[lib], world, timeout=timeout)
+                      if lib == "tandem" else
+                      td.TCPStore("127.0.0.1", ports[lib], world, timeout=timeout))
+        store.add("ready", 1)
+        store.wait(["go"])
+        start = time.time()
+        for i in range(ops // 2):
+            store.set(f"k{rank}-{i}", b"0123456789abcdef")
+            store.get(f"k{rank}-{i}")
+        out[lib] = [start, time.time()]
+    return out
+
+
 # ---- in the parent --------------------------------------------------------------------
+
+
+def store_rate(world: int, ops: int, rounds: int) -> dict[str, float]:
+    """Operations per second of ``world`` ranks on tandem's TCPStore and on torch's, each
+    served from this process; rounds alternate which store goes first; the best round."""
+    import threading
+
+    import torch.distributed as td
+
+    import tandem
+    import secrets
+
+    from tandem.testing import spawn
+
+    best = {"tandem": 0.0, "torch": 0.0}
+    secret = secrets.token_hex(16)
+    for r in range(rounds):
+        order = ["tandem", "torch"] if r % 2 == 0 else ["torch", "tandem"]
+        timeout = datetime.timedelta(seconds=_OP_TIMEOUT_S)
+        servers: dict[str, Any] = {
+            "tandem": tandem.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timeout,
+                                      wait_for_workers=False, secret=secret),
+            "torch": td.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timeout,
+                                 wait_for_workers=False)}
+
+        def starter() -> None:  # let every rank go at once, store by store
+            for lib in order:
+                deadline = time.monotonic() + _OP_TIMEOUT_S
+                while servers[lib].add("ready", 0) < world and time.monotonic() < deadline:
+                    time.sleep(0.01)  # ranks are connecting: a poll, not a spin
+                servers[lib].set("go", b"1")
+
+        thread = threading.Thread(target=starter, daemon=True)
+        thread.start()
+        try:
+            got = spawn(world, _store_rank, ({k: v.port for k, v in servers.items()}, order,
+                                             ops), init=False, timeout=_OP_TIMEOUT_S,
+                        env={"TANDEM_SECRET": secret})
+        finally:
+            servers["tandem"].close()
+        thread.join(_OP_TIMEOUT_S)
+        for lib in best:
+            span = max(g[lib][1] for g in got) - min(g[lib][0] for g in got)
+            best[lib] = max(best[lib], world * ops / span)
+    return best
+
 
 
 def _launch(world: int, rounds: int, timeout: float) -> dict[str, float]:
@@ -377,6 +454,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default="",
                         help="write the tables to OUT (markdown), the plot to OUT's .png and "
                              "the figures to its .json")
+    parser.add_argument("--store", type=int, default=0, metavar="RANKS",
+                        help="measure only the store: RANKS ranks (harness processes on this "
+                             "host) each doing --store-ops operations on tandem's TCPStore "
+                             "and on torch's")
+    parser.add_argument("--store-ops", type=int, default=1000, help="per rank (default 1000)")
     parser.add_argument("--render", default="", metavar="JSON[,JSON]",
                         help="measure nothing: print (and --out) the tables and plot of "
                              "figures saved by earlier runs' --out, one file per run")
@@ -398,6 +480,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     rounds, round_s, wait_s = args.rounds, args.round_ms / 1e3, args.wait
     if args.smoke:
         rounds, round_s, wait_s = 1, 0.01, 0.3
+    if args.store:
+        if args.store < 2 or args.store_ops < 2:
+            parser.error("need --store >= 2 ranks and --store-ops >= 2")
+        rate = store_rate(args.store, args.store_ops, max(2, args.rounds))
+        print(f"store: {args.store} ranks x {args.store_ops} operations (set + get), best of "
+              f"{max(2, args.rounds)} rounds: tandem TCPStore {rate['tandem']:.0f} ops/s, "
+              f"torch TCPStore {rate['torch']:.0f} ops/s, ratio tandem/torch "
+              f"{rate['tandem'] / rate['torch']:.2f}")
+        return 0
     if args.render:
         results = [r for name in args.render.split(",") if name.strip()
                    for r in json.loads(Path(name.strip()).read_text())]

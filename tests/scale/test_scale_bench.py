@@ -64,3 +64,15 @@ def test_smoke_mode_writes_the_tables_the_plot_and_the_figures(tmp_path: Path) -
     assert re.search(r"^\| all_reduce \| 4 KB \| [\d.]+ \(.* vs .*\) \| [\d.]+ \(", text, re.M), text
     # 2 hosts x 2 ranks: gloo's full mesh crosses hosts 2 times per rank, 4 per host
     assert figures[1]["resources"]["gloo"]["remote_tcp_per_host"] == 4, figures[1]
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(120)
+def test_store_mode_prints_both_stores_rates_and_their_ratio() -> None:
+    proc = subprocess.run([sys.executable, "-m", "tandem.bench", "scale", "--store", "2",
+                           "--store-ops", "20", "--rounds", "2"],
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}"
+    got = re.search(r"tandem TCPStore (\d+) ops/s, torch TCPStore (\d+) ops/s, ratio "
+                    r"tandem/torch ([\d.]+)", proc.stdout)
+    assert got and int(got.group(1)) > 0 and int(got.group(2)) > 0, proc.stdout
