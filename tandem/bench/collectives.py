@@ -125,6 +125,9 @@ class Row:
 
 def _check(lib: Any, name: str, op: str, numel: int, rank: int, p: int) -> None:
     """Run ``op`` once on known values and raise if the result is wrong."""
+    if op == "barrier":  # nothing to check; it runs once as the warm-up
+        lib.barrier()
+        return
     if op == "all_reduce":
         t = torch.full((numel,), float(rank + 1))
         lib.all_reduce(t)
@@ -155,6 +158,8 @@ def _check(lib: Any, name: str, op: str, numel: int, rank: int, p: int) -> None:
 
 def _step(lib: Any, op: str, numel: int, p: int) -> Callable[[], object]:
     """One timed operation on preallocated buffers (zeros, so sums never overflow)."""
+    if op == "barrier":
+        return lambda: lib.barrier()
     t = torch.zeros(numel)
     if op == "all_reduce":
         return lambda: lib.all_reduce(t)

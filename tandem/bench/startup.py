@@ -16,6 +16,7 @@ from the moment the launcher process is started:
 
     script  the last rank's script starts          (launcher start-up + spawning)
     init    the last rank returned from init        (the number that matters)
+    barrier the last rank finished its first barrier (not in the table; the scale benchmark's)
     exit    the launcher exited (workers destroyed their groups and left)
 
 Rounds alternate between the two launchers so both see the same machine noise; the
@@ -53,8 +54,9 @@ imported = time.time()
 dist.init_process_group(backend)
 ready = time.time()
 dist.barrier()
+done = time.time()
 with open(os.path.join(sys.argv[2], "rank%s.json" % os.environ["RANK"]), "w") as f:
-    json.dump({"start": start, "imported": imported, "ready": ready}, f)
+    json.dump({"start": start, "imported": imported, "ready": ready, "done": done}, f)
 dist.destroy_process_group()
 '''
 
@@ -81,6 +83,7 @@ def measure(lib: str, world_size: int, workdir: str, timeout: float = 300.0) -> 
     return {"script": max(r["start"] for r in ranks) - t0,
             "import": max(r["imported"] - r["start"] for r in ranks),
             "init": max(r["ready"] for r in ranks) - t0,
+            "barrier": max(r["done"] for r in ranks) - t0,
             "exit": t_exit - t0}
 
 

@@ -13,7 +13,7 @@ from tandem.bench.startup import format_table, measure
 @pytest.mark.procs
 def test_one_tandem_launch_is_measured(tmp_path: Path) -> None:
     m = measure("tandem", 2, str(tmp_path))
-    assert 0 < m["script"] <= m["init"] <= m["exit"]
+    assert 0 < m["script"] <= m["init"] <= m["barrier"] <= m["exit"]
 
 
 def test_table_has_a_ratio_per_world_size() -> None:

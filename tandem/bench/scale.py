@@ -1,0 +1,525 @@
+"""Scale: tandem against gloo from 8 to 64 ranks on simulated hosts, in the same run.
+
+Run as root (network namespaces), big layouts inside a memory cgroup::
+
+    python -m tandem.bench scale                          # 1x8,1x16,1x32,2x8,4x8,8x8
+    python -m tandem.bench scale --layouts 1x8,2x8 --out /tmp/scale.md   # + scale.png, .json
+    python -m tandem.bench scale --link 1gbit:0.2ms       # shaped links between hosts
+    python -m tandem.bench scale --smoke                  # 1x2 and 2x2, 4 KB, one round
+    python -m tandem.bench scale --store 64               # the store alone, 64 ranks
+
+How it measures. A layout ``HxR`` is ``H`` simulated hosts (``tandem.testing.netns``,
+links shaped as ``--link`` says) with ``R`` ranks each; every rank is one process that
+imports torch, then, in order:
+
+* start-up: all ranks meet at a file barrier, then ``tandem.init_process_group("auto")``
+  and a first ``barrier``; again at a file barrier, then ``init_process_group("gloo")``
+  and its first barrier (both FileStore rendezvous in a directory every host sees).
+  "init" is the last rank's return from ``init_process_group``, "init+barrier" the last
+  rank's first barrier, both counted from the moment the last rank reached the file
+  barrier;
+* resources per rank: ``/proc/self`` (:mod:`tandem.bench._resources`) before tandem's
+  init, after it (plus a 1 MB all_reduce, so buffers made on first use count), after
+  gloo's the same way: RSS and PSS grown, descriptors, threads, shared-memory mappings
+  added. TCP connections are counted at the end, after every collective (connections
+  made on first use count): gloo's are those its init opened, tandem's the rest;
+  "same host" connections join two ranks of one host, "across" ones join hosts, and
+  per host = the sum over its ranks;
+* collectives: all_reduce, all_gather, broadcast, reduce_scatter and barrier at each size
+  (``tandem.bench.collectives``: checked once, then rounds alternating between tandem
+  and gloo; a round's time is its slowest rank's, the row keeps the best round).
+  all_gather's size is its output (each rank gives size / world), so 16 MB at 64 ranks
+  stays in memory; the others' size is each rank's input; barrier has no size;
+* waiting: rank 0 sleeps ``--wait`` seconds before a barrier; every other rank's CPU
+  time (all its threads) during that barrier, per second waited. 1.0 is one core spun.
+
+Launch, for one-host layouts only: ``tandemrun`` against ``torchrun`` + gloo from the
+launcher's start to every rank past its first barrier (:mod:`tandem.bench.startup`).
+
+The store (``--store N``, instead of the layouts): ``N`` harness processes on this host
+each do ``--store-ops`` operations (a set and a get of its own key, in turn) on tandem's
+``TCPStore`` and on torch's, both served from the benchmark's process, every rank
+starting at once; operations per second = all ranks' operations / (last end - first
+start), the best of rounds that alternate which store goes first.
+
+Ratios are tandem / gloo for times and resources (below 1: tandem is faster or
+smaller), and gloo / tandem, a speed-up, for collectives (above 1: tandem is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from tandem.bench._hosts import Hosts, Layout
+from tandem.bench.collectives import _fmt_size
+from tandem.bench.collectives_hosts import _fmt_time
+
+__all__ = ["main", "parse_scale_layouts", "run_layout", "format_tables"]
+
+DEFAULT_LAYOUTS = "1x8,1x16,1x32,2x8,4x8,8x8"
+SMOKE_LAYOUTS = "1x2,2x2"
+OPS = ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "barrier")
+DEFAULT_SIZES = "4K,1M,16M"
+_OP_TIMEOUT_S = 600.0
+_BARRIER_TIMEOUT_S = 600.0
+_MEASURES = ("rss_kb", "pss_kb", "fds", "threads", "shm_maps")
+
+
+def parse_scale_layouts(text: str) -> list[Layout]:
+    """``"1x8,2x8"`` -> layouts (hosts x ranks per host); one host is allowed here."""
+    out = []
+    for part in filter(None, (p.strip().lower() for p in text.split(","))):
+        hosts, _, per = part.partition("x")
+        if not (hosts.isdigit() and per.isdigit()) or int(hosts) < 1 or int(per) < 1 \
+                or int(hosts) * int(per) < 2:
+            raise ValueError(f"bad layout {part!r}: use HOSTSxRANKS with at least 2 ranks in "
+                             f"all, e.g. 1x8 or 2x8")
+        out.append(Layout(int(hosts), int(per)))
+    if not out:
+        raise ValueError(f"no layout in {text!r}")
+    return out
+
+
+# ---- inside each rank process ---------------------------------------------------------
+
+
+def _file_barrier(workdir: str, name: str, rank: int, world: int) -> float:
+    """Wait until every rank reached ``name``; the wall-clock time this rank saw them all."""
+    where = Path(workdir) / name
+    where.mkdir(exist_ok=True)
+    (where / str(rank)).touch()
+    deadline = time.monotonic() + _BARRIER_TIMEOUT_S
+    while len(os.listdir(where)) < world:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"file barrier {name}: {len(os.listdir(where))} of {world} "
+                               f"ranks after {_BARRIER_TIMEOUT_S:.0f} s")
+        time.sleep(0.01)  # the ranks are still importing torch: seconds, not microseconds
+    return time.time()
+
+
+def _start(lib: Any, backend: str, store: str, rank: int, world: int) -> dict[str, float]:
+    import torch
+
+    start = time.time()
+    lib.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
+                           timeout=datetime.timedelta(seconds=_OP_TIMEOUT_S))
+    ready = time.time()
+    lib.barrier()
+    barrier = time.time()
+    lib.all_reduce(torch.ones(1 << 18))  # 1 MB: buffers made on first use are counted
+    return {"start": start, "init": ready, "barrier": barrier}
+
+
+def _waiting(lib: Any, rank: int, wait_s: float) -> float:
+    """CPU seconds this rank spent per second of waiting for a late rank 0 in a barrier."""
+    lib.barrier()
+    if rank == 0:
+        time.sleep(wait_s)
+    cpu, wall = time.process_time(), time.monotonic()
+    lib.barrier()
+    return (time.process_time() - cpu) / max(time.monotonic() - wall, 1e-9)
+
+
+def _scale_rank(rank: int, world: int, workdir: str, ops: Sequence[str], sizes: Sequence[int],
+                rounds: int, round_s: float, wait_s: float) -> dict[str, Any]:
+    import torch
+    import torch.distributed as gloo
+
+    import tandem
+    from tandem.bench._resources import snapshot
+    from tandem.bench.collectives import _measure_one
+
+    import tandem.collectives.api  # noqa: F401 - imported here, not timed as part of init
+
+    torch.set_num_threads(1)
+    base = snapshot()
+    out: dict[str, Any] = {"start": {}}
+    _file_barrier(workdir, "tandem", rank, world)
+    out["start"]["tandem"] = _start(tandem, "auto", f"{workdir}/tandem-store", rank, world)
+    after_tandem = snapshot()
+    _file_barrier(workdir, "gloo", rank, world)
+    out["start"]["gloo"] = _start(gloo, "gloo", f"{workdir}/gloo-store", rank, world)
+    after_gloo = snapshot()
+    out["resources"] = {"tandem": after_tandem.minus(base), "gloo": after_gloo.minus(after_tandem)}
+    times = []
+    try:
+        for op in ops:
+            for size in ([0] if op == "barrier" else sizes):
+                per_rank = (4 if op == "barrier" else
+                            max(4, size // world) if op == "all_gather" else size)
+                got = _measure_one(tandem, gloo, "auto", "barrier" if op == "barrier" else op,
+                                   per_rank, rank, world, rounds, round_s, ("tandem", "gloo"))
+                times.append({"op": op, "size": size, "times": got["times"]})
+        out["times"] = times
+        end = snapshot()
+        gloo_local = after_gloo.local_tcp - after_tandem.local_tcp
+        gloo_remote = after_gloo.remote_tcp - after_tandem.remote_tcp
+        for key, gloo_set in (("local_tcp", gloo_local), ("remote_tcp", gloo_remote)):
+            now: frozenset[int] = getattr(end, key)
+            out["resources"]["tandem"][key] = len(now - getattr(base, key) - gloo_set)
+            out["resources"]["gloo"][key] = len(gloo_set)
+        out["waiting"] = {"tandem": _waiting(tandem, rank, wait_s),
+                          "gloo": _waiting(gloo, rank, wait_s)}
+    finally:
+        tandem.destroy_process_group()
+        gloo.destroy_process_group()
+    return out
+
+
+def _store_rank(rank: int, world: int, ports: dict[str, int], order: Sequence[str],
+                ops: int) -> dict[str, list[float]]:
+    """``ops`` store operations (set and get of this rank's own keys) on each store, in
+    ``order``, all ranks starting together; this rank's (start, end) wall-clock times."""
+    import torch.distributed as td
+
+    import tandem
+
+    out = {}
+    for lib in order:
+        timeout = datetime.timedelta(seconds=_OP_TIMEOUT_S)
+        store: Any = (tandem.TCPStore("127.0.0.1", ports[lib], world, timeout=timeout)
+                      if lib == "tandem" else
+                      td.TCPStore("127.0.0.1", ports[lib], world, timeout=timeout))
+        store.add("ready", 1)
+        store.wait(["go"])
+        start = time.time()
+        for i in range(ops // 2):
+            store.set(f"k{rank}-{i}", b"0123456789abcdef")
+            store.get(f"k{rank}-{i}")
+        out[lib] = [start, time.time()]
+    return out
+
+
+# ---- in the parent --------------------------------------------------------------------
+
+
+def store_rate(world: int, ops: int, rounds: int) -> dict[str, float]:
+    """Operations per second of ``world`` ranks on tandem's TCPStore and on torch's, each
+    served from this process; rounds alternate which store goes first; the best round."""
+    import threading
+
+    import torch.distributed as td
+
+    import tandem
+    import secrets
+
+    from tandem.testing import spawn
+
+    best = {"tandem": 0.0, "torch": 0.0}
+    secret = secrets.token_hex(16)
+    for r in range(rounds):
+        order = ["tandem", "torch"] if r % 2 == 0 else ["torch", "tandem"]
+        timeout = datetime.timedelta(seconds=_OP_TIMEOUT_S)
+        servers: dict[str, Any] = {
+            "tandem": tandem.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timeout,
+                                      wait_for_workers=False, secret=secret),
+            "torch": td.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timeout,
+                                 wait_for_workers=False)}
+
+        def starter() -> None:  # let every rank go at once, store by store
+            for lib in order:
+                deadline = time.monotonic() + _OP_TIMEOUT_S
+                while servers[lib].add("ready", 0) < world and time.monotonic() < deadline:
+                    time.sleep(0.01)  # ranks are connecting: a poll, not a spin
+                servers[lib].set("go", b"1")
+
+        thread = threading.Thread(target=starter, daemon=True)
+        thread.start()
+        try:
+            got = spawn(world, _store_rank, ({k: v.port for k, v in servers.items()}, order,
+                                             ops), init=False, timeout=_OP_TIMEOUT_S,
+                        env={"TANDEM_SECRET": secret})
+        finally:
+            servers["tandem"].close()
+        thread.join(_OP_TIMEOUT_S)
+        for lib in best:
+            span = max(g[lib][1] for g in got) - min(g[lib][0] for g in got)
+            best[lib] = max(best[lib], world * ops / span)
+    return best
+
+
+
+def _launch(world: int, rounds: int, timeout: float) -> dict[str, float]:
+    """Median seconds from launcher start to every rank past its first barrier."""
+    from tandem.bench.startup import measure
+
+    samples: dict[str, list[float]] = {"tandem": [], "torch": []}
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-scale-") as workdir:
+        for i in range(rounds):
+            for lib in (("tandem", "torch") if i % 2 == 0 else ("torch", "tandem")):
+                samples[lib].append(measure(lib, world, workdir, timeout=timeout)["barrier"])
+    return {lib: statistics.median(s) for lib, s in samples.items()}
+
+
+def _summary(layout: Layout, per_rank: Sequence[dict[str, Any]], rounds: int
+             ) -> dict[str, Any]:
+    """The layout's figures from every rank's :func:`_scale_rank` result (see the docstring)."""
+    libs = ("tandem", "gloo")
+    start: dict[str, dict[str, float]] = {}
+    for lib in libs:
+        t0 = max(r["start"][lib]["start"] for r in per_rank)
+        start[lib] = {k: max(r["start"][lib][k] for r in per_rank) - t0
+                      for k in ("init", "barrier")}
+    res: dict[str, dict[str, float]] = {}
+    for lib in libs:
+        rows = [r["resources"][lib] for r in per_rank]
+        res[lib] = {k: max(x[k] for x in rows) for k in (*_MEASURES, "local_tcp", "remote_tcp")}
+        res[lib]["pss_mean_kb"] = statistics.mean(x["pss_kb"] for x in rows)
+        per_host = [sum(rows[h * layout.ranks_per_host + i]["remote_tcp"]
+                        for i in range(layout.ranks_per_host)) for h in range(layout.hosts)]
+        res[lib]["remote_tcp_per_host"] = max(per_host)
+    waiting = {lib: statistics.mean(r["waiting"][lib] for r in per_rank[1:]) for lib in libs}
+    colls = []
+    for i, entry in enumerate(per_rank[0]["times"]):
+        best = {lib: min(max(r["times"][i]["times"][lib][k] for r in per_rank)
+                         for k in range(rounds)) for lib in libs}
+        colls.append({"op": entry["op"], "size": entry["size"], **best})
+    return {"layout": str(layout), "hosts": layout.hosts, "ranks_per_host": layout.ranks_per_host,
+            "world_size": layout.world_size, "start": start, "resources": res,
+            "waiting": waiting, "collectives": colls}
+
+
+def run_layout(layout: Layout, link: Any, ops: Sequence[str], sizes: Sequence[int],
+               rounds: int, round_s: float, wait_s: float, launch_rounds: int,
+               timeout: float) -> dict[str, Any]:
+    """Every figure of one layout (launch first, outside the lab, for one-host layouts)."""
+    from tandem.testing.netns import netns_lab
+
+    launch = (_launch(layout.world_size, launch_rounds, timeout)
+              if layout.hosts == 1 and launch_rounds > 0 else None)
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-scale-") as tmp:
+        with netns_lab(layout.hosts, Path(tmp), link) as lab:
+            hosts = Hosts(lab, layout)
+            per_rank = hosts.run(_scale_rank, (str(lab.workdir), list(ops), list(sizes), rounds,
+                                               round_s, wait_s), timeout=timeout)
+    summary = _summary(layout, per_rank, rounds)
+    summary["launch"] = launch
+    return summary
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b else "-"
+
+
+def _md(head: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in body])
+
+
+def format_tables(results: Sequence[dict[str, Any]]) -> str:
+    """Markdown tables: start-up, resources per rank, connections, waiting, collectives."""
+    start = []
+    for r in results:
+        t, g, la = r["start"]["tandem"], r["start"]["gloo"], r["launch"]
+        launch = ([f"{la['tandem']:.2f}", f"{la['torch']:.2f}", _ratio(la["tandem"], la["torch"])]
+                  if la else ["-", "-", "-"])
+        start.append([r["layout"], *launch, f"{t['init']:.2f}", f"{g['init']:.2f}",
+                      _ratio(t["init"], g["init"]), f"{t['barrier']:.2f}",
+                      f"{g['barrier']:.2f}", _ratio(t["barrier"], g["barrier"])])
+    out = ["Start-up, seconds (ratio = tandem / gloo; launch: tandemrun vs torchrun + gloo, "
+           "one host only)", "",
+           _md(["layout", "launch tandem", "launch gloo", "ratio", "init tandem", "init gloo",
+                "ratio", "init+barrier tandem", "init+barrier gloo", "ratio"], start)]
+    res = []
+    for r in results:
+        t, g = r["resources"]["tandem"], r["resources"]["gloo"]
+        res.append([r["layout"], f"{t['rss_kb'] / 1024:.1f} / {g['rss_kb'] / 1024:.1f}",
+                    f"{t['pss_kb'] / 1024:.1f} / {g['pss_kb'] / 1024:.1f}",
+                    f"{t['fds']} / {g['fds']}", f"{t['threads']} / {g['threads']}",
+                    f"{t['shm_maps']} / {g['shm_maps']}"])
+    out += ["", "Resources per rank, the most any rank added (tandem / gloo)", "",
+            _md(["layout", "RSS MB", "PSS MB", "fds", "threads", "shm mappings"], res)]
+    conn = []
+    for r in results:
+        t, g = r["resources"]["tandem"], r["resources"]["gloo"]
+        h, per = r["hosts"], r["ranks_per_host"]
+        conn.append([r["layout"], f"{t['local_tcp']} / {g['local_tcp']}",
+                     f"{t['remote_tcp']} / {g['remote_tcp']}",
+                     f"{t['remote_tcp_per_host']} / {g['remote_tcp_per_host']}",
+                     f"{(h - 1) * per * per}", f"{2 * (h - 1)}",
+                     f"{r['waiting']['tandem']:.2f} / {r['waiting']['gloo']:.2f}"])
+    out += ["", "TCP connections (tandem / gloo; same host: per rank; across hosts: per rank "
+            "and per host), against a full mesh's (H-1)*R*R per host and the O(hosts) target "
+            "2*(H-1); CPU seconds per second spent waiting in a barrier", "",
+            _md(["layout", "same host /rank", "across /rank", "across /host",
+                 "mesh (H-1)R^2", "target 2(H-1)", "CPU waiting"], conn)]
+    keys = sorted({(c["op"], c["size"]) for r in results for c in r["collectives"]},
+                  key=lambda k: (OPS.index(k[0]), k[1]))
+    coll = []
+    for op, size in keys:
+        cells = []
+        for r in results:
+            c = next((c for c in r["collectives"] if (c["op"], c["size"]) == (op, size)), None)
+            cells.append(f"{_ratio(c['gloo'], c['tandem'])} ({_fmt_time(c['tandem'])} vs "
+                         f"{_fmt_time(c['gloo'])})" if c else "-")
+        coll.append([op, "-" if op == "barrier" else _fmt_size(size), *cells])
+    out += ["", "Collectives: speed-up = gloo time / tandem time (above 1, tandem is faster), "
+            "then tandem's and gloo's time per op", "",
+            _md(["op", "size", *[r["layout"] for r in results]], coll)]
+    return "\n".join(out)
+
+
+def plot(results: Sequence[dict[str, Any]], path: Path) -> None:
+    """Time (or the resource) against ranks, one panel per measure; tandem solid, gloo dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rs = sorted(results, key=lambda r: (r["world_size"], r["hosts"]))
+    labels = [f"{r['world_size']}\n({r['layout']})" for r in rs]
+    x = list(range(len(rs)))
+    panels: list[tuple[str, list[tuple[str, list[float]]]]] = [
+        ("init + first barrier, s", [(lib, [r["start"][lib]["barrier"] for r in rs])
+                                     for lib in ("tandem", "gloo")]),
+        ("PSS added per rank, MB", [(lib, [r["resources"][lib]["pss_kb"] / 1024 for r in rs])
+                                    for lib in ("tandem", "gloo")]),
+        ("fds added per rank", [(lib, [r["resources"][lib]["fds"] for r in rs])
+                                for lib in ("tandem", "gloo")]),
+        ("threads added per rank", [(lib, [r["resources"][lib]["threads"] for r in rs])
+                                    for lib in ("tandem", "gloo")]),
+        ("TCP across hosts per host", [(lib, [r["resources"][lib]["remote_tcp_per_host"]
+                                              for r in rs]) for lib in ("tandem", "gloo")]),
+        ("CPU s per s waiting", [(lib, [r["waiting"][lib] for r in rs])
+                                 for lib in ("tandem", "gloo")]),
+    ]
+    launched = [r for r in rs if r["launch"]]
+    keys = sorted({(c["op"], c["size"]) for r in rs for c in r["collectives"]},
+                  key=lambda k: (OPS.index(k[0]), k[1]))
+    for op, size in keys:
+        title = op if op == "barrier" else f"{op} {_fmt_size(size)}"
+        series = []
+        for lib in ("tandem", "gloo"):
+            series.append((lib, [next((c[lib] * 1e3 for c in r["collectives"]
+                                       if (c["op"], c["size"]) == (op, size)), float("nan"))
+                                 for r in rs]))
+        panels.append((f"{title}, ms", series))
+    extra = 1 if launched else 0
+    cols = 4
+    rows = (len(panels) + extra + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
+    flat = list(axes.flat)
+    if launched:
+        ax = flat.pop(0)
+        lx = [rs.index(r) for r in launched]
+        ax.plot(lx, [r["launch"]["tandem"] for r in launched], "o-", label="tandemrun")
+        ax.plot(lx, [r["launch"]["torch"] for r in launched], "s--", label="torchrun+gloo")
+        ax.set_title("launch to first barrier, s")
+        ax.set_xticks(x, labels, fontsize=7)
+        ax.legend(fontsize=7)
+    for ax, (title, series) in zip(flat, panels):
+        for lib, ys in series:
+            ax.plot(x, ys, "o-" if lib == "tandem" else "s--", label=lib)
+        ax.set_title(title, fontsize=9)
+        ax.set_xticks(x, labels, fontsize=7)
+        ax.legend(fontsize=7)
+    for ax in flat[len(panels):]:
+        ax.axis("off")
+    fig.suptitle("tandem vs gloo against ranks (x: world size, hosts x ranks per host)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from tandem.bench.collectives import machine, parse_sizes
+    from tandem.testing.links import LinkShape
+    from tandem.testing.netns import Unavailable
+
+    parser = argparse.ArgumentParser(prog="python -m tandem.bench scale",
+                                     description="tandem vs gloo from 8 to 64 ranks on "
+                                                 "simulated hosts (root).")
+    parser.add_argument("--layouts", default=DEFAULT_LAYOUTS,
+                        help=f"HOSTSxRANKS comma list (default {DEFAULT_LAYOUTS})")
+    parser.add_argument("--link", default="", help="every host's link, RATE[:DELAY[:LOSS]], "
+                        "e.g. 1gbit:0.2ms (default unshaped)")
+    parser.add_argument("--ops", default=",".join(OPS), help="comma list (default all)")
+    parser.add_argument("--sizes", default=DEFAULT_SIZES, help=f"default {DEFAULT_SIZES}")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per op (default 3)")
+    parser.add_argument("--round-ms", type=float, default=100.0, help="default 100")
+    parser.add_argument("--wait", type=float, default=1.0,
+                        help="seconds rank 0 keeps the others waiting (default 1)")
+    parser.add_argument("--launch-rounds", type=int, default=1,
+                        help="tandemrun/torchrun launches per one-host layout (default 1; 0: none)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="per layout, seconds")
+    parser.add_argument("--out", default="",
+                        help="write the tables to OUT (markdown), the plot to OUT's .png and "
+                             "the figures to its .json")
+    parser.add_argument("--store", type=int, default=0, metavar="RANKS",
+                        help="measure only the store: RANKS ranks (harness processes on this "
+                             "host) each doing --store-ops operations on tandem's TCPStore "
+                             "and on torch's")
+    parser.add_argument("--store-ops", type=int, default=1000, help="per rank (default 1000)")
+    parser.add_argument("--render", default="", metavar="JSON[,JSON]",
+                        help="measure nothing: print (and --out) the tables and plot of "
+                             "figures saved by earlier runs' --out, one file per run")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"layouts {SMOKE_LAYOUTS}, 4 KB, one short round: a quick check")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        layouts = parse_scale_layouts(SMOKE_LAYOUTS if args.smoke else args.layouts)
+        link = LinkShape.parse(args.link) if args.link else LinkShape()
+        sizes = parse_sizes("4K" if args.smoke else args.sizes)
+    except ValueError as exc:
+        parser.error(str(exc))
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    unknown = sorted(set(ops) - set(OPS))
+    if unknown or not ops:
+        parser.error(f"--ops: unknown {unknown or ops}; choose from {list(OPS)}")
+    if args.rounds < 1 or args.round_ms <= 0 or args.wait <= 0 or args.launch_rounds < 0:
+        parser.error("need --rounds >= 1, --round-ms > 0, --wait > 0, --launch-rounds >= 0")
+    rounds, round_s, wait_s = args.rounds, args.round_ms / 1e3, args.wait
+    if args.smoke:
+        rounds, round_s, wait_s = 1, 0.01, 0.3
+    if args.store:
+        if args.store < 2 or args.store_ops < 2:
+            parser.error("need --store >= 2 ranks and --store-ops >= 2")
+        rate = store_rate(args.store, args.store_ops, max(2, args.rounds))
+        print(f"store: {args.store} ranks x {args.store_ops} operations (set + get), best of "
+              f"{max(2, args.rounds)} rounds: tandem TCPStore {rate['tandem']:.0f} ops/s, "
+              f"torch TCPStore {rate['torch']:.0f} ops/s, ratio tandem/torch "
+              f"{rate['tandem'] / rate['torch']:.2f}")
+        return 0
+    if args.render:
+        results = [r for name in args.render.split(",") if name.strip()
+                   for r in json.loads(Path(name.strip()).read_text())]
+        text = format_tables(results)
+    else:
+        print(f"machine: {machine()}", flush=True)
+        results = []
+        began = time.monotonic()
+        try:
+            for layout in layouts:
+                t = time.monotonic()
+                results.append(run_layout(layout, link, ops, sizes, rounds, round_s, wait_s,
+                                          args.launch_rounds, args.timeout))
+                print(f"{layout}: {time.monotonic() - t:.0f} s, load average "
+                      f"{os.getloadavg()[0]:.0f}", flush=True)
+        except Unavailable as exc:
+            print(f"simulated hosts are unavailable here: {exc}")
+            return 1
+        text = (f"tandem 'auto' vs torch.distributed 'gloo' on simulated hosts, links "
+                f"{link}; float32, 1 thread/rank; best of {rounds} rounds of "
+                f"~{round_s * 1e3:.0f} ms; {time.monotonic() - began:.0f} s\n\n"
+                + format_tables(results))
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.write_text(text + "\n")
+        out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+        plot(results, out.with_suffix(".png"))
+        print(f"wrote {out}, {out.with_suffix('.png')} and {out.with_suffix('.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

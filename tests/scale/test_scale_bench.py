@@ -1,0 +1,79 @@
+"""``python -m tandem.bench scale``: its smoke mode runs and writes table, plot and figures;
+its layouts parse; the resource counter it rests on counts what a process holds."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tandem.bench._resources import snapshot
+from tandem.bench._hosts import Layout
+from tandem.bench.scale import parse_scale_layouts
+
+
+def test_layouts_allow_one_host_and_need_two_ranks() -> None:
+    assert parse_scale_layouts("1x8, 2x8,8x8") == [Layout(1, 8), Layout(2, 8), Layout(8, 8)]
+    assert Layout(4, 8).placement[7:9] == [0, 1]
+    for bad in ("1x1", "0x8", "2x0", "2by2", "", "x"):
+        with pytest.raises(ValueError, match="layout"):
+            parse_scale_layouts(bad)
+
+
+def test_the_counter_sees_new_descriptors_and_connections_on_this_host() -> None:
+    before = snapshot()
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        accepted, _ = server.accept()
+        with client, accepted:
+            grown = snapshot().minus(before)
+    # both ends of the one connection are this process's, and both are on this host
+    assert grown["local_tcp"] == 2 and grown["remote_tcp"] == 0, grown
+    assert grown["fds"] == 3, grown  # listener, client, accepted
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(240)
+def test_smoke_mode_writes_the_tables_the_plot_and_the_figures(tmp_path: Path) -> None:
+    out = tmp_path / "scale.md"
+    # no tandemrun/torchrun launches: they double the torch imports (the startup bench's
+    # smoke test launches both)
+    proc = subprocess.run([sys.executable, "-m", "tandem.bench", "scale", "--smoke",
+                           "--launch-rounds", "0", "--out", str(out)],
+                          capture_output=True, text=True, timeout=220)
+    if "simulated hosts are unavailable" in proc.stdout:
+        pytest.skip(proc.stdout.strip().splitlines()[-1])
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}"
+    figures = json.loads(out.with_suffix(".json").read_text())
+    assert [f["layout"] for f in figures] == ["1x2", "2x2"]
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = out.read_text()
+    for f in figures:
+        ops = [c["op"] for c in f["collectives"]]
+        assert ops == ["all_reduce", "all_gather", "broadcast", "reduce_scatter", "barrier"], f
+        assert all(c["tandem"] > 0 and c["gloo"] > 0 for c in f["collectives"]), f
+        assert f["start"]["tandem"]["barrier"] >= f["start"]["tandem"]["init"] > 0, f
+        assert f["resources"]["tandem"]["local_tcp"] == 0, f  # shared memory within a host
+        assert f["launch"] is None, f
+    assert "| op | size | 1x2 | 2x2 |" in text, text
+    row = r"^\| all_reduce \| 4 KB \| [\d.]+ \(.* vs .*\) \| [\d.]+ \("  # speed-up (times)
+    assert re.search(row, text, re.M), text
+    # 2 hosts x 2 ranks: gloo's full mesh crosses hosts 2 times per rank, 4 per host
+    assert figures[1]["resources"]["gloo"]["remote_tcp_per_host"] == 4, figures[1]
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(120)
+def test_store_mode_prints_both_stores_rates_and_their_ratio() -> None:
+    proc = subprocess.run([sys.executable, "-m", "tandem.bench", "scale", "--store", "2",
+                           "--store-ops", "20", "--rounds", "2"],
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}"
+    got = re.search(r"tandem TCPStore (\d+) ops/s, torch TCPStore (\d+) ops/s, ratio "
+                    r"tandem/torch ([\d.]+)", proc.stdout)
+    assert got and int(got.group(1)) > 0 and int(got.group(2)) > 0, proc.stdout

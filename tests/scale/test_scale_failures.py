@@ -1,0 +1,75 @@
+"""Failures at 32 ranks: a SIGKILLed rank named by every survivor within 5 s; a stopped
+rank named alone by the stall report, in its first report.
+
+The kill runs on 4 simulated hosts x 8 ranks, so survivors on the dead rank's host (shared
+memory) and on the other hosts (TCP) both have to notice; the stall on one host x 32.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import _scale_ranks
+from tandem.testing import launch
+from test_scale_ranks import hosts
+
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]
+
+NOTICED_WITHIN = 5.0  # seconds from the kill to each survivor's error
+VICTIM = 13  # host 1 of 4, neither a host's first rank nor the last
+STALL = 1.0  # TANDEM_STALL_WARN
+OP_S = 8.0  # the stalled call's deadline: reports come long before it
+
+
+def _ranks(text: str) -> list[int]:
+    """``"6, 17, 20-21"`` -> [6, 17, 20, 21]."""
+    out: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        out += range(int(first), int(last or first) + 1)
+    return out
+
+
+def test_a_killed_rank_is_named_by_every_survivor_within_5_s() -> None:
+    with tempfile.TemporaryDirectory(prefix="tandem-scale-") as tmp:
+        stamp = f"{tmp}/killed"
+        with hosts(4, Path(tmp)) as (names, addrs):
+            outcomes = launch(32, _scale_ranks.killed, (f"{tmp}/store", names, addrs, 8,
+                                                        VICTIM, stamp), init=False, timeout=100)
+        killed_at = float(Path(stamp).read_text())
+    assert outcomes[VICTIM].exitcode == -9, outcomes[VICTIM]
+    bad = [o for o in outcomes if o.rank != VICTIM and not o.ok]
+    assert not bad, "\n".join(f"--- rank {o.rank} ---\n{o.error[-2000:]}" for o in bad[:3])
+    got = {o.rank: o.value for o in outcomes if o.rank != VICTIM}
+    wrong = {r: v for r, v in got.items()
+             if v["type"] != "PeerLostError" or f"rank {VICTIM}" not in v["msg"]}
+    assert not wrong, wrong
+    late = {r: round(v["at"] - killed_at, 2) for r, v in got.items()
+            if v["at"] - killed_at > NOTICED_WITHIN}
+    assert not late, f"seconds from the kill to the error: {late}"
+
+
+def test_a_stopped_rank_is_named_alone_in_the_first_stall_report() -> None:
+    with tempfile.TemporaryDirectory(prefix="tandem-scale-") as tmp:
+        outcomes = launch(32, _scale_ranks.stalled, (f"{tmp}/store", [], [], 32, VICTIM),
+                          init=False, timeout=100,
+                          env={"TANDEM_STALL_WARN": str(STALL), "SCALE_OP_S": str(OP_S)})
+    assert outcomes[VICTIM].error_type == "stopped", outcomes[VICTIM]
+    bad = [o for o in outcomes if o.rank != VICTIM and not o.ok]
+    assert not bad, "\n".join(f"--- rank {o.rank} ---\n{o.error[-2000:]}" for o in bad[:3])
+    # reports of the stalled call only (the first call may be reported while ranks join)
+    reports: dict[int, Any] = {o.rank: [(t, m) for t, m in o.value if "all_reduce #1 " in m]
+                               for o in outcomes if o.rank != VICTIM}
+    silent = [r for r, v in reports.items() if not v]
+    assert not silent, f"ranks that waited {OP_S:.0f} s without a stall report: {silent}"
+    for rank, values in reports.items():
+        took, first = values[0]
+        named = [r for line in re.findall(r"^  ranks? ([\d, -]+) ha(?:s|ve) not arrived", first,
+                                          re.MULTILINE) for r in _ranks(line)]
+        assert named == [VICTIM], f"rank {rank}'s first report ({took:.1f} s):\n{first}"
+        assert took < OP_S, (rank, took)
