@@ -547,7 +547,7 @@ def host_groups(local_size: int, group: AnyGroup | None = None
     launchers number them); the cross-host groups join the ranks with the same index on
     each host. Every member of ``group`` must call it (it creates subgroups).
     """
-    from tandem.collectives.groups import new_subgroups, new_subgroups_by_enumeration
+    from tandem.collectives.subgroups import new_subgroups, new_subgroups_by_enumeration
     from tandem.collectives.world import get_world_size
 
     size = get_world_size(group)
