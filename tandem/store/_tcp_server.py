@@ -45,6 +45,8 @@ class Op(enum.IntEnum):
     NUM_KEYS = 8
     APPEND = 9
     HELLO = 10  # reply: the server's incarnation (a new one each time a server starts)
+    MULTI_GET = 11  # fields: wait seconds, keys; reply: their values (or TIMEOUT, missing)
+    MULTI_SET = 12  # fields: key, value, key, value, ...
 
 
 class Status(enum.IntEnum):
@@ -174,7 +176,8 @@ class Server:
             raise ProtocolError(f"unknown store op {code}") from exc
         arity = {Op.SET: 2, Op.GET: 2, Op.ADD: 2, Op.COMPARE_SET: 3, Op.DELETE: 1, Op.NUM_KEYS: 0,
                  Op.APPEND: 2, Op.HELLO: 0}
-        if op in arity and len(f) != arity[op] or op is Op.WAIT and not f:
+        if (op in arity and len(f) != arity[op] or op in (Op.WAIT, Op.MULTI_GET) and not f
+                or op is Op.MULTI_SET and len(f) % 2):
             raise ProtocolError(f"store op {op.name} with {len(f)} fields")
         ok = Status.OK
         if op is Op.HELLO:
@@ -183,11 +186,22 @@ class Server:
             if op is Op.SET:
                 self._write(f[0], f[1])
                 return encode(ok, ())
-            if op is Op.GET or op is Op.WAIT:
+            if op is Op.GET or op is Op.WAIT or op is Op.MULTI_GET:
                 missing = self._await(f[1:], _seconds(f[0]))
                 if missing:
                     return encode(Status.TIMEOUT, missing)
-                return encode(ok, [self._data[f[1]]] if op is Op.GET else [])
+                if op is Op.WAIT:
+                    return encode(ok, [])
+                values = [self._data[k] for k in f[1:]]
+                if sum(len(v) + _U32.size for v in values) >= MAX_FRAME:
+                    message = (f"the {len(values)} values asked for in one multi_get exceed "
+                               f"the {MAX_FRAME}-byte reply limit; ask for fewer keys at once")
+                    return encode(Status.BAD_ARGUMENT, [message.encode()])
+                return encode(ok, values)
+            if op is Op.MULTI_SET:
+                self._data.update(zip(f[::2], f[1::2]))
+                self._cond.notify_all()  # one wake-up for the whole batch
+                return encode(ok, ())
             if op is Op.ADD:
                 try:
                     value = int(self._data.get(f[0], b"0")) + int(f[1])

@@ -79,8 +79,10 @@ def connect_local(store: Store, rank: int, world: int, mine: dict[int, int], sec
             threading.Thread(target=_accept_loop, daemon=True, name=f"tandem-shm-accept-{rank}",
                              args=(listener, rank, world, secret, higher, links, cond, deadline,
                                    mine)).start()
-        for peer in sorted(p for p in mine if p < rank):
-            addr = "\0" + store.get(f"shm/addr/{peer}").decode()
+        lower = sorted(p for p in mine if p < rank)
+        names = store.multi_get([f"shm/addr/{p}" for p in lower])  # one store round trip
+        for peer, name_bytes in zip(lower, names):
+            addr = "\0" + name_bytes.decode()
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 sock.settimeout(max(0.1, deadline - time.monotonic()))

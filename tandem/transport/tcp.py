@@ -152,8 +152,8 @@ class TcpTransport(BoundedSends, Transport):
                                             args=(listener, expected, accepted, cond, deadline),
                                             daemon=True, name=f"tandem-accept-{self.rank}")
                 acceptor.start()
-            for peer in sorted(p for p in self.links if p < self.rank):
-                addr, peer_host, world = self._entry(store, peer)
+            lower = sorted(p for p in self.links if p < self.rank)
+            for peer, (addr, peer_host, world) in zip(lower, self._entries(store, lower)):
                 peer_ip, _, peer_port = addr.rpartition(":")
                 self._hosts[peer] = peer_host
                 left = max(0.1, deadline - time.monotonic())
@@ -180,9 +180,10 @@ class TcpTransport(BoundedSends, Transport):
                             f"{timeout:.0f}s"
                         )
                     cond.wait(left)
-            for peer in expected:
+            higher = sorted(expected)
+            for peer, entry in zip(higher, self._entries(store, higher)):
                 self._peers[peer] = _Peer(self.rank, peer, accepted[peer])
-                self._hosts[peer] = self._entry(store, peer)[1]
+                self._hosts[peer] = entry[1]
         except BaseException:
             for p in self._peers.values():
                 p.sock.close()
@@ -230,11 +231,14 @@ class TcpTransport(BoundedSends, Transport):
         self._debug(f"rejected an authenticated connection claiming rank {peer}/{world}")
         sock.close()
 
-    def _entry(self, store: Store, peer: int) -> tuple[str, str, int]:
-        """``peer``'s published address, host and world size."""
-        addr, _, rest = store.get(f"addr/{peer}").decode().partition("|")
-        host, _, world = rest.partition("|")
-        return addr, host, int(world) if world else self.world_size
+    def _entries(self, store: Store, peers: list[int]) -> list[tuple[str, str, int]]:
+        """Each of ``peers``' published address, host and world size, in one store read."""
+        entries = []
+        for value in store.multi_get([f"addr/{p}" for p in peers]):
+            addr, _, rest = value.decode().partition("|")
+            host, _, world = rest.partition("|")
+            entries.append((addr, host, int(world) if world else self.world_size))
+        return entries
 
     def _world_error(self, peer: int, world: int) -> ArgumentError:
         return ArgumentError(f"rank {self.rank} was started with world_size={self.world_size} "
