@@ -8,6 +8,7 @@ is described in :mod:`tandem.store.tcp`.
 
 from __future__ import annotations
 
+import collections
 import enum
 import math
 import secrets
@@ -99,6 +100,12 @@ class Server:
         self.incarnation = secrets.token_bytes(8)
         self._data: dict[bytes, bytes] = {}
         self._cond = threading.Condition()  # guards everything below; notified on writes
+        # keys a blocked get/wait asks for (how many ask): a write wakes the waiters only
+        # if one of them waits for that key, so 64 ranks counting themselves in with add
+        # do not wake every rank blocked on another key 64 times (measured: rendezvous of
+        # 64 clients 5.9 s against torch's 2.8 s)
+        self._wanted: collections.Counter[bytes] = collections.Counter()
+        self.wakeups = 0  # times a blocked get/wait woke up (tests count them)
         self._conns: set[socket.socket] = set()
         self._closed = False
         # strangers wait in the gate's handshake; only connections that prove the
@@ -200,7 +207,8 @@ class Server:
                 return encode(ok, values)
             if op is Op.MULTI_SET:
                 self._data.update(zip(f[::2], f[1::2]))
-                self._cond.notify_all()  # one wake-up for the whole batch
+                if any(k in self._wanted for k in f[::2]):
+                    self._cond.notify_all()  # one wake-up for the whole batch
                 return encode(ok, ())
             if op is Op.ADD:
                 try:
@@ -235,19 +243,28 @@ class Server:
 
     def _write(self, key: bytes, value: bytes) -> None:
         self._data[key] = value
-        self._cond.notify_all()
+        if key in self._wanted:
+            self._cond.notify_all()
 
     def _await(self, keys: list[bytes], seconds: float) -> list[bytes]:
         """Wait (holding ``_cond``) until every key exists; return those still missing."""
         end = time.monotonic() + seconds
-        while True:
-            if self._closed:
-                raise StoreError("store server closed")
-            missing = [k for k in keys if k not in self._data]
-            remaining = end - time.monotonic()
-            if not missing or remaining <= 0:
-                return missing
-            self._cond.wait(remaining)
+        self._wanted.update(keys)
+        try:
+            while True:
+                if self._closed:
+                    raise StoreError("store server closed")
+                missing = [k for k in keys if k not in self._data]
+                remaining = end - time.monotonic()
+                if not missing or remaining <= 0:
+                    return missing
+                self._cond.wait(remaining)
+                self.wakeups += 1
+        finally:
+            self._wanted.subtract(keys)
+            for k in keys:
+                if self._wanted[k] <= 0:
+                    del self._wanted[k]
 
 
 # multi_tenant masters of one process share one server per (host, port), as in torch.

@@ -182,6 +182,35 @@ def test_multi_get_over_the_reply_limit_is_refused_naming_it(
     assert master.multi_get(["a"]) == [b"x" * 600]  # the connection still serves
 
 
+def test_writes_to_other_keys_do_not_wake_blocked_gets(master: TCPStore) -> None:
+    # 64 ranks counting themselves in with add woke every rank blocked on "go" each time
+    server = master._server
+    assert server is not None
+    waiters = [TCPStore(HOST, master.port, timeout=30) for _ in range(8)]
+    got: list[bytes] = []
+    threads = [threading.Thread(target=lambda w=w: got.append(w.get("go")), daemon=True)
+               for w in waiters]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while sum(server._wanted.values()) < len(waiters):  # every waiter is blocked
+            assert time.monotonic() < deadline, "the waiters never blocked"
+            time.sleep(0.01)
+        before = server.wakeups
+        for _ in range(200):
+            master.add("joined", 1)
+        master.set("go", b"1")
+        for t in threads:
+            t.join(30)
+        assert got == [b"1"] * len(waiters)
+        # one wake-up each for "go" (a few spurious ones allowed), not one per add
+        assert server.wakeups - before <= 3 * len(waiters), server.wakeups - before
+    finally:
+        for w in waiters:
+            w.close()
+
+
 def test_32_clients_block_on_get_until_one_set_wakes_them(master: TCPStore) -> None:
     results: list[bytes | BaseException] = []
     lock = threading.Lock()
