@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "zero": "tandem.bench.zero",
     "signature": "tandem.bench.signature",
     "startup": "tandem.bench.startup",
+    "store": "tandem.bench.store",
     "torch-backend": "tandem.bench.torch_backend",
 }
 

@@ -43,7 +43,7 @@ import tempfile
 import time
 from typing import Sequence
 
-__all__ = ["main", "measure"]
+__all__ = ["main", "measure", "render"]
 
 WORKER = '''\
 import json, os, sys, time
@@ -140,6 +140,11 @@ def format_table(rows: Sequence[dict[str, object]], markdown: bool = False) -> s
             body.append([str(row["world_size"]), NAMES[lib], f"{m['script']:.2f}",
                          f"{m['import']:.2f}", f"{m['init']:.2f}", f"{m['exit']:.2f}",
                          *ratios])
+    return render(head, body, markdown)
+
+
+def render(head: Sequence[str], body: Sequence[Sequence[str]], markdown: bool) -> str:
+    """A table of text cells: markdown, or columns aligned right."""
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in body])
