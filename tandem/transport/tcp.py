@@ -153,21 +153,7 @@ class TcpTransport(BoundedSends, Transport):
                                             daemon=True, name=f"tandem-accept-{self.rank}")
                 acceptor.start()
             lower = sorted(p for p in self.links if p < self.rank)
-            for peer, (addr, peer_host, world) in zip(lower, self._entries(store, lower)):
-                peer_ip, _, peer_port = addr.rpartition(":")
-                self._hosts[peer] = peer_host
-                left = max(0.1, deadline - time.monotonic())
-                sock = _wire.connect(peer_ip, int(peer_port), left, f"rank {peer}")
-                try:
-                    _wire.client_handshake(sock, self._secret, _PURPOSE, f"rank {peer}")
-                    sock.sendall(_HELLO.pack(self.rank, self.world_size))
-                except BaseException:
-                    sock.close()
-                    raise
-                if world != self.world_size:  # after our hello: the peer learns it too
-                    sock.close()
-                    raise self._world_error(peer, world)
-                self._peers[peer] = _Peer(self.rank, peer, sock)
+            self._connect_lower(dict(zip(lower, self._entries(store, lower))), deadline)
             with cond:
                 while not expected <= accepted.keys():
                     if self._refused is not None:
@@ -194,6 +180,32 @@ class TcpTransport(BoundedSends, Transport):
             listener.close()
             if acceptor is not None:
                 acceptor.join(1.0)  # it notices the closed listener within its poll
+
+    def _connect_lower(self, entries: dict[int, tuple[str, str, int]], deadline: float) -> None:
+        """Connect to every lower rank, each handshake step on all connections before the
+        next, so the peers answer in parallel (one after another, rank n waited for n - 1
+        peers' replies in turn)."""
+        socks: dict[int, socket.socket] = {}
+        try:
+            for peer, (addr, peer_host, _) in entries.items():
+                peer_ip, _, peer_port = addr.rpartition(":")
+                self._hosts[peer] = peer_host
+                left = max(0.1, deadline - time.monotonic())
+                socks[peer] = _wire.connect(peer_ip, int(peer_port), left, f"rank {peer}")
+            proofs = {peer: _wire.client_handshake_start(sock, self._secret, _PURPOSE,
+                                                         f"rank {peer}")
+                      for peer, sock in socks.items()}
+            for peer, sock in socks.items():
+                _wire.client_handshake_finish(sock, proofs[peer], f"rank {peer}")
+                sock.sendall(_HELLO.pack(self.rank, self.world_size))
+            for peer, (_, _, world) in entries.items():
+                if world != self.world_size:  # after our hello: the peer learns it too
+                    raise self._world_error(peer, world)
+            for peer in entries:
+                self._peers[peer] = _Peer(self.rank, peer, socks.pop(peer))
+        finally:
+            for sock in socks.values():  # the connections not handed to ``_peers``
+                sock.close()
 
     def _accept_loop(self, listener: socket.socket, expected: set[int],
                      accepted: dict[int, socket.socket], cond: threading.Condition,
