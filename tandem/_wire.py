@@ -19,6 +19,7 @@ is read. Nothing after the handshake is authenticated or encrypted (README, "Sec
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import ipaddress
@@ -27,6 +28,7 @@ import select
 import socket
 import struct
 import time
+from typing import Iterator
 
 from tandem.errors import AuthenticationError, NetworkError, ProtocolError
 
@@ -36,6 +38,8 @@ __all__ = [
     "REFUSED",
     "HANDSHAKE_TIMEOUT",
     "client_handshake",
+    "client_handshake_start",
+    "client_handshake_finish",
     "server_proof",
     "connect",
     "listen",
@@ -100,23 +104,48 @@ def client_handshake(sock: socket.socket, secret: bytes, purpose: bytes,
     server is no tandem server), ``NetworkError`` when the connection breaks or stalls
     during the handshake. ``what`` names the server in the messages.
     """
-    old = sock.gettimeout()
-    sock.settimeout(HANDSHAKE_TIMEOUT)
-    try:
+    client_handshake_finish(sock, client_handshake_start(sock, secret, purpose, what), what)
+
+
+def client_handshake_start(sock: socket.socket, secret: bytes, purpose: bytes,
+                           what: str = "the server") -> bytes:
+    """The first half of :func:`client_handshake`: answer the server's challenge.
+
+    Returns what :func:`client_handshake_finish` expects from the server. A rank
+    connecting to many peers starts every handshake before finishing any, so the
+    peers answer in parallel rather than one after another.
+    """
+    with _handshake_errors(sock, what):
         hello = recv_exact(sock, len(MAGIC) + NONCE)
         if hello[: len(MAGIC)] != MAGIC:
             raise AuthenticationError(f"{what} does not speak the tandem protocol")
         nonce_s = hello[len(MAGIC) :]
         nonce_c = os.urandom(NONCE)
         sock.sendall(MAGIC + nonce_c + _mac(secret, b"C", purpose, nonce_s, nonce_c))
+    return _mac(secret, b"S", purpose, nonce_c, nonce_s)
+
+
+def client_handshake_finish(sock: socket.socket, expected: bytes,
+                            what: str = "the server") -> None:
+    """The second half of :func:`client_handshake`: check the server's proof."""
+    with _handshake_errors(sock, what):
         proof = recv_exact(sock, MAC)
         if proof == REFUSED:
             raise AuthenticationError(
                 f"{what} refused this process's proof: wrong job secret (TANDEM_SECRET or "
                 f"TANDEM_SECRET_FILE must be the same for every rank)")
-        if not hmac.compare_digest(proof, _mac(secret, b"S", purpose, nonce_c, nonce_s)):
+        if not hmac.compare_digest(proof, expected):
             raise AuthenticationError(f"{what} failed authentication: it does not know "
                                       f"the job secret")
+
+
+@contextlib.contextmanager
+def _handshake_errors(sock: socket.socket, what: str) -> Iterator[None]:
+    """Bound one handshake step by ``HANDSHAKE_TIMEOUT`` and name what went wrong."""
+    old = sock.gettimeout()
+    sock.settimeout(HANDSHAKE_TIMEOUT)
+    try:
+        yield
     except socket.timeout as exc:
         raise NetworkError(
             f"{what} did not finish the handshake within {HANDSHAKE_TIMEOUT:.0f}s") from exc

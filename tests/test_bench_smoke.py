@@ -132,3 +132,16 @@ def test_quick_bench_across_shaped_simulated_hosts_prints_ratio_and_link_bound()
             _positive(row, column)
     # 1 MB all-reduce over 2 hosts: each must send 1 MB at 125 MB/s
     assert rows[1]["link bound"] == "8.4 ms", rows[1]
+
+
+def test_the_store_benchmark_runs_both_stores_without_failures() -> None:
+    proc = subprocess.run([sys.executable, "-m", "tandem.bench", "store", "--clients", "4",
+                           "--ops", "30", "--markdown"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["store"]: r for r in _table(proc.stdout.splitlines(), markdown=True)}
+    assert set(rows) == {"tandem", "torch"}, proc.stdout
+    for row in rows.values():
+        assert row["failed"] == "0" and float(row["ops/s"]) > 0, row
+    assert "failed, e.g." not in proc.stdout
+

@@ -97,3 +97,14 @@ def test_a_changed_pyproject_installs_again(tmp_path: Path) -> None:
     proc = _setup(project)
     assert proc.returncode == 0 and "nothing changed" not in proc.stdout
     assert len(_pip_calls(project)) == 4, _pip_calls(project)
+
+
+def test_setup_compiles_tandems_modules_every_time(tmp_path: Path) -> None:
+    # a job's ranks read the compiled modules; without them, under PYTHONDONTWRITEBYTECODE,
+    # every rank compiles tandem again (0.5 s of CPU each)
+    project = _project(tmp_path)
+    log = project / ".venv" / "bin" / "calls.log"
+    for _ in range(2):  # the full set-up, then the one with nothing changed
+        assert _setup(project).returncode == 0
+        assert "-m compileall -q tandem" in log.read_text().splitlines(), log.read_text()
+        log.write_text("")

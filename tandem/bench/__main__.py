@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "signature": "tandem.bench.signature",
     "scale": "tandem.bench.scale",
     "startup": "tandem.bench.startup",
+    "store": "tandem.bench.store",
     "torch-backend": "tandem.bench.torch_backend",
 }
 

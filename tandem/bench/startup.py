@@ -5,6 +5,7 @@ Run::
     python -m tandem.bench startup                      # 2 and 4 ranks, 3 rounds each
     python -m tandem.bench startup --world-sizes 2 --rounds 5 --markdown
     python -m tandem.bench startup --quick              # 2 ranks, 1 round: what a smoke test runs
+    python -m tandem.bench startup --ranks 16,32 --rounds 1 --baseline /tmp/old  # before/after
 
 How it measures. Each round launches a tiny script with ``--standalone
 --nproc-per-node N``: ``python -m tandem.run`` whose workers call
@@ -18,6 +19,12 @@ from the moment the launcher process is started:
     init    the last rank returned from init        (the number that matters)
     barrier the last rank finished its first barrier (not in the table; the scale benchmark's)
     exit    the launcher exited (workers destroyed their groups and left)
+
+and, counted from the moment the last rank finished importing (torch and the whole
+library: tandem's modules load on first use, so the worker touches
+``init_process_group`` first), ``init+barrier``: the last rank's first ``barrier``
+returned. ``--baseline PATH`` also measures the tandem found at PATH (a checkout of an
+earlier commit, put first on ``PYTHONPATH``) in the same rounds, for before/after tables.
 
 Rounds alternate between the two launchers so both see the same machine noise; the
 table shows the median round. ratio = torchrun init / tandemrun init: above 1 means
@@ -37,7 +44,7 @@ import tempfile
 import time
 from typing import Sequence
 
-__all__ = ["main", "measure"]
+__all__ = ["main", "measure", "render"]
 
 WORKER = '''\
 import json, os, sys, time
@@ -50,32 +57,44 @@ if lib == "tandem":
 else:
     import torch.distributed as dist
     backend = "gloo"
+dist.init_process_group, dist.barrier  # tandem's modules load on first use
 imported = time.time()
 dist.init_process_group(backend)
 ready = time.time()
 dist.barrier()
-done = time.time()
+barrier = time.time()
 with open(os.path.join(sys.argv[2], "rank%s.json" % os.environ["RANK"]), "w") as f:
-    json.dump({"start": start, "imported": imported, "ready": ready, "done": done}, f)
+    json.dump({"start": start, "imported": imported, "ready": ready, "barrier": barrier}, f)
 dist.destroy_process_group()
 '''
 
 LAUNCHERS = {"tandem": ["-m", "tandem.run"], "torch": ["-m", "torch.distributed.run"]}
-COLUMNS = ("script", "init", "exit")
+COLUMNS = ("script", "init", "exit", "import", "init+barrier")
+NAMES = {"tandem": "tandemrun+tandem", "baseline": "tandemrun+tandem (baseline)",
+         "torch": "torchrun+gloo"}
 
 
-def measure(lib: str, world_size: int, workdir: str, timeout: float = 300.0) -> dict[str, float]:
-    """One launch; seconds from launcher start to each milestone (see the module docstring)."""
+def measure(lib: str, world_size: int, workdir: str, timeout: float = 300.0,
+            baseline: str | None = None) -> dict[str, float]:
+    """One launch; seconds from launcher start to each milestone (see the module docstring).
+
+    ``lib`` "baseline" runs tandem with ``baseline`` first on ``PYTHONPATH``."""
     script = os.path.join(workdir, "startup_worker.py")
     if not os.path.exists(script):
         with open(script, "w") as f:
             f.write(WORKER)
     out = tempfile.mkdtemp(dir=workdir)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC"))}
-    cmd = [sys.executable, *LAUNCHERS[lib], "--standalone", "--nproc-per-node",
-           str(world_size), script, lib, out]
+    if lib == "baseline":
+        assert baseline is not None
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (baseline, env.get("PYTHONPATH")) if p)
+    name = "torch" if lib == "torch" else "tandem"
+    cmd = [sys.executable, *LAUNCHERS[name], "--standalone", "--nproc-per-node",
+           str(world_size), script, name, out]
     t0 = time.time()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    # run outside any source tree: "-m" puts the working directory first on sys.path
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=workdir)
     t_exit = time.time()
     if proc.returncode != 0:
         raise RuntimeError(f"{lib} launch failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -83,35 +102,51 @@ def measure(lib: str, world_size: int, workdir: str, timeout: float = 300.0) -> 
     return {"script": max(r["start"] for r in ranks) - t0,
             "import": max(r["imported"] - r["start"] for r in ranks),
             "init": max(r["ready"] for r in ranks) - t0,
-            "barrier": max(r["done"] for r in ranks) - t0,
-            "exit": t_exit - t0}
+            "barrier": max(r["barrier"] for r in ranks) - t0,
+            "exit": t_exit - t0,
+            "init+barrier": max(r["barrier"] for r in ranks) - max(r["imported"] for r in ranks)}
 
 
-def run(world_sizes: Sequence[int], rounds: int) -> list[dict[str, object]]:
+def run(world_sizes: Sequence[int], rounds: int,
+        baseline: str | None = None) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
+    libs = ("tandem", "torch") + (("baseline",) if baseline else ())
     with tempfile.TemporaryDirectory(prefix="tandem-bench-startup-") as workdir:
         for n in world_sizes:
-            samples: dict[str, list[dict[str, float]]] = {"tandem": [], "torch": []}
+            samples: dict[str, list[dict[str, float]]] = {lib: [] for lib in libs}
             for i in range(rounds):
-                order = ("tandem", "torch") if i % 2 == 0 else ("torch", "tandem")
+                order = libs if i % 2 == 0 else libs[::-1]
                 for lib in order:
-                    samples[lib].append(measure(lib, n, workdir))
+                    samples[lib].append(measure(lib, n, workdir, baseline=baseline))
             med = {lib: {c: statistics.median(s[c] for s in samples[lib])
-                         for c in (*COLUMNS, "import")} for lib in samples}
+                         for c in COLUMNS} for lib in samples}
             rows.append({"world_size": n, **med})
     return rows
 
 
 def format_table(rows: Sequence[dict[str, object]], markdown: bool = False) -> str:
-    head = ["ranks", "launcher", "script s", "import s", "init s", "exit s", "ratio (init)"]
+    head = ["ranks", "launcher", "script s", "import s", "init s", "exit s", "ratio (init)",
+            "init+barrier s", "ratio (init+barrier)", "ratio (exit)"]
     body = []
     for row in rows:
-        t, g = row["tandem"], row["torch"]
-        assert isinstance(t, dict) and isinstance(g, dict)
-        for name, m in (("tandemrun+tandem", t), ("torchrun+gloo", g)):
-            ratio = f"{g['init'] / t['init']:.2f}" if name.startswith("tandem") else ""
-            body.append([str(row["world_size"]), name, f"{m['script']:.2f}",
-                         f"{m['import']:.2f}", f"{m['init']:.2f}", f"{m['exit']:.2f}", ratio])
+        g = row["torch"]
+        assert isinstance(g, dict)
+        for lib in ("tandem", "baseline", "torch"):
+            m = row.get(lib)
+            if not isinstance(m, dict):
+                continue
+            ratios = ([f"{g['init'] / m['init']:.2f}", f"{m['init+barrier']:.2f}",
+                       f"{g['init+barrier'] / m['init+barrier']:.2f}",
+                       f"{m['exit'] / g['exit']:.2f}"] if lib != "torch"
+                      else ["", f"{m['init+barrier']:.2f}", "", ""])
+            body.append([str(row["world_size"]), NAMES[lib], f"{m['script']:.2f}",
+                         f"{m['import']:.2f}", f"{m['init']:.2f}", f"{m['exit']:.2f}",
+                         *ratios])
+    return render(head, body, markdown)
+
+
+def render(head: Sequence[str], body: Sequence[Sequence[str]], markdown: bool) -> str:
+    """A table of text cells: markdown, or columns aligned right."""
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in body])
@@ -122,17 +157,27 @@ def format_table(rows: Sequence[dict[str, object]], markdown: bool = False) -> s
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tandem.bench startup",
                                      description="Launch-to-ready time: tandemrun vs torchrun.")
-    parser.add_argument("--world-sizes", default="2,4", help="comma-separated (default 2,4)")
+    parser.add_argument("--world-sizes", "--ranks", default="2,4",
+                        help="comma-separated rank counts (default 2,4)")
     parser.add_argument("--rounds", type=int, default=3, help="launches per library (default 3)")
     parser.add_argument("--quick", action="store_true", help="2 ranks, 1 round")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    parser.add_argument("--baseline", metavar="PATH",
+                        help="also measure the tandem package found in PATH (e.g. an earlier "
+                             "commit's tree from git archive), in the same rounds")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     sizes = [2] if args.quick else [int(x) for x in args.world_sizes.split(",") if x]
     rounds = 1 if args.quick else max(1, args.rounds)
     start = time.monotonic()
-    rows = run(sizes, rounds)
+    if args.baseline and not os.path.isfile(os.path.join(args.baseline, "tandem",
+                                                          "__init__.py")):
+        parser.error(f"--baseline {args.baseline}: no tandem package there (expected "
+                     f"{os.path.join(args.baseline, 'tandem', '__init__.py')})")
+    rows = run(sizes, rounds, args.baseline)
     print(f"# startup: median of {rounds} round(s), {os.cpu_count()} CPUs; seconds from "
-          f"launcher start; ratio = torchrun/tandemrun init (>1: tandem ready sooner); "
+          f"launcher start (init+barrier: from the last rank's imports); ratio (init), "
+          f"ratio (init+barrier) = gloo's / tandem's (>1: tandem ready sooner); ratio (exit) "
+          f"= tandemrun's whole launch / torchrun's (<1: tandem sooner); "
           f"{time.monotonic() - start:.0f} s")
     print(format_table(rows, markdown=args.markdown))
     return 0

@@ -8,6 +8,7 @@ is described in :mod:`tandem.store.tcp`.
 
 from __future__ import annotations
 
+import collections
 import enum
 import math
 import secrets
@@ -45,6 +46,8 @@ class Op(enum.IntEnum):
     NUM_KEYS = 8
     APPEND = 9
     HELLO = 10  # reply: the server's incarnation (a new one each time a server starts)
+    MULTI_GET = 11  # fields: wait seconds, keys; reply: their values (or TIMEOUT, missing)
+    MULTI_SET = 12  # fields: key, value, key, value, ...
 
 
 class Status(enum.IntEnum):
@@ -97,6 +100,12 @@ class Server:
         self.incarnation = secrets.token_bytes(8)
         self._data: dict[bytes, bytes] = {}
         self._cond = threading.Condition()  # guards everything below; notified on writes
+        # keys a blocked get/wait asks for (how many ask): a write wakes the waiters only
+        # if one of them waits for that key, so 64 ranks counting themselves in with add
+        # do not wake every rank blocked on another key 64 times (measured: rendezvous of
+        # 64 clients 5.9 s against torch's 2.8 s)
+        self._wanted: collections.Counter[bytes] = collections.Counter()
+        self.wakeups = 0  # times a blocked get/wait woke up (tests count them)
         self._conns: set[socket.socket] = set()
         self._closed = False
         # strangers wait in the gate's handshake; only connections that prove the
@@ -174,7 +183,8 @@ class Server:
             raise ProtocolError(f"unknown store op {code}") from exc
         arity = {Op.SET: 2, Op.GET: 2, Op.ADD: 2, Op.COMPARE_SET: 3, Op.DELETE: 1, Op.NUM_KEYS: 0,
                  Op.APPEND: 2, Op.HELLO: 0}
-        if op in arity and len(f) != arity[op] or op is Op.WAIT and not f:
+        if (op in arity and len(f) != arity[op] or op in (Op.WAIT, Op.MULTI_GET) and not f
+                or op is Op.MULTI_SET and len(f) % 2):
             raise ProtocolError(f"store op {op.name} with {len(f)} fields")
         ok = Status.OK
         if op is Op.HELLO:
@@ -183,11 +193,23 @@ class Server:
             if op is Op.SET:
                 self._write(f[0], f[1])
                 return encode(ok, ())
-            if op is Op.GET or op is Op.WAIT:
+            if op is Op.GET or op is Op.WAIT or op is Op.MULTI_GET:
                 missing = self._await(f[1:], _seconds(f[0]))
                 if missing:
                     return encode(Status.TIMEOUT, missing)
-                return encode(ok, [self._data[f[1]]] if op is Op.GET else [])
+                if op is Op.WAIT:
+                    return encode(ok, [])
+                values = [self._data[k] for k in f[1:]]
+                if sum(len(v) + _U32.size for v in values) >= MAX_FRAME:
+                    message = (f"the {len(values)} values asked for in one multi_get exceed "
+                               f"the {MAX_FRAME}-byte reply limit; ask for fewer keys at once")
+                    return encode(Status.BAD_ARGUMENT, [message.encode()])
+                return encode(ok, values)
+            if op is Op.MULTI_SET:
+                self._data.update(zip(f[::2], f[1::2]))
+                if any(k in self._wanted for k in f[::2]):
+                    self._cond.notify_all()  # one wake-up for the whole batch
+                return encode(ok, ())
             if op is Op.ADD:
                 try:
                     value = int(self._data.get(f[0], b"0")) + int(f[1])
@@ -221,19 +243,28 @@ class Server:
 
     def _write(self, key: bytes, value: bytes) -> None:
         self._data[key] = value
-        self._cond.notify_all()
+        if key in self._wanted:
+            self._cond.notify_all()
 
     def _await(self, keys: list[bytes], seconds: float) -> list[bytes]:
         """Wait (holding ``_cond``) until every key exists; return those still missing."""
         end = time.monotonic() + seconds
-        while True:
-            if self._closed:
-                raise StoreError("store server closed")
-            missing = [k for k in keys if k not in self._data]
-            remaining = end - time.monotonic()
-            if not missing or remaining <= 0:
-                return missing
-            self._cond.wait(remaining)
+        self._wanted.update(keys)
+        try:
+            while True:
+                if self._closed:
+                    raise StoreError("store server closed")
+                missing = [k for k in keys if k not in self._data]
+                remaining = end - time.monotonic()
+                if not missing or remaining <= 0:
+                    return missing
+                self._cond.wait(remaining)
+                self.wakeups += 1
+        finally:
+            self._wanted.subtract(keys)
+            for k in keys:
+                if self._wanted[k] <= 0:
+                    del self._wanted[k]
 
 
 # multi_tenant masters of one process share one server per (host, port), as in torch.

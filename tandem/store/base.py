@@ -113,13 +113,20 @@ class Store(abc.ABC):
         return self._num_keys()
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
+        """Set every ``keys[i]`` to ``values[i]`` (one round trip on a TCPStore)."""
+        if isinstance(keys, str):
+            raise ArgumentError("multi_set takes a list of keys, got a single str")
         if len(keys) != len(values):
             raise ArgumentError(f"multi_set got {len(keys)} keys but {len(values)} values")
-        for k, v in zip(keys, values):
-            self.set(k, v)
+        self._multi_set([_key(k) for k in keys], [_value(v) for v in values])
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-        return [self.get(k) for k in keys]
+        """The values of ``keys``, in order, waiting up to the store timeout for all of
+        them to appear (one round trip on a TCPStore)."""
+        if isinstance(keys, str):
+            raise ArgumentError("multi_get takes a list of keys, got a single str")
+        key_list = [_key(k) for k in keys]
+        return self._multi_get(key_list, self._deadline(None), self._timeout)
 
     def close(self) -> None:
         """Release connections or files; the store is unusable afterwards."""
@@ -168,3 +175,11 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def _num_keys(self) -> int: ...
+
+    # stores that can batch (TCPStore) override these; the others go key by key
+    def _multi_set(self, keys: list[str], values: list[bytes]) -> None:
+        for k, v in zip(keys, values):
+            self._set(k, v)
+
+    def _multi_get(self, keys: list[str], deadline: float, seconds: float) -> list[bytes]:
+        return [self._get(k, deadline, seconds) for k in keys]

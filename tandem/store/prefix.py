@@ -46,6 +46,12 @@ class PrefixStore(Store):
     def _delete(self, key: str) -> bool:
         return self.underlying_store._delete(self._k(key))
 
+    def _multi_set(self, keys: list[str], values: list[bytes]) -> None:
+        self.underlying_store._multi_set([self._k(k) for k in keys], values)
+
+    def _multi_get(self, keys: list[str], deadline: float, seconds: float) -> list[bytes]:
+        return self.underlying_store._multi_get([self._k(k) for k in keys], deadline, seconds)
+
     def _num_keys(self) -> int:
         # like torch, the count is the underlying store's: keys are not enumerable
         return self.underlying_store._num_keys()

@@ -18,6 +18,8 @@ a connection gets a thread of its own once it proves the secret. A request and i
 Values are capped at ``MAX_VALUE`` bytes; a larger frame makes the server drop that
 connection. ``get``/``wait`` send the seconds they have left; the server parks them on a
 condition variable that every write notifies and answers TIMEOUT when the time is up.
+``multi_get`` (waiting for all its keys) and ``multi_set`` are one request each, so a
+rank reads every peer's entry at start-up in one round trip.
 The server and its frames are in :mod:`tandem.store._tcp_server`; this module is the
 client side and the public class.
 """
@@ -200,7 +202,7 @@ class _Client:
         if len(request) > MAX_FRAME:
             raise ArgumentError(f"store request of {len(request)} bytes exceeds {MAX_FRAME}")
         sock = self._take()
-        limit = wait + REPLY_GRACE if op in (Op.GET, Op.WAIT) else self.timeout
+        limit = wait + REPLY_GRACE if op in (Op.GET, Op.WAIT, Op.MULTI_GET) else self.timeout
         try:
             sock.settimeout(limit)
             _wire.send_frame(sock, request)
@@ -387,6 +389,24 @@ class TCPStore(Store):
         status, missing = self._client.call(Op.WAIT, fields, remaining)
         if status is Status.TIMEOUT:
             raise self._timed_out([k.decode(errors="replace") for k in missing], seconds)
+
+    def _multi_set(self, keys: list[str], values: list[bytes]) -> None:
+        self._check_size(*values)
+        if keys:
+            self._client.call(Op.MULTI_SET, [x for k, v in zip(keys, values)
+                                             for x in (k.encode(), v)])
+
+    def _multi_get(self, keys: list[str], deadline: float, seconds: float) -> list[bytes]:
+        if not keys:
+            return []
+        remaining = max(0.0, deadline - time.monotonic())
+        fields = [F64.pack(remaining), *(k.encode() for k in keys)]
+        status, reply = self._client.call(Op.MULTI_GET, fields, remaining)
+        if status is Status.TIMEOUT:
+            raise self._timed_out([k.decode(errors="replace") for k in reply], seconds)
+        if len(reply) != len(keys):
+            raise StoreError(f"malformed store reply: {len(reply)} values for {len(keys)} keys")
+        return reply
 
     def _check(self, keys: list[str]) -> bool:
         _, reply = self._client.call(Op.CHECK, [k.encode() for k in keys])

@@ -45,12 +45,17 @@ class Link:
     pid: int
 
 
-def _exchange(sock: socket.socket, rank: int, world: int, my_fd: int) -> tuple[int, int, int, int]:
-    """Send our HELLO with ``my_fd``; return the peer's (rank, world, pid, fd)."""
+def _send_hello(sock: socket.socket, rank: int, world: int, my_fd: int) -> int:
+    """Check the peer runs as this user, send our HELLO with ``my_fd``; the peer's pid."""
     pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
     if uid != os.getuid():
         raise AuthenticationError(f"peer process {pid} runs as uid {uid}, not {os.getuid()}")
     socket.send_fds(sock, [_HELLO.pack(rank, world, os.getpid())], [my_fd])
+    return int(pid)
+
+
+def _recv_hello(sock: socket.socket, pid: int) -> tuple[int, int, int, int]:
+    """The peer's HELLO: its (rank, world, pid, fd)."""
     msg, fds, _, _ = socket.recv_fds(sock, _HELLO.size, 1)
     if len(msg) < _HELLO.size:
         msg += _wire.recv_exact(sock, _HELLO.size - len(msg))
@@ -79,29 +84,10 @@ def connect_local(store: Store, rank: int, world: int, mine: dict[int, int], sec
             threading.Thread(target=_accept_loop, daemon=True, name=f"tandem-shm-accept-{rank}",
                              args=(listener, rank, world, secret, higher, links, cond, deadline,
                                    mine)).start()
-        for peer in sorted(p for p in mine if p < rank):
-            addr = "\0" + store.get(f"shm/addr/{peer}").decode()
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.settimeout(max(0.1, deadline - time.monotonic()))
-                try:
-                    sock.connect(addr)
-                except OSError as exc:
-                    raise NetworkError(
-                        f"rank {rank} cannot reach rank {peer} through its shared-memory socket "
-                        f"({exc}): did rank {peer} exit?") from exc
-                _wire.client_handshake(sock, secret, _PURPOSE, f"local rank {peer}")
-                got, got_world, pid, peer_fd = _exchange(sock, rank, world, mine[peer])
-                if (got, got_world) != (peer, world):
-                    os.close(peer_fd)
-                    raise ProtocolError(f"rank {rank} reached rank {got}/{got_world} at the "
-                                        f"address of rank {peer}/{world}")
-                sock.settimeout(None)
-            except BaseException:
-                sock.close()
-                raise
-            with cond:
-                links[peer] = Link(peer, sock, peer_fd, pid)
+        lower = sorted(p for p in mine if p < rank)
+        names = store.multi_get([f"shm/addr/{p}" for p in lower])  # one store round trip
+        _connect_lower(rank, world, dict(zip(lower, names)), mine, secret, deadline, links,
+                       cond)
         with cond:
             while not higher <= links.keys():
                 left = deadline - time.monotonic()
@@ -121,6 +107,42 @@ def connect_local(store: Store, rank: int, world: int, mine: dict[int, int], sec
         raise
     finally:
         listener.close()
+
+
+def _connect_lower(rank: int, world: int, names: dict[int, bytes], mine: dict[int, int],
+                   secret: bytes, deadline: float, links: dict[int, Link],
+                   cond: threading.Condition) -> None:
+    """Connect to every lower local rank, each step of the handshake on all connections
+    before the next step, so the peers answer in parallel: one after another, rank n
+    waited for n - 1 peers' replies in turn (O(world^2) waits for the host)."""
+    socks: dict[int, socket.socket] = {}
+    try:
+        for peer, name in names.items():
+            sock = socks[peer] = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                sock.connect("\0" + name.decode())
+            except OSError as exc:
+                raise NetworkError(
+                    f"rank {rank} cannot reach rank {peer} through its shared-memory socket "
+                    f"({exc}): did rank {peer} exit?") from exc
+        proofs = {peer: _wire.client_handshake_start(sock, secret, _PURPOSE, f"local rank {peer}")
+                  for peer, sock in socks.items()}
+        for peer, sock in socks.items():
+            _wire.client_handshake_finish(sock, proofs[peer], f"local rank {peer}")
+        pids = {peer: _send_hello(sock, rank, world, mine[peer]) for peer, sock in socks.items()}
+        for peer, sock in list(socks.items()):
+            got, got_world, pid, peer_fd = _recv_hello(sock, pids[peer])
+            if (got, got_world) != (peer, world):
+                os.close(peer_fd)
+                raise ProtocolError(f"rank {rank} reached rank {got}/{got_world} at the "
+                                    f"address of rank {peer}/{world}")
+            sock.settimeout(None)
+            with cond:
+                links[peer] = Link(peer, socks.pop(peer), peer_fd, pid)
+    finally:
+        for sock in socks.values():  # the connections not yet handed to ``links``
+            sock.close()
 
 
 def _accept_loop(listener: socket.socket, rank: int, world: int, secret: bytes,

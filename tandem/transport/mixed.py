@@ -52,18 +52,40 @@ def exchange_hosts(store: Store, rank: int, world_size: int, hostname: str) -> l
     """Publish this rank's host key and return every rank's (index = rank).
 
     Each entry carries its rank's world size too: ranks started with different ones are
-    told at once, naming both, instead of waiting for a rank that will never come.
+    told at once, naming both, instead of waiting for a rank that will never come. The
+    entries are read in two store round trips (a get per rank made start-up O(world^2)):
+    first this rank's and the lower ones', which exist in any job, then the higher ones.
+    A rank that sees a larger world size than its own fills the keys of the ranks that
+    will never start with a note naming itself, so the larger rank is told at once too.
     """
     store.set(f"topology/host/{rank}", f"{host_key(hostname)}#{world_size}")
+    entries = store.multi_get([f"topology/host/{r}" for r in range(rank + 1)])
+    _check_worlds(store, rank, world_size, 0, entries)
+    later = store.multi_get([f"topology/host/{r}" for r in range(rank + 1, world_size)])
+    _check_worlds(store, rank, world_size, rank + 1, later)
     hosts = []
-    for r in range(world_size):
-        key, _, world = store.get(f"topology/host/{r}").decode().rpartition("#")
-        if world.isdigit() and int(world) != world_size:
-            raise ArgumentError(f"rank {rank} was started with world_size={world_size} but "
-                                f"rank {r} with world_size={world}: every rank must be given "
-                                f"the same world size")
+    for entry in entries + later:
+        key, _, world = entry.decode().rpartition("#")
         hosts.append(key if world.isdigit() else f"{key}#{world}" if key else world)
     return hosts
+
+
+_ABSENT = "!"  # the entry of a rank that will never start, written by the rank that knows
+
+
+def _check_worlds(store: Store, rank: int, world_size: int, first: int,
+                  entries: list[bytes]) -> None:
+    for r, entry in enumerate(entries, first):
+        key, _, world = entry.decode().rpartition("#")
+        if key.startswith(_ABSENT):
+            r, world = int(key[len(_ABSENT):]), world  # the rank that wrote the note
+        if not world.isdigit() or int(world) == world_size:
+            continue
+        for missing in range(world_size, int(world)):  # ranks the larger job waits for
+            store.compare_set(f"topology/host/{missing}", "", f"{_ABSENT}{rank}#{world_size}")
+        raise ArgumentError(f"rank {rank} was started with world_size={world_size} but "
+                            f"rank {r} with world_size={world}: every rank must be given "
+                            f"the same world size")
 
 
 def same_host(hosts: list[str], rank: int) -> list[int]:

@@ -152,22 +152,8 @@ class TcpTransport(BoundedSends, Transport):
                                             args=(listener, expected, accepted, cond, deadline),
                                             daemon=True, name=f"tandem-accept-{self.rank}")
                 acceptor.start()
-            for peer in sorted(p for p in self.links if p < self.rank):
-                addr, peer_host, world = self._entry(store, peer)
-                peer_ip, _, peer_port = addr.rpartition(":")
-                self._hosts[peer] = peer_host
-                left = max(0.1, deadline - time.monotonic())
-                sock = _wire.connect(peer_ip, int(peer_port), left, f"rank {peer}")
-                try:
-                    _wire.client_handshake(sock, self._secret, _PURPOSE, f"rank {peer}")
-                    sock.sendall(_HELLO.pack(self.rank, self.world_size))
-                except BaseException:
-                    sock.close()
-                    raise
-                if world != self.world_size:  # after our hello: the peer learns it too
-                    sock.close()
-                    raise self._world_error(peer, world)
-                self._peers[peer] = _Peer(self.rank, peer, sock)
+            lower = sorted(p for p in self.links if p < self.rank)
+            self._connect_lower(dict(zip(lower, self._entries(store, lower))), deadline)
             with cond:
                 while not expected <= accepted.keys():
                     if self._refused is not None:
@@ -180,9 +166,10 @@ class TcpTransport(BoundedSends, Transport):
                             f"{timeout:.0f}s"
                         )
                     cond.wait(left)
-            for peer in expected:
+            higher = sorted(expected)
+            for peer, entry in zip(higher, self._entries(store, higher)):
                 self._peers[peer] = _Peer(self.rank, peer, accepted[peer])
-                self._hosts[peer] = self._entry(store, peer)[1]
+                self._hosts[peer] = entry[1]
         except BaseException:
             for p in self._peers.values():
                 p.sock.close()
@@ -193,6 +180,32 @@ class TcpTransport(BoundedSends, Transport):
             listener.close()
             if acceptor is not None:
                 acceptor.join(1.0)  # it notices the closed listener within its poll
+
+    def _connect_lower(self, entries: dict[int, tuple[str, str, int]], deadline: float) -> None:
+        """Connect to every lower rank, each handshake step on all connections before the
+        next, so the peers answer in parallel (one after another, rank n waited for n - 1
+        peers' replies in turn)."""
+        socks: dict[int, socket.socket] = {}
+        try:
+            for peer, (addr, peer_host, _) in entries.items():
+                peer_ip, _, peer_port = addr.rpartition(":")
+                self._hosts[peer] = peer_host
+                left = max(0.1, deadline - time.monotonic())
+                socks[peer] = _wire.connect(peer_ip, int(peer_port), left, f"rank {peer}")
+            proofs = {peer: _wire.client_handshake_start(sock, self._secret, _PURPOSE,
+                                                         f"rank {peer}")
+                      for peer, sock in socks.items()}
+            for peer, sock in socks.items():
+                _wire.client_handshake_finish(sock, proofs[peer], f"rank {peer}")
+                sock.sendall(_HELLO.pack(self.rank, self.world_size))
+            for peer, (_, _, world) in entries.items():
+                if world != self.world_size:  # after our hello: the peer learns it too
+                    raise self._world_error(peer, world)
+            for peer in entries:
+                self._peers[peer] = _Peer(self.rank, peer, socks.pop(peer))
+        finally:
+            for sock in socks.values():  # the connections not handed to ``_peers``
+                sock.close()
 
     def _accept_loop(self, listener: socket.socket, expected: set[int],
                      accepted: dict[int, socket.socket], cond: threading.Condition,
@@ -230,11 +243,14 @@ class TcpTransport(BoundedSends, Transport):
         self._debug(f"rejected an authenticated connection claiming rank {peer}/{world}")
         sock.close()
 
-    def _entry(self, store: Store, peer: int) -> tuple[str, str, int]:
-        """``peer``'s published address, host and world size."""
-        addr, _, rest = store.get(f"addr/{peer}").decode().partition("|")
-        host, _, world = rest.partition("|")
-        return addr, host, int(world) if world else self.world_size
+    def _entries(self, store: Store, peers: list[int]) -> list[tuple[str, str, int]]:
+        """Each of ``peers``' published address, host and world size, in one store read."""
+        entries = []
+        for value in store.multi_get([f"addr/{p}" for p in peers]):
+            addr, _, rest = value.decode().partition("|")
+            host, _, world = rest.partition("|")
+            entries.append((addr, host, int(world) if world else self.world_size))
+        return entries
 
     def _world_error(self, peer: int, world: int) -> ArgumentError:
         return ArgumentError(f"rank {self.rank} was started with world_size={self.world_size} "

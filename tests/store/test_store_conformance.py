@@ -220,6 +220,33 @@ def test_multi_set_and_multi_get(pair: Pair) -> None:
     assert b.multi_get(["m3", "m1", "m2"]) == [b"\x003", b"1", b"2"]
 
 
+@pytest.mark.procs
+def test_multi_get_waits_for_every_key_to_appear(pair: Pair) -> None:
+    a, b = pair
+    a.set("early", b"1")
+    writer = _in_thread(lambda: a.multi_set(["late1", "late2"], [b"2", b"3"]), delay=0.2)
+    assert b.multi_get(["early", "late1", "late2"]) == [b"1", b"2", b"3"]
+    writer.join(TIMEOUT)
+
+
+def test_multi_get_timeout_names_only_the_missing_keys(store: Store) -> None:
+    store.set("here", b"1")
+    store.set_timeout(0.2)
+    with pytest.raises(StoreTimeoutError, match="gone") as info:
+        store.multi_get(["here", "gone"])
+    assert "here" not in str(info.value)
+
+
+def test_multi_ops_on_no_keys_do_nothing(store: Store) -> None:
+    store.multi_set([], [])
+    assert store.multi_get([]) == []
+
+
+def test_multi_get_refuses_a_single_str(store: Store) -> None:
+    with pytest.raises(ArgumentError, match="list of keys"):
+        store.multi_get("key")  # type: ignore[arg-type]
+
+
 def test_multi_set_with_unequal_lengths_raises_argument_error(store: Store) -> None:
     with pytest.raises(ArgumentError):
         store.multi_set(["a", "b"], [b"1"])

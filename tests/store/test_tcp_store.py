@@ -155,6 +155,62 @@ def test_appends_that_would_grow_a_value_past_the_cap_are_refused(master: TCPSto
     assert master.get("small") == b"ok"
 
 
+def test_multi_get_and_multi_set_are_one_request_each(master: TCPStore) -> None:
+    # start-up reads every rank's entry at once: a request per key made it O(world^2)
+    ops: list[str] = []
+    call = master._client.call
+
+    def counting(op: Any, fields: Any, wait: float = 0.0) -> Any:
+        ops.append(op.name)
+        return call(op, fields, wait)
+
+    master._client.call = counting  # type: ignore[method-assign]
+    keys = [f"k{i}" for i in range(64)]
+    master.multi_set(keys, [str(i) for i in range(64)])
+    assert master.multi_get(keys[::-1]) == [str(i).encode() for i in range(63, -1, -1)]
+    assert ops == ["MULTI_SET", "MULTI_GET"]
+
+
+def test_multi_get_over_the_reply_limit_is_refused_naming_it(
+        master: TCPStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tandem.store import _tcp_server
+
+    master.multi_set(["a", "b"], [b"x" * 600, b"y" * 600])
+    monkeypatch.setattr(_tcp_server, "MAX_FRAME", 1000)
+    with pytest.raises(ArgumentError, match="reply limit; ask for fewer keys"):
+        master.multi_get(["a", "b"])
+    assert master.multi_get(["a"]) == [b"x" * 600]  # the connection still serves
+
+
+def test_writes_to_other_keys_do_not_wake_blocked_gets(master: TCPStore) -> None:
+    # 64 ranks counting themselves in with add woke every rank blocked on "go" each time
+    server = master._server
+    assert server is not None
+    waiters = [TCPStore(HOST, master.port, timeout=30) for _ in range(8)]
+    got: list[bytes] = []
+    threads = [threading.Thread(target=lambda w=w: got.append(w.get("go")), daemon=True)
+               for w in waiters]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while sum(server._wanted.values()) < len(waiters):  # every waiter is blocked
+            assert time.monotonic() < deadline, "the waiters never blocked"
+            time.sleep(0.01)
+        before = server.wakeups
+        for _ in range(200):
+            master.add("joined", 1)
+        master.set("go", b"1")
+        for t in threads:
+            t.join(30)
+        assert got == [b"1"] * len(waiters)
+        # one wake-up each for "go" (a few spurious ones allowed), not one per add
+        assert server.wakeups - before <= 3 * len(waiters), server.wakeups - before
+    finally:
+        for w in waiters:
+            w.close()
+
+
 def test_32_clients_block_on_get_until_one_set_wakes_them(master: TCPStore) -> None:
     results: list[bytes | BaseException] = []
     lock = threading.Lock()
