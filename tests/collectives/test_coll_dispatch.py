@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import pytest
 import torch
 
-from tandem.collectives import alltoall, api
+from tandem.collectives import alltoall, api, barriers
 from tandem.collectives import algorithms as algo
 from tandem.collectives.group import Op, ProcessGroup
 from tandem.collectives.reduce_op import ReduceOp
@@ -188,6 +188,7 @@ def _calls(g: _Group, n: int, root: int) -> dict[str, Callable[[], Any]]:
         "all_to_all": lambda: alltoall.all_to_all([x() for _ in range(p)],
                                                   [x() for _ in range(p)], group=g),
         "all_to_all_single": lambda: alltoall.all_to_all_single(x(n * p), x(n * p), group=g),
+        "barrier": lambda: barriers.barrier(group=g),
     }
 
 
