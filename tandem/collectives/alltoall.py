@@ -55,12 +55,13 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
                             f"elements, input_tensor_list[{r}] has {ins[r].numel()}")
     in_sizes = [t.numel() for t in ins]
     out_sizes = [f.flat.numel() for f in outs]
+    _, fn = algo.select_all_to_all(g)
 
     def body(o: Op) -> None:
         flat_ins = [t.view(-1) for t in ins]
         early = _agree(o, "all_to_all", 1, in_sizes, out_sizes, "elements",
                        "input_tensor_list numels", "output_tensor_list numels", flat_ins)
-        algo.pairwise_all_to_all(o, [f.flat for f in outs], flat_ins, early)
+        fn(o, [f.flat for f in outs], flat_ins, early)
         for f in outs:
             f.done()
 
@@ -104,6 +105,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     src = (input.clone(memory_format=torch.contiguous_format) if shares_memory(output, input)
            else input.contiguous())
     out = api._Flat(output, load=False)
+    _, fn = algo.select_all_to_all(g)
 
     def pieces(flat: torch.Tensor, sizes: list[int], row: int) -> list[torch.Tensor]:
         return list(flat.split([s * row for s in sizes]))
@@ -112,7 +114,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
         ins = pieces(src.view(-1), in_sizes, row_in)
         early = _agree(o, "all_to_all_single", row_in, in_sizes, out_sizes, "rows",
                        "input_split_sizes", "output_split_sizes", ins)
-        algo.pairwise_all_to_all(o, pieces(out.flat, out_sizes, row_out), ins, early)
+        fn(o, pieces(out.flat, out_sizes, row_out), ins, early)
         out.done()
 
     return api._launch(g, "all_to_all_single", api._sig("all_to_all_single", None, dtype=input.dtype),
