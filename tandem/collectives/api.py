@@ -451,8 +451,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor,
     _, fn = algo.select_reduce_scatter(g, [n] * g.group_size, output.dtype)
 
     def body(o: Op) -> None:
-        flat = input.reshape(-1)
-        fn(o, output, list(flat.split(n)) if n else [flat] * g.group_size, op)
+        fn(o, output, input.reshape(-1), op)
 
     sig = _sig("reduce_scatter_tensor", output, op=op.sig)
     return _launch(g, "reduce_scatter_tensor", sig, body, async_op, [output], sig.nbytes)
