@@ -132,3 +132,21 @@ def test_quick_bench_across_shaped_simulated_hosts_prints_ratio_and_link_bound()
             _positive(row, column)
     # 1 MB all-reduce over 2 hosts: each must send 1 MB at 125 MB/s
     assert rows[1]["link bound"] == "8.4 ms", rows[1]
+
+
+def test_the_latency_benchmark_prints_every_op_per_backend() -> None:
+    proc = subprocess.run([sys.executable, "-m", "tandem.bench", "latency", "--iters", "4",
+                           "--rounds", "1", "--runs", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"bench failed:\n{proc.stdout}\n{proc.stderr}"
+    from tandem.bench.latency import OPS
+
+    for name in OPS:
+        assert re.search(rf"^{name} +\d+\.\d +\d+\.\d$", proc.stdout, re.M), proc.stdout
+
+
+def test_the_latency_benchmark_names_an_unknown_op() -> None:
+    proc = subprocess.run([sys.executable, "-m", "tandem.bench", "latency", "--ops", "scater"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "--ops: unknown ['scater']" in proc.stderr and "scatter" in proc.stderr

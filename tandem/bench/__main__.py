@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "recovery": "tandem.bench.recovery",
     "rpc": "tandem.bench.rpc",
     "zero": "tandem.bench.zero",
+    "latency": "tandem.bench.latency",
     "signature": "tandem.bench.signature",
     "startup": "tandem.bench.startup",
     "torch-backend": "tandem.bench.torch_backend",
