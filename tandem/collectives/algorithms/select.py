@@ -107,6 +107,8 @@ def register_algorithm(collective: str, name: str, fn: AllReduce) -> None:
 # -- all_reduce ---------------------------------------------------------------------
 
 def select_all_reduce(group: ProcessGroup, buf: torch.Tensor) -> tuple[str, AllReduce]:
+    """The group's override or ``TANDEM_ALGORITHM`` when not ``auto``; else shared memory,
+    hierarchical, then ring or doubling by size (:func:`~.ring.ring_pays`)."""
     name = group.algorithm_override.get("all_reduce") or group.settings.algorithm
     if name == "auto" and group.shares_memory:
         name = "shm"  # every member maps every member's staging memory
