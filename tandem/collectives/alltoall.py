@@ -24,6 +24,7 @@ import torch
 
 from tandem.collectives import algorithms as algo
 from tandem.collectives import api
+from tandem.collectives.algorithms.flat import Flat
 from tandem.collectives.checks import (crossed, int_list, output_arg, shares_memory,
                                        tensor_arg, tensors_arg)
 from tandem.collectives.group import Op, as_bytes
@@ -43,7 +44,7 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
     dtype = tensor_arg(input_tensor_list[0], "all_to_all", "input_tensor_list[0]").dtype
     ins = [t.contiguous() for t in
            tensors_arg(input_tensor_list, "all_to_all", "input_tensor_list", g.group_size, dtype)]
-    outs = [api._Flat(t, load=False) for t in
+    outs = [Flat(t, load=False) for t in
             tensors_arg(output_tensor_list, "all_to_all", "output_tensor_list", g.group_size, dtype,
                         output=True)]
     r = g.group_rank
@@ -104,7 +105,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     # an in-place exchange (output is input) would overwrite rows before they are sent
     src = (input.clone(memory_format=torch.contiguous_format) if shares_memory(output, input)
            else input.contiguous())
-    out = api._Flat(output, load=False)
+    out = Flat(output, load=False)
     _, fn = algo.select_all_to_all(g)
 
     def pieces(flat: torch.Tensor, sizes: list[int], row: int) -> list[torch.Tensor]:

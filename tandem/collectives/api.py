@@ -128,10 +128,6 @@ def _make_sig(name: str, t: torch.Tensor | None, extra: dict[str, Any]) -> Sig:
     return sig
 
 
-# a contiguous 1-D view of a tensor, or a copy written back afterwards (alltoall uses it)
-_Flat = Flat
-
-
 def _launch(g: ProcessGroup, name: str, sig: str, body: Callable[[Op], None], async_op: bool,
             result: Any, nbytes: int = -1) -> Work | None:
     """Issue the call; ``result`` is the list of tensors it returns, ``nbytes`` their bytes
@@ -177,7 +173,7 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: AnyGroup | No
     g = resolve_group(group, "broadcast")
     output_arg(tensor, "broadcast", "tensor")
     root = root_rank(g, "broadcast", src, group_src, "src")
-    buf = _Flat(tensor, load=(g.group_rank == root))
+    buf = Flat(tensor, load=(g.group_rank == root))
     _, fn = algo.select_broadcast(g, buf.flat)
 
     def body(o: Op) -> None:
@@ -204,7 +200,7 @@ def checked_all_reduce(g: ProcessGroup, tensor: torch.Tensor, op: ReduceOp,
     """:func:`all_reduce` once its arguments passed its checks, for a caller that made
     them itself: torch's process-group adapter, whose per-call cost is torch's layer
     (its own checks and tandem's, made twice, were 40% of that layer, measured)."""
-    buf = _Flat(tensor)
+    buf = Flat(tensor)
     name, fn = algo.select_all_reduce(g, buf.flat)
 
     def body(o: Op) -> None:
@@ -234,7 +230,7 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SU
             raise ArgumentError(f"all_reduce_coalesced: tensors[{i}] is {t.dtype}, tensors[0] "
                                 f"is {dtype}; one call takes one dtype")
     check_dtype(op, dtype)
-    bufs = [_Flat(t) for t in ts]
+    bufs = [Flat(t) for t in ts]
     sizes = [b.flat.numel() for b in bufs]
     many = algo.select_all_reduce_coalesced(g, [b.flat for b in bufs], ts)
     if many is not None:
@@ -272,7 +268,7 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op: ReduceOp = ReduceOp
     output_arg(tensor, "reduce", "tensor")
     check_dtype(op, tensor.dtype)
     root = root_rank(g, "reduce", dst, group_dst, "dst")
-    buf = _Flat(tensor)
+    buf = Flat(tensor)
     _, fn = algo.select_reduce(g, buf.flat)
 
     def body(o: Op) -> None:
@@ -337,7 +333,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     if shares_memory(output_tensor, input_tensor) and not _own_chunk(output_tensor, input_tensor,
                                                                      g.group_rank):
         input_tensor = input_tensor.clone()  # it sits where another rank's part goes
-    out = _Flat(output_tensor, load=False)
+    out = Flat(output_tensor, load=False)
     _, fn = algo.select_all_gather_into_tensor(g, n)
 
     def body(o: Op) -> None:
@@ -366,18 +362,18 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None,
     g = resolve_group(group, "gather")
     tensor_arg(tensor, "gather", "tensor")
     root = root_rank(g, "gather", dst, group_dst, "dst")
-    outs: list[_Flat] | None = None
+    outs: list[Flat] | None = None
     if g.group_rank == root:
         if gather_list is None:
             raise ArgumentError("gather: the destination rank must pass gather_list")
         lst = tensors_arg(gather_list, "gather", "gather_list", g.group_size, tensor.dtype,
                           output=True)
         sizes_match(lst, "gather", "gather_list", tensor.numel())
-        outs = [_Flat(t, load=False) for t in lst]
+        outs = [Flat(t, load=False) for t in lst]
     elif _given(gather_list):
         _not_root_list(g, "gather", "gather_list", "destination", "dst", root,
                        "; all_gather fills a list on every rank")
-    src = _Flat(tensor)
+    src = Flat(tensor)
     _, fn = algo.select_gather(g, src.flat)
 
     def body(o: Op) -> None:
@@ -403,7 +399,7 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
         sizes_match(ins, "scatter", "scatter_list", tensor.numel())
     elif _given(scatter_list):
         _not_root_list(g, "scatter", "scatter_list", "source", "src", root, "")
-    out = _Flat(tensor, load=False)
+    out = Flat(tensor, load=False)
     _, fn = algo.select_scatter(g, out.flat)
 
     def body(o: Op) -> None:
