@@ -145,3 +145,20 @@ def test_the_store_benchmark_runs_both_stores_without_failures() -> None:
         assert row["failed"] == "0" and float(row["ops/s"]) > 0, row
     assert "failed, e.g." not in proc.stdout
 
+
+def test_the_latency_benchmark_prints_every_op_per_backend() -> None:
+    proc = subprocess.run([sys.executable, "-m", "tandem.bench", "latency", "--iters", "4",
+                           "--rounds", "1", "--runs", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"bench failed:\n{proc.stdout}\n{proc.stderr}"
+    from tandem.bench.latency import OPS
+
+    for name in OPS:
+        assert re.search(rf"^{name} +\d+\.\d +\d+\.\d$", proc.stdout, re.M), proc.stdout
+
+
+def test_the_latency_benchmark_names_an_unknown_op() -> None:
+    proc = subprocess.run([sys.executable, "-m", "tandem.bench", "latency", "--ops", "scater"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "--ops: unknown ['scater']" in proc.stderr and "scatter" in proc.stderr

@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "recovery": "tandem.bench.recovery",
     "rpc": "tandem.bench.rpc",
     "zero": "tandem.bench.zero",
+    "latency": "tandem.bench.latency",
     "signature": "tandem.bench.signature",
     "scale": "tandem.bench.scale",
     "startup": "tandem.bench.startup",

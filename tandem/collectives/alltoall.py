@@ -24,6 +24,7 @@ import torch
 
 from tandem.collectives import algorithms as algo
 from tandem.collectives import api
+from tandem.collectives.algorithms.flat import Flat
 from tandem.collectives.checks import (crossed, int_list, output_arg, shares_memory,
                                        tensor_arg, tensors_arg)
 from tandem.collectives.group import Op, as_bytes
@@ -43,7 +44,7 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
     dtype = tensor_arg(input_tensor_list[0], "all_to_all", "input_tensor_list[0]").dtype
     ins = [t.contiguous() for t in
            tensors_arg(input_tensor_list, "all_to_all", "input_tensor_list", g.group_size, dtype)]
-    outs = [api._Flat(t, load=False) for t in
+    outs = [Flat(t, load=False) for t in
             tensors_arg(output_tensor_list, "all_to_all", "output_tensor_list", g.group_size, dtype,
                         output=True)]
     r = g.group_rank
@@ -55,12 +56,13 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
                             f"elements, input_tensor_list[{r}] has {ins[r].numel()}")
     in_sizes = [t.numel() for t in ins]
     out_sizes = [f.flat.numel() for f in outs]
+    _, fn = algo.select_all_to_all(g)
 
     def body(o: Op) -> None:
         flat_ins = [t.view(-1) for t in ins]
         early = _agree(o, "all_to_all", 1, in_sizes, out_sizes, "elements",
                        "input_tensor_list numels", "output_tensor_list numels", flat_ins)
-        algo.pairwise_all_to_all(o, [f.flat for f in outs], flat_ins, early)
+        fn(o, [f.flat for f in outs], flat_ins, early)
         for f in outs:
             f.done()
 
@@ -103,7 +105,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     # an in-place exchange (output is input) would overwrite rows before they are sent
     src = (input.clone(memory_format=torch.contiguous_format) if shares_memory(output, input)
            else input.contiguous())
-    out = api._Flat(output, load=False)
+    out = Flat(output, load=False)
+    _, fn = algo.select_all_to_all(g)
 
     def pieces(flat: torch.Tensor, sizes: list[int], row: int) -> list[torch.Tensor]:
         return list(flat.split([s * row for s in sizes]))
@@ -112,7 +115,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
         ins = pieces(src.view(-1), in_sizes, row_in)
         early = _agree(o, "all_to_all_single", row_in, in_sizes, out_sizes, "rows",
                        "input_split_sizes", "output_split_sizes", ins)
-        algo.pairwise_all_to_all(o, pieces(out.flat, out_sizes, row_out), ins, early)
+        fn(o, pieces(out.flat, out_sizes, row_out), ins, early)
         out.done()
 
     return api._launch(g, "all_to_all_single", api._sig("all_to_all_single", None, dtype=input.dtype),

@@ -20,15 +20,15 @@ from typing import Any, Callable, Sequence
 import torch
 
 from tandem.collectives import algorithms as algo
-from tandem.collectives.checks import (any_shared, output_arg, plain_output, root_rank,
-                                      shares_memory, sizes_match, span, tensor_arg,
-                                      tensors_arg)
+from tandem.collectives.algorithms.flat import Flat
+from tandem.collectives.algorithms.roots import ROOT_STEP
+from tandem.collectives.checks import (output_arg, plain_output, root_rank, shares_memory,
+                                      sizes_match, span, tensor_arg, tensors_arg)
 from tandem.collectives.group import Op, ProcessGroup
 from tandem.collectives.reduce_op import ReduceOp, accepts, check_dtype, checksum
 from tandem.collectives.work import Work
 from tandem.collectives.world import AnyGroup, resolve_group
 from tandem.errors import ArgumentError, CollectiveMismatchError
-from tandem.transport.base import Slot
 
 __all__ = [
     "broadcast", "all_reduce", "checked_all_reduce", "all_reduce_coalesced", "reduce",
@@ -128,29 +128,6 @@ def _make_sig(name: str, t: torch.Tensor | None, extra: dict[str, Any]) -> Sig:
     return sig
 
 
-class _Flat:
-    """A contiguous 1-D view of a tensor, or a copy written back afterwards."""
-
-    __slots__ = ("orig", "flat", "copied")
-
-    def __init__(self, t: torch.Tensor, load: bool = True) -> None:
-        self.orig = t
-        self.copied = not t.is_contiguous()
-        if self.copied:
-            self.flat = (t.contiguous() if load else torch.empty(t.shape, dtype=t.dtype)).view(-1)
-        elif t.ndim == 1 and not t.requires_grad:
-            # already what the algorithms take (a bucket, a flat buffer): the detached
-            # view cost 1.8 us of a 4 KB all_reduce's ~28 us of CPU (measured)
-            self.flat = t
-        else:
-            self.flat = t.detach().view(-1)
-
-    def done(self) -> None:
-        if self.copied:
-            with torch.no_grad():
-                self.orig.copy_(self.flat.view(self.orig.shape))
-
-
 def _launch(g: ProcessGroup, name: str, sig: str, body: Callable[[Op], None], async_op: bool,
             result: Any, nbytes: int = -1) -> Work | None:
     """Issue the call; ``result`` is the list of tensors it returns, ``nbytes`` their bytes
@@ -159,54 +136,7 @@ def _launch(g: ProcessGroup, name: str, sig: str, body: Callable[[Op], None], as
     return g.run(op, body, async_op, result, nbytes)
 
 
-# A root that only receives (gather, reduce) would hear nothing from a rank that believes
-# another rank is the root, and both would wait out their deadline. So the root first
-# sends every other rank an empty message carrying the call's signature (which names the
-# root). A rank expecting another root sees the two clash: a root waiting for data raises
-# at once, and the group is aborted on every member. Other ranks post the receive but do
-# not wait for it (waiting made every non-root wait for its root: measured, small reduce
-# and gather took twice as long); a clash found after their call returned aborts the
-# group, so their next call on it fails. Nothing is combined either way: a root completes
-# only when every rank named it.
-_ROOT_STEP = 2 ** 31 - 1  # beyond the steps of any algorithm
-
-
-def _announce_root(o: Op, root: int, wait: bool = False) -> list[Slot]:
-    """The root's announcements to wait for (none on other ranks, unless ``wait``: a
-    reduce with a custom op, whose non-roots must learn of a different op in the call)."""
-    g = o.group
-    empty = memoryview(bytearray(0))
-    if g.group_rank == root:
-        return [o.send(i, _ROOT_STEP, empty) for i in range(g.group_size) if i != root]
-    told = o.recv(root, _ROOT_STEP, empty)
-    if wait:
-        return [told]
-
-    def check(slot: Slot) -> None:
-        if isinstance(slot.error, CollectiveMismatchError):
-            g.abort(slot.error)
-
-    told.on_done = check
-    if told.done():
-        check(told)
-    return []
-
-
-def _confirm_root(o: Op, root: int) -> list[Slot]:
-    """The mirror of :func:`_announce_root` for a root that only sends (broadcast,
-    scatter): every other rank sends the root an empty message carrying its signature
-    (which names the root it believes in), and the root waits for them all. Two ranks
-    that both believe they are the root, or that name each other, then each hold a
-    message of this call with another signature, and raise in this call. The slots to
-    wait for at the end of the call (the non-roots' sends complete locally)."""
-    g = o.group
-    empty = memoryview(bytearray(0))
-    if g.group_rank == root:
-        return [o.recv(i, _ROOT_STEP, empty) for i in range(g.group_size) if i != root]
-    return [o.send(root, _ROOT_STEP, empty)]
-
-
-_CHECK_STEP = _ROOT_STEP - 1  # a custom op's result checksums
+_CHECK_STEP = ROOT_STEP - 1  # a custom op's result checksums (the root checks use ROOT_STEP)
 
 
 def _same_result(o: Op, results: Sequence[torch.Tensor], redop: ReduceOp) -> None:
@@ -243,15 +173,11 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: AnyGroup | No
     g = resolve_group(group, "broadcast")
     output_arg(tensor, "broadcast", "tensor")
     root = root_rank(g, "broadcast", src, group_src, "src")
-    buf = _Flat(tensor, load=(g.group_rank == root))
+    buf = Flat(tensor, load=(g.group_rank == root))
+    _, fn = algo.select_broadcast(g, buf.flat)
 
-    def body(op: Op) -> None:
-        if g.shares_memory:  # the arena checks the root itself (algorithms.shm_rooted)
-            algo.shm_broadcast(op, buf.flat, root)
-        else:
-            told = _confirm_root(op, root)
-            algo.hierarchical_broadcast(op, buf.flat, root)  # a tree when on one host
-            op.wait(*told)
+    def body(o: Op) -> None:
+        fn(o, buf.flat, root)
         buf.done()
 
     sig = _sig("broadcast", tensor, root=root)
@@ -274,7 +200,7 @@ def checked_all_reduce(g: ProcessGroup, tensor: torch.Tensor, op: ReduceOp,
     """:func:`all_reduce` once its arguments passed its checks, for a caller that made
     them itself: torch's process-group adapter, whose per-call cost is torch's layer
     (its own checks and tandem's, made twice, were 40% of that layer, measured)."""
-    buf = _Flat(tensor)
+    buf = Flat(tensor)
     name, fn = algo.select_all_reduce(g, buf.flat)
 
     def body(o: Op) -> None:
@@ -304,21 +230,19 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SU
             raise ArgumentError(f"all_reduce_coalesced: tensors[{i}] is {t.dtype}, tensors[0] "
                                 f"is {dtype}; one call takes one dtype")
     check_dtype(op, dtype)
-    bufs = [_Flat(t) for t in ts]
+    bufs = [Flat(t) for t in ts]
     sizes = [b.flat.numel() for b in bufs]
-    # tensors sharing memory (one listed twice) would be combined twice in place; packed,
-    # each is reduced once as of the call and written back in list order
-    if (g.shares_memory and algo.select_all_reduce(g, bufs[0].flat)[0] == "shm"
-            and not any_shared(ts)):
+    many = algo.select_all_reduce_coalesced(g, [b.flat for b in bufs], ts)
+    if many is not None:
         name = "shm"
 
         def body(o: Op) -> None:
-            algo.shm_all_reduce_many(o, [b.flat for b in bufs], op)
+            many(o, [b.flat for b in bufs], op)
             for b in bufs:
                 b.done()
             if not op.pure:
                 _same_result(o, [b.flat for b in bufs], op)
-    else:
+    else:  # packed, each is reduced once as of the call and written back in list order
         packed = torch.cat([b.flat for b in bufs])
         name, fn = algo.select_all_reduce(g, packed)
 
@@ -344,40 +268,16 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op: ReduceOp = ReduceOp
     output_arg(tensor, "reduce", "tensor")
     check_dtype(op, tensor.dtype)
     root = root_rank(g, "reduce", dst, group_dst, "dst")
-    buf = _Flat(tensor)
+    buf = Flat(tensor)
+    _, fn = algo.select_reduce(g, buf.flat)
 
     def body(o: Op) -> None:
-        if g.shares_memory:  # the arena checks the root itself (algorithms.shm_rooted)
-            algo.shm_reduce(o, buf.flat, root, op)
-            if g.group_rank == root:
-                buf.done()
-            return
-        told = _announce_root(o, root, wait=op.fn is not None)
-        algo.tree_reduce(o, buf.flat, root, op)
-        o.wait(*told)
+        fn(o, buf.flat, root, op)
         if g.group_rank == root:
             buf.done()
 
     sig = _sig("reduce", tensor, op=op.sig, root=root)
     return _launch(g, "reduce", sig, body, async_op, [tensor], sig.nbytes)
-
-
-def _gather_ring(g: ProcessGroup, op: Op, outs: list[torch.Tensor], mine: torch.Tensor) -> None:
-    if algo.host_layout(g) is None and algo.separate(outs):
-        # one rank per host, or one host: the ring writes each part in its own tensor
-        outs[g.group_rank].copy_(mine.reshape(outs[g.group_rank].shape))
-        algo.ring_gather_into(op, outs, algo.link_chunk(g))
-        return
-    bounds = algo.segment_bounds([t.numel() for t in outs])
-    # the group's working memory, not a fresh buffer: at 4 x 64 MB, faulting a new one in
-    # cost more than the copies (an all-gather's ring and leaders use no scratch)
-    flat = g.scratch(bounds[-1][1], mine.dtype)
-    a, b = bounds[g.group_rank]
-    flat[a:b].copy_(mine.reshape(-1))
-    algo.hierarchical_all_gather(op, flat, bounds)  # the ring when on one host
-    with torch.no_grad():
-        for t, (a, b) in zip(outs, bounds):
-            t.copy_(flat[a:b].view(t.shape))
 
 
 def _aliases_an_output(t: torch.Tensor, outs: list[torch.Tensor], mine: int) -> bool:
@@ -402,14 +302,10 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
     if _aliases_an_output(tensor, outs, g.group_rank):
         tensor = tensor.clone()  # else a peer's part could overwrite it before it is sent
 
+    _, fn = algo.select_all_gather(g, outs)
+
     def body(o: Op) -> None:
-        if g.shares_memory:
-            flats = [_Flat(t, load=False) for t in outs]
-            algo.shm_all_gather(o, [f.flat for f in flats], tensor.reshape(-1))
-            for f in flats:
-                f.done()
-        else:
-            _gather_ring(g, o, outs, tensor)
+        fn(o, outs, tensor)
 
     if g.shares_memory:  # members read each other's sizes from here: all must agree
         sig = _sig("all_gather", None, dtype=tensor.dtype, sizes=_sizes([t.numel() for t in outs]))
@@ -437,17 +333,11 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     if shares_memory(output_tensor, input_tensor) and not _own_chunk(output_tensor, input_tensor,
                                                                      g.group_rank):
         input_tensor = input_tensor.clone()  # it sits where another rank's part goes
-    out = _Flat(output_tensor, load=False)
+    out = Flat(output_tensor, load=False)
+    _, fn = algo.select_all_gather_into_tensor(g, n)
 
     def body(o: Op) -> None:
-        r = g.group_rank
-        if g.shares_memory:
-            algo.shm_all_gather(o, list(out.flat.split(n)) if n else [out.flat] * g.group_size,
-                                input_tensor.reshape(-1))
-        else:
-            out.flat[r * n:(r + 1) * n].copy_(input_tensor.reshape(-1))
-            algo.hierarchical_all_gather(o, out.flat,
-                                         [(i * n, (i + 1) * n) for i in range(g.group_size)])
+        fn(o, out.flat, n, input_tensor)
         out.done()
 
     sig = _sig("all_gather_into_tensor", input_tensor)
@@ -472,23 +362,22 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None,
     g = resolve_group(group, "gather")
     tensor_arg(tensor, "gather", "tensor")
     root = root_rank(g, "gather", dst, group_dst, "dst")
-    outs: list[_Flat] | None = None
+    outs: list[Flat] | None = None
     if g.group_rank == root:
         if gather_list is None:
             raise ArgumentError("gather: the destination rank must pass gather_list")
         lst = tensors_arg(gather_list, "gather", "gather_list", g.group_size, tensor.dtype,
                           output=True)
         sizes_match(lst, "gather", "gather_list", tensor.numel())
-        outs = [_Flat(t, load=False) for t in lst]
+        outs = [Flat(t, load=False) for t in lst]
     elif _given(gather_list):
         _not_root_list(g, "gather", "gather_list", "destination", "dst", root,
                        "; all_gather fills a list on every rank")
-    src = _Flat(tensor)
+    src = Flat(tensor)
+    _, fn = algo.select_gather(g, src.flat)
 
     def body(o: Op) -> None:
-        told = _announce_root(o, root)
-        algo.direct_gather(o, src.flat, [f.flat for f in outs] if outs else None, root)
-        o.wait(*told)
+        fn(o, src.flat, [f.flat for f in outs] if outs else None, root)
         for f in outs or []:
             f.done()
 
@@ -510,23 +399,15 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
         sizes_match(ins, "scatter", "scatter_list", tensor.numel())
     elif _given(scatter_list):
         _not_root_list(g, "scatter", "scatter_list", "source", "src", root, "")
-    out = _Flat(tensor, load=False)
+    out = Flat(tensor, load=False)
+    _, fn = algo.select_scatter(g, out.flat)
 
     def body(o: Op) -> None:
-        told = _confirm_root(o, root)
-        algo.direct_scatter(o, out.flat, ins, root)
-        o.wait(*told)
+        fn(o, out.flat, ins, root)
         out.done()
 
     sig = _sig("scatter", tensor, root=root)
     return _launch(g, "scatter", sig, body, async_op, [tensor], sig.nbytes)
-
-
-def _reduce_scatter_flat(g: ProcessGroup, o: Op, flat: torch.Tensor, sizes: Sequence[int],
-                         op: ReduceOp) -> tuple[int, int]:
-    bounds = algo.segment_bounds(list(sizes))
-    algo.hierarchical_reduce_scatter(o, flat, bounds, op)  # the ring when on one host
-    return bounds[g.group_rank]
 
 
 def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor],
@@ -540,19 +421,13 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor],
         raise ArgumentError(f"reduce_scatter: input_list[{g.group_rank}] has "
                             f"{ins[g.group_rank].numel()} elements, output has {output.numel()}")
 
-    def body(o: Op) -> None:
-        if g.shares_memory:
-            out = _Flat(output, load=False)
-            algo.shm_reduce_scatter(o, out.flat, [t.reshape(-1) for t in ins], op)
-            out.done()
-            return
-        flat = torch.cat([t.reshape(-1) for t in ins])
-        a, b = _reduce_scatter_flat(g, o, flat, [t.numel() for t in ins], op)
-        with torch.no_grad():
-            output.copy_(flat[a:b].view(output.shape))
+    sizes = [t.numel() for t in ins]
+    _, fn = algo.select_reduce_scatter(g, sizes, output.dtype)
 
-    sig = _sig("reduce_scatter", None, dtype=output.dtype, op=op.sig,
-               sizes=_sizes([t.numel() for t in ins]))
+    def body(o: Op) -> None:
+        fn(o, output, [t.reshape(-1) for t in ins], op)
+
+    sig = _sig("reduce_scatter", None, dtype=output.dtype, op=op.sig, sizes=_sizes(sizes))
     return _launch(g, "reduce_scatter", sig, body, async_op, [output])
 
 
@@ -569,17 +444,10 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor,
             f"reduce_scatter_tensor: input must hold {g.group_size} x {n} elements of "
             f"{output.dtype}, got {input.numel()} of {input.dtype}")
 
+    _, fn = algo.select_reduce_scatter(g, [n] * g.group_size, output.dtype)
+
     def body(o: Op) -> None:
-        if g.shares_memory:
-            out = _Flat(output, load=False)
-            algo.shm_reduce_scatter(o, out.flat, list(input.reshape(-1).split(n)) if n else
-                                    [input.reshape(-1)] * g.group_size, op)
-            out.done()
-            return
-        flat = input.reshape(-1).clone()  # the caller's input stays untouched
-        a, b = _reduce_scatter_flat(g, o, flat, [n] * g.group_size, op)
-        with torch.no_grad():
-            output.copy_(flat[a:b].view(output.shape))
+        fn(o, output, input.reshape(-1), op)
 
     sig = _sig("reduce_scatter_tensor", output, op=op.sig)
     return _launch(g, "reduce_scatter_tensor", sig, body, async_op, [output], sig.nbytes)

@@ -36,10 +36,12 @@ def barrier(group: AnyGroup | None = None, async_op: bool = False,
     token = torch.zeros(1, dtype=torch.uint8)
     seconds = None if timeout is None else timeout_seconds(timeout, g.timeout, "barrier: timeout")
 
+    _, fn = algo.select_barrier(g)
+
     def body(o: Op) -> None:
         if seconds is not None:
             o.deadline = time.monotonic() + seconds
-        algo.ALL_REDUCE["doubling"](o, token, ReduceOp.MAX)
+        fn(o, token, ReduceOp.MAX)
 
     return api._launch(g, "barrier", "barrier", body, async_op, None)
 

@@ -34,7 +34,7 @@ import torch
 
 from tandem.collectives.algorithms._phases import PHASE, Phase, host_layout, host_of_rank
 from tandem.collectives.algorithms.doubling import doubling_all_reduce
-from tandem.collectives.algorithms.ring import ring_all_reduce
+from tandem.collectives.algorithms.ring import ring_all_reduce, ring_pays
 from tandem.collectives.algorithms.streamed import streamed_all_reduce, streamed_fits
 from tandem.collectives.algorithms.tree import tree_broadcast, tree_reduce
 from tandem.collectives.group import Op
@@ -47,9 +47,7 @@ __all__ = ["host_layout", "hierarchical_all_reduce", "hierarchical_broadcast"]
 def flat_all_reduce(settings: Settings, size: int,
                     buf: torch.Tensor) -> Callable[[Op, torch.Tensor, ReduceOp], None]:
     """Doubling or ring for ``size`` ranks, by the rule of ``select_all_reduce``."""
-    threshold = settings.ring_threshold * (4 if size == 2 else 1)
-    big = buf.numel() * buf.element_size() >= threshold and buf.numel() >= size
-    return ring_all_reduce if big else doubling_all_reduce
+    return ring_all_reduce if ring_pays(settings, size, buf) else doubling_all_reduce
 
 
 def hierarchical_all_reduce(op: Op, buf: torch.Tensor, redop: ReduceOp) -> None:
@@ -61,7 +59,7 @@ def hierarchical_all_reduce(op: Op, buf: torch.Tensor, redop: ReduceOp) -> None:
         return
     nbytes = buf.numel() * buf.element_size()
     if (nbytes >= g.settings.ring_threshold and buf.numel() >= len(layout)
-            and streamed_fits(layout, buf)):
+            and streamed_fits(layout, nbytes)):
         # even with two leaders, whose flat all-reduce would still use doubling here:
         # streaming overlaps the phases (2x2 hosts at 1 Gbit/s, 1 and 4 MB: 11-15 ms
         # and 40-42 ms streamed, 14-18 ms and 46-51 ms in a row)

@@ -63,6 +63,11 @@ def _differs(op: Op, arena: Arena, member: int, strict: bool) -> CollectiveMisma
     seq, sig, site = seen
     if seq == op.seq and sig == op.sig:
         return None
+    if seq > op.seq and strict:
+        # it posted this call's phase and has since run further (a gather's non-roots
+        # return without waiting) than the announcements kept; its own check of this
+        # call compared ours, so a different call would have failed there
+        return None
     if seq < op.seq:
         if not strict:
             return None  # it has not got here yet

@@ -20,7 +20,7 @@ A rank sends everything up at once and posts every receive for what comes back, 
 place (a chunk's result can only come back after its leader read the chunk). A
 leader keeps one receive area per other rank of its host for the reductions; when
 that would exceed ``_STREAM_SCRATCH``, or a host's ranks are not consecutive (so its
-block is not contiguous), the callers fall back to the flat algorithms. Reductions
+block is not contiguous), ``select.py`` picks the flat ring instead. Reductions
 combine in group-rank order within a host, the leaders' ring does the rest, and every
 rank ends with the bytes the ring produced: bit-identical everywhere, and exact
 inputs agree with the naive oracle bit for bit.
@@ -38,18 +38,18 @@ from tandem.collectives.group import Op, as_bytes
 from tandem.collectives.reduce_op import ReduceOp, combine, finish
 from tandem.transport.base import Slot
 
-__all__ = ["streamed_all_reduce", "streamed_fits", "hierarchical_all_gather",
-           "hierarchical_reduce_scatter"]
+__all__ = ["streamed_all_reduce", "streamed_fits", "host_blocks", "leaders_all_gather",
+           "leaders_reduce_scatter"]
 
 # the most memory a leader sets aside for its host's other ranks' contributions
 _STREAM_SCRATCH = 1 << 30
 Range = tuple[int, int]
 
 
-def streamed_fits(layout: list[list[int]], buf: torch.Tensor) -> bool:
-    """Whether a reduction of ``buf`` may stream (the leaders' receive areas fit)."""
+def streamed_fits(layout: list[list[int]], nbytes: int) -> bool:
+    """Whether a reduction of ``nbytes`` may stream (the leaders' receive areas fit)."""
     busiest = max(len(ranks) for ranks in layout)
-    return (busiest - 1) * buf.numel() * buf.element_size() <= _STREAM_SCRATCH
+    return (busiest - 1) * nbytes <= _STREAM_SCRATCH
 
 
 def _inter(a: Range, b: Range) -> Range | None:
@@ -170,7 +170,7 @@ def streamed_all_reduce(op: Op, buf: torch.Tensor, redop: ReduceOp,
                      True, lambda m: whole, lambda m: [whole])
 
 
-def _host_blocks(layout: list[list[int]] | None, bounds: Bounds) -> Bounds | None:
+def host_blocks(layout: list[list[int]] | None, bounds: Bounds) -> Bounds | None:
     """Each host's block of ``bounds`` (per group rank), if every block is contiguous."""
     if layout is None:
         return None
@@ -182,18 +182,9 @@ def _host_blocks(layout: list[list[int]] | None, bounds: Bounds) -> Bounds | Non
     return blocks
 
 
-def hierarchical_all_gather(op: Op, flat: torch.Tensor, bounds: Bounds) -> None:
-    """All-gather in place: group rank ``m`` holds ``flat[bounds[m]]``, all end with all of it.
-
-    Through the leaders when the group spans hosts in blocks of consecutive ranks,
-    otherwise the flat ring.
-    """
-    layout = host_layout(op.group)
-    blocks = _host_blocks(layout, bounds)
-    if blocks is None or layout is None:
-        ring(op, flat, bounds, None, reduce_scatter=False, all_gather=True,
-             chunk_bytes=link_chunk(op.group))
-        return
+def leaders_all_gather(op: Op, flat: torch.Tensor, bounds: Bounds, layout: list[list[int]],
+                       blocks: Bounds) -> None:
+    """All-gather in place through the hosts' leaders (``blocks``: :func:`host_blocks`)."""
     end = flat.numel()
     # a rank gets back everything but its own piece (at 2x2 hosts, 64 MB each: a quarter
     # of the copies within a host)
@@ -201,19 +192,9 @@ def hierarchical_all_gather(op: Op, flat: torch.Tensor, bounds: Bounds) -> None:
                      lambda m: [(0, bounds[m][0]), (bounds[m][1], end)])
 
 
-def hierarchical_reduce_scatter(op: Op, flat: torch.Tensor, bounds: Bounds,
-                                redop: ReduceOp) -> None:
-    """Reduce-scatter in place: group rank ``m`` ends with the reduction in ``flat[bounds[m]]``.
-
-    Through the leaders when the group spans hosts in blocks of consecutive ranks and
-    the leaders' receive areas fit, otherwise the flat ring.
-    """
-    layout = host_layout(op.group)
-    blocks = _host_blocks(layout, bounds)
-    if blocks is None or layout is None or not streamed_fits(layout, flat):
-        ring(op, flat, bounds, redop, reduce_scatter=True, all_gather=False,
-             chunk_bytes=link_chunk(op.group))
-        return
+def leaders_reduce_scatter(op: Op, flat: torch.Tensor, bounds: Bounds, redop: ReduceOp,
+                           layout: list[list[int]], blocks: Bounds) -> None:
+    """Reduce-scatter in place through the hosts' leaders (needs :func:`streamed_fits`)."""
     everything = (0, flat.numel())
     inner, divide = _sum_for(redop)
     _through_leaders(op, flat, layout, blocks, inner, divide, False, lambda m: everything,

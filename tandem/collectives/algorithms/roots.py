@@ -1,0 +1,58 @@
+"""The root checks of rooted collectives that move messages (shared memory checks its own).
+
+A root that only receives (gather, reduce) would hear nothing from a rank that believes
+another rank is the root, and both would wait out their deadline. So the root first
+sends every other rank an empty message carrying the call's signature (which names the
+root). A rank expecting another root sees the two clash: a root waiting for data raises
+at once, and the group is aborted on every member. Other ranks post the receive but do
+not wait for it (waiting made every non-root wait for its root: measured, small reduce
+and gather took twice as long); a clash found after their call returned aborts the
+group, so their next call on it fails. Nothing is combined either way: a root completes
+only when every rank named it.
+
+A root that only sends (broadcast, scatter) gets the mirror check: every other rank
+sends the root an empty message carrying its signature, and the root waits for them
+all. Two ranks that both believe they are the root, or that name each other, then each
+hold a message of this call with another signature, and raise in this call.
+"""
+
+from __future__ import annotations
+
+from tandem.collectives.group import Op
+from tandem.errors import CollectiveMismatchError
+from tandem.transport.base import Slot
+
+__all__ = ["ROOT_STEP", "announce_root", "confirm_root"]
+
+ROOT_STEP = 2 ** 31 - 1  # beyond the steps of any algorithm
+
+
+def announce_root(o: Op, root: int, wait: bool = False) -> list[Slot]:
+    """The root's announcements to wait for (none on other ranks, unless ``wait``: a
+    reduce with a custom op, whose non-roots must learn of a different op in the call)."""
+    g = o.group
+    empty = memoryview(bytearray(0))
+    if g.group_rank == root:
+        return [o.send(i, ROOT_STEP, empty) for i in range(g.group_size) if i != root]
+    told = o.recv(root, ROOT_STEP, empty)
+    if wait:
+        return [told]
+
+    def check(slot: Slot) -> None:
+        if isinstance(slot.error, CollectiveMismatchError):
+            g.abort(slot.error)
+
+    told.on_done = check
+    if told.done():
+        check(told)
+    return []
+
+
+def confirm_root(o: Op, root: int) -> list[Slot]:
+    """The mirror of :func:`announce_root` for a root that only sends: the slots to wait
+    for at the end of the call (the non-roots' sends complete locally)."""
+    g = o.group
+    empty = memoryview(bytearray(0))
+    if g.group_rank == root:
+        return [o.recv(i, ROOT_STEP, empty) for i in range(g.group_size) if i != root]
+    return [o.send(root, ROOT_STEP, empty)]
