@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "rpc": "tandem.bench.rpc",
     "zero": "tandem.bench.zero",
     "signature": "tandem.bench.signature",
+    "slow-links": "tandem.bench.slow_links",
     "startup": "tandem.bench.startup",
     "torch-backend": "tandem.bench.torch_backend",
 }
