@@ -19,6 +19,8 @@ from typing import Any, Callable
 
 import torch
 
+import tandem as dist
+from tandem.algorithms.diloco import DiLoCo
 from tandem.algorithms.model_averaging.averagers import PeriodicModelAverager
 from tandem.algorithms.model_averaging.utils import average_parameters
 from tandem.optim import PostLocalSGDOptimizer
@@ -40,16 +42,16 @@ class Sync:
     forward: torch.nn.Module
     optimizer: torch.optim.Optimizer
     after_step: Callable[[int], bool]
-    finish: Callable[[], None]  # leave every rank with the same model
+    finish: Callable[[], None]  # after the last step: end what is in flight, or sync
     state_dict: Callable[[], dict[str, Any]]
     load_state_dict: Callable[[dict[str, Any]], None]
-    bytes_sent: Callable[[], int | None]
+    counters: Callable[[], dict[str, Any]]  # what the method measured of its exchanges
 
 
 def _ddp(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Sync:
     ddp = DistributedDataParallel(model)
     return Sync("ddp", ddp, optimizer, lambda step: True, lambda: None, dict,
-                lambda state: None, lambda: None)
+                lambda state: None, dict)
 
 
 def _local_sgd(model: torch.nn.Module, optimizer: torch.optim.Optimizer, every: int) -> Sync:
@@ -64,31 +66,31 @@ def _local_sgd(model: torch.nn.Module, optimizer: torch.optim.Optimizer, every: 
 
     # the averager's step count travels in the optimizer's state dict ("step")
     return Sync("local-sgd", model, local, lambda step: step % every == 0, finish, dict,
-                lambda state: None, lambda: None)
+                lambda state: None, dict)
 
 
 def _diloco(model: torch.nn.Module, optimizer: torch.optim.Optimizer, every: int,
             fragments: int) -> Sync:
-    try:
-        from tandem.algorithms.diloco import DiLoCo
-    except ImportError as missing:
-        raise SystemExit(f"train_chars: --sync diloco needs tandem.algorithms.diloco, which "
-                         f"this tandem lacks ({missing})") from missing
-
-    def outer(params: Any) -> torch.optim.Optimizer:
+    def outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
 
+    # a group's collectives complete in issue order: on the default group the loss and
+    # evaluation all-reduces would wait behind a streamed exchange still in flight
+    exchanges = dist.new_group(list(range(dist.get_world_size())))
     diloco = DiLoCo(model, optimizer, outer_optimizer=outer, sync_every=every,
-                    fragments=fragments)
-    finish = getattr(diloco, "finish", None) or getattr(diloco, "flush", None)
+                    fragments=fragments, group=exchanges)
 
     def after_step(step: int) -> bool:
         diloco.step()
         return step % every == 0
 
-    return Sync("diloco", model, optimizer, after_step,
-                finish if callable(finish) else (lambda: None),
-                diloco.state_dict, diloco.load_state_dict, lambda: int(diloco.bytes_sent))
+    def counters() -> dict[str, Any]:
+        return {"sync_bytes_sent": diloco.bytes_sent, "sync_comm_s": diloco.comm_seconds,
+                "sync_exposed_s": diloco.exposed_seconds,
+                "sync_hidden_fraction": diloco.hidden_fraction}
+
+    return Sync("diloco", model, optimizer, after_step, diloco.sync, diloco.state_dict,
+                diloco.load_state_dict, counters)
 
 
 def make_sync(method: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

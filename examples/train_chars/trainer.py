@@ -326,7 +326,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
             "val_loss_start": val_start, "val_loss_end": val_end, "val_history": val_history,
             "elapsed_s": elapsed, "val_curve": val_curve, "sync": cfg.sync,
             "inner_steps": cfg.inner_steps, "fragments": cfg.fragments,
-            "sync_bytes_sent": sync.bytes_sent(),
+            **sync.counters(),
             "samples_per_s": ran * cfg.batch_size * world / elapsed if ran else 0.0,
             "chars_per_s": ran * cfg.batch_size * world * cfg.seq_len / elapsed if ran else 0.0,
             "checkpoint": ckpt, "checkpoint_verified": True, "png": png, "renderer": renderer,

@@ -84,6 +84,7 @@ class Result:
     val_loss: float
     val_curve: list[tuple[int, float, float]]  # (step, training seconds, loss)
     sync_bytes: int | None  # what the method itself says it sent, if it counts
+    hidden: float | None = None  # DiLoCo's own count: the share of exchange time overlapped
 
     @property
     def tokens_per_s(self) -> float:
@@ -167,7 +168,7 @@ def run_methods(hosts: Hosts, methods: Sequence[Method], base: list[str],
         m = per_rank[0]
         r = Result(method.name, m["elapsed_s"], m["tokens"], sent, m["steps"],
                    m["val_loss_end"], [tuple(p) for p in m["val_curve"]],
-                   m.get("sync_bytes_sent"))
+                   m.get("sync_bytes_sent"), m.get("sync_hidden_fraction"))
         results.append(r)
         print(f"{method.name}: {r.seconds:.1f} s, {r.tokens_per_s:.0f} tokens/s, "
               f"{r.bytes_per_step / 1e6:.3f} MB/step across hosts, val loss {r.val_loss:.3f}",
