@@ -22,9 +22,11 @@ Per method: the training time (the example's ``elapsed_s``: the training loop, w
 start-up and without the periodic evaluations), tokens/s = steps x batch x ranks x
 sequence length / that time, the bytes every host's ``eth0`` sent (its interface
 counters, read before and after the run: frames with their headers, start-up and
-evaluations included) per step, and the final validation loss of the synced model. The
-validation loss every ``--eval-every`` steps, against training time, is plotted, one
-line per method (``slow_links.png`` beside ``slow_links.md`` in ``--out``).
+evaluations included) per step, the final validation loss, and for DiLoCo the share
+of its exchanges' time that overlapped inner steps by its own count
+(``DiLoCo.hidden_fraction``). The validation loss every ``--eval-every`` steps, against
+training time, is plotted, one line per method (``slow_links.png`` beside
+``slow_links.md`` in ``--out``).
 
 The targets checked below the table: DiLoCo's tokens/s against DDP's and its final
 loss within 3% of DDP's; the share of its communication streaming DiLoCo hides,
@@ -179,14 +181,15 @@ def run_methods(hosts: Hosts, methods: Sequence[Method], base: list[str],
 def format_table(results: Sequence[Result], markdown: bool = False) -> str:
     ddp = next((r for r in results if r.method == "ddp"), None)
     header = ["method", "training time", "tokens/s", "vs ddp", "MB sent across hosts",
-              "per step", "final val loss", "vs ddp loss"]
+              "per step", "final val loss", "vs ddp loss", "hidden (own count)"]
     body = []
     for r in results:
         body.append([r.method, f"{r.seconds:.1f} s", f"{r.tokens_per_s:.0f}",
                      f"{r.tokens_per_s / ddp.tokens_per_s:.2f}x" if ddp else "-",
                      f"{r.link_bytes / 1e6:.1f}", f"{r.bytes_per_step / 1e6:.3f} MB",
                      f"{r.val_loss:.3f}",
-                     f"{100 * (r.val_loss / ddp.val_loss - 1):+.1f}%" if ddp else "-"])
+                     f"{100 * (r.val_loss / ddp.val_loss - 1):+.1f}%" if ddp else "-",
+                     "-" if r.hidden is None else f"{100 * r.hidden:.0f}%"])
     numeric = [False] + [True] * (len(header) - 1)
     return render(header, body, numeric, markdown)
 
