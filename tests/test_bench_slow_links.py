@@ -47,6 +47,9 @@ def test_table_compares_each_method_with_ddp() -> None:
                           _result("diloco", 20.0, 5_000_000, 2.02)], markdown=True)
     rows = [ln for ln in table.splitlines() if ln.startswith("| diloco")]
     assert rows and "| 5.00x |" in rows[0] and "| 0.050 MB |" in rows[0] and "+1.0%" in rows[0]
+    repeated = _result("ddp", 100.0, 100_000_000, 2.0)
+    repeated.all_seconds = [131.0, 100.0]  # the fastest is kept, the range shown
+    assert "| 100.0 s (100-131) |" in format_table([repeated], markdown=True)
 
 
 @pytest.mark.procs
