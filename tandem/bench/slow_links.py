@@ -63,15 +63,17 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SCRIPT = EXAMPLES / "train_chars.py"
 METHODS = ("ddp", "local-sgd", "diloco", "streaming-diloco", "compute-only")
 
-# the model and run: small enough that 5 methods on 4 simulated hosts take a few minutes
-# on 2 CPU cores, large enough (0.2M parameters, 0.8 MB of gradients) that DDP's every-step
-# all-reduce costs more than a step's compute at 100 Mbit/s
-FULL: dict[str, Any] = {"steps": 240, "inner_steps": 20, "fragments": 4, "eval_every": 40,
-        "model": ["--batch-size", "8", "--seq-len", "64", "--dim", "96", "--layers", "2",
-                  "--corpus-mb", "0.5"]}
-SMOKE: dict[str, Any] = {"steps": 4, "inner_steps": 2, "fragments": 2, "eval_every": 2,
-         "model": ["--batch-size", "2", "--seq-len", "16", "--dim", "16", "--layers", "1",
-                   "--corpus-mb", "0.05"]}
+# the model and run: small enough that the 5 methods on 4 simulated hosts take 6-7 minutes
+# on 2 busy CPU cores at 100mbit:20ms, large enough (0.25M parameters, 1 MB of gradients)
+# that DDP's every-step all-reduce there costs 3x a step's compute (0.33 s against 0.08 s)
+FULL: dict[str, Any] = {
+    "steps": 240, "inner_steps": 20, "fragments": 4, "eval_every": 40,
+    "model": ["--batch-size", "8", "--seq-len", "64", "--dim", "96", "--layers", "2",
+              "--corpus-mb", "0.5"]}
+SMOKE: dict[str, Any] = {
+    "steps": 4, "inner_steps": 2, "fragments": 2, "eval_every": 2,
+    "model": ["--batch-size", "2", "--seq-len", "16", "--dim", "16", "--layers", "1",
+              "--corpus-mb", "0.05"]}
 
 
 @dataclasses.dataclass(frozen=True)
