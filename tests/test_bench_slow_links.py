@@ -59,6 +59,9 @@ def test_unknown_methods_and_impossible_settings_are_refused() -> None:
     bad = subprocess.run([sys.executable, "-m", "tandem.bench", "slow-links", "--steps", "10",
                           "--inner-steps", "20"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--inner-steps (20) <= --steps (10)" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "tandem.bench", "slow-links", "--batch-size",
+                          "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--batch-size 0: must be at least 1" in bad.stderr
 
 
 @pytest.mark.procs

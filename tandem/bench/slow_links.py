@@ -285,6 +285,9 @@ def main(argv: Sequence[str]) -> int:
                    help=f"streaming DiLoCo's fragments ({FULL['fragments']})")
     p.add_argument("--eval-every", type=int, help=f"steps between the plot's points "
                                                   f"({FULL['eval_every']})")
+    p.add_argument("--batch-size", type=int, metavar="N",
+                   help="sequences per rank per step (8; smoke 2): less compute per step, "
+                        "the same bytes")
     p.add_argument("--methods", default=",".join(METHODS),
                    help=f"comma-separated, from {', '.join(METHODS)} (all)")
     p.add_argument("--out", metavar="DIR", default="runs/slow_links",
@@ -309,7 +312,9 @@ def main(argv: Sequence[str]) -> int:
         names = [n.strip() for n in ns.methods.split(",") if n.strip()]
         if hosts < 2:
             raise ValueError(f"--hosts {hosts}: at least 2 hosts are needed to have links")
-        for flag, value in (("--steps", steps), ("--inner-steps", inner), ("--repeats", ns.repeats),
+        batch = 1 if ns.batch_size is None else ns.batch_size  # None: the preset's
+        for flag, value in (("--steps", steps), ("--inner-steps", inner),
+                            ("--repeats", ns.repeats), ("--batch-size", batch),
                             ("--fragments", fragments), ("--eval-every", every)):
             if value < 1:
                 raise ValueError(f"{flag} {value}: must be at least 1")
@@ -326,6 +331,8 @@ def main(argv: Sequence[str]) -> int:
         if skipped:
             print(f"skipped {', '.join(skipped)}: {missing}", flush=True)
     base = ["--steps", str(steps), "--eval-every", str(every), *preset["model"]]
+    if ns.batch_size is not None:  # the example takes the last of a repeated flag
+        base += ["--batch-size", str(ns.batch_size)]
     print(f"machine: {machine()}", flush=True)
     print(f"run: {hosts} hosts x 1 rank, examples/train_chars.py {' '.join(base)}; "
           f"H = {inner}, streaming in {fragments} fragments", flush=True)
