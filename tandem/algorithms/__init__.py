@@ -6,12 +6,14 @@ inputs), also importable from this package as from torch's;
 ``powerSGD_hook``, ``ddp_zero_hook``: the ZeroRedundancyOptimizer step run inside DDP's
 gradient synchronisation, ``post_localSGD_hook``);
 ``tandem.algorithms.model_averaging`` has torch's model averagers (post-local SGD and
-hierarchical SGD: parameters averaged every few steps).
+hierarchical SGD: parameters averaged every few steps);
+``tandem.algorithms.diloco`` has ``DiLoCo`` (beyond torch: an outer optimizer step on the
+averaged change every H inner steps, streaming, compressed, hierarchical, elastic).
 """
 
 from typing import Any as _Any
 
-__all__ = ["join", "model_averaging", "Join", "JoinHook", "Joinable"]
+__all__ = ["join", "model_averaging", "diloco", "Join", "JoinHook", "Joinable"]
 
 
 def __getattr__(name: str) -> _Any:  # loaded on first use: importing the package stays cheap
@@ -19,8 +21,8 @@ def __getattr__(name: str) -> _Any:  # loaded on first use: importing the packag
         from tandem.algorithms import join
 
         return getattr(join, name)
-    if name == "model_averaging":
+    if name in ("model_averaging", "diloco"):
         import importlib
 
-        return importlib.import_module("tandem.algorithms.model_averaging")
+        return importlib.import_module(f"tandem.algorithms.{name}")
     raise AttributeError(f"module 'tandem.algorithms' has no attribute {name!r}")

@@ -29,9 +29,14 @@ compressed averages, so every rank decodes the same bytes and the outer paramete
 identical on all ranks. Uncompressed, it is one all-reduce.
 
 Hierarchical training: DDP inside a host (shared memory, every step), DiLoCo across
-hosts: pass ``group`` = the cross-host group of this rank's local index (see
-:func:`host_groups`); every rank of a host holds the same parameters, so each cross-host
-group computes the same outer step.
+hosts. :func:`host_groups` gives this rank's host group and its cross-host group (the
+ranks with its index on every host); with ``group=cross, host_group=host`` each rank of
+a host carries one slice of the pseudo-gradient across hosts and the host all-gathers
+the averaged slices over shared memory, so the host's link carries the model once::
+
+    host, cross = host_groups(local_size)
+    model = DistributedDataParallel(net, process_group=host)
+    diloco = DiLoCo(net, opt, outer, sync_every=H, group=cross, host_group=host)
 """
 
 from __future__ import annotations
@@ -47,11 +52,12 @@ from torch import nn
 
 from tandem.algorithms.model_averaging.averagers import check_count
 from tandem.collectives.alltoall import all_to_all_single
-from tandem.collectives.api import all_gather_into_tensor, all_reduce
+from tandem.collectives.api import all_gather_into_tensor, all_reduce, broadcast
 from tandem.collectives.group import NonMemberGroup, ProcessGroup
 from tandem.collectives.reduce_op import ReduceOp
 from tandem.collectives.work import Work
 from tandem.collectives.world import AnyGroup, resolve_group
+from tandem.config import at_most
 from tandem.errors import ArgumentError, StateError
 
 __all__ = ["DiLoCo", "host_groups"]
@@ -120,6 +126,8 @@ class _Exchange:
     finish: int           # inner step at which it is finished
     start_local: torch.Tensor   # the fragment's local parameters when it started (flat)
     mine: torch.Tensor          # this rank's pseudo-gradient (flat, fp32)
+    payload: torch.Tensor | None = None  # what crosses the group: mine, or this host rank's slice
+    issued: bool = False
     world: int = 1
     result: torch.Tensor | None = None  # the averaged pseudo-gradient, once known
     work: Work | None = None
@@ -134,7 +142,9 @@ class _Exchange:
 class DiLoCo:
     """Outer steps every ``sync_every`` inner steps; see the module docstring.
 
-    Arguments: ``model`` (its parameters with ``requires_grad`` are synchronised),
+    Every member of ``group`` must construct it: the first rank's parameters are
+    broadcast to the others. Arguments: ``model`` (its parameters with ``requires_grad``
+    are synchronised),
     ``inner_optimizer`` (the optimizer the caller steps), ``outer_optimizer`` (a callable
     building the outer optimizer from a list of tensors), ``sync_every`` (H, inner steps
     between a fragment's syncs), ``fragments`` (streaming when > 1), ``compression``
@@ -142,11 +152,12 @@ class DiLoCo:
     default group, looked up at each exchange, so it follows an elastic regroup),
     ``delay`` (inner steps between starting and finishing an exchange; default 0 without
     fragments, ``max(1, sync_every // fragments)`` with), ``block_size`` (values per int8
-    scale).
+    scale), ``host_group`` (hierarchical: the ranks of this host, which hold the same
+    parameters through DDP; each carries a slice across ``group``).
 
     Counters for benchmarks: ``bytes_sent`` (bytes this rank sent in outer exchanges; for
-    an uncompressed all-reduce, the bandwidth-optimal volume 2(W-1)/W of the payload,
-    which tandem's ring sends), ``comm_seconds`` (from issuing each exchange's collective
+    an uncompressed all-reduce, those of the algorithm tandem picks: recursive doubling's
+    log2(W) payloads for small ones, the ring's 2(W-1)/W of it for large), ``comm_seconds`` (from issuing each exchange's collective
     to its completion), ``exposed_seconds`` (of those, spent blocked waiting), and
     ``hidden_fraction`` (1 - exposed/comm).
     """
@@ -155,7 +166,7 @@ class DiLoCo:
                  outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
                  sync_every: int, fragments: int = 1, compression: str | None = None,
                  group: AnyGroup | None = None, *, delay: int | None = None,
-                 block_size: int = 256) -> None:
+                 block_size: int = 256, host_group: AnyGroup | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise ArgumentError(f"DiLoCo: model must be an nn.Module, got "
                                 f"{type(model).__name__}")
@@ -181,6 +192,10 @@ class DiLoCo:
                                 f"got {compression!r}")
         self.compression = compression
         self.block_size = _count("block_size", block_size, 1)
+        values = sum(p.numel() for p in self.params)
+        at_most("DiLoCo: block_size", self.block_size, max(values, 256),
+                f"a block longer than the model's {values} trainable values only adds padding",
+                "use the default 256 or a smaller block")
         if delay is None:
             delay = 0 if self.fragments == 1 else max(1, self.sync_every // self.fragments)
         self.delay = _count("delay", delay, 0)
@@ -196,6 +211,11 @@ class DiLoCo:
                 raise ArgumentError(f"DiLoCo: parameters must be on the CPU (tandem's "
                                     f"collectives are), got one on {p.device}")
         self.group = group
+        if host_group is not None and not isinstance(host_group, (ProcessGroup, NonMemberGroup)):
+            raise ArgumentError(f"DiLoCo: host_group must be a process group (the ranks of this "
+                                f"host, see host_groups), got {type(host_group).__name__}")
+        self.host_group = host_group
+        self._check_hierarchy()
         self.inner_optimizer = inner_optimizer
         self._codec = None if compression is None else _Codec(compression, self.block_size)
         self._frags = _split([p.numel() for p in self.params], self.fragments)
@@ -203,6 +223,7 @@ class DiLoCo:
         # multiples of H, as plain DiLoCo does
         self._offsets = [((f + 1) * self.sync_every // self.fragments) % self.sync_every
                          for f in range(self.fragments)]
+        self._start_equal()
         self.outer_params = [p.detach().clone().to(torch.float32) for p in self.params]
         self.outer_optimizer = outer_optimizer(self.outer_params)
         if not isinstance(self.outer_optimizer, torch.optim.Optimizer):
@@ -217,11 +238,44 @@ class DiLoCo:
         self._pending: list[_Exchange] = []
         self._lock = threading.Lock()
 
+    def _check_hierarchy(self) -> None:
+        """With a host group, ``group`` must hold this rank and no other of its host: the
+        slices of one index travel together."""
+        host = self._host()
+        if host is None:
+            return
+        cross = self._group()
+        if self.group is None or cross is None:
+            raise ArgumentError("DiLoCo: host_group needs group= the cross-host group of this "
+                                "rank's index (host_groups(local_size) gives both)")
+        shared = sorted(set(host.ranks) & set(cross.ranks))
+        if len(shared) != 1:
+            raise ArgumentError(f"DiLoCo: group and host_group share the ranks {shared}; the "
+                                f"cross-host group must hold one rank per host (host_groups"
+                                f"(local_size) gives both)")
+
+    def _start_equal(self) -> None:
+        """Every rank starts from the first rank's parameters (as DDP does): outer
+        parameters that began apart would stay apart."""
+        g = self._group()
+        if g is None or g.group_size == 1:
+            return
+        flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in self.params])
+        broadcast(flat, group=g, group_src=0)
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+
     # -- the training loop's call ---------------------------------------------------------
     def step(self) -> None:
         """Count one inner step; start, advance or finish the exchanges that are due."""
         self.inner_steps += 1
         t = self.inner_steps
+        for ex in self._pending:  # loaded from a state dict: started again on this group
+            if not ex.issued:
+                self._issue(ex)
         for ex in list(self._pending):
             if ex.finish == t:
                 self._finish(ex)
@@ -241,6 +295,8 @@ class DiLoCo:
     def sync(self) -> None:
         """Finish the exchanges in flight now (every rank must call it at the same step)."""
         for ex in list(self._pending):
+            if not ex.issued:
+                self._issue(ex)
             self._finish(ex)
 
     # -- one exchange -----------------------------------------------------------------------
@@ -269,23 +325,39 @@ class DiLoCo:
         if self.delay == 0:
             self._finish(ex)
 
+    def _host(self) -> ProcessGroup | None:
+        if self.host_group is None or isinstance(self.host_group, NonMemberGroup):
+            return None
+        host = resolve_group(self.host_group, "DiLoCo")
+        return host if host.group_size > 1 else None
+
     def _issue(self, ex: _Exchange) -> None:
         """Start the exchange's first collective (asynchronously)."""
+        ex.issued = True
+        host = self._host()
+        payload = ex.mine
+        if host is not None:  # each rank of the host carries one slice across hosts
+            size = math.ceil(ex.mine.numel() / host.group_size)
+            lo = min(host.rank() * size, ex.mine.numel())
+            payload = torch.zeros(size)
+            part = ex.mine[lo:lo + size]
+            payload[:part.numel()] = part
+        ex.payload = payload
         g = self._group()
         if g is None:  # not a member: nothing to average with
-            ex.result = ex.mine.clone()
+            ex.result = payload.clone()
             return
         w = ex.world = g.group_size
         if self._codec is None:
-            buf = ex.mine / w  # divided before summing: no overflow, the same rounding as DDP
+            buf = payload / w  # divided before summing: no overflow, the same rounding as DDP
             ex.result = buf
-            self.bytes_sent += 2 * (w - 1) * buf.numel() * 4 // w
+            self.bytes_sent += _all_reduce_bytes(g, buf)
             ex.work = self._launch(ex, lambda: all_reduce(buf, op=ReduceOp.SUM, group=g,
                                                           async_op=True))
             return
-        per = self.block_size * w
-        padded = torch.zeros(math.ceil(ex.mine.numel() / per) * per)
-        padded[:ex.mine.numel()] = ex.mine
+        per = self._unit() * w
+        padded = torch.zeros(math.ceil(payload.numel() / per) * per)
+        padded[:payload.numel()] = payload
         chunk = padded.numel() // w
         send = torch.cat([self._codec.encode(c) for c in padded.split(chunk)])
         ex.recv = torch.empty_like(send)
@@ -344,8 +416,13 @@ class DiLoCo:
                                                                   async_op=True))
 
     def _chunk_len(self, ex: _Exchange) -> int:
-        per = self.block_size * ex.world
-        return math.ceil(ex.mine.numel() / per) * self.block_size
+        per = self._unit() * ex.world
+        assert ex.payload is not None
+        return math.ceil(ex.payload.numel() / per) * self._unit()
+
+    def _unit(self) -> int:
+        """Chunks are whole int8 blocks; bf16 needs no alignment."""
+        return self.block_size if self.compression == "int8" else 1
 
     def _finish(self, ex: _Exchange) -> None:
         """Average known: the outer step on the fragment, and the model's fragment updated."""
@@ -353,11 +430,17 @@ class DiLoCo:
             self._second_phase(ex)
         self._wait(ex)
         if self._codec is not None and ex.gathered is not None:
+            assert ex.payload is not None
             chunk = self._chunk_len(ex)
             rows = ex.gathered.view(ex.world, -1)
             ex.result = torch.cat([self._codec.decode(rows[r], chunk)
-                                   for r in range(ex.world)])[:ex.mine.numel()]
+                                   for r in range(ex.world)])[:ex.payload.numel()]
         assert ex.result is not None
+        host = self._host()
+        if host is not None:  # the host's slices, over shared memory
+            whole = torch.empty(ex.result.numel() * host.group_size)
+            all_gather_into_tensor(whole, ex.result.contiguous(), group=host)
+            ex.result = whole[:ex.mine.numel()]
         self._pending.remove(ex)
         self._outer_step(ex)
 
@@ -365,9 +448,9 @@ class DiLoCo:
         members = self._frags[ex.fragment]
         result = ex.result
         assert result is not None
+        for outer in self.outer_params:  # the other fragments' outer parameters stay put
+            outer.grad = None
         offset = 0
-        for i, p in enumerate(self.outer_params):
-            p.grad = None
         for i in members:
             n = self.outer_params[i].numel()
             self.outer_params[i].grad = result[offset:offset + n].view_as(
@@ -407,8 +490,9 @@ class DiLoCo:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`. Exchanges in flight are dropped and those of
-        ``state`` started again, on the current group: every member must load at once."""
+        """Resume from :meth:`state_dict`. Exchanges in flight are dropped; those of
+        ``state`` start again at the next :meth:`step`, on the group current then (so
+        loading issues no collective: an elastic restore may run it at any point)."""
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
             raise ArgumentError(f"DiLoCo.load_state_dict: not a DiLoCo state dict of version "
                                 f"{_STATE_VERSION} (keys: {sorted(state) if isinstance(state, dict) else type(state).__name__})")
@@ -435,8 +519,24 @@ class DiLoCo:
             ex = _Exchange(fragment=int(item["fragment"]), started=int(item["started"]),
                            finish=int(item["started"]) + self.delay,
                            start_local=item["start_local"].clone(), mine=item["mine"].clone())
-            self._pending.append(ex)
-            self._issue(ex)
+            self._pending.append(ex)  # started again at the next step() or sync()
+
+
+def _all_reduce_bytes(g: ProcessGroup, buf: torch.Tensor) -> int:
+    """The bytes this rank sends in an all-reduce of ``buf`` over ``g``, by the algorithm
+    tandem picks for it: recursive doubling (small payloads) exactly; otherwise the ring's
+    2 (W-1)/W of the payload, the bandwidth-optimal volume."""
+    from tandem.collectives.algorithms import select_all_reduce
+
+    w, n = g.group_size, buf.numel() * buf.element_size()
+    name, _ = select_all_reduce(g, buf)
+    if name == "doubling":
+        pow2 = 1 << (w.bit_length() - 1)
+        r = g.group_rank
+        if r >= pow2:  # folded: hands its buffer to a partner, gets the result back
+            return n
+        return (pow2.bit_length() - 1) * n + (n if r < w - pow2 else 0)
+    return 2 * (w - 1) * n // w
 
 
 def host_groups(local_size: int, group: AnyGroup | None = None
@@ -451,7 +551,7 @@ def host_groups(local_size: int, group: AnyGroup | None = None
     from tandem.collectives.world import get_world_size
 
     size = get_world_size(group)
-    local_size = _count("local_size", local_size, 1)
+    local_size = check_count("host_groups", "local_size", local_size, 1)
     if size % local_size:
         raise ArgumentError(f"host_groups: local_size={local_size} does not divide the group's "
                             f"{size} ranks")
