@@ -18,6 +18,8 @@ from typing import Any, NoReturn, Sequence
 
 DESCRIPTION = ("Train a character-level transformer on Python's standard library with "
                "tandem DDP.")
+SYNC_METHODS = ("ddp", "local-sgd", "diloco")
+DEFAULT_INNER_STEPS = 20
 HELP_SHOWN = 3  # exit status of a check that printed the help: the caller stops, no error
 
 FULL = {"steps": 300, "batch_size": 16, "seq_len": 128, "dim": 128, "layers": 3, "heads": 4,
@@ -36,6 +38,15 @@ outputs:
   each run writes checkpoint.pt, loss.png and metrics.json to a new directory,
   runs/train_chars/run_NNN; --out DIR writes to DIR instead, and never over another
   run's checkpoint. --resume continues the latest run (or DIR's checkpoint).
+synchronisation (--sync):
+  ddp        average the gradients every step (DistributedDataParallel): the default.
+  local-sgd  each rank steps alone; every --inner-steps H steps the ranks average their
+             parameters (PostLocalSGDOptimizer with a PeriodicModelAverager).
+  diloco     each rank runs H AdamW steps alone, then the ranks average the change since
+             the last sync and an outer SGD (Nesterov momentum) applies it (DiLoCo);
+             --fragments N syncs the model in N parts in turn (streaming DiLoCo).
+  Across slow links local-sgd and diloco talk H times less often than ddp:
+  python -m tandem.bench slow-links compares them.
 time:
   the default 300 steps train in about 65 s on 2 idle CPU cores, and in up to 4
   minutes while other jobs load them (load 5-7); --quick takes 15-35 s, mostly
@@ -97,6 +108,18 @@ def parse(argv: Sequence[str] | None = None) -> tuple[dict[str, Any], argparse.N
     p.add_argument("--elastic", action="store_true",
                    help="survive a lost rank in place (tandem.elastic; under tandemrun, e.g. "
                         "scripts/train.sh --elastic)")
+    p.add_argument("--sync", choices=SYNC_METHODS, default="ddp",
+                   help="how the ranks keep their models together (default ddp); see "
+                        "'synchronisation' below")
+    p.add_argument("--inner-steps", type=int, metavar="H",
+                   help=f"local-sgd and diloco: local steps between syncs "
+                        f"(default {DEFAULT_INNER_STEPS})")
+    p.add_argument("--fragments", type=int, metavar="N",
+                   help="diloco: sync the model in N fragments in turn, each overlapped with "
+                        "the next steps (streaming DiLoCo; default 1)")
+    p.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="also evaluate every N steps; metrics.json's val_curve gets "
+                        "(step, training seconds, loss) for each (0: at the end only)")
     ns = p.parse_args(argv)
     preset = QUICK if ns.quick else FULL
     cfg: dict[str, Any] = {k: (getattr(ns, k) if getattr(ns, k, None) is not None else v)
@@ -125,8 +148,36 @@ def parse(argv: Sequence[str] | None = None) -> tuple[dict[str, Any], argparse.N
     if ns.elastic and (cfg["zero"] or cfg["uneven"]):
         p.error("--elastic needs every rank to hold the whole optimizer state and train every "
                 "step: drop --zero, --shard-grads and --uneven")
+    _check_sync(p, ns, cfg)
     return cfg, ns
 
+
+def _check_sync(p: _Parser, ns: argparse.Namespace, cfg: dict[str, Any]) -> None:
+    """Fill in and check --sync, --inner-steps, --fragments and --eval-every."""
+    if ns.eval_every < 0:
+        p.error(f"--eval-every {ns.eval_every}: use 0 (at the end only) or a number of steps")
+    cfg.update(sync=ns.sync, inner_steps=1, fragments=1, eval_every=ns.eval_every)
+    if ns.sync == "ddp":
+        for flag, value in (("--inner-steps", ns.inner_steps), ("--fragments", ns.fragments)):
+            if value is not None:
+                p.error(f"{flag} {value}: --sync ddp averages gradients every step; "
+                        f"{flag} needs --sync local-sgd or diloco")
+        return
+    inner = DEFAULT_INNER_STEPS if ns.inner_steps is None else ns.inner_steps
+    if not 1 <= inner <= cfg["steps"]:
+        p.error(f"--inner-steps {inner}: must be between 1 and --steps ({cfg['steps']})")
+    if ns.fragments is not None and ns.sync != "diloco":
+        p.error(f"--fragments {ns.fragments}: only --sync diloco syncs the model in "
+                f"fragments")
+    fragments = 1 if ns.fragments is None else ns.fragments
+    if not 1 <= fragments <= inner:
+        p.error(f"--fragments {fragments}: must be between 1 and --inner-steps ({inner}): "
+                f"each fragment syncs once every --inner-steps steps, at its own step")
+    if cfg["zero"] or cfg["uneven"] or cfg["elastic"]:
+        p.error(f"--sync {ns.sync} keeps a whole model and optimizer on every rank and "
+                f"syncs every rank at the same steps: drop --zero, --shard-grads, --uneven "
+                f"and --elastic (they go with --sync ddp)")
+    cfg.update(inner_steps=inner, fragments=fragments)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from train_chars.model import CharTransformer, ModelConfig
 from train_chars.plot import write_loss_png
 from train_chars.preempt import Preemption
 from train_chars.progress import Progress
+from train_chars.sync import make_sync
 
 __all__ = ["RunConfig", "train"]
 
@@ -68,6 +69,10 @@ class RunConfig:
     shard_grads: bool = False
     uneven: int = 0
     elastic: bool = False
+    sync: str = "ddp"  # or "local-sgd", "diloco" (train_chars/sync.py)
+    inner_steps: int = 1  # local-sgd, diloco: steps between syncs
+    fragments: int = 1  # diloco: parts of the model that sync in turn
+    eval_every: int = 0  # 0: evaluate at the start and the end only
 
 
 def _lr(cfg: RunConfig, step: int) -> float:
@@ -137,6 +142,11 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, lead: bool) -> dict[str, 
 
 
 def _describe(cfg: RunConfig) -> str:
+    if cfg.sync == "local-sgd":
+        return f"AdamW, local SGD: parameters averaged every {cfg.inner_steps} steps"
+    if cfg.sync == "diloco":
+        streaming = f", streamed in {cfg.fragments} fragments" if cfg.fragments > 1 else ""
+        return f"DiLoCo: AdamW inside, an outer step every {cfg.inner_steps} steps{streaming}"
     opt = "AdamW"
     if cfg.zero or cfg.shard_grads:
         opt = f"ZeroRedundancyOptimizer(AdamW){', sharded gradients' if cfg.shard_grads else ''}"
@@ -178,10 +188,14 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                              f"{state['model_config']}, these flags build "
                              f"{dataclasses.asdict(mcfg)}")
         model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
         step, history, val_history = state["step"], state["history"], state["val_history"]
         trained_on = state.get("world_size", world)  # older checkpoints did not say
-    ddp = DistributedDataParallel(model)
+    sync = make_sync(cfg.sync, model, optimizer, cfg.inner_steps, cfg.fragments)
+    optimizer = sync.optimizer  # local-sgd: the averaging optimizer around the AdamW
+    if run.resume:  # after wrapping: local-sgd's state dict carries its averager's count
+        optimizer.load_state_dict(state["optimizer"])
+        sync.load_state_dict(state.get("sync", {}))
+    ddp = sync.forward
     if cfg.shard_grads:
         shard_gradients(ddp, optimizer)  # type: ignore[arg-type]
     n_params = sum(p.numel() for p in model.parameters())
@@ -213,11 +227,16 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                          "step": step, "history": history, "val_history": val_history,
                          "model_config": dataclasses.asdict(mcfg),
                          "world_size": dist.get_world_size(),  # --elastic: it may change
-                         "batch_size": cfg.batch_size},
+                         "batch_size": cfg.batch_size, "sync": sync.state_dict()},
                         os.path.join(run_dir[0], "checkpoint.pt"))
 
     progress = Progress(cfg.steps, step, enabled=lead)
     first_step, started = step, time.monotonic()
+    evaluating = 0.0  # seconds spent in periodic evaluations, left out of the training time
+    val_curve = [(step, 0.0, val_start)]  # (step, training seconds, validation loss)
+
+    def trained_for() -> float:
+        return time.monotonic() - started - evaluating
     my_steps = cfg.steps - cfg.uneven * rank  # rank 0 trains them all
     if cfg.elastic:  # survive a lost rank in place (train_chars/elastic.py)
         def save_at(at: int, losses: list[Any]) -> None:
@@ -253,12 +272,19 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
                 step += 1
+                synced = sync.after_step(step)
                 if cfg.uneven:  # no per-step collective here, so no preemption either
                     history.append((step, loss.item()))
-                else:
+                elif synced:  # local-sgd, diloco: only at syncs, as talking is what is saved
                     mean, preempted = preemption.mean_loss_and_stop(loss)
                     history.append((step, mean))
-                rate = (step - first_step) * cfg.batch_size * world / (time.monotonic() - started)
+                else:
+                    history.append((step, loss.item()))
+                if cfg.eval_every and step % cfg.eval_every == 0 and step < my_steps:
+                    at = time.monotonic()
+                    val_curve.append((step, trained_for(), evaluate(model, val_ids, cfg)))
+                    evaluating += time.monotonic() - at
+                rate = (step - first_step) * cfg.batch_size * world / trained_for()
                 progress.update(step, history[-1][1], rate)
                 if (cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps
                         and not cfg.uneven):
@@ -273,9 +299,11 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         dist.barrier()
         return {"preempted_at": step}
     step = cfg.steps  # under Join every rank now holds rank 0's model, trained this far
+    sync.finish()
     progress.close()
-    elapsed = time.monotonic() - started
+    elapsed = trained_for()
     val_end = evaluate(model, val_ids, cfg)
+    val_curve.append((step, elapsed, val_end))
     if val_history[-1][0] != step:
         val_history.append((step, val_end))
     save()
@@ -296,7 +324,9 @@ def train(cfg: RunConfig) -> dict[str, Any]:
             "train_loss_first": this_run[0] if this_run else None,
             "train_loss_last10": sum(tail) / len(tail) if tail else None,
             "val_loss_start": val_start, "val_loss_end": val_end, "val_history": val_history,
-            "elapsed_s": elapsed,
+            "elapsed_s": elapsed, "val_curve": val_curve, "sync": cfg.sync,
+            "inner_steps": cfg.inner_steps, "fragments": cfg.fragments,
+            **sync.counters(),
             "samples_per_s": ran * cfg.batch_size * world / elapsed if ran else 0.0,
             "chars_per_s": ran * cfg.batch_size * world * cfg.seq_len / elapsed if ran else 0.0,
             "checkpoint": ckpt, "checkpoint_verified": True, "png": png, "renderer": renderer,

@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "latency": "tandem.bench.latency",
     "signature": "tandem.bench.signature",
     "scale": "tandem.bench.scale",
+    "slow-links": "tandem.bench.slow_links",
     "startup": "tandem.bench.startup",
     "store": "tandem.bench.store",
     "torch-backend": "tandem.bench.torch_backend",

@@ -38,6 +38,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from tandem.bench._hosts import Layout, simulated_hosts
+from tandem.bench._table import render
 from tandem.bench.collectives import Row, _fmt_size, _rank_main, rows_from
 from tandem.testing.links import LinkShape
 
@@ -107,11 +108,4 @@ def format_hosts_table(rows: Sequence[HostRow], markdown: bool = False) -> str:
                      _fmt_time(row.bound_s) if row.bound_s else "-", _share(row.bound_s, gloo),
                      *[_share(row.bound_s, row.tandem_s[b]) for b in backends]])
     numeric = [False, False] + [True] * (len(header) - 2)
-    if markdown:
-        lines = ["| " + " | ".join(header) + " |",
-                 "|" + "|".join("---:" if n else ":---" for n in numeric) + "|"]
-        return "\n".join(lines + ["| " + " | ".join(c) + " |" for c in body])
-    widths = [max(len(x) for x in col) for col in zip(header, *body)]
-    return "\n".join("  ".join(c.rjust(w) if n else c.ljust(w)
-                               for c, w, n in zip(cells, widths, numeric))
-                     for cells in [header, *body])
+    return render(header, body, numeric, markdown)

@@ -43,6 +43,7 @@ from typing import Any, Sequence
 
 import torch
 
+from tandem.bench._table import render
 from tandem.bench.collectives import machine, parse_sizes
 from tandem.bench.torch_backend_calls import all_reduce_part, coalesced_part, layer_cost_seconds
 from tandem.bench.torch_backend_rounds import CLOCKS
@@ -162,14 +163,7 @@ def collectives_line(row: dict[str, Any]) -> str:
 def format_table(rows: Sequence[dict[str, Any]], markdown: bool = False) -> str:
     body = [_cells(r) for r in rows]
     text = [False, False, False] + [True] * (len(_HEADER) - 3)
-    if markdown:
-        lines = ["| " + " | ".join(_HEADER) + " |",
-                 "|" + "|".join("---:" if n else ":---" for n in text) + "|"]
-        return "\n".join(lines + ["| " + " | ".join(c) + " |" for c in body])
-    widths = [max(len(x) for x in col) for col in zip(_HEADER, *body)]
-    return "\n".join("  ".join(c.rjust(w) if n else c.ljust(w)
-                               for c, w, n in zip(cells, widths, text))
-                     for cells in [list(_HEADER), *body])
+    return render(_HEADER, body, text, markdown)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
