@@ -50,11 +50,9 @@ LEAVES: list[Callable[..., Any]] = [
     tree.tree_reduce, ring.ring, ring.ring_gather_into, streamed.streamed_all_reduce,
     streamed._through_leaders, direct.direct_gather, direct.direct_scatter,
     direct.pairwise_all_to_all, alltoall._agree, roots.confirm_root, roots.announce_root,
-    roots.confirm_by_host,
 ]
 # recorded without leading underscores, so a helper may move and lose its "_"
-_EMPTY: dict[str, Any] = {"agree": {}, "confirm_root": [], "announce_root": [],
-                          "confirm_by_host": lambda: None}
+_EMPTY: dict[str, Any] = {"agree": {}, "confirm_root": [], "announce_root": []}
 
 # name -> (ranks' hosts, whether the group shares memory)
 LAYOUTS: dict[str, tuple[str, bool]] = {

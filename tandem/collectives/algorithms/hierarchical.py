@@ -35,15 +35,13 @@ import torch
 from tandem.collectives.algorithms._phases import PHASE, Phase, host_layout, host_of_rank
 from tandem.collectives.algorithms.doubling import doubling_all_reduce
 from tandem.collectives.algorithms.ring import ring_all_reduce, ring_pays
-from tandem.collectives.algorithms.roots import confirm_by_host, confirm_root
 from tandem.collectives.algorithms.streamed import streamed_all_reduce, streamed_fits
 from tandem.collectives.algorithms.tree import tree_broadcast, tree_reduce
 from tandem.collectives.group import Op
 from tandem.collectives.reduce_op import ReduceOp, finish
 from tandem.config import Settings
 
-__all__ = ["host_layout", "hierarchical_all_reduce", "hierarchical_broadcast",
-           "confirmed_broadcast"]
+__all__ = ["host_layout", "hierarchical_all_reduce", "hierarchical_broadcast"]
 
 
 def flat_all_reduce(settings: Settings, size: int,
@@ -91,32 +89,10 @@ def hierarchical_broadcast(op: Op, buf: torch.Tensor, root: int) -> None:
     if layout is None:
         tree_broadcast(op, buf, root)
         return
-    entry, local, me_entry = _entries(layout, g.group_rank, root)
+    entry = [root if root in ranks else ranks[0] for ranks in layout]
+    local = host_of_rank(layout, g.group_rank)
+    me_entry = entry[layout.index(local)]
     if g.group_rank == me_entry:
         tree_broadcast(Phase(op, entry, 0), buf, entry.index(root))
     if len(local) > 1:
         tree_broadcast(Phase(op, local, PHASE), buf, local.index(me_entry))
-
-
-def _entries(layout: list[list[int]], rank: int, root: int) -> tuple[list[int], list[int], int]:
-    """Every host's entry rank (the root for its own host, else the lowest), ``rank``'s
-    host, and that host's entry."""
-    entry = [root if root in ranks else ranks[0] for ranks in layout]
-    local = host_of_rank(layout, rank)
-    return entry, local, entry[layout.index(local)]
-
-
-def confirmed_broadcast(op: Op, buf: torch.Tensor, root: int) -> None:
-    """:func:`hierarchical_broadcast` with the root check of a broadcast (``roots``),
-    its confirmations gathered per host: the root hears from ``ranks per host - 1 +
-    hosts - 1`` ranks instead of every other rank (8 hosts x 8: 14, not 63)."""
-    layout = host_layout(op.group)
-    if layout is None:
-        told = confirm_root(op, root)
-        tree_broadcast(op, buf, root)
-        op.wait(*told)
-        return
-    entry, local, me_entry = _entries(layout, op.group.group_rank, root)
-    done = confirm_by_host(op, root, local, me_entry, entry)
-    hierarchical_broadcast(op, buf, root)
-    done()

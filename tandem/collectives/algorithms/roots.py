@@ -13,20 +13,16 @@ only when every rank named it.
 A root that only sends (broadcast, scatter) gets the mirror check: every other rank
 sends the root an empty message carrying its signature, and the root waits for them
 all. Two ranks that both believe they are the root, or that name each other, then each
-hold a message of this call with another signature, and raise in this call. Across
-hosts the confirmations go through each host's entry rank (:func:`confirm_by_host`), so
-the root hears from its own host's ranks and one rank per other host, not from all.
+hold a message of this call with another signature, and raise in this call.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 from tandem.collectives.group import Op
 from tandem.errors import CollectiveMismatchError
 from tandem.transport.base import Slot
 
-__all__ = ["ROOT_STEP", "announce_root", "confirm_root", "confirm_by_host"]
+__all__ = ["ROOT_STEP", "announce_root", "confirm_root"]
 
 ROOT_STEP = 2 ** 31 - 1  # beyond the steps of any algorithm
 
@@ -60,30 +56,3 @@ def confirm_root(o: Op, root: int) -> list[Slot]:
     if g.group_rank == root:
         return [o.recv(i, ROOT_STEP, empty) for i in range(g.group_size) if i != root]
     return [o.send(root, ROOT_STEP, empty)]
-
-
-def confirm_by_host(o: Op, root: int, local: list[int], entry: int,
-                    entries: list[int]) -> Callable[[], None]:
-    """:func:`confirm_root` through the hosts' entry ranks; returns what ends the call.
-
-    ``local``: this rank's host (group ranks), ``entry`` its rank that hears from the
-    root, ``entries`` every host's. A rank sends its confirmation to its host's entry;
-    an entry other than the root forwards one for its whole host once every rank of it
-    confirmed. A rank whose confirmation names another root makes its entry raise, which
-    aborts the group, so the root learns of it too.
-    """
-    g = o.group
-    empty = memoryview(bytearray(0))
-    me = g.group_rank
-    if me != entry:
-        sent = o.send(entry, ROOT_STEP, empty)
-        return lambda: o.wait(sent)
-    heard = [o.recv(i, ROOT_STEP, empty) for i in local if i != me]
-    if me == root:
-        heard += [o.recv(i, ROOT_STEP, empty) for i in entries if i != me]
-        return lambda: o.wait(*heard)
-
-    def forward() -> None:
-        o.wait(*heard)
-        o.wait(o.send(root, ROOT_STEP, empty))
-    return forward

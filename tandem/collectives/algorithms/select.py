@@ -14,8 +14,7 @@ or a host leader then plays its own part in it. The rules, by group:
   ``TANDEM_RING_THRESHOLD`` (four times that for two ranks); broadcast and reduce a
   binomial ``tree``; all_gather and reduce_scatter the ``ring``.
 * **messages, several hosts, some holding several ranks**: all_reduce ``hierarchical``;
-  broadcast ``hierarchical`` (a tree across hosts, then within each, the root's check
-  gathered per host); reduce the
+  broadcast ``hierarchical`` (a tree across hosts, then within each); reduce the
   ``tree``; all_gather and reduce_scatter through the hosts' ``leaders`` when each
   host's ranks are consecutive (and, for a reduction, the leaders' receive areas fit),
   else the ``ring``.
@@ -43,8 +42,8 @@ from tandem.collectives.algorithms.direct import (direct_gather, direct_scatter,
                                                   pairwise_all_to_all)
 from tandem.collectives.algorithms.doubling import doubling_all_reduce
 from tandem.collectives.algorithms.flat import Flat
-from tandem.collectives.algorithms.hierarchical import (confirmed_broadcast,
-                                                        hierarchical_all_reduce)
+from tandem.collectives.algorithms.hierarchical import (hierarchical_all_reduce,
+                                                        hierarchical_broadcast)
 from tandem.collectives.algorithms.naive import naive_all_reduce
 from tandem.collectives.algorithms.ring import (Bounds, even_bounds, link_chunk, ring,
                                                 ring_all_reduce, ring_gather_into, ring_pays,
@@ -155,12 +154,18 @@ def _tree_broadcast(o: Op, buf: torch.Tensor, root: int) -> None:
     o.wait(*told)
 
 
+def _hierarchical_broadcast(o: Op, buf: torch.Tensor, root: int) -> None:
+    told = confirm_root(o, root)
+    hierarchical_broadcast(o, buf, root)
+    o.wait(*told)
+
+
 def select_broadcast(group: ProcessGroup, buf: torch.Tensor) -> tuple[str, Broadcast]:
     if group.shares_memory:  # the arena checks the root itself (algorithms.shm_rooted)
         return "shm", shm_broadcast
     if host_layout(group) is None:
         return "tree", _tree_broadcast
-    return "hierarchical", confirmed_broadcast
+    return "hierarchical", _hierarchical_broadcast
 
 
 def _tree_reduce(o: Op, buf: torch.Tensor, root: int, redop: ReduceOp) -> None:
