@@ -208,10 +208,14 @@ class Arena:
         return table
 
     # -- rounds and phases -----------------------------------------------------------
-    def begin_round(self, check: Callable[[], None]) -> int:
-        """Start a round; returns the staging half it may write (see the module doc)."""
+    def begin_round(self, check: Callable[[], None], write: bool = True) -> int:
+        """Start a round; returns the staging half it may write (see the module doc).
+
+        ``write=False``: this member only reads others' halves this round (a broadcast's
+        non-roots), so it keeps the count of rounds without waiting for anyone.
+        """
         r = self._round
-        if r >= 1:
+        if r >= 1 and write:
             self.wait_all(self._first[(r - 1) % 2], check)
         self._first[r % 2] = self.posted + 1
         self._round = r + 1

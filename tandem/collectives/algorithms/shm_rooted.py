@@ -40,7 +40,9 @@ def shm_broadcast(op: Op, buf: torch.Tensor, root: int) -> None:
     arena, check = prepare(op)
     me, size = arena.index, buf.element_size()
     per = max(1, arena.chunk // 2 // size)
-    ring = SlotRing(arena, check, buf.dtype, per)
+    # a non-root only reads the root's slots, once the root posted them: waiting for
+    # every member at the start as well made each post wake the other readers
+    ring = SlotRing(arena, check, buf.dtype, per, write=me == root)
     plan = list(rounds([buf], per))
     for r, (m, pieces) in enumerate(plan):
         x = pieces[0][0] if pieces else buf

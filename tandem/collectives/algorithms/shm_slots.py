@@ -31,13 +31,14 @@ class SlotRing:
     round ``k`` comes after its last read of round ``k - lag``, that is every member
     having posted round ``r - slots + lag``. The other half is first written only
     after every member posted round 0 of this call (nobody reads the previous call
-    any more); a call that wrote it must end with :meth:`close`.
+    any more); a call that wrote it must end with :meth:`close`. A member that never
+    writes a slot (``write=False``) starts without waiting (:meth:`Arena.begin_round`).
     """
 
     def __init__(self, arena: Arena, check: Callable[[], None], dtype: torch.dtype,
-                 per: int) -> None:
+                 per: int, write: bool = True) -> None:
         table = arena.slots(dtype, per)
-        h = arena.begin_round(check)
+        h = arena.begin_round(check, write)
         self.order = table[h] + table[1 - h]
         self.half, self.slots = len(table[h]), 2 * len(table[h])
         self.base = arena.posted  # a member's count after posting round r: base + r + 1
