@@ -159,25 +159,14 @@ def _import_graph() -> dict[str, set[str]]:
             for m, p in paths.items()}
 
 
-# Cycles other work on the same issue removes (the helpers of ZeRO, DDP and elastic get
-# owners: methods and small interfaces); each must still exist, so the list only shrinks.
-KNOWN_CYCLES: list[list[str]] = [
-    ["tandem.parallel._ddp_join", "tandem.parallel.ddp"],
-    ["tandem.elastic._sampler", "tandem.elastic._session", "tandem.elastic._state"],
-]
-
-
 def test_no_import_cycles() -> None:
     """No modules import each other in a circle, at module level (type-only imports
     included): a helper that needs its owner declares what it needs (a Protocol), and
     code two modules share moves below both. A module may still import another inside
     a function, when it needs it only at run time (say why there)."""
     cycles = _cycles(_import_graph())
-    new = [c for c in cycles if c not in KNOWN_CYCLES]
-    gone = [c for c in KNOWN_CYCLES if c not in cycles]
-    assert not new, "import cycles (module-level imports, TYPE_CHECKING included):\n" + \
-        "\n".join(" <-> ".join(c) for c in new)
-    assert not gone, f"no longer cycles: remove them from KNOWN_CYCLES in {__file__}: {gone}"
+    assert not cycles, "import cycles (module-level imports, TYPE_CHECKING included):\n" + \
+        "\n".join(" <-> ".join(c) for c in cycles)
 
 
 def test_the_cycle_check_counts_type_only_imports_and_not_lazy_ones() -> None:

@@ -34,7 +34,7 @@ KNOWN_READS = frozenset({
     ("elastic/_sampler.py", "_values"), ("elastic/_sampler.py", "_add_sampler"),
     ("elastic/_session.py", "_take"), ("elastic/_session.py", "_commits"),
     ("elastic/_session.py", "_commits_held"), ("elastic/_session.py", "_snapshot"),
-    ("elastic/_session.py", "_roll_back"), ("elastic/_state.py", "_restore"),
+    ("elastic/_session.py", "_roll_back"),
 })
 
 

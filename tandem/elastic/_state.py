@@ -20,7 +20,7 @@ dead rank would take its shard with it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -31,11 +31,24 @@ from tandem.elastic._snapshot import Snapshot, capture, restore
 from tandem.errors import ArgumentError
 from tandem.parallel.ddp import DistributedDataParallel
 
-if TYPE_CHECKING:
-    from tandem.elastic._sampler import ElasticSampler
-    from tandem.elastic._session import Session
-
 __all__ = ["ElasticState"]
+
+
+# what the state needs of a sampler and of run_elastic's session (both import this module)
+class _Sampler(Protocol):
+    def position_at(self, step: int) -> int: ...
+
+    def _restore(self, position: int) -> None: ...
+
+
+class _Session(Protocol):
+    @property
+    def number(self) -> int: ...
+
+    def committed(self) -> None: ...
+
+
+_S = TypeVar("_S", bound=_Session)
 
 _OWN = frozenset({"model", "optimizer", "min_ranks", "_values", "_samplers", "_slots",
                   "_commits", "_session"})
@@ -122,7 +135,7 @@ class ElasticState:
 
     # -- used by run_elastic, the session and the samplers (underscored: every other -----
     # -- attribute name belongs to the user's values) ------------------------------------
-    def _open_session(self, make: Callable[[ElasticState], Session]) -> Session:
+    def _open_session(self, make: Callable[[ElasticState], _S]) -> _S:
         """Run under a new session, ``make(self)``; one at a time."""
         if self._session is not None:
             raise ArgumentError("run_elastic: this ElasticState is already running")
@@ -133,7 +146,7 @@ class ElasticState:
     def _close_session(self) -> None:
         object.__setattr__(self, "_session", None)
 
-    def _add_sampler(self, sampler: ElasticSampler) -> None:
+    def _add_sampler(self, sampler: _Sampler) -> None:
         self._samplers.append(sampler)
 
     def _take(self, number: int) -> None:

@@ -21,7 +21,7 @@ When every rank has joined, ``post_hook`` copies the parameters (and buffers, wi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -30,13 +30,17 @@ from tandem.collectives.api import all_reduce
 from tandem.collectives.group import ProcessGroup
 from tandem.collectives.reduce_op import ReduceOp
 from tandem.parallel._module_sync import BufferBroadcaster, broadcast_tensors
-
-if TYPE_CHECKING:
-    from tandem.parallel.ddp import DistributedDataParallel
+from tandem.parallel._reducer import Reducer
 
 __all__ = ["DDPJoinHook", "join_round", "TRAINING", "SYNC", "BUFFERS"]
 
 TRAINING, SYNC, BUFFERS = 1, 2, 4  # the bits of a rank's flag
+
+
+class _Joined(Protocol):
+    """What the hook reads of its DDP (ddp.py imports this module, so not the class)."""
+    process_group: ProcessGroup
+    reducer: Reducer
 
 
 def join_round(g: ProcessGroup, buffers: BufferBroadcaster, divide_by_initial_world_size: bool,
@@ -68,7 +72,7 @@ class DDPJoinHook(JoinHook):
     join copies to the others (its parameters, and its buffers when it broadcasts them).
     """
 
-    def __init__(self, ddp: "DistributedDataParallel",
+    def __init__(self, ddp: _Joined,
                  take_round: Callable[[int], tuple[int, int | None]],
                  replica: Callable[[], list[torch.Tensor]]) -> None:
         self.ddp = ddp
