@@ -77,7 +77,7 @@ def test_a_worker_killed_on_one_host_is_replaced_in_place_across_hosts(tmp_path:
     history = check_against_oracle(list(results.values()))
     sizes = [w for _, w, _ in history]
     assert len(sizes) == STEPS, history
-    assert set(sizes) <= {3, 4} and sizes[0] == sizes[-1] == 4, sizes
+    assert set(sizes) <= {3, 4} and sizes[0] == sizes[-1] == 4, f"{history}\n{logs}"
     # After each kill the survivors go on with 3 ranks until the replacement is let in at
     # a commit, by the step where training waits for it at the latest. A replacement
     # already queued when the recovery round closes is let in by that round, and no step

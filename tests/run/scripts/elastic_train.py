@@ -156,11 +156,15 @@ def train(state: ElasticState) -> None:
             # as long as the first replacement may wait for the zygote still importing (20 s
             # at a load of 20 on 2 cores), and then for the replacements after it
             _await(lambda roster: wait_exit_name in roster.exited(), 120)
-        deadline = time.monotonic() + 60
+        # a replacement may take a minute and more to join at a load of 20-30 on 2 cores
+        deadline = time.monotonic() + 100
         while (state.step in ns.wait_full and state.world_size < ns.full
                and time.monotonic() < deadline):
             state.commit()  # where a waiting joiner is let in
             time.sleep(0.05)
+        if state.step in ns.wait_full and state.world_size < ns.full:
+            print(f"elastic_train: still {state.world_size} of {ns.full} ranks at step "
+                  f"{state.step} after 100 s; going on", file=sys.stderr, flush=True)
         state.commit()
 
 
