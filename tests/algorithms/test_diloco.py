@@ -99,9 +99,11 @@ def _trained(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     for step in range(STEPS):
         _inner_step(model, opt, rank, step)
         diloco.step()
-    return {"params": [p.detach().clone() for p in model.parameters()],
-            "outer": [p.clone() for p in diloco.outer_params],
-            "bytes": diloco.bytes_sent, "outer_steps": diloco.outer_steps}
+    out = {"params": [p.detach().clone() for p in model.parameters()],
+           "outer": [p.clone() for p in diloco.outer_params],
+           "bytes": diloco.bytes_sent, "outer_steps": diloco.outer_steps}
+    diloco.sync()  # nothing in flight when the group goes, as at the end of a training run
+    return out
 
 
 def _round_trip(rank: int, config: dict[str, Any]) -> dict[str, Any]:
@@ -131,6 +133,8 @@ def _round_trip(rank: int, config: dict[str, Any]) -> dict[str, Any]:
         diloco2.step()
     diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(),
                                                           model2.parameters()))
+    diloco.sync()
+    diloco2.sync()
     return {"diff": diff, "in_flight": in_flight,
             "counters": (diloco.inner_steps, diloco.outer_steps)
             == (diloco2.inner_steps, diloco2.outer_steps)}
@@ -155,9 +159,12 @@ def _hidden(rank: int, world: int) -> dict[str, Any]:
     for step in range(4):
         _inner_step(model, opt, rank, step)
         blocking.step()
-    return {"overlapped": (overlapped.hidden_fraction, overlapped.exposed_seconds,
-                           overlapped.comm_seconds),
-            "blocking": (blocking.hidden_fraction, blocking.comm_seconds)}
+    out = {"overlapped": (overlapped.hidden_fraction, overlapped.exposed_seconds,
+                          overlapped.comm_seconds),
+           "blocking": (blocking.hidden_fraction, blocking.comm_seconds)}
+    overlapped.sync()
+    blocking.sync()
+    return out
 
 
 def _hierarchical(rank: int, world: int, compression: str | None) -> dict[str, Any]:
@@ -179,6 +186,7 @@ def _hierarchical(rank: int, world: int, compression: str | None) -> dict[str, A
             _inner_step(ddp, opt, rank // 2, step)  # a host's ranks split one batch's data
             diloco.step()
         runs[sliced] = ([p.detach().clone() for p in net.parameters()], diloco.bytes_sent)
+        diloco.sync()
     diff = max((a - b).abs().max().item() for a, b in zip(runs[True][0], runs[False][0]))
     return {"diff": diff, "bytes": (runs[True][1], runs[False][1]),
             "params": runs[True][0]}
