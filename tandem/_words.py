@@ -1,10 +1,32 @@
-"""Wording shared by messages: a count with its noun in the right number."""
+"""Wording shared by messages: a count with its noun in the right number, ranks as ranges."""
 
 from __future__ import annotations
 
-__all__ = ["counted"]
+from typing import Iterable
+
+__all__ = ["counted", "rank_list", "who"]
 
 
 def counted(n: int, noun: str, plural: str | None = None) -> str:
     """``counted(1, "rank")`` is "1 rank", ``counted(3, "rank")`` "3 ranks"."""
     return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
+def rank_list(ranks: Iterable[int]) -> str:
+    """``0-3, 7``: sorted ranks with consecutive runs collapsed."""
+    rs = sorted(set(ranks))
+    out: list[str] = []
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def who(ranks: Iterable[int]) -> str:
+    """``rank 3`` or ``ranks 0-2, 5``."""
+    rs = sorted(set(ranks))
+    return f"rank {rs[0]}" if len(rs) == 1 else f"ranks {rank_list(rs)}"

@@ -10,7 +10,8 @@ from __future__ import annotations
 import glob
 import os
 import re
-from typing import Iterable
+
+from tandem._words import rank_list, who
 
 __all__ = ["DUMP_FORMAT", "dump_path", "rank_file", "rank_files", "rank_list", "who"]
 
@@ -39,23 +40,3 @@ def rank_files(path: str) -> dict[int, str]:
         if m:
             out[int(m.group(1))] = found
     return dict(sorted(out.items()))
-
-
-def rank_list(ranks: Iterable[int]) -> str:
-    """``0-3, 7``: sorted ranks with consecutive runs collapsed."""
-    rs = sorted(set(ranks))
-    out: list[str] = []
-    i = 0
-    while i < len(rs):
-        j = i
-        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
-            j += 1
-        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
-        i = j + 1
-    return ", ".join(out)
-
-
-def who(ranks: Iterable[int]) -> str:
-    """``rank 3`` or ``ranks 0-2, 5``."""
-    rs = sorted(set(ranks))
-    return f"rank {rs[0]}" if len(rs) == 1 else f"ranks {rank_list(rs)}"

@@ -30,6 +30,7 @@ import socket
 import time
 from typing import Any, Sequence
 
+from tandem._words import counted, rank_list, who
 from tandem.run._tracebacks import CONSEQUENCES
 from tandem.run.oom import oom_kill_line
 from tandem.run.workers import WorkerGroup
@@ -43,6 +44,11 @@ RULE = "=" * 72
 # blocks (destroy_process_group, a last checkpoint) may take a little longer.
 EXIT_GRACE = 3.0
 SETTLE = 1.0  # how long ranks that fail alike may take to do so (as dedup.WINDOW)
+# The summary stays one screen long at any world size: the first few other failures get
+# a line each (the rest are mostly consequences), then one line per kind of failure
+OTHERS_LISTED = 3
+KINDS_LISTED = 4
+BRIEF_CHARS = 240  # of another failure's line: the rank's own output has the whole message
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -114,6 +120,13 @@ class Failure:
             first = (self.message.splitlines() or [""])[0]
             what += f", {self.exc_type}: {first}"
         return f"rank {self.rank} (local_rank {self.local_rank}, host {self.host}): {what}"
+
+    def kind(self) -> str:
+        """What failed, without who: "signal 15 (SIGTERM), PeerLostError"."""
+        if self.local_rank < 0:
+            return f"node lost: {(self.message.splitlines() or [''])[0]}"
+        what = describe_exit(self.returncode)
+        return f"{what}, {self.exc_type.rsplit('.', 1)[-1]}" if self.exc_type else what
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -198,9 +211,10 @@ def format_summary(failures: Sequence[Failure], *, run_id: str, attempts: int,
     others = sorted((f for f in failures if f is not root), key=lambda f: (f.time, f.rank))
     if others:
         lines.append("Other failures:")
-        lines += [f"  {f.brief()}" for f in others]
+        lines += [_clip(f"  {f.brief()}") for f in others[:OTHERS_LISTED]]
+        lines += _grouped(others[OTHERS_LISTED:])
     if stopped:
-        lines.append(f"Stopped by the launcher: ranks {', '.join(map(str, sorted(stopped)))}")
+        lines.append(f"Stopped by the launcher: ranks {rank_list(stopped)}")
     lines.append(RULE)
     return "\n".join(lines)
 
@@ -224,7 +238,29 @@ def let_failing_ranks_exit(group: WorkerGroup, timeout: float, settle: float = S
 
 
 def _ranks(ranks: Sequence[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+    return who(ranks)
+
+
+def _clip(line: str) -> str:
+    return line if len(line) <= BRIEF_CHARS else line[:BRIEF_CHARS - 3] + "..."
+
+
+def _grouped(failures: Sequence[Failure]) -> list[str]:
+    """One line per kind of failure (most ranks first), at most ``KINDS_LISTED``; the
+    remaining kinds together on one more."""
+    if not failures:
+        return []
+    kinds: dict[str, list[int]] = {}
+    for f in failures:
+        kinds.setdefault(f.kind(), []).append(f.rank)
+    ordered = sorted(kinds.items(), key=lambda k: (-len(k[1]), min(k[1])))
+    lines = [_clip(f"  {who(ranks)} ({len(ranks)} more): {kind}")
+             for kind, ranks in ordered[:KINDS_LISTED]]
+    rest = [r for _, ranks in ordered[KINDS_LISTED:] for r in ranks]
+    if rest:
+        kinds_left = counted(len(ordered) - KINDS_LISTED, "other kind")
+        lines.append(_clip(f"  {who(rest)} ({len(rest)} more): {kinds_left} of failure"))
+    return lines
 
 
 def _consequence(exc_type: str) -> bool:

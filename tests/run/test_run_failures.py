@@ -124,8 +124,29 @@ def test_summary_lists_every_failure() -> None:
                           run_id="abc", attempts=3, stopped=[2, 3])
     assert "job abc failed after 3 attempts" in text
     assert "Other failures:\n  rank 1 (local_rank 1, host h): exit code 1" in text
-    assert "Stopped by the launcher: ranks 2, 3" in text
+    assert "Stopped by the launcher: ranks 2-3" in text
     assert describe_exit(-15) == "signal 15 (SIGTERM)" and describe_exit(None).startswith("exit")
+
+
+def test_the_summary_of_64_failing_ranks_is_one_screen_and_names_the_cause() -> None:
+    # rank 13 raised; the 63 others lost it (as tandemrun at 8 hosts x 8 sees it), with
+    # long messages naming each reporter, and two stopped by the launcher
+    cause = failure(13, 100.0, "ValueError")
+    lost = [Failure(rank=r, local_rank=r % 8, node_rank=r // 8, host=f"h{r // 8}", pid=r,
+                    time=100.5 + r / 100, returncode=-15,
+                    exc_type="tandem.errors.PeerLostError",
+                    message=f"rank 13 died (reported by rank {r}): all_reduce #3 on group "
+                            f"'default' (rank {r} of 64) failed: " + "x" * 300)
+            for r in range(64) if r not in (13, 40, 41)]
+    lost[5].returncode = 1  # one of another kind
+    text = format_summary([cause, *lost], run_id="j", attempts=1, stopped=[40, 41])
+    lines = text.splitlines()
+    assert len(lines) <= 40 and max(map(len, lines)) <= 240, text
+    assert "  rank       : 13 (local_rank 13, node 0, role default)" in text
+    assert "  ranks 3-4, 6-12, 14-39, 42-63 (57 more): signal 15 (SIGTERM), PeerLostError" \
+        in lines, text
+    assert "  rank 5 (1 more): exit code 1, PeerLostError" in lines, text
+    assert lines[-2] == "Stopped by the launcher: ranks 40-41", text
 
 
 def test_failures_travel_between_nodes_as_json() -> None:
