@@ -40,6 +40,8 @@ _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # torch's frames are skipped as well: under tandem's torch backend (and in autograd hooks)
 # torch.distributed, DDP or the autograd engine sit between the user's line and tandem
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+# the benchmarks call tandem as a user does: their lines are the sites a report names
+_BENCH = os.path.join(_PKG, "bench") + os.sep
 
 
 _INSIDE: dict[str, bool] = {}  # file name -> part of the tandem or torch package
@@ -55,7 +57,8 @@ def call_site() -> str:
         name = f.f_code.co_filename
         inside = _INSIDE.get(name)
         if inside is None:
-            inside = _INSIDE[name] = name.startswith((_PKG, _TORCH))
+            inside = _INSIDE[name] = (name.startswith((_PKG, _TORCH))
+                                      and not name.startswith(_BENCH))
         if not inside:
             lines = _SITES.get(name)
             if lines is None:

@@ -47,7 +47,12 @@ def _short(path: str) -> str:
     return os.path.basename(path)
 
 
+_BENCH = os.path.join(_PKG, "bench") + os.sep  # the benchmarks run tandem as users do
+
+
 def _ours(path: str) -> bool:
+    if path.startswith(_BENCH):
+        return False
     return path.startswith(_PKG) or path.startswith(_STDLIB) or path.startswith("<frozen")
 
 

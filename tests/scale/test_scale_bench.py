@@ -77,3 +77,18 @@ def test_store_mode_prints_both_stores_rates_and_their_ratio() -> None:
     got = re.search(r"tandem TCPStore (\d+) ops/s, torch TCPStore (\d+) ops/s, ratio "
                     r"tandem/torch ([\d.]+)", proc.stdout)
     assert got and int(got.group(1)) > 0 and int(got.group(2)) > 0, proc.stdout
+
+
+def test_a_benchmark_inside_the_package_is_the_call_site_reports_name() -> None:
+    # a mismatch or stall seen by `scale --failures` names the benchmark's own line, not
+    # the multiprocessing or runpy frame that called it
+    import tandem.bench
+    from tandem.collectives.api import call_site
+    from tandem.collectives.stall_report import frame_site
+
+    name = str(Path(tandem.bench.__file__).with_name("a_caller.py"))
+    space: dict[str, object] = {"call_site": call_site, "sys": sys, "frame_site": frame_site}
+    exec(compile("\n\nsite = call_site()\nframe = frame_site(sys._getframe())\n", name, "exec"),
+         space)
+    assert space["site"] == "a_caller.py:3", space["site"]
+    assert space["frame"] == "a_caller.py:4 in <module>", space["frame"]
