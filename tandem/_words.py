@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-__all__ = ["counted", "rank_list", "who"]
+__all__ = ["counted", "rank_list", "who", "in_order"]
 
 
 def counted(n: int, noun: str, plural: str | None = None) -> str:
@@ -30,3 +30,20 @@ def who(ranks: Iterable[int]) -> str:
     """``rank 3`` or ``ranks 0-2, 5``."""
     rs = sorted(set(ranks))
     return f"rank {rs[0]}" if len(rs) == 1 else f"ranks {rank_list(rs)}"
+
+
+def in_order(ranks: Iterable[int]) -> str:
+    """``[4, 1-3]``: ranks in their given order (a group's), rising runs collapsed, so a
+    message about a 64-rank group stays one line."""
+    out: list[str] = []
+    run: list[int] = []
+    for r in ranks:
+        if run and r == run[-1] + 1:
+            run.append(r)
+            continue
+        if run:
+            out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+        run = [r]
+    if run:
+        out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    return "[" + ", ".join(out) + "]"

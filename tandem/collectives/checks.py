@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
-from tandem._words import counted
+from tandem._words import counted, in_order
 from tandem.collectives.group import ProcessGroup
 from tandem.errors import ArgumentError
 
@@ -239,7 +239,7 @@ def root_rank(g: ProcessGroup, what: str, rank: int | None, group_rank: int | No
     rank = 0 if rank is None else rank
     if not isinstance(rank, int) or isinstance(rank, bool) or rank not in g.ranks:
         raise ArgumentError(f"{what}: {name}={rank!r} is not a member of group "
-                            f"'{g.group_name}' (global ranks {g.ranks})")
+                            f"'{g.group_name}' (global ranks {in_order(g.ranks)})")
     return g.ranks.index(rank)
 
 

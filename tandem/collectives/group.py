@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.autograd.profiler as _torch_profiler
 
+from tandem._words import in_order
 from tandem.config import Settings
 from tandem.errors import (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError,
                            StateError, TandemError)
@@ -155,7 +156,7 @@ class Op(Call):
     def describe(self) -> str:
         g = self.group
         return (f"{self.name} #{self.seq} on group '{g.group_name}' (rank {g.group_rank} of "
-                f"{g.group_size}, global ranks {g.ranks}) called at "
+                f"{g.group_size}, global ranks {in_order(g.ranks)}) called at "
                 f"{self.site.decode(errors='replace')}")
 
 
@@ -524,7 +525,7 @@ class NonMemberGroup:
     def error(self, what: str) -> StateError:
         return StateError(
             f"rank {self.my_rank} called {what} on group '{self.group_name}' (global ranks "
-            f"{self.ranks}) but is not a member of it"
+            f"{in_order(self.ranks)}) but is not a member of it"
         )
 
     def rank(self) -> int:

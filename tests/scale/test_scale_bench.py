@@ -92,3 +92,16 @@ def test_a_benchmark_inside_the_package_is_the_call_site_reports_name() -> None:
          space)
     assert space["site"] == "a_caller.py:3", space["site"]
     assert space["frame"] == "a_caller.py:4 in <module>", space["frame"]
+
+
+def test_errors_about_a_64_rank_group_name_its_ranks_in_a_few_characters() -> None:
+    # a collective's failure, a bad rank argument and a non-member's call all name the
+    # group's ranks: at 64 ranks a list of 64 numbers filled the message (seen in every
+    # survivor's PeerLostError at 8 hosts x 8)
+    from tandem._words import in_order
+    from tandem.collectives.group import NonMemberGroup
+
+    assert in_order(range(64)) == "[0-63]"
+    assert in_order([4, 1, 2, 3, 9]) == "[4, 1-3, 9]" and in_order([]) == "[]"
+    message = str(NonMemberGroup(list(range(64)), "big", 70).error("all_reduce"))
+    assert "(global ranks [0-63]) but is not a member" in message, message
