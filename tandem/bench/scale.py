@@ -7,6 +7,7 @@ Run as root (network namespaces), big layouts inside a memory cgroup::
     python -m tandem.bench scale --link 1gbit:0.2ms       # shaped links between hosts
     python -m tandem.bench scale --smoke                  # 1x2 and 2x2, 4 KB, one round
     python -m tandem.bench scale --store 64               # the store alone, 64 ranks
+    python -m tandem.bench scale --failures               # failure handling at 8x8
 
 How it measures. A layout ``HxR`` is ``H`` simulated hosts (``tandem.testing.netns``,
 links shaped as ``--link`` says) with ``R`` ranks each; every rank is one process that
@@ -41,6 +42,22 @@ each do ``--store-ops`` operations (a set and a get of its own key, in turn) on 
 ``TCPStore`` and on torch's, both served from the benchmark's process, every rank
 starting at once; operations per second = all ranks' operations / (last end - first
 start), the best of rounds that alternate which store goes first.
+
+Failures (``--failures``, instead of the figures above; default layout 8x8, smoke 2x2):
+four scenarios, each with a victim on the second host that is not its first rank
+(:mod:`tandem.bench._scale_failures` has the rank bodies; harness children with torch
+preloaded, moved into their host's namespace):
+
+* kill: the victim SIGKILLs itself while all loop on all_reduce; held when every survivor
+  raised ``PeerLostError`` naming it within 5 s of the kill (wall clock);
+* stall: the victim SIGSTOPs itself before an all_reduce, ``TANDEM_STALL_WARN`` =
+  ``--stall-warn``; held when every survivor's first report of that call names the victim
+  alone among the ranks that have not arrived;
+* skip: the victim skips an all_reduce and calls barrier; held when every rank's error
+  names the victim and its barrier's file:line (the victim's: the others' all_reduce's);
+* summary: ``tandemrun``, one agent per host, a worker per rank; the victim raises at its
+  fourth step; held when every agent's root-cause summary names the victim and is at
+  most 40 lines.
 
 Ratios are tandem / gloo for times and resources (below 1: tandem is faster or
 smaller), and gloo / tandem, a speed-up, for collectives (above 1: tandem is faster).
@@ -306,6 +323,254 @@ def run_layout(layout: Layout, link: Any, ops: Sequence[str], sizes: Sequence[in
     return summary
 
 
+# ---- failures ------------------------------------------------------------------------
+
+FAILURE_LAYOUTS = "8x8"
+SMOKE_FAILURE_LAYOUTS = "2x2"
+NAMED_WITHIN_S = 5.0  # a SIGKILLed rank is named by every survivor within this
+SUMMARY_LINES = 40  # one screen
+SCENARIOS = ("kill", "stall", "skip", "summary")
+
+
+def _victim(layout: Layout) -> int:
+    """A rank on the second host (the first if there is one), neither a host's first rank
+    nor the last rank when the layout allows."""
+    host = min(1, layout.hosts - 1)
+    return host * layout.ranks_per_host + min(1, layout.ranks_per_host - 1)
+
+
+def _ranks_in(text: str) -> list[int]:
+    """``"6, 17, 20-21"`` -> [6, 17, 20, 21]."""
+    out: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        out += range(int(first), int(last or first) + 1)
+    return out
+
+
+def _gist(message: str) -> str:
+    """An error's first line, its start and its end (where the cause is said)."""
+    first = (message.splitlines() or [""])[0]
+    return first if len(first) <= 400 else f"{first[:150]} ... {first[-250:]}"
+
+
+def _errors(got: dict[int, dict[str, Any]]) -> dict[str, str]:
+    """Every rank's error, for the figures file."""
+    return {str(r): f"{v['type']}: {v['msg']}" for r, v in sorted(got.items())}
+
+
+def _failed(outcomes: Sequence[Any], victim: int) -> str:
+    """The survivors whose function raised (harness errors), described briefly."""
+    bad = [o for o in outcomes if o.rank != victim and not o.ok]
+    return "; ".join(f"rank {o.rank}: {o.error_type} {o.error.strip()[-1500:]}" for o in bad[:2])
+
+
+def _kill_scenario(lab: Any, layout: Layout, tmp: Path, timeout: float) -> dict[str, Any]:
+    from tandem.bench import _scale_failures as body
+    from tandem.testing import launch
+
+    victim = _victim(layout)
+    stamp = tmp / "killed"
+    outcomes = launch(layout.world_size, body.killed,
+                      (str(tmp / "store-kill"), lab.names, lab.addrs, layout.ranks_per_host,
+                       victim, str(stamp), 60.0), init=False, timeout=timeout)
+    broken = _failed(outcomes, victim)
+    if broken or not stamp.exists():
+        return {"held": False, "time_s": None, "named": f"rank {victim} killed",
+                "detail": broken or "the victim did not die"}
+    killed_at = float(stamp.read_text())
+    got = {o.rank: o.value for o in outcomes if o.rank != victim}
+    wrong = sorted(r for r, v in got.items()
+                   if v["type"] != "PeerLostError" or f"rank {victim}" not in v["msg"])
+    took = {r: v["at"] - killed_at for r, v in got.items()}
+    slowest = max(took.values())
+    late = sorted(r for r, t in took.items() if t > NAMED_WITHIN_S)
+    first = got[min(got)]
+    detail = [f"{len(got) - len(wrong)} of {len(got)} survivors named rank {victim} "
+              f"(PeerLostError)"]
+    if wrong:
+        detail.append(f"not: ranks {wrong[:8]}: {got[wrong[0]]['type']}: "
+                      f"{_gist(got[wrong[0]]['msg'])}")
+    if late:
+        detail.append(f"after {NAMED_WITHIN_S:.0f} s: ranks {late[:8]}")
+    return {"held": not wrong and not late, "time_s": slowest, "errors": _errors(got),
+            "named": f"{first['type']}: {first['msg'].splitlines()[0][:160]}",
+            "detail": "; ".join(detail)}
+
+
+def _stall_scenario(lab: Any, layout: Layout, tmp: Path, timeout: float, stall_s: float,
+                    op_s: float) -> dict[str, Any]:
+    import re
+
+    from tandem.bench import _scale_failures as body
+    from tandem.testing import launch
+
+    victim = _victim(layout)
+    outcomes = launch(layout.world_size, body.stalled,
+                      (str(tmp / "store-stall"), lab.names, lab.addrs, layout.ranks_per_host,
+                       victim, op_s), init=False, timeout=timeout,
+                      env={"TANDEM_STALL_WARN": str(stall_s)})
+    broken = _failed(outcomes, victim)
+    if broken:
+        return {"held": False, "time_s": None, "named": "", "detail": broken}
+    # reports of the stalled call only (the first call may be reported while ranks join)
+    reports = {o.rank: [(t, m) for t, m in o.value if "all_reduce #1 " in m]
+               for o in outcomes if o.rank != victim}
+    silent = sorted(r for r, v in reports.items() if not v)
+    wrong: dict[int, list[int]] = {}
+    firsts: list[float] = []
+    sample = ""
+    for rank, values in reports.items():
+        if not values:
+            continue
+        took, first = values[0]
+        firsts.append(took)
+        named = [r for line in re.findall(r"^  ranks? ([\d, -]+) ha(?:s|ve) not arrived",
+                                          first, re.MULTILINE) for r in _ranks_in(line)]
+        if named != [victim]:
+            wrong[rank] = named
+        sample = sample or next((line.strip() for line in first.splitlines()
+                                 if "not arrived" in line), "")
+    detail = [f"{len(reports) - len(silent) - len(wrong)} of {len(reports)} survivors' first "
+              f"report named rank {victim} alone"]
+    if silent:
+        detail.append(f"no report within {op_s:.0f} s: ranks {silent[:8]}")
+    if wrong:
+        r = min(wrong)
+        detail.append(f"named others: {len(wrong)} ranks, e.g. rank {r} named {wrong[r][:10]}")
+    return {"held": not silent and not wrong, "time_s": max(firsts) if firsts else None,
+            "named": sample[:160], "detail": "; ".join(detail)}
+
+
+def _skip_scenario(lab: Any, layout: Layout, tmp: Path, timeout: float,
+                   op_s: float) -> dict[str, Any]:
+    from tandem.bench import _scale_failures as body
+    from tandem.testing import launch
+
+    victim = _victim(layout)
+    outcomes = launch(layout.world_size, body.skipped,
+                      (str(tmp / "store-skip"), lab.names, lab.addrs, layout.ranks_per_host,
+                       victim, op_s), init=False, timeout=timeout)
+    broken = _failed(outcomes, -1)  # the victim too returns its error
+    if broken:
+        return {"held": False, "time_s": None, "named": "", "detail": broken}
+    here = Path(body.__file__).name
+    skip_site, call_site = f"{here}:{body.SKIP_LINE}", f"{here}:{body.CALL_LINE}"
+    got = {o.rank: o.value for o in outcomes}
+    # the victim must be told where the others were; everyone else where the victim was
+    want = {r: (call_site if r == victim else skip_site) for r in got}
+    named = sorted(r for r, v in got.items() if want[r] in v["msg"] and
+                   (r == victim or f"rank {victim}" in v["msg"]))
+    missed = sorted(set(got) - set(named))
+    detail = [f"{len(named)} of {len(got)} ranks' errors named rank {victim} at {skip_site} "
+              f"(the victim: the others' {call_site})"]
+    if missed:
+        r = missed[0]
+        detail.append(f"not: {len(missed)} ranks ({missed[:8]}), e.g. rank {r}: "
+                      f"{got[r]['type']}: {_gist(got[r]['msg'])}")
+    sample = got[min(r for r in got if r != victim)]
+    return {"held": not missed, "time_s": max(v["took"] for v in got.values()),
+            "errors": _errors(got),
+            "named": f"{sample['type']}: {sample['msg'].splitlines()[0][:200]}" if sample["msg"]
+            else "no error", "detail": "; ".join(detail)}
+
+
+def _summary_scenario(lab: Any, layout: Layout, tmp: Path, timeout: float) -> dict[str, Any]:
+    import secrets
+
+    from tandem.bench import _scale_failures as body
+    from tandem.run.rootcause import RULE
+
+    victim = _victim(layout)
+    secret = secrets.token_hex(16)
+
+    def args(node: int) -> list[str]:
+        # a fixed port is safe: the lab's namespaces are private
+        return ["--nnodes", str(layout.hosts), "--nproc-per-node", str(layout.ranks_per_host),
+                "--node-rank", str(node), "--master-addr", lab.addrs[0],
+                "--master-port", "29611", str(Path(body.__file__)), str(victim), "100000"]
+
+    def env(node: int) -> dict[str, str]:
+        return {"TANDEM_SECRET": secret, "TANDEM_HOST_ID": f"labhost{node}",
+                "TANDEM_BIND_ADDR": lab.addrs[node], "TANDEM_TIMEOUT": "120",
+                "TANDEM_TRACE_DIR": str(tmp / "trace"), "OMP_NUM_THREADS": "1"}
+
+    began = time.monotonic()
+    runs = lab.run(["-m", "tandem.run"], list(range(layout.hosts)), args, env,
+                   timeout=timeout, grace=60.0)
+    took = time.monotonic() - began
+    summaries = []
+    for run in runs:
+        parts = run.log.split(RULE)
+        if len(parts) >= 3:
+            summaries.append((run.host, RULE + parts[-2] + RULE))
+    if not summaries:
+        tail = runs[0].log.strip().splitlines()[-5:]
+        return {"held": False, "time_s": took, "lines": None, "named": "",
+                "detail": f"no summary printed; node 0 ended {runs[0].returncode}: {tail}"}
+    lines = max(len(text.splitlines()) for _, text in summaries)
+    want = f"  rank       : {victim} "
+    right = [h for h, text in summaries if want in text]
+    text = summaries[0][1]
+    root = next((line.strip() for line in text.splitlines() if line.startswith("  rank ")), "")
+    detail = (f"{len(summaries)} of {layout.hosts} agents printed a summary; "
+              f"{len(right)} named rank {victim}")
+    return {"held": len(right) == len(summaries) and lines <= SUMMARY_LINES, "time_s": took,
+            "lines": lines, "named": root, "detail": detail, "text": text}
+
+
+def run_failures(layout: Layout, timeout: float, stall_s: float, op_s: float,
+                 scenarios: Sequence[str] = SCENARIOS) -> dict[str, Any]:
+    """The failure scenarios on ``layout`` (see the module docstring), one after another."""
+    from tandem.testing.netns import netns_lab
+
+    out: dict[str, Any] = {"layout": str(layout), "world_size": layout.world_size,
+                           "victim": _victim(layout), "scenarios": {}}
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-fail-") as tmp:
+        with netns_lab(layout.hosts, Path(tmp)) as lab:
+            for name in scenarios:
+                work = Path(tmp) / name
+                work.mkdir()
+                t = time.monotonic()
+                if name == "kill":
+                    got = _kill_scenario(lab, layout, work, timeout)
+                elif name == "stall":
+                    got = _stall_scenario(lab, layout, work, timeout, stall_s, op_s)
+                elif name == "skip":
+                    got = _skip_scenario(lab, layout, work, timeout, op_s)
+                else:
+                    got = _summary_scenario(lab, layout, work, timeout)
+                got["wall_s"] = time.monotonic() - t
+                out["scenarios"][name] = got
+                print(f"{layout} {name}: {'held' if got['held'] else 'NOT held'} "
+                      f"({got['wall_s']:.0f} s): {got['detail']}", flush=True)
+    return out
+
+
+_TARGETS = {"kill": f"every survivor names the killed rank within {NAMED_WITHIN_S:.0f} s",
+            "stall": "every survivor's first stall report names the stopped rank alone",
+            "skip": "every rank's error names the skipping rank and its file:line",
+            "summary": f"tandemrun's summary names the failing rank in <= {SUMMARY_LINES} lines"}
+
+
+def format_failures(results: Sequence[dict[str, Any]], stall_s: float) -> str:
+    """One markdown table per run: scenario, target, held, time, summary lines, named."""
+    rows = []
+    for r in results:
+        for name, got in r["scenarios"].items():
+            took = got.get("time_s")
+            when = "-" if took is None else f"{took:.1f}"
+            lines = got.get("lines")
+            named = str(got.get("named", "")).replace("|", "\\|")
+            rows.append([r["layout"], name, _TARGETS[name], "yes" if got["held"] else "**no**",
+                         when, "-" if lines is None else str(lines), named])
+    head = ("Failures (victim: a rank of the second host; time: kill: the slowest survivor's "
+            f"error after the kill; stall: the latest first report, stall warning at "
+            f"{stall_s:g} s; skip: the slowest rank's error; summary: the whole tandemrun job)")
+    return "\n".join([head, "", _md(["layout", "scenario", "target", "held", "time s",
+                                     "summary lines", "named (first survivor / agent)"], rows)])
+
+
 def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b else "-"
 
@@ -430,6 +695,47 @@ def plot(results: Sequence[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def _failures_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from tandem.bench.collectives import machine
+    from tandem.testing.netns import Unavailable
+
+    default = args.layouts == DEFAULT_LAYOUTS
+    text = SMOKE_FAILURE_LAYOUTS if args.smoke else FAILURE_LAYOUTS if default else args.layouts
+    scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    try:
+        layouts = parse_scale_layouts(text)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not scenarios or set(scenarios) - set(SCENARIOS):
+        parser.error(f"--scenarios: unknown {sorted(set(scenarios) - set(SCENARIOS)) or scenarios}"
+                     f"; choose from {list(SCENARIOS)}")
+    if not 0 < args.stall_warn < args.op_timeout:
+        parser.error(f"need 0 < --stall-warn ({args.stall_warn}) < --op-timeout "
+                     f"({args.op_timeout}): the stall report must come before the deadline")
+    print(f"machine: {machine()}", flush=True)
+    results = []
+    try:
+        for layout in layouts:
+            # per scenario: a scenario that hangs is a finding, not a reason to wait 30 min
+            results.append(run_failures(layout, min(args.timeout, 600.0), args.stall_warn,
+                                        args.op_timeout, scenarios))
+    except Unavailable as exc:
+        print(f"simulated hosts are unavailable here: {exc}")
+        return 1
+    text = format_failures(results, args.stall_warn)
+    print(f"{text}\nload average {os.getloadavg()[0]:.0f}")
+    for r in results:
+        summary = r["scenarios"].get("summary", {}).get("text")
+        if summary:
+            print(f"\ntandemrun's summary at {r['layout']}:\n{summary}")
+    if args.out:
+        out = Path(args.out)
+        out.write_text(text + "\n")
+        out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+        print(f"wrote {out} and {out.with_suffix('.json')}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from tandem.bench.collectives import machine, parse_sizes
     from tandem.testing.links import LinkShape
@@ -462,9 +768,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--render", default="", metavar="JSON[,JSON]",
                         help="measure nothing: print (and --out) the tables and plot of "
                              "figures saved by earlier runs' --out, one file per run")
+    parser.add_argument("--failures", action="store_true",
+                        help=f"measure only failure handling: {', '.join(SCENARIOS)} on "
+                             f"--layouts (default {FAILURE_LAYOUTS}; --smoke: "
+                             f"{SMOKE_FAILURE_LAYOUTS})")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS),
+                        help=f"with --failures: comma list (default all of {','.join(SCENARIOS)})")
+    parser.add_argument("--stall-warn", type=float, default=2.0,
+                        help="with --failures: TANDEM_STALL_WARN of the stall scenario (default 2)")
+    parser.add_argument("--op-timeout", type=float, default=30.0,
+                        help="with --failures: the collectives' deadline in the stall and skip "
+                             "scenarios (default 30 s)")
     parser.add_argument("--smoke", action="store_true",
                         help=f"layouts {SMOKE_LAYOUTS}, 4 KB, one short round: a quick check")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.failures:
+        return _failures_main(parser, args)
     try:
         layouts = parse_scale_layouts(SMOKE_LAYOUTS if args.smoke else args.layouts)
         link = LinkShape.parse(args.link) if args.link else LinkShape()

@@ -105,3 +105,24 @@ def test_errors_about_a_64_rank_group_name_its_ranks_in_a_few_characters() -> No
     assert in_order([4, 1, 2, 3, 9]) == "[4, 1-3, 9]" and in_order([]) == "[]"
     message = str(NonMemberGroup(list(range(64)), "big", 70).error("all_reduce"))
     assert "(global ranks [0-63]) but is not a member" in message, message
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+def test_failures_smoke_mode_checks_the_four_scenarios(tmp_path: Path) -> None:
+    out = tmp_path / "failures.md"
+    proc = subprocess.run([sys.executable, "-m", "tandem.bench", "scale", "--failures",
+                           "--smoke", "--stall-warn", "1", "--op-timeout", "8",
+                           "--out", str(out)], capture_output=True, text=True, timeout=280)
+    if "simulated hosts are unavailable" in proc.stdout:
+        pytest.skip(proc.stdout.strip().splitlines()[-1])
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}"
+    figures = json.loads(out.with_suffix(".json").read_text())
+    assert [f["layout"] for f in figures] == ["2x2"], figures
+    got = figures[0]["scenarios"]
+    assert list(got) == ["kill", "stall", "skip", "summary"], got
+    failed = {k: v["detail"] for k, v in got.items() if not v["held"]}
+    assert not failed, failed
+    assert got["summary"]["lines"] <= 40 and "rank       : 3 " in got["summary"]["text"]
+    assert "_scale_failures.py:" in got["skip"]["named"], got["skip"]
+    assert re.search(r"^\| 2x2 \| kill \| .* \| yes \| [\d.]+ \|", out.read_text(), re.M)

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-import _scale_ranks
+from tandem.bench import _scale_failures
+from tandem.bench.scale import _ranks_in
 from tandem.testing import launch
 from test_scale_ranks import hosts
 
@@ -26,21 +27,13 @@ STALL = 1.0  # TANDEM_STALL_WARN
 OP_S = 8.0  # the stalled call's deadline: reports come long before it
 
 
-def _ranks(text: str) -> list[int]:
-    """``"6, 17, 20-21"`` -> [6, 17, 20, 21]."""
-    out: list[int] = []
-    for part in text.split(","):
-        first, _, last = part.strip().partition("-")
-        out += range(int(first), int(last or first) + 1)
-    return out
-
-
 def test_a_killed_rank_is_named_by_every_survivor_within_5_s() -> None:
     with tempfile.TemporaryDirectory(prefix="tandem-scale-") as tmp:
         stamp = f"{tmp}/killed"
         with hosts(4, Path(tmp)) as (names, addrs):
-            outcomes = launch(32, _scale_ranks.killed, (f"{tmp}/store", names, addrs, 8,
-                                                        VICTIM, stamp), init=False, timeout=100)
+            outcomes = launch(32, _scale_failures.killed, (f"{tmp}/store", names, addrs, 8,
+                                                           VICTIM, stamp, 60.0),
+                              init=False, timeout=100)
         killed_at = float(Path(stamp).read_text())
     assert outcomes[VICTIM].exitcode == -9, outcomes[VICTIM]
     bad = [o for o in outcomes if o.rank != VICTIM and not o.ok]
@@ -56,9 +49,8 @@ def test_a_killed_rank_is_named_by_every_survivor_within_5_s() -> None:
 
 def test_a_stopped_rank_is_named_alone_in_the_first_stall_report() -> None:
     with tempfile.TemporaryDirectory(prefix="tandem-scale-") as tmp:
-        outcomes = launch(32, _scale_ranks.stalled, (f"{tmp}/store", [], [], 32, VICTIM),
-                          init=False, timeout=100,
-                          env={"TANDEM_STALL_WARN": str(STALL), "SCALE_OP_S": str(OP_S)})
+        outcomes = launch(32, _scale_failures.stalled, (f"{tmp}/store", [], [], 32, VICTIM, OP_S),
+                          init=False, timeout=100, env={"TANDEM_STALL_WARN": str(STALL)})
     assert outcomes[VICTIM].error_type == "stopped", outcomes[VICTIM]
     bad = [o for o in outcomes if o.rank != VICTIM and not o.ok]
     assert not bad, "\n".join(f"--- rank {o.rank} ---\n{o.error[-2000:]}" for o in bad[:3])
@@ -70,6 +62,7 @@ def test_a_stopped_rank_is_named_alone_in_the_first_stall_report() -> None:
     for rank, values in reports.items():
         took, first = values[0]
         named = [r for line in re.findall(r"^  ranks? ([\d, -]+) ha(?:s|ve) not arrived", first,
-                                          re.MULTILINE) for r in _ranks(line)]
+                                          re.MULTILINE) for r in _ranks_in(line)]
         assert named == [VICTIM], f"rank {rank}'s first report ({took:.1f} s):\n{first}"
         assert took < OP_S, (rank, took)
+
