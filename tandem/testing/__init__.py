@@ -82,6 +82,11 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, args: Sequence[An
                 tandem.destroy_process_group()
             except Exception:  # noqa: BLE001 - the result is already reported
                 pass
+        elif tandem.is_initialized():
+            # what the interpreter's exit does for a script: a child ends with os._exit
+            from tandem.collectives.world import tell_failures_at_exit
+
+            tell_failures_at_exit()
 
 
 _context: Any = None

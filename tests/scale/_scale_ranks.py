@@ -8,6 +8,7 @@ the host's own address and loopback, and other hosts only through the lab's brid
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -66,3 +67,30 @@ def battery(rank: int, world: int, store: str, names: Sequence[str], addrs: Sequ
     dist.destroy_process_group()
     return {"wrong": wrong, **grown}
 
+
+def relayed(rank: int, world: int, store: str, stamp: str) -> dict[str, str]:
+    """Rank 0 fails the default group and tells rank 1 only; rank 1 exits once its receive
+    fails; rank 2, waiting on rank 1, returns the error it got. Rank 0 stays until then."""
+    import os
+    import time
+
+    from tandem.collectives.world import default_group, world as the_world
+    from tandem.errors import StateError
+
+    join(rank, world, store, [], [], world)
+    dist.barrier()
+    t = torch.zeros(4)
+    if rank == 0:
+        the_world().transport.abort(default_group().group_id, [1],
+                                    StateError("rank 0 gave up on purpose"))
+        deadline = time.monotonic() + 60
+        while not os.path.exists(stamp) and time.monotonic() < deadline:
+            time.sleep(0.05)  # rank 2's error is written there; nothing here to wait on
+        return {}
+    try:
+        dist.recv(t, src=0 if rank == 1 else 1)
+    except Exception as exc:  # noqa: BLE001 - described for the test
+        if rank == 2:
+            Path(stamp).write_text("done")
+        return {"type": type(exc).__name__, "msg": str(exc)}
+    return {"type": "none", "msg": ""}

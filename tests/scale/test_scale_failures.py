@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+import _scale_ranks
 from tandem.bench import _scale_failures
 from tandem.bench.scale import _ranks_in
 from tandem.testing import launch
@@ -66,3 +67,15 @@ def test_a_stopped_rank_is_named_alone_in_the_first_stall_report() -> None:
         assert named == [VICTIM], f"rank {rank}'s first report ({took:.1f} s):\n{first}"
         assert took < OP_S, (rank, took)
 
+
+def test_a_rank_that_exits_after_a_failure_tells_its_peers_why() -> None:
+    # rank 1 learnt from rank 0 why the group failed, then its script ended (no
+    # destroy_process_group): rank 2, waiting on rank 1, must get that reason, not "rank 1
+    # died". At 8 hosts x 8, 23 of 64 ranks blamed ranks that had only exited.
+    with tempfile.TemporaryDirectory(prefix="tandem-scale-") as tmp:
+        outcomes = launch(3, _scale_ranks.relayed, (f"{tmp}/store", f"{tmp}/stamp"),
+                          init=False, timeout=90)
+    bad = [o for o in outcomes if not o.ok]
+    assert not bad, "\n".join(f"--- rank {o.rank} ---\n{o.error[-2000:]}" for o in bad)
+    got = outcomes[2].value
+    assert "rank 0 gave up on purpose" in got["msg"], got
