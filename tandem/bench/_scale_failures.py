@@ -60,14 +60,14 @@ def killed(rank: int, world: int, store: str, names: Sequence[str], addrs: Seque
 
     _join(rank, world, store, names, addrs, per_host, timeout)
     t = torch.ones(1 << 10)
-    tandem.all_reduce(t)
-    if rank == victim:
-        def die() -> None:
-            Path(stamp).write_text(repr(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
+    try:  # a slow rank may still be in the first call when the news comes
+        tandem.all_reduce(t)
+        if rank == victim:
+            def die() -> None:
+                Path(stamp).write_text(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
 
-        threading.Timer(0.5, die).start()
-    try:
+            threading.Timer(0.5, die).start()
         for _ in range(10_000_000):
             tandem.all_reduce(t)
     except Exception as exc:  # noqa: BLE001 - described for the caller
@@ -123,9 +123,9 @@ def skipped(rank: int, world: int, store: str, names: Sequence[str], addrs: Sequ
 
     _join(rank, world, store, names, addrs, per_host, timeout)
     t = torch.ones(1 << 10)
-    tandem.all_reduce(t)
     start = time.monotonic()
-    try:
+    try:  # a slow rank may still be in the first call when the others' error comes
+        tandem.all_reduce(t)
         if rank != victim:
             tandem.all_reduce(t)  # scale-call
         tandem.barrier()  # scale-skip

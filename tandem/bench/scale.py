@@ -599,10 +599,13 @@ def format_tables(results: Sequence[dict[str, Any]]) -> str:
         t, g = r["resources"]["tandem"], r["resources"]["gloo"]
         res.append([r["layout"], f"{t['rss_kb'] / 1024:.1f} / {g['rss_kb'] / 1024:.1f}",
                     f"{t['pss_kb'] / 1024:.1f} / {g['pss_kb'] / 1024:.1f}",
+                    f"{t['pss_mean_kb'] / 1024:.1f} / {g['pss_mean_kb'] / 1024:.1f}",
                     f"{t['fds']} / {g['fds']}", f"{t['threads']} / {g['threads']}",
                     f"{t['shm_maps']} / {g['shm_maps']}"])
-    out += ["", "Resources per rank, the most any rank added (tandem / gloo)", "",
-            _md(["layout", "RSS MB", "PSS MB", "fds", "threads", "shm mappings"], res)]
+    out += ["", "Resources per rank, the most any rank added (tandem / gloo; PSS mean: "
+            "averaged over ranks)", "",
+            _md(["layout", "RSS MB", "PSS MB", "PSS mean MB", "fds", "threads", "shm mappings"],
+                res)]
     conn = []
     for r in results:
         t, g = r["resources"]["tandem"], r["resources"]["gloo"]
