@@ -94,3 +94,24 @@ def relayed(rank: int, world: int, store: str, stamp: str) -> dict[str, str]:
             Path(stamp).write_text("done")
         return {"type": type(exc).__name__, "msg": str(exc)}
     return {"type": "none", "msg": ""}
+
+
+def relayed_script(argv: Sequence[str]) -> None:
+    """:func:`relayed` as a script (``python _scale_ranks.py RANK STORE STAMP OUT``): rank
+    1's news must leave at interpreter exit (atexit), not from the harness."""
+    import json
+
+    rank, store, stamp, out = int(argv[0]), argv[1], argv[2], argv[3]
+    torch.set_num_threads(1)
+    got = relayed(rank, 3, store, stamp)
+    if rank == 1:
+        raise RuntimeError(f"rank 1 stops here: {got}")  # exits without destroy
+    Path(out).write_text(json.dumps(got))
+    if rank == 0:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import sys
+
+    relayed_script(sys.argv[1:])

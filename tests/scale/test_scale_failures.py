@@ -7,7 +7,11 @@ memory) and on the other hosts (TCP) both have to notice; the stall on one host 
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -79,3 +83,23 @@ def test_a_rank_that_exits_after_a_failure_tells_its_peers_why() -> None:
     assert not bad, "\n".join(f"--- rank {o.rank} ---\n{o.error[-2000:]}" for o in bad)
     got = outcomes[2].value
     assert "rank 0 gave up on purpose" in got["msg"], got
+
+
+def test_a_script_that_raises_after_a_failure_tells_its_peers_why_at_exit(
+        tmp_path: Path) -> None:
+    # the same as plain processes: rank 1 raises and its interpreter exits (no
+    # destroy_process_group); what it learnt reaches rank 2 through the atexit hook
+    script = Path(_scale_ranks.__file__)
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "store"),
+                               str(tmp_path / "stamp"), str(tmp_path / f"out{r}")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env={**os.environ, "TANDEM_SECRET": "scale-test-secret"})
+             for r in range(3)]
+    try:
+        logs = [p.communicate(timeout=90)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert "rank 1 stops here" in logs[1], logs[1][-2000:]
+    got = json.loads((tmp_path / "out2").read_text())
+    assert "rank 0 gave up on purpose" in got["msg"], (got, logs[2][-2000:])
