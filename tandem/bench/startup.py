@@ -6,6 +6,7 @@ Run::
     python -m tandem.bench startup --world-sizes 2 --rounds 5 --markdown
     python -m tandem.bench startup --quick              # 2 ranks, 1 round: what a smoke test runs
     python -m tandem.bench startup --ranks 16,32 --rounds 1 --baseline /tmp/old  # before/after
+    python -m tandem.bench startup --layouts 2x8,8x8 --rounds 1   # as root: simulated hosts
 
 How it measures. Each round launches a tiny script with ``--standalone
 --nproc-per-node N``: ``python -m tandem.run`` whose workers call
@@ -16,8 +17,8 @@ and the library are done, and when ``init_process_group`` returned. The columns 
 from the moment the launcher process is started:
 
     script  the last rank's script starts          (launcher start-up + spawning)
-    init    the last rank returned from init        (the number that matters)
-    barrier the last rank finished its first barrier (not in the table; the scale benchmark's)
+    init    the last rank returned from init
+    barrier the last rank finished its first barrier (the whole launch: ratio (barrier))
     exit    the launcher exited (workers destroyed their groups and left)
 
 and, counted from the moment the last rank finished importing (torch and the whole
@@ -25,6 +26,19 @@ library: tandem's modules load on first use, so the worker touches
 ``init_process_group`` first), ``init+barrier``: the last rank's first ``barrier``
 returned. ``--baseline PATH`` also measures the tandem found at PATH (a checkout of an
 earlier commit, put first on ``PYTHONPATH``) in the same rounds, for before/after tables.
+
+``--layouts HxR,...`` launches across ``H`` simulated hosts (``tandem.testing.netns``,
+needs root) with ``R`` ranks each, one launcher per host as on a cluster: ``tandemrun
+--nnodes H --node-rank h`` against ``torchrun --nnodes H --node-rank h``, static
+rendezvous at host 0's address, every launcher started at once; the times count from
+then to the last rank of any host. Each host has its own ``TANDEM_HOST_ID`` and
+``TANDEM_BIND_ADDR`` (tandem: shared memory within a host, TCP across) and
+``GLOO_SOCKET_IFNAME=eth0``.
+
+``PSS MB``: the ranks' memory after their first barrier, the sum of each rank's PSS
+(proportional set size: pages it shares counted in part). Workers forked from the
+zygote share its pages (torch's and tandem's modules) until they write them; the
+zygote's own share is not counted.
 
 Rounds alternate between the two launchers so both see the same machine noise; the
 table shows the median round. ratio = torchrun init / tandemrun init: above 1 means
@@ -37,12 +51,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Sequence
+
+from tandem.bench._hosts import Hosts, Layout, Unavailable, parse_layouts, simulated_hosts
+from tandem.testing.links import LinkShape
 
 __all__ = ["main", "measure", "render"]
 
@@ -63,13 +81,19 @@ dist.init_process_group(backend)
 ready = time.time()
 dist.barrier()
 barrier = time.time()
+pss = 0
+with open("/proc/self/smaps_rollup") as f:  # this rank's share of the memory it maps
+    for line in f:
+        if line.startswith("Pss:"):
+            pss = int(line.split()[1]) * 1024
 with open(os.path.join(sys.argv[2], "rank%s.json" % os.environ["RANK"]), "w") as f:
-    json.dump({"start": start, "imported": imported, "ready": ready, "barrier": barrier}, f)
+    json.dump({"start": start, "imported": imported, "ready": ready, "barrier": barrier,
+               "pss": pss}, f)
 dist.destroy_process_group()
 '''
 
 LAUNCHERS = {"tandem": ["-m", "tandem.run"], "torch": ["-m", "torch.distributed.run"]}
-COLUMNS = ("script", "init", "exit", "import", "init+barrier")
+COLUMNS = ("script", "init", "barrier", "exit", "import", "init+barrier", "pss")
 NAMES = {"tandem": "tandemrun+tandem", "baseline": "tandemrun+tandem (baseline)",
          "torch": "torchrun+gloo"}
 
@@ -98,13 +122,66 @@ def measure(lib: str, world_size: int, workdir: str, timeout: float = 300.0,
     t_exit = time.time()
     if proc.returncode != 0:
         raise RuntimeError(f"{lib} launch failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return _milestones(out, world_size, t0, t_exit)
+
+
+def _milestones(out: str, world_size: int, t0: float, t_exit: float) -> dict[str, float]:
+    """The columns of one launch, from the ranks' notes in ``out``."""
     ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world_size)]
     return {"script": max(r["start"] for r in ranks) - t0,
             "import": max(r["imported"] - r["start"] for r in ranks),
             "init": max(r["ready"] for r in ranks) - t0,
             "barrier": max(r["barrier"] for r in ranks) - t0,
             "exit": t_exit - t0,
-            "init+barrier": max(r["barrier"] for r in ranks) - max(r["imported"] for r in ranks)}
+            "init+barrier": max(r["barrier"] for r in ranks) - max(r["imported"] for r in ranks),
+            "pss": sum(r.get("pss", 0) for r in ranks) / 2**20}
+
+
+def measure_hosts(lib: str, hosts: Hosts, workdir: str, port: int,
+                  timeout: float = 600.0) -> dict[str, float]:
+    """One launch across simulated hosts: a launcher per host (see the module docstring)."""
+    script = os.path.join(workdir, "startup_worker.py")
+    if not os.path.exists(script):
+        with open(script, "w") as f:
+            f.write(WORKER)
+    out = tempfile.mkdtemp(dir=workdir)
+    layout, lab = hosts.layout, hosts.lab
+    secret = secrets.token_hex(16)
+
+    def args(host: int) -> list[str]:
+        return [*LAUNCHERS[lib], "--nnodes", str(layout.hosts), "--node-rank", str(host),
+                "--nproc-per-node", str(layout.ranks_per_host), "--master-addr",
+                lab.addrs[0], "--master-port", str(port), script, lib, out]
+
+    def env(host: int) -> dict[str, str]:
+        return {"TANDEM_SECRET": secret, "TANDEM_HOST_ID": f"labhost{host}",
+                "TANDEM_BIND_ADDR": lab.addrs[host], "GLOO_SOCKET_IFNAME": "eth0"}
+
+    t0 = time.time()
+    runs = lab.run([], list(range(layout.hosts)), args, env, timeout=timeout, grace=30.0)
+    t_exit = time.time()
+    failed = [r for r in runs if not r.ok]
+    if failed:
+        raise RuntimeError(f"{lib} launch on {layout} hosts failed on host "
+                           f"{failed[0].host} ({failed[0].returncode}):\n{failed[0].log[-3000:]}")
+    return _milestones(out, layout.world_size, t0, t_exit)
+
+
+def run_hosts(layouts: Sequence[Layout], rounds: int) -> list[dict[str, object]]:
+    """The rows of ``--layouts``: each layout in a lab of its own, launchers alternating."""
+    rows: list[dict[str, object]] = []
+    for layout in layouts:
+        with simulated_hosts(layout, LinkShape()) as hosts:
+            workdir = str(hosts.workdir)
+            samples: dict[str, list[dict[str, float]]] = {"tandem": [], "torch": []}
+            for i in range(rounds):
+                for lib in ("tandem", "torch") if i % 2 == 0 else ("torch", "tandem"):
+                    port = 20000 + secrets.randbelow(20000)  # in the lab's own namespaces
+                    samples[lib].append(measure_hosts(lib, hosts, workdir, port))
+            med = {lib: {c: statistics.median(s[c] for s in samples[lib]) for c in COLUMNS}
+                   for lib in samples}
+            rows.append({"world_size": str(layout), **med})
+    return rows
 
 
 def run(world_sizes: Sequence[int], rounds: int,
@@ -125,8 +202,9 @@ def run(world_sizes: Sequence[int], rounds: int,
 
 
 def format_table(rows: Sequence[dict[str, object]], markdown: bool = False) -> str:
-    head = ["ranks", "launcher", "script s", "import s", "init s", "exit s", "ratio (init)",
-            "init+barrier s", "ratio (init+barrier)", "ratio (exit)"]
+    head = ["ranks", "launcher", "script s", "import s", "init s", "barrier s", "exit s",
+            "ratio (init)", "init+barrier s", "ratio (init+barrier)", "ratio (barrier)",
+            "ratio (exit)", "PSS MB"]
     body = []
     for row in rows:
         g = row["torch"]
@@ -137,11 +215,12 @@ def format_table(rows: Sequence[dict[str, object]], markdown: bool = False) -> s
                 continue
             ratios = ([f"{g['init'] / m['init']:.2f}", f"{m['init+barrier']:.2f}",
                        f"{g['init+barrier'] / m['init+barrier']:.2f}",
+                       f"{m['barrier'] / g['barrier']:.2f}",
                        f"{m['exit'] / g['exit']:.2f}"] if lib != "torch"
-                      else ["", f"{m['init+barrier']:.2f}", "", ""])
+                      else ["", f"{m['init+barrier']:.2f}", "", "", ""])
             body.append([str(row["world_size"]), NAMES[lib], f"{m['script']:.2f}",
-                         f"{m['import']:.2f}", f"{m['init']:.2f}", f"{m['exit']:.2f}",
-                         *ratios])
+                         f"{m['import']:.2f}", f"{m['init']:.2f}", f"{m['barrier']:.2f}",
+                         f"{m['exit']:.2f}", *ratios, f"{m['pss']:.0f}"])
     return render(head, body, markdown)
 
 
@@ -160,6 +239,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--world-sizes", "--ranks", default="2,4",
                         help="comma-separated rank counts (default 2,4)")
     parser.add_argument("--rounds", type=int, default=3, help="launches per library (default 3)")
+    parser.add_argument("--layouts", default="",
+                        help="HOSTSxRANKS,...: launch across simulated hosts, one launcher "
+                             "per host (needs root), instead of --ranks on this host")
     parser.add_argument("--quick", action="store_true", help="2 ranks, 1 round")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     parser.add_argument("--baseline", metavar="PATH",
@@ -173,11 +255,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                           "__init__.py")):
         parser.error(f"--baseline {args.baseline}: no tandem package there (expected "
                      f"{os.path.join(args.baseline, 'tandem', '__init__.py')})")
-    rows = run(sizes, rounds, args.baseline)
+    if args.layouts:
+        if args.baseline:
+            parser.error("--baseline measures one host only; drop it or --layouts")
+        try:
+            layouts = parse_layouts(args.layouts)
+        except ValueError as exc:
+            parser.error(f"--layouts: {exc}")
+        try:
+            rows = run_hosts(layouts, rounds)
+        except Unavailable as exc:
+            print(f"# startup --layouts: simulated hosts unavailable: {exc}")
+            return 1
+    else:
+        rows = run(sizes, rounds, args.baseline)
     print(f"# startup: median of {rounds} round(s), {os.cpu_count()} CPUs; seconds from "
           f"launcher start (init+barrier: from the last rank's imports); ratio (init), "
-          f"ratio (init+barrier) = gloo's / tandem's (>1: tandem ready sooner); ratio (exit) "
-          f"= tandemrun's whole launch / torchrun's (<1: tandem sooner); "
+          f"ratio (init+barrier) = gloo's / tandem's (>1: tandem ready sooner); ratio "
+          f"(barrier), ratio (exit) = tandemrun's launch to the first barrier done, to its "
+          f"exit / torchrun's (<1: tandem sooner); PSS MB: the ranks' memory after the barrier; "
           f"{time.monotonic() - start:.0f} s")
     print(format_table(rows, markdown=args.markdown))
     return 0

@@ -38,7 +38,8 @@ _HERE = os.path.dirname(os.path.realpath(__file__))
 if sys.path and sys.path[0] and os.path.realpath(sys.path[0]) == _HERE:
     sys.path.pop(0)  # as _worker.py: our directory must not shadow the script's imports
 
-import importlib  # noqa: E402 - after the path fix above
+import gc  # noqa: E402 - after the path fix above
+import importlib  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import signal  # noqa: E402
@@ -46,7 +47,7 @@ import socket  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from types import ModuleType  # noqa: E402
-from typing import Any, Dict, List, Tuple  # noqa: E402
+from typing import Any, Callable, Dict, List, Tuple  # noqa: E402
 
 # What training scripts import first; each import must start no thread (see warm_up).
 # torch._dynamo is what torch's optimizers import when the first one is made: 800 modules,
@@ -55,6 +56,7 @@ from typing import Any, Dict, List, Tuple  # noqa: E402
 WARM_MODULES = ("torch", "torch._dynamo", "torch.nn.functional", "torch.utils.data",
                 "tandem", "tandem.parallel", "tandem.elastic", "tandem.optim",
                 "tandem.checkpoint")
+MAX_SAID = 8192  # bytes of what the imports printed that the agent shows (the end of it)
 MAX_REQUEST = 1 << 20  # bytes: the environment of a worker, with room to spare
 ADOPTION_WAIT = 5.0  # seconds for the agent to adopt a new process (it takes microseconds)
 
@@ -90,6 +92,27 @@ def warm_up() -> str:
     return ""
 
 
+def quietly(fn: Callable[[], str]) -> Tuple[str, str]:
+    """``fn()`` with this process's stderr (descriptor 2) caught: its result, and the end
+    of what it printed (import warnings, which a worker started cold would print itself)."""
+    import tempfile  # only here: the zygote imports no more than it needs before its warm-up
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            result = fn()
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        caught.seek(0, os.SEEK_END)
+        caught.seek(max(0, caught.tell() - MAX_SAID))
+        said = caught.read().decode(errors="replace")
+    return result, said
+
+
 def _send(sock: socket.socket, message: Dict[str, Any]) -> None:
     sock.send(json.dumps(message).encode())
 
@@ -99,15 +122,16 @@ def serve(sock: socket.socket, parent: int) -> Tuple[Dict[str, Any], List[int]]:
     and descriptors (the zygote itself exits when the agent is gone)."""
     while True:
         try:
-            data, fds, _, _ = socket.recv_fds(sock, MAX_REQUEST, 4)
+            data, fds, _, _ = socket.recv_fds(sock, MAX_REQUEST, 5)
         except OSError:
             data, fds = b"", []
         if not data:
             os._exit(0)  # the agent closed its end, or died
         try:
             request = json.loads(data)
-            if len(fds) not in (3, 4):
-                raise ValueError(f"{len(fds)} descriptors, not 3 or 4")
+            wanted = 3 + bool(request.get("guard")) + bool(request.get("gate"))
+            if len(fds) != wanted:
+                raise ValueError(f"{len(fds)} descriptors, not {wanted}")
             pid = _fork_adopted(sock)
         except Exception as exc:  # noqa: BLE001 - the agent hears of it and starts cold
             _send(sock, {"error": f"{type(exc).__name__}: {exc}"})
@@ -150,7 +174,9 @@ def _fork_adopted(sock: socket.socket) -> int:
 
 def become(request: Dict[str, Any], fds: List[int], parent: int) -> List[str]:
     """Turn this new process into what ``_worker.py`` starts as; its bootstrap arguments."""
-    out, err, report, *guard = fds  # the job reaper's pipe, if the job has a reaper
+    out, err, report = fds[:3]
+    guard = fds[3:4] if request.get("guard") else []  # the job reaper's pipe, if any
+    gate = fds[-1] if request.get("gate") else -1
     os.setsid()  # a session and process group of its own, as any worker's supervisor
     os.dup2(out, 1)
     os.dup2(err, 2)
@@ -159,12 +185,26 @@ def become(request: Dict[str, Any], fds: List[int], parent: int) -> List[str]:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    # random generators seeded once, in the zygote, must not be shared by the workers: a new
+    # interpreter seeds torch's default generator afresh, as it does numpy's global one
+    # (Python's random module reseeds itself after a fork)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.default_generator.seed()
     numpy = sys.modules.get("numpy.random")
-    if numpy is not None:  # its global generator was seeded once, in the zygote
+    if numpy is not None:
         numpy.seed()
     deadline = time.monotonic() + ADOPTION_WAIT
     while os.getppid() != parent and time.monotonic() < deadline:
         time.sleep(0.0005)  # the middle process is exiting
+    if gate >= 0:  # the agent's first workers start together, as new interpreters would
+        while True:
+            try:
+                if not os.read(gate, 64):
+                    break  # every one is forked (or the agent is gone)
+            except InterruptedError:
+                continue
+        os.close(gate)
     return ["--report", str(report), *(["--guard", str(guard[0])] if guard else []),
             *(str(a) for a in request["argv"])]
 
@@ -186,11 +226,15 @@ def main(argv: List[str]) -> None:
     if not worker._prctl(worker.PR_SET_PDEATHSIG, signal.SIGKILL) or os.getppid() != parent:
         _send(sock, {"error": "it cannot follow the agent's death (PR_SET_PDEATHSIG)"})
         os._exit(1)
-    why = warm_up()
+    why, said = quietly(warm_up)
     if why:
-        _send(sock, {"error": why})
+        _send(sock, {"error": why + (f"; it printed: {said[-2000:]}" if said.strip() else "")})
         os._exit(1)
-    _send(sock, {"ready": os.getpid()})
+    # what the imports made lives as long as the workers: kept out of their collections,
+    # whose marks would copy the pages the workers now share with the zygote
+    gc.collect()
+    gc.freeze()
+    _send(sock, {"ready": os.getpid(), "said": said})
     request, fds = serve(sock, parent)
     worker.main(become(request, fds, parent))  # as `python _worker.py ARGS`: exits as it does
 

@@ -43,7 +43,8 @@ from tandem.run.rootcause import (EXIT_GRACE, Failure, format_summary, let_faili
                                   load_record, pick_root_cause)
 from tandem.run.streams import Console
 from tandem.run.workerenv import worker_specs
-from tandem.run.workers import Worker, WorkerGroup
+from tandem.run.warm import WarmPool
+from tandem.run.workers import Launcher, Process, Worker, WorkerGroup, WorkerSpec, popen
 from tandem.store.base import Store
 from tandem.store.tcp import TCPStore
 
@@ -90,6 +91,7 @@ class Agent:
         self.inplace: InPlace | None = None  # the attempt's in-place recovery (elastic jobs)
         self._secret = b""
         self._own_store: TCPStore | None = None  # one node: the store elastic workers share
+        self._pool: WarmPool | None = None  # the node's zygote, kept for every attempt
 
     def _say(self, text: str) -> None:
         self.err.message(f"tandemrun: {text}")
@@ -190,6 +192,8 @@ class Agent:
                 self._say(merged)
             if self.group is not None:
                 self.group.close()
+            if self._pool is not None:  # after the workers it forked
+                self._pool.close()
             if self._own_store is not None:
                 self._own_store.close()
             self.containment.close()
@@ -264,11 +268,21 @@ class Agent:
         if self.containment.mark:  # what the job's reaper looks for, and its pipe
             specs = [dataclasses.replace(s, env={**s.env, MARK: self.containment.mark},
                                          guard=self.containment.guard) for s in specs]
-        inplace = self.inplace = self._in_place(rdzv, a)
+        pool = self._warm_pool(specs)
+        inplace = self.inplace = self._in_place(rdzv, a, pool)
         specs = [inplace.prepare(spec) for spec in specs]
         group = self.group = WorkerGroup(specs, self.out, self.err)
         started = time.time()
-        group.start(lambda: self.ending is not None)
+        while pool is not None and pool.warming() and self.ending is None:
+            pool.wait(cfg.monitor_interval)  # one import for the node, not one per worker
+        if pool is not None:
+            pool.hold()  # they start together
+        try:
+            group.start(lambda: self.ending is not None,
+                        launch=popen if pool is None else self._warm_launcher(pool))
+        finally:
+            if pool is not None:
+                pool.release()
         try:
             while True:
                 if self.ending:
@@ -318,6 +332,40 @@ class Agent:
             inplace.close()  # the zygote, after the workers it forked
             self.group = None
 
+    def _warm_pool(self, specs: Sequence[WorkerSpec]) -> WarmPool | None:
+        """The node's zygote, started with the first attempt's workers: they and every
+        later one are forked from it, ``import torch`` paid once per node instead of once
+        per worker. None when warm starts are off, for one worker per node (nothing to
+        share: its zygote starts once the job runs elastic, :mod:`tandem.run.inplace`),
+        and for workers that are no script or module of this interpreter."""
+        if self._pool is not None:  # broken or not: the workers start cold, with its reason
+            return self._pool
+        if not self.cfg.warm_start or self.cfg.nproc_per_node < 2 or not specs:
+            return None
+        pool = WarmPool(specs[0], self._say)
+        if pool.unusable(specs[0]):  # --no-python: no zygote, and nothing to say
+            return None
+        pool.start()
+        self._pool = pool
+        return pool
+
+    def _warm_launcher(self, pool: WarmPool) -> Launcher:
+        """Start a worker forked from ``pool``'s zygote, or cold when it cannot (the pool
+        said why: it failed, or was not ready within its deadline)."""
+
+        def launch(spec: WorkerSpec, report: int, wanted: dict[str, bool]) -> Process:
+            why = pool.unusable(spec)
+            if not why:
+                try:
+                    return pool.launch(spec, report, wanted)
+                except OSError:
+                    pass  # the pool is broken now and said so; this worker and the rest cold
+            elif not pool.broken:
+                self._say(f"worker of rank {spec.rank} starts cold: {why}")
+            return popen(spec, report, wanted)
+
+        return launch
+
     def _dump_recorders(self, group: WorkerGroup, started: float) -> None:
         """Let the live workers dump their flight recorders before they are stopped."""
         request_dumps(group.alive(), min(DUMP_WAIT, self.cfg.shutdown_timeout))
@@ -325,7 +373,7 @@ class Agent:
         if line:
             self._say(line)
 
-    def _in_place(self, rdzv: Rendezvous, a: Assignment) -> InPlace:
+    def _in_place(self, rdzv: Rendezvous, a: Assignment, pool: WarmPool | None) -> InPlace:
         """The attempt's in-place recovery, on the store every node shares (one node: a
         store of our own, made once and kept for every attempt)."""
         shared = rdzv.shared_store()
@@ -340,7 +388,7 @@ class Agent:
         prefix = elastic_prefix("tandemrun", a.attempt)
         return InPlace(self.cfg, a, Roster(store, prefix), f"tcp://{where}?prefix={prefix}",
                        budget=self.cfg.max_restarts - a.restart_count,
-                       backoff=load_settings().elastic_backoff, say=self._say)
+                       backoff=load_settings().elastic_backoff, say=self._say, pool=pool)
 
     def _collect(self, group: WorkerGroup, a: Assignment, since: float | None) -> list[Failure]:
         """Failed workers, leaving out those that only died of our stop signal and those

@@ -158,9 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
              "(each replacement counts against --max-restarts); with --nproc-per-node, at "
              "most the workers this host's available memory holds")
     add(*_both("no-warm-start"), action=_EnvFlag,
-        help="tandem only, for scripts under tandem.elastic.run_elastic: start new workers "
-             "(replacements, spares) as new interpreters; by default they are forked from a "
-             "process per node that has imported torch and tandem, seconds sooner")
+        help="tandem only: start every worker as a new interpreter that imports torch "
+             "itself; by default, with two or more workers per node, the workers (and "
+             "later restarts, replacements and spares) are forked from one process per "
+             "node that imported torch and tandem once for all of them (with one worker "
+             "per node: only the replacements and spares of a job under "
+             "tandem.elastic.run_elastic)")
     add(*_both("monitor-interval"), action=_Env, type=float, default=0.1,
         help="seconds between worker health checks (default 0.1)")
     add(*_both("shutdown-timeout"), action=_Env, type=float, default=5.0,

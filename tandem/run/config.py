@@ -91,7 +91,7 @@ class LaunchConfig:
     rdzv_conf: tuple[tuple[str, str], ...] = ()
     max_restarts: int = 0
     spares: int = 0  # elastic jobs: workers per node kept ready to take a lost one's place
-    warm_start: bool = True  # elastic jobs: new workers forked from a zygote (tandem.run.warm)
+    warm_start: bool = True  # workers forked from a zygote per node (tandem.run.warm)
     monitor_interval: float = 0.1
     shutdown_timeout: float = 5.0
     role: str = "default"

@@ -17,7 +17,8 @@ worker that fails does not stop the others. The agent
   elastic, so that a lost worker's place is taken in the survivors' own round (the new
   worker started for the lost slot then waits as the next spare);
 * starts those new workers warm: forked from a zygote that has imported torch and
-  tandem (:mod:`tandem.run.warm`), started once the job runs elastic; a new worker
+  tandem (:mod:`tandem.run.warm`): the agent's, which forked the first workers too,
+  or else one started once the job runs elastic; a new worker
   waits for the zygote while it imports (it started earlier, so it is ready sooner
   than a new interpreter would be), and starts cold, with a line saying why, when the
   zygote cannot fork it (``--no-warm-start``: always cold);
@@ -57,6 +58,7 @@ from tandem.run.workers import Worker, WorkerGroup, WorkerSpec
 __all__ = ["InPlace", "elastic_prefix"]
 
 MAX_BACKOFF_FACTOR = 64
+STRAYS_INTERVAL = 1.0  # seconds between looks for exited processes the agent adopted
 
 
 def elastic_prefix(base: str, attempt: int) -> str:
@@ -76,7 +78,8 @@ class InPlace:
     """
 
     def __init__(self, cfg: LaunchConfig, a: Assignment, roster: Roster, store_url: str,
-                 budget: int, backoff: float, say: Callable[[str], None]) -> None:
+                 budget: int, backoff: float, say: Callable[[str], None],
+                 pool: WarmPool | None = None) -> None:
         self._cfg, self._a = cfg, a
         self.roster = roster
         roster.manage()  # a round short of the minimum hears our exit reports first
@@ -92,7 +95,11 @@ class InPlace:
         self._coming: dict[str, Worker] = {}  # joiners started, not yet in the queue
         self._templates: dict[int, WorkerSpec] = {}
         self._spares_started = False
-        self._pool: WarmPool | None = None  # the zygote, once the job runs elastic
+        # the zygote: the agent's, which started the workers (kept for every attempt), or
+        # our own, made once the job runs elastic
+        self._pool: WarmPool | None = pool
+        self._own_pool = False
+        self._reaped = 0.0  # when strays were last looked for
         self._labelled = -1  # the generation whose ranks label our workers' lines
         self._generation = 0  # the newest generation looked at for members left out
         self._evicted: dict[str, str] = {}  # workers killed for being left out: why
@@ -184,11 +191,13 @@ class InPlace:
     def tick(self, group: WorkerGroup) -> None:
         """Start due workers and spares; note joiners that arrived in the queue or died."""
         if self._cfg.warm_start and self._pool is None and self.roster.is_on():
-            self._pool = WarmPool(self._templates[0], self._say)
+            self._pool, self._own_pool = WarmPool(self._templates[0], self._say), True
             self._pool.start()  # unless its workers cannot start warm (then it says why)
         if self._pool is not None:  # hears the zygote; reaps what the agent adopted and is
-            self._pool.ready()     # no worker of it
-            reap_strays([w.pid for w in group.workers] + self._pool.children())
+            self._pool.ready()     # no worker of it: rare, so once a second (an agent of 32
+            if time.monotonic() >= self._reaped + STRAYS_INTERVAL:  # workers has 100 threads
+                self._reaped = time.monotonic()                     # to list children of)
+                reap_strays([w.pid for w in group.workers] + self._pool.children())
         if self._cfg.spares and not self._spares_started and self.roster.is_on():
             self._spares_started = True
             for i in range(self._cfg.spares):
@@ -275,8 +284,8 @@ class InPlace:
         return True
 
     def close(self) -> None:
-        """Stop the zygote; call when the attempt's workers are gone."""
-        if self._pool is not None:
+        """Stop our own zygote; call when the attempt's workers are gone."""
+        if self._pool is not None and self._own_pool:
             self._pool.close()
 
     def running(self) -> bool:

@@ -47,10 +47,11 @@ from tandem.run._supervisor import _children, _stat
 from tandem.run._worker import PR_SET_CHILD_SUBREAPER, _prctl
 from tandem.run.workers import BOOTSTRAP, WorkerSpec
 
-__all__ = ["WarmPool", "Adopted", "ZYGOTE"]
+__all__ = ["WarmPool", "Adopted", "ZYGOTE", "per_worker"]
 
 ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_zygote.py")
-WARM_WAIT = 60.0  # seconds the zygote may take to import (4-12 s on a loaded 2-core host)
+WARM_WAIT = 120.0  # seconds the zygote may take to import (4-12 s on a loaded 2-core host,
+# 60 s and more at a load of 80): the first workers wait for it
 REPLY_WAIT = 5.0  # seconds for the zygote to fork a worker (it takes milliseconds)
 # variables that the launcher sets per worker: they may differ from the zygote's
 PER_WORKER = frozenset({
@@ -83,12 +84,14 @@ class WarmPool:
 
     def __init__(self, template: WorkerSpec, say: Callable[[str], None]) -> None:
         self._template = template
-        self._env = dict(template.env)
+        # what every worker of the node shares: the zygote's imports must see no rank's own
+        self._env = {k: v for k, v in template.env.items() if not per_worker(k)}
         self._say = say
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self.pid = 0  # the zygote's, once it is ready
         self.broken = ""  # why the zygote cannot serve (set once, never cleared)
+        self._gate: tuple[int, int] | None = None  # see hold()
         self._started = 0.0
 
     # -- the zygote's life -----------------------------------------------------------
@@ -126,6 +129,11 @@ class WarmPool:
             self.pid = int(message["ready"])
             self._say(f"warm starts ready: a zygote (pid {self.pid}) imported torch and "
                       f"tandem in {time.monotonic() - self._started:.1f}s")
+            said = str(message.get("said", "")).rstrip()
+            if said:  # import warnings: each worker started cold would have printed them
+                self._say("what the zygote's imports printed (once for this node's workers):")
+                for line in said.splitlines():
+                    self._say(f"  {line}")
         elif message is not None:
             self._fail(f"the zygote failed: {message.get('error', message)}")
         elif self._proc is not None and self._proc.poll() is not None:
@@ -141,6 +149,12 @@ class WarmPool:
             self._fail(f"the zygote was not ready within {WARM_WAIT:g}s of its start")
             return False
         return True
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the zygote to be ready; whether it is."""
+        if self._sock is not None and not self.pid and not self.broken:
+            select.select([self._sock], [], [], timeout)
+        return self.ready()
 
     def _receive(self, timeout: float) -> dict[str, Any] | None:
         """The zygote's next message, if one comes within ``timeout``; ``{"error": ...}``
@@ -188,7 +202,7 @@ class WarmPool:
             return "the worker runs a program of its own (--no-python)"
         differ = sorted(k for k in set(spec.env) ^ set(self._env) | {
             k for k in set(spec.env) & set(self._env) if spec.env[k] != self._env[k]}
-            if k not in PER_WORKER and not k.startswith(PER_WORKER_PREFIXES))
+            if not per_worker(k))
         if differ:
             return f"its environment differs from the zygote's in {', '.join(differ[:5])}"
         return self.broken
@@ -202,10 +216,12 @@ class WarmPool:
         try:
             for name in ("stdout", "stderr"):
                 ends[name] = os.pipe() if wanted[name] else (-1, os.open(os.devnull, os.O_WRONLY))
-            request = {"argv": list(spec.argv[2:]), "env": spec.env, "cwd": os.getcwd()}
+            request = {"argv": list(spec.argv[2:]), "env": spec.env, "cwd": os.getcwd(),
+                       "guard": spec.guard >= 0, "gate": self._gate is not None}
             socket.send_fds(self._sock, [json.dumps(request).encode()],
                             [ends["stdout"][1], ends["stderr"][1], report]
-                            + ([spec.guard] if spec.guard >= 0 else []))
+                            + ([spec.guard] if spec.guard >= 0 else [])
+                            + ([self._gate[0]] if self._gate is not None else []))
             reply = self._receive(REPLY_WAIT)
         except (OSError, ValueError) as exc:
             reply = {"error": f"{type(exc).__name__}: {exc}"}
@@ -223,10 +239,30 @@ class WarmPool:
                  for name, (read, _) in ends.items()}
         return Adopted(int(reply["pid"]), pipes["stdout"], pipes["stderr"])
 
+    def hold(self) -> None:
+        """Hold the workers forked from now on until :meth:`release`: forked one after
+        the other, the first would otherwise run seconds ahead of the last on a loaded
+        host, where new interpreters all start at once (and, e.g., print the same
+        ``--help`` close enough together for the console to merge it)."""
+        if self._gate is None:
+            self._gate = os.pipe()
+
+    def release(self) -> None:
+        """Let the workers held since :meth:`hold` run."""
+        if self._gate is not None:
+            for end in self._gate:
+                os.close(end)
+            self._gate = None
+
     def children(self) -> list[int]:
         """The agent's children that belong to the pool (the zygote)."""
         return [self._proc.pid] if self._proc is not None else []
 
+
+
+def per_worker(name: str) -> bool:
+    """Whether the launcher sets the variable ``name`` per worker (see ``PER_WORKER``)."""
+    return name in PER_WORKER or name.startswith(PER_WORKER_PREFIXES)
 
 
 def _mode(options: tuple[str, ...]) -> str:

@@ -174,13 +174,14 @@ class WorkerGroup:
         self.workers: list[Worker] = []
         self._out, self._err = out, err
 
-    def start(self, stop: Callable[[], bool] = lambda: False) -> None:
-        """Start every worker, unless ``stop()`` says the job is ending meanwhile (a
-        signal arrived); call from the main thread (PR_SET_PDEATHSIG follows it)."""
+    def start(self, stop: Callable[[], bool] = lambda: False, launch: Launcher = popen) -> None:
+        """Start every worker with ``launch``, unless ``stop()`` says the job is ending
+        meanwhile (a signal arrived); call from the main thread (PR_SET_PDEATHSIG follows
+        it)."""
         for spec in self.specs:
             if stop():
                 return
-            self.add(spec)
+            self.add(spec, launch)
 
     def add(self, spec: WorkerSpec, launch: Launcher = popen) -> Worker:
         """Start one more worker (a replacement or a spare); from the main thread."""

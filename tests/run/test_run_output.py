@@ -72,7 +72,8 @@ def test_ctrl_c_prints_at_most_one_line_per_rank(launch: Launch, tmp_path: Path)
     assert max(per_rank.values()) <= 1, res.err
     assert "Traceback" not in res.err and "received SIGINT; workers stopped" in res.err
     launcher = [line for line in res.err.splitlines() if not PREFIX.match(line)]
-    assert len(launcher) <= 4, res.err  # start-up notes, the dumps, "received SIGINT"
+    # start-up notes (the zygote's among them), the dumps, "received SIGINT"
+    assert len(launcher) <= 5, res.err
 
 
 @pytest.mark.timeout(60)
