@@ -23,8 +23,9 @@ kernel lets the reader copy them straight out of the writer's memory (cross-memo
 attach, :mod:`~tandem.transport._cma`): one copy instead of two.
 
 Collectives of a same-host group also get an *arena* (:meth:`ShmTransport.arena`,
-:mod:`~tandem.transport._arena`): each member creates a staging segment and hands it
-to every other member over the same authenticated sockets, so all map all.
+:mod:`~tandem.transport._arena`): its first member creates one segment holding
+every member's staging area and hands it to each other member over the same
+authenticated sockets (members - 1 hand-overs, one mapping each).
 
 A dead peer: the kernel closes its sockets, a watcher thread sees EOF, and the
 reader reports ``PeerLostError`` once it has drained what the peer wrote before
@@ -305,12 +306,13 @@ class ShmTransport(BoundedSends, Transport):
 
     def arena(self, key: int, members: Sequence[int], chunk: int | None = None,
               timeout: float | None = None) -> Arena:
-        """Hand every member of ``members`` my staging segment and map theirs.
+        """Map the staging areas of ``members``: one segment, made by the first member
+        and handed to each other one (members - 1 hand-overs, one mapping each).
 
         Collective over ``members`` (global ranks, all on this host, this rank among
-        them); ``key`` (e.g. the group id) tells concurrent calls apart. The staging
-        size is the smallest any member offered, so members that computed different
-        defaults still agree.
+        them); ``key`` (e.g. the group id) tells concurrent calls apart. The area size
+        is the first member's choice, so members that computed different defaults
+        still agree.
         """
         if not self.shares_memory_with(members) or self.rank not in members:
             raise ArgumentError(f"an arena needs ranks that share memory with rank "
@@ -324,28 +326,33 @@ class ShmTransport(BoundedSends, Transport):
                     f"staging halves of all of them together may take a quarter of the "
                     f"{memory_text()}",
                     f"unset it (0 picks 1-4 MiB) or choose a power of two up to {limit}")
-        chunk = chunk or default_chunk(len(self._peers) + 1)
-        size = segment_bytes(chunk)
-        fd = create_segment(size, self._shm_dir, "tandem-arena")
-        maps: dict[int, mmap.mmap] = {}
-        try:
-            maps[self.rank] = mmap.mmap(fd, size)
-            for r in members:
-                if r != self.rank:
-                    self._offer(self._peers[r], key, fd, size)
+        members = list(members)
+        first, count = members[0], len(members)
+        if self.rank == first:
+            chunk = chunk or default_chunk(len(self._peers) + 1)
+            size = segment_bytes(chunk) * count
+            fd = create_segment(size, self._shm_dir, "tandem-arena")
+            try:
+                whole = mmap.mmap(fd, size)
+                try:
+                    for r in members[1:]:
+                        self._offer(self._peers[r], key, fd, size)
+                except BaseException:
+                    whole.close()
+                    raise
+            finally:
+                os.close(fd)
+        else:
             deadline = time.monotonic() + (timeout or self._connect_timeout)
-            for r in members:
-                if r != self.rank:
-                    maps[r] = self._accept_offer(r, key, deadline)
-        except BaseException:
-            for m in maps.values():
-                m.close()
-            raise
-        finally:
-            os.close(fd)
-        smallest = min(len(m) for m in maps.values())
-        return Arena(members, list(members).index(self.rank), [maps[r] for r in members],
-                     (smallest - CONTROL_BYTES) // 2, self._spin)
+            whole = self._accept_offer(first, key, deadline, count * segment_bytes(4096))
+            if len(whole) % count or (len(whole) // count) % mmap.PAGESIZE:
+                size = len(whole)
+                whole.close()
+                raise NetworkError(f"rank {first} handed over a {size}-byte arena for "
+                                   f"{count} ranks: not {count} whole areas of pages")
+        per = len(whole) // count
+        return Arena(members, members.index(self.rank), whole, (per - CONTROL_BYTES) // 2,
+                     self._spin)
 
     def _offer(self, peer: ShmPeer, key: int, fd: int | None, size: int) -> None:
         deadline = time.monotonic() + self._connect_timeout
