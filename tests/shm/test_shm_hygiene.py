@@ -75,8 +75,8 @@ def test_rings_are_mapped_without_names_and_no_descriptor_is_leaked(job: Any) ->
         if not o.ok:
             continue
         maps = o.value["maps"]
-        # no ring: a ring is made on a pair's first message, and the all_reduce goes
-        # through the default group's staging arena (one segment for all members)
+        # no ring: a ring is made on a pair's first message, and the all_reduce and the
+        # barrier go through the default group's staging arena (one segment for all)
         assert len(maps) == 1, maps
         assert all(m.endswith("(deleted)") for m in maps), maps
         if job["backend"] == "shm":
