@@ -67,7 +67,7 @@ from tandem.transport.mailbox import Mailbox
 from tandem.transport.message import Header, Kind, Slot
 from tandem.transport.sendqueue import SendQueue
 
-__all__ = ["ShmPeer", "Closed", "frame", "BY_REFERENCE_MIN", "SMALL_FRAME"]
+__all__ = ["ShmPeer", "Closed", "frame", "unframe", "BY_REFERENCE_MIN", "SMALL_FRAME"]
 
 _HDR = struct.Struct("<BIQiQHH")
 _REF, _ACK = 0x80, 0x40  # kind-byte flags: the payload goes by reference; an acknowledgement
@@ -108,6 +108,18 @@ def _head(header: Header, flags: int = 0) -> bytes:
 def frame(header: Header, data: memoryview) -> list[memoryview]:
     """The views making up one frame on the wire."""
     return [memoryview(_head(header)), data]
+
+
+def unframe(blob: bytes, peer: int) -> tuple[Header, bytes]:
+    """One plain frame held whole in ``blob``: its header and payload."""
+    if len(blob) < _HDR.size:
+        raise ProtocolError(f"rank {peer} sent a {len(blob)}-byte frame")
+    kind, group, seq, step, nbytes, siglen, sitelen = _HDR.unpack_from(blob)
+    start = _HDR.size + siglen + sitelen
+    if kind & (_ACK | _REF | _LENT) or start + nbytes != len(blob):
+        raise ProtocolError(f"rank {peer} sent a malformed {len(blob)}-byte frame")
+    return (Header(kind, group, seq, step, nbytes, blob[_HDR.size:_HDR.size + siglen],
+                   blob[_HDR.size + siglen:start]), blob[start:])
 
 
 class ShmPeer:
@@ -178,10 +190,10 @@ class ShmPeer:
                 ring.watch(True)
             self._in = ring
 
-    def say_goodbye_unwritten(self, send: Callable[[], None]) -> bool:
-        """If this rank never wrote to the peer, ``send()`` its goodbye another way (no
-        ring just to leave) and return True; else False: it goes through the ring, after
-        everything written before it."""
+    def send_unwritten(self, send: Callable[[], None]) -> bool:
+        """If this rank never wrote to the peer, ``send()`` a message another way (news
+        on the socket: no ring made just to tell) and return True; else False: it goes
+        through the ring, after everything written before it."""
         with self._out_lock:
             if self._out is not None:
                 return False

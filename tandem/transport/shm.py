@@ -31,7 +31,7 @@ A dead peer: the kernel closes its sockets, a watcher thread sees EOF, and the
 reader reports ``PeerLostError`` once it has drained what the peer wrote before
 dying (the watcher reports it at once if the peer never wrote to us). A rank that
 closes says goodbye through the ring, or, if it never wrote to that peer, in a
-record on the socket. Hygiene: segments and sockets have no names (memfd, abstract UNIX
+record on the socket (as are aborts to such a peer). Hygiene: segments and sockets have no names (memfd, abstract UNIX
 sockets), so normal exit, exceptions and SIGKILL leave nothing behind.
 """
 
@@ -44,16 +44,16 @@ import socket
 import struct
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from tandem.config import at_most, memory_text, shm_chunk_limit, size_text
 from tandem.errors import (ArgumentError, CollectiveTimeoutError, NetworkError, PeerLostError,
-                           StateError, TandemError)
+                           ProtocolError, StateError, TandemError)
 from tandem.store.base import Store
 from tandem.transport._arena import Arena, default_chunk, segment_bytes, CONTROL_BYTES
 from tandem.transport._lend import KEY_BIT, Borrowed, Lender, lend_budget
 from tandem.transport._ring import Ring, init_segment, segment_size
-from tandem.transport._shm_peer import ShmPeer
+from tandem.transport._shm_peer import ShmPeer, frame, unframe
 from tandem.transport._shm_setup import Link, connect_local
 from tandem.transport import forks
 from tandem.transport._shmem import create_segment, unsupported_reason
@@ -70,7 +70,27 @@ _MIN_RING = 4096
 _OFFER = struct.Struct("<QQ")  # a segment handed over the socket: key, bytes
 # keys of records on the socket apart from arena (group ids) and lent (KEY_BIT) ones:
 _RING_KEY = 1 << 63  # the sender's ring to us (fd attached)
-_BYE_KEY = (1 << 63) | 1  # the sender closes on purpose and never wrote to us (no fd)
+# news (an abort or a goodbye) from a sender that never wrote to us: a whole frame
+# follows the record (no fd); a ring made for it would cost the sender 1-4 MiB and,
+# under load, enough time that news to later peers missed the sender's exit
+_NEWS_KEY = (1 << 63) | 1
+_NEWS_KINDS = (Kind.ABORT, Kind.BYE)
+_NEWS_MAX = 64 << 10  # bytes of a news frame sent on the socket; larger ones take the ring
+
+
+def _reader(payload: bytes, peer: int) -> Callable[[memoryview], None]:
+    """Reads ``payload`` in order into the views it is given."""
+    at = 0
+
+    def read(view: memoryview) -> None:
+        nonlocal at
+        view = view if view.format == "B" and view.ndim == 1 else view.cast("B")
+        if at + len(view) > len(payload):
+            raise ProtocolError(f"read past the end of a message from rank {peer}")
+        view[:] = payload[at:at + len(view)]
+        at += len(view)
+
+    return read
 
 
 def default_spin(local_ranks: int) -> float:
@@ -242,7 +262,10 @@ class ShmTransport(BoundedSends, Transport):
                     except OSError:
                         data, fds = b"", []
                     if data or fds:
-                        self._take_offers(p, data, fds, *pending[p.rank])
+                        try:
+                            self._take_offers(p, data, fds, *pending[p.rank])
+                        except ProtocolError as exc:
+                            p.stop(exc)  # this peer's stream is broken; the others go on
                         continue
                     sel.unregister(p.sock)
                     p.eof = True
@@ -280,9 +303,16 @@ class ShmTransport(BoundedSends, Transport):
         peer = p.rank
         while len(buf) >= _OFFER.size:
             key, size = _OFFER.unpack_from(buf)
-            if key == _BYE_KEY:
-                del buf[:_OFFER.size]
-                self.mailbox.failures.depart(peer)  # as a goodbye through the ring does
+            if key == _NEWS_KEY:
+                if size > _NEWS_MAX:
+                    raise ProtocolError(f"rank {peer} sent a {size}-byte message on its "
+                                        f"shared-memory socket (at most {_NEWS_MAX})")
+                if len(buf) < _OFFER.size + size:
+                    return  # the rest of the frame comes with the next read
+                blob = bytes(buf[_OFFER.size:_OFFER.size + size])
+                del buf[:_OFFER.size + size]
+                header, payload = unframe(blob, peer)
+                self.mailbox.arrive(peer, header, _reader(payload, peer))
                 continue
             if not queued:
                 return
@@ -354,12 +384,18 @@ class ShmTransport(BoundedSends, Transport):
         return Arena(members, members.index(self.rank), whole, (per - CONTROL_BYTES) // 2,
                      self._spin)
 
-    def _offer(self, peer: ShmPeer, key: int, fd: int | None, size: int) -> None:
+    def _offer(self, peer: ShmPeer, key: int, fd: int | None, size: int,
+               follow: bytes = b"") -> None:
+        """Send a record (``follow``: bytes after it) with ``fd`` attached, if any."""
         deadline = time.monotonic() + self._connect_timeout
+        data = memoryview(_OFFER.pack(key, size) + follow)
+        fds = [] if fd is None else [fd]
         while True:
             try:
-                socket.send_fds(peer.sock, [_OFFER.pack(key, size)], [] if fd is None else [fd])
-                return
+                sent = socket.send_fds(peer.sock, [data], fds) if fds else peer.sock.send(data)
+                data, fds = data[sent:], []  # the descriptor went with the first byte
+                if not data:
+                    return
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     raise NetworkError(f"rank {peer.rank} does not take its shared-memory "
@@ -367,6 +403,11 @@ class ShmTransport(BoundedSends, Transport):
                 time.sleep(0.001)
             except OSError as exc:
                 raise peer.lost("closed") from exc
+
+    def _news(self, p: ShmPeer, header: Header, pieces: Sequence[memoryview]) -> None:
+        blob = b"".join([bytes(v) for v in frame(header, memoryview(b""))] +
+                        [bytes(v) for v in pieces])
+        self._offer(p, _NEWS_KEY, None, len(blob), blob)
 
     def _accept_offer(self, peer: int, key: int, deadline: float,
                       smallest: int = segment_bytes(4096)) -> mmap.mmap:
@@ -406,9 +447,9 @@ class ShmTransport(BoundedSends, Transport):
         assert p is not None
         check_header(header)
         slot = self._send_slot(peer, header)
-        if header.kind == Kind.BYE and p.say_goodbye_unwritten(
-                lambda: self._offer(p, _BYE_KEY, None, 0)):
-            slot.finish(header)  # no ring made just to leave
+        if (header.kind in _NEWS_KINDS and header.nbytes <= _NEWS_MAX // 2
+                and p.send_unwritten(lambda: self._news(p, header, pieces))):
+            slot.finish(header)  # no ring made just to tell
             return slot
         views = [b if b.format == "B" and b.ndim == 1 else b.cast("B") for b in pieces]
         p.post(header, views, slot)

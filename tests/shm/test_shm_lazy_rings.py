@@ -17,10 +17,11 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from tandem.errors import PeerLostError
+from tandem.errors import PeerLostError, StateError
 from tandem.store.hash import HashStore
 from tandem.transport import Header, Kind
 from tandem.transport.message import Slot
+from tandem.transport import shm
 from tandem.transport.shm import ShmTransport, unsupported_reason
 
 pytestmark = [pytest.mark.timeout(120),
@@ -172,10 +173,11 @@ def test_a_peer_lost_while_its_ring_is_made_is_reported(
     a, b, c = trio
     handed = a._offer
 
-    def offer_then_die(peer: Any, key: int, fd: int | None, size: int) -> None:
-        handed(peer, key, fd, size)  # the ring reaches the peer, the frame never does
-        _crash(a)
-        raise Died()
+    def offer_then_die(*args: Any) -> None:
+        handed(*args)
+        if args[1] == shm._RING_KEY:  # the ring reaches the peer, the frame never does
+            _crash(a)
+            raise Died()
 
     monkeypatch.setattr(a, "_offer", offer_then_die)
     waiting, _ = _recv(b, 0, 1, 4)
@@ -217,3 +219,30 @@ def wait_until(done: Callable[[], bool], what: str) -> None:
             return
         ready.wait(0.01)
     raise AssertionError(f"waited {FAST}s for {what}")
+
+
+def test_an_abort_to_a_peer_never_written_to_arrives_without_a_ring(
+        trio: list[ShmTransport]) -> None:
+    a, b, c = trio
+    waiting = [b.irecv(2, Kind.P2P, 7, 0, 0, memoryview(bytearray(4))),
+               c.irecv(1, Kind.P2P, 7, 0, 0, memoryview(bytearray(4)))]
+    a.abort(7, [1, 2], StateError("rank 0 gave up on group 7"))
+    for slot in waiting:
+        error = _done(slot)
+        assert isinstance(error, StateError) and "gave up on group 7" in str(error), error
+    assert all(rings == (False, False) for t in trio for rings in _rings(t).values())
+    # the peers go on: a first message after the news takes the ring as usual
+    got, buf = _recv(b, 0, 1, 2)
+    assert _done(_send(a, 1, 1, b"ok")) is None and _done(got) is None and buf == b"ok"
+    assert a._peers[1].has_rings() == (False, True)
+
+
+def test_malformed_news_on_the_socket_breaks_only_that_peer(
+        trio: list[ShmTransport]) -> None:
+    a, b, c = trio
+    waiting, _ = _recv(b, 0, 1, 4)
+    a._offer(a._peers[1], shm._NEWS_KEY, None, 3, b"abc")  # 3 bytes: no frame header
+    error = _done(waiting)
+    assert isinstance(error, PeerLostError) and "3-byte frame" in str(error), error
+    got, buf = _recv(b, 2, 1, 2)  # another peer of b still reaches it
+    assert _done(_send(c, 1, 1, b"ok")) is None and _done(got) is None and buf == b"ok"
