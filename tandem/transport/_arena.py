@@ -1,4 +1,4 @@
-"""A group's shared staging memory: every local member maps every member's segment.
+"""A group's shared staging memory: every local member maps every member's staging area.
 
 Ring messages copy a payload twice (into the ring, out of it) and hop through a
 reader thread. Collectives on same-host ranks do better when each rank *reads its
@@ -13,7 +13,11 @@ and the signalling::
     arena.post()                               # "phase done" -> peers may read it
     arena.wait_all(arena.posted, check)        # every member finished that phase
 
-Segment layout (one per member, created by that member)::
+The areas lie side by side in one segment, which the group's first member creates
+and hands to each other member (``ShmTransport.arena``): members - 1 hand-overs and
+one mapping per member (a segment per member, each handed to every other, took
+64 x 63 hand-overs and mappings to build at 64 ranks). Area layout (member q's at
+byte q x area size)::
 
     byte 0            posted   u64   phases this member has published
     byte 8            pid      u64   the member's process id         (direct access,
@@ -107,28 +111,37 @@ def default_chunk(local_ranks: int) -> int:
 
 
 class Arena:
-    """Staging segments of ``members`` (global ranks, in group order); ``index`` is mine.
+    """Staging areas of ``members`` (global ranks, in group order); ``index`` is mine.
 
-    ``maps[i]`` is member i's segment (mine included). ``spin`` is how long a waiter
+    ``maps[i]`` is member i's segment (mine included), or ``maps`` is one segment
+    holding every member's area, member i's at ``i * len(maps) // len(members)``. ``spin`` is how long a waiter
     polls before it sleeps on the futex (``self.spin`` may be changed per call). Its
     process group unmaps the segments with :meth:`close` when it is destroyed.
     """
 
-    def __init__(self, members: Sequence[int], index: int, maps: Sequence[mmap.mmap],
-                 chunk: int, spin: float) -> None:
+    def __init__(self, members: Sequence[int], index: int,
+                 maps: Sequence[mmap.mmap] | mmap.mmap, chunk: int, spin: float) -> None:
         if len(members) > MAX_MEMBERS:
             raise ArgumentError(f"a shared-memory arena holds at most {MAX_MEMBERS} ranks")
+        if isinstance(maps, mmap.mmap):  # one segment: (mapping, offset) of each area
+            per = len(maps) // len(members)
+            areas = [(maps, q * per) for q in range(len(members))]
+            self._segments = [maps]
+        else:
+            areas = [(m, 0) for m in maps]
+            self._segments = list(maps)
         self.index = index
         self.size = len(members)
         self.chunk = chunk
         self.default_spin = spin
         self.spin = spin  # for the call at hand: callers lower it when others need the CPU
-        self._maps = list(maps)
-        self._ctl = [memoryview(m)[:CONTROL_BYTES].cast("Q") for m in self._maps]
-        self._addr = [address_of(m) for m in self._maps]
-        whole = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
-        self._data = [(w[CONTROL_BYTES:CONTROL_BYTES + chunk],
-                       w[CONTROL_BYTES + chunk:CONTROL_BYTES + 2 * chunk]) for w in whole]
+        self._maps = areas
+        self._ctl = [memoryview(m)[o:o + CONTROL_BYTES].cast("Q") for m, o in areas]
+        self._addr = [address_of(m) + o for m, o in areas]
+        mapped = {id(m): torch.frombuffer(m, dtype=torch.uint8) for m in self._segments}
+        self._data = [(mapped[id(m)][o + CONTROL_BYTES:o + CONTROL_BYTES + chunk],
+                       mapped[id(m)][o + CONTROL_BYTES + chunk:o + CONTROL_BYTES + 2 * chunk])
+                      for m, o in areas]
         self.posted = self._ctl[index][_POSTED]
         self._sleep_words = [_ASLEEP + q for q in range(self.size) if q != index]
         self.target = 0
@@ -161,12 +174,13 @@ class Arena:
         for v in self._ctl:
             v.release()
         self._ctl = []
-        for m in self._maps:
+        self._maps = []
+        for m in self._segments:
             try:
                 m.close()
             except BufferError:
                 pass
-        self._maps = []
+        self._segments = []
 
     # -- memory ----------------------------------------------------------------------
     def data(self, member: int, half: int) -> torch.Tensor:
@@ -306,7 +320,8 @@ class Arena:
         site = site[:room - len(sig)]
         ctl[w] = 0
         # through the mapping itself: a third of the cost of a memoryview slice (measured)
-        self._maps[self.index][base + 24:base + 24 + len(sig) + len(site)] = sig + site
+        m, o = self._maps[self.index]
+        m[o + base + 24:o + base + 24 + len(sig) + len(site)] = sig + site
         ctl[w + 1] = len(sig)
         ctl[w + 2] = len(site)
         ctl[w] = seq + 1
@@ -330,9 +345,9 @@ class Arena:
             return (-1, b"", b"") if n_sig == 0 and n_site == 0 else None
         if 24 + n_sig + n_site > _ENTRY:
             return None
-        mapped = self._maps[member]
-        sig = mapped[base + 24:base + 24 + n_sig]
-        site = mapped[base + 24 + n_sig:base + 24 + n_sig + n_site]
+        mapped, o = self._maps[member]
+        sig = mapped[o + base + 24:o + base + 24 + n_sig]
+        site = mapped[o + base + 24 + n_sig:o + base + 24 + n_sig + n_site]
         if ctl[w] != before:
             return None
         return before - 1, sig, site
@@ -343,8 +358,9 @@ class Arena:
         what it holds instead)."""
         base = _CALLS + (seq % _KEPT) * _ENTRY
         ctl, w = self._ctl[member], base // 8
+        m, o = self._maps[member]
         return (ctl[w] == seq + 1 and ctl[w + 1] == len(sig)
-                and self._maps[member][base + 24:base + 24 + len(sig)] == sig
+                and m[o + base + 24:o + base + 24 + len(sig)] == sig
                 and ctl[w] == seq + 1)
 
     # -- direct access to the members' memory ----------------------------------------

@@ -190,7 +190,9 @@ class _Peer(Protocol):
     """What a :class:`LentReader` needs of the receiving peer."""
 
     rank: int
-    inbound: Ring
+
+    @property
+    def inbound(self) -> Ring: ...
 
     def give_back(self, key: int) -> None: ...
 

@@ -40,7 +40,8 @@ pieces offers each as a view of the sender's segment (``read.lend(nbytes)``, wha
 RPC codec asks for), which goes back to the sender once the last view of it is freed,
 or at once if the piece was copied out.
 
-    peer = ShmPeer(link, inbound_ring, outbound_ring, me=0, hostname="h")
+    peer = ShmPeer(link, me=0, hostname="h", open_ring=make_and_hand_over, mailbox=mailbox)
+    peer.take_inbound(ring)                       # the peer's ring arrived (watcher thread)
     peer.send_now(header, views) or peer.post(header, views, slot)  # caller thread
     peer.read_loop(mailbox, max_frame)            # reader thread
     peer.watch(True); peer.poll(); peer.watch(False)  # any thread that waits for a frame
@@ -66,7 +67,7 @@ from tandem.transport.mailbox import Mailbox
 from tandem.transport.message import Header, Kind, Slot
 from tandem.transport.sendqueue import SendQueue
 
-__all__ = ["ShmPeer", "Closed", "frame", "BY_REFERENCE_MIN", "SMALL_FRAME"]
+__all__ = ["ShmPeer", "Closed", "frame", "unframe", "BY_REFERENCE_MIN", "SMALL_FRAME"]
 
 _HDR = struct.Struct("<BIQiQHH")
 _REF, _ACK = 0x80, 0x40  # kind-byte flags: the payload goes by reference; an acknowledgement
@@ -109,15 +110,35 @@ def frame(header: Header, data: memoryview) -> list[memoryview]:
     return [memoryview(_head(header)), data]
 
 
+def unframe(blob: bytes, peer: int) -> tuple[Header, bytes]:
+    """One plain frame held whole in ``blob``: its header and payload."""
+    if len(blob) < _HDR.size:
+        raise ProtocolError(f"rank {peer} sent a {len(blob)}-byte frame")
+    kind, group, seq, step, nbytes, siglen, sitelen = _HDR.unpack_from(blob)
+    start = _HDR.size + siglen + sitelen
+    if kind & (_ACK | _REF | _LENT) or start + nbytes != len(blob):
+        raise ProtocolError(f"rank {peer} sent a malformed {len(blob)}-byte frame")
+    return (Header(kind, group, seq, step, nbytes, blob[_HDR.size:_HDR.size + siglen],
+                   blob[_HDR.size + siglen:start]), blob[start:])
+
+
 class ShmPeer:
     """Rank ``link.peer`` as seen from rank ``me``."""
 
-    def __init__(self, link: Link, inbound: Ring, outbound: Ring, me: int, hostname: str) -> None:
+    def __init__(self, link: Link, me: int, hostname: str, open_ring: Callable[[], Ring],
+                 mailbox: Mailbox) -> None:
         self.rank = link.peer
         self.pid = link.pid
         self.sock = link.sock
-        self.inbound = inbound
-        self.outbound = outbound
+        # each ring is made by its writer on the first message that way (``open_ring``
+        # makes ours and hands it over the socket; the peer's arrives through
+        # :meth:`take_inbound`): a pair that never talks reserves no memory
+        self._in: Ring | None = None
+        self._out: Ring | None = None
+        self._open_ring = open_ring
+        self._out_lock = threading.Lock()
+        self._in_lock = threading.Lock()
+        self._early_watchers = 0  # watch() calls before the peer's ring arrived
         self.me = me
         self.hostname = hostname
         self.eof = False  # set by the transport's watcher when the peer's socket closes
@@ -131,12 +152,53 @@ class ShmPeer:
         self._tokens = itertools.count(1)
         self.lender: Lender | None = None  # segments lent to the peer (set by the transport)
         self._rlock = threading.Lock()  # held by whichever thread reads a frame
-        self._mailbox: Mailbox | None = None  # set when the reader thread starts
+        self._mailbox = mailbox
         self._max_frame = 0
         self._probed = False
         self._dead = False  # no more frames: the peer is gone or the stream broke
         self._head = memoryview(bytearray(_HDR.size))
         self.borrowed: Borrowed | None = None  # segments the peer lent us (set by the transport)
+
+    @property
+    def outbound(self) -> Ring:
+        """The ring this rank writes to the peer, made (and handed over) on first use."""
+        out = self._out
+        if out is None:
+            with self._out_lock:
+                if self._out is None:
+                    self._check_out()
+                    self._out = self._open_ring()
+                out = self._out
+        return out
+
+    @property
+    def inbound(self) -> Ring:
+        """The ring the peer writes to this rank (only once it arrived: readers run then)."""
+        assert self._in is not None, "the peer has not sent anything yet"
+        return self._in
+
+    def has_rings(self) -> tuple[bool, bool]:
+        """Whether the (inbound, outbound) rings exist yet."""
+        return self._in is not None, self._out is not None
+
+    def take_inbound(self, ring: Ring) -> None:
+        """The peer made the ring it writes to us (its first message to us follows in it)."""
+        with self._in_lock:
+            if self._in is not None:
+                raise ProtocolError(f"rank {self.rank} handed rank {self.me} a second ring")
+            for _ in range(self._early_watchers):
+                ring.watch(True)
+            self._in = ring
+
+    def send_unwritten(self, send: Callable[[], None]) -> bool:
+        """If this rank never wrote to the peer, ``send()`` a message another way (news
+        on the socket: no ring made just to tell) and return True; else False: it goes
+        through the ring, after everything written before it."""
+        with self._out_lock:
+            if self._out is not None:
+                return False
+            send()
+            return True
 
     def lost(self, why: str) -> PeerLostError:
         return PeerLostError(
@@ -162,7 +224,7 @@ class ShmPeer:
         in all) into the ring now, if nothing is queued before it and it fits without waiting;
         whether it was written (complete: nothing to wait for). False: nothing was written,
         send it with :meth:`post`. No Slot, no Condition: the hot path of small RPCs."""
-        if header.nbytes > SMALL_FRAME or not self._wlock.acquire(False):
+        if header.nbytes > SMALL_FRAME or self._out is None or not self._wlock.acquire(False):
             return False
         try:  # a queued frame, or one being written by the writer thread, goes first
             if self.queue or self.closing:
@@ -250,8 +312,8 @@ class ShmPeer:
                 # comes after), so a return costs it no wake-up of its reader thread.
                 # Measured (1 MB echo, 2 workers, alternating blocks of 100 calls, load
                 # ~8.6): 944 and 827 us per call against 1,086 and 1,040 us woken
-                if not self.queue and not self.closing and self.outbound.try_write(
-                        [frame], wake=False):
+                if (not self.queue and not self.closing and self._out is not None
+                        and self._out.try_write([frame], wake=False)):
                     return
             finally:
                 self._wlock.release()
@@ -296,10 +358,11 @@ class ShmPeer:
 
     def send(self, parts: list[memoryview], header: Header, slot: Slot) -> None:
         """Write ``parts`` now if they fit, else queue them; ``slot`` finishes when written."""
+        out = self.outbound  # made here on the first message, outside the locks below
         with self._cv:
             # inline only when nothing is queued or being written and the frame fits now
             inline = not self.queue and self._wlock.acquire(blocking=False)
-            if inline and sum(len(p) for p in parts) > self.outbound.free():
+            if inline and sum(len(p) for p in parts) > out.free():
                 self._wlock.release()
                 inline = False
             if not inline:
@@ -376,8 +439,9 @@ class ShmPeer:
         """Wake this process's threads waiting on either ring (they re-check their state)."""
         with self._cv:
             self._cv.notify_all()
-        self.inbound.wake_local()
-        self.outbound.wake_local()
+        for ring in (self._in, self._out):
+            if ring is not None:
+                ring.wake_local()
 
     # -- receiving -------------------------------------------------------------------
     # Frames are read one at a time under ``_rlock`` by whoever holds it: the reader
@@ -412,7 +476,14 @@ class ShmPeer:
 
     def watch(self, on: bool) -> None:
         """Start (``on``) or stop polling this peer's frames from the calling thread."""
-        self.inbound.watch(on)
+        ring = self._in
+        if ring is None:
+            with self._in_lock:
+                ring = self._in
+                if ring is None:  # counted now, applied to the ring when it arrives
+                    self._early_watchers += 1 if on else -1
+                    return
+        ring.watch(on)
 
     def quiesce(self, deadline: float) -> bool:
         """After ``closing`` is set: wait until no polling thread is inside a frame (they
@@ -427,7 +498,7 @@ class ShmPeer:
         """Read and deliver the next frame if one is there and no other thread is reading;
         whether a frame was read (call between ``watch(True)`` and ``watch(False)``)."""
         mailbox = self._mailbox
-        if mailbox is None or self._dead or self.closing or not self._rlock.acquire(False):
+        if self._in is None or self._dead or self.closing or not self._rlock.acquire(False):
             return False
         try:
             if self._dead or self.closing or self.inbound.empty():
@@ -542,7 +613,8 @@ class ShmPeer:
         if self._dead:
             return
         self._dead = True
-        self.inbound.wake_local()  # the reader thread, if asleep, sees _dead
+        if self._in is not None:
+            self._in.wake_local()  # the reader thread, if asleep, sees _dead
         if isinstance(exc, Closed) or self.closing:
             self._fail_acks(StateError(f"rank {self.me} closed its shared-memory transport"))
             return
@@ -555,8 +627,13 @@ class ShmPeer:
                 f"{self.me} broke ({type(exc).__name__}: {exc}); the connection was closed",
                 self.rank)
         self._fail_acks(exc)
-        assert self._mailbox is not None
         self._mailbox.peer_lost(self.rank, exc)
+
+    def stop(self, exc: BaseException) -> None:
+        """Stop reading from the peer and report why (from outside the reader: e.g. its
+        connection closed before it wrote us anything, so no reader thread runs)."""
+        with self._rlock:
+            self._stop_reading(exc)
 
     def _probe(self) -> bool:
         """Whether this reader has decided if it can read the peer's memory (and told the

@@ -6,25 +6,32 @@ Usage (normally through the backend registry)::
     tandem.init_process_group("auto", ...)    # shm between same-host ranks, tcp across hosts
     t = ShmTransport(rank, world_size, store, secret, peers=[0, 1, 2, 3])  # directly
 
-Each ordered pair of ranks has a single-producer/single-consumer byte ring of a
-few MiB (:mod:`~tandem.transport._ring`) in an anonymous memfd segment that the
-reader creates and hands to the writer over an authenticated UNIX socket
-(:mod:`~tandem.transport._shm_setup`). Frames are the TCP transport's; a payload
+Each ordered pair of ranks that talks has a single-producer/single-consumer byte
+ring of up to a few MiB (:mod:`~tandem.transport._ring`) in an anonymous memfd
+segment. Start-up only connects every pair of local ranks with an authenticated
+UNIX socket (:mod:`~tandem.transport._shm_setup`); a ring is made by its writer on
+the first message in its direction and handed to the reader over that socket, and
+the reader's thread for that peer starts when it arrives. Same-host collectives go
+through the arena, so most pairs never make a ring: at 32 ranks, reserving all
+31 x 32 of them at start-up took half of each rank's start-up time. Frames are the TCP transport's; a payload
 larger than the ring streams through it, so no segment is tensor-sized. A frame
 that fits is copied in by the caller (never waiting on the peer); others go to a
-per-peer writer thread; one reader thread per peer copies frames out straight into
-posted memory (:mod:`~tandem.transport._shm_peer`). Waits poll briefly, then sleep
+per-peer writer thread; one reader thread per peer that wrote to us copies frames out straight
+into posted memory (:mod:`~tandem.transport._shm_peer`). Waits poll briefly, then sleep
 on a futex (:func:`default_spin`). Payloads of 1 MiB and more skip the ring where the
 kernel lets the reader copy them straight out of the writer's memory (cross-memory
 attach, :mod:`~tandem.transport._cma`): one copy instead of two.
 
 Collectives of a same-host group also get an *arena* (:meth:`ShmTransport.arena`,
-:mod:`~tandem.transport._arena`): each member creates a staging segment and hands it
-to every other member over the same authenticated sockets, so all map all.
+:mod:`~tandem.transport._arena`): its first member creates one segment holding
+every member's staging area and hands it to each other member over the same
+authenticated sockets (members - 1 hand-overs, one mapping each).
 
 A dead peer: the kernel closes its sockets, a watcher thread sees EOF, and the
 reader reports ``PeerLostError`` once it has drained what the peer wrote before
-dying. Hygiene: segments and sockets have no names (memfd, abstract UNIX
+dying (the watcher reports it at once if the peer never wrote to us). A rank that
+closes says goodbye through the ring, or, if it never wrote to that peer, in a
+record on the socket (as are aborts to such a peer). Hygiene: segments and sockets have no names (memfd, abstract UNIX
 sockets), so normal exit, exceptions and SIGKILL leave nothing behind.
 """
 
@@ -37,22 +44,22 @@ import socket
 import struct
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from tandem.config import at_most, memory_text, shm_chunk_limit, size_text
 from tandem.errors import (ArgumentError, CollectiveTimeoutError, NetworkError, PeerLostError,
-                           StateError)
+                           ProtocolError, StateError, TandemError)
 from tandem.store.base import Store
 from tandem.transport._arena import Arena, default_chunk, segment_bytes, CONTROL_BYTES
 from tandem.transport._lend import KEY_BIT, Borrowed, Lender, lend_budget
 from tandem.transport._ring import Ring, init_segment, segment_size
-from tandem.transport._shm_peer import ShmPeer
+from tandem.transport._shm_peer import ShmPeer, frame, unframe
 from tandem.transport._shm_setup import Link, connect_local
 from tandem.transport import forks
 from tandem.transport._shmem import create_segment, unsupported_reason
 from tandem.transport.base import Poller, Transport, check_header, join_all
 from tandem.transport.mailbox import DEFAULT_PARK_LIMIT, Mailbox
-from tandem.transport.message import Header, Slot
+from tandem.transport.message import Header, Kind, Slot
 from tandem.transport.sendqueue import DEFAULT_SEND_LIMIT, BoundedSends, SendQueue
 
 __all__ = ["ShmTransport", "ring_capacity", "default_spin", "unsupported_reason"]
@@ -60,7 +67,30 @@ __all__ = ["ShmTransport", "ring_capacity", "default_spin", "unsupported_reason"
 _JOIN_S = 2.0  # how long close() waits for this transport's threads to end
 
 _MIN_RING = 4096
-_OFFER = struct.Struct("<QQ")  # an arena segment handed over the socket: key, bytes
+_OFFER = struct.Struct("<QQ")  # a segment handed over the socket: key, bytes
+# keys of records on the socket apart from arena (group ids) and lent (KEY_BIT) ones:
+_RING_KEY = 1 << 63  # the sender's ring to us (fd attached)
+# news (an abort or a goodbye) from a sender that never wrote to us: a whole frame
+# follows the record (no fd); a ring made for it would cost the sender 1-4 MiB and,
+# under load, enough time that news to later peers missed the sender's exit
+_NEWS_KEY = (1 << 63) | 1
+_NEWS_KINDS = (Kind.ABORT, Kind.BYE)
+_NEWS_MAX = 64 << 10  # bytes of a news frame sent on the socket; larger ones take the ring
+
+
+def _reader(payload: bytes, peer: int) -> Callable[[memoryview], None]:
+    """Reads ``payload`` in order into the views it is given."""
+    at = 0
+
+    def read(view: memoryview) -> None:
+        nonlocal at
+        view = view if view.format == "B" and view.ndim == 1 else view.cast("B")
+        if at + len(view) > len(payload):
+            raise ProtocolError(f"read past the end of a message from rank {peer}")
+        view[:] = payload[at:at + len(view)]
+        at += len(view)
+
+    return read
 
 
 def default_spin(local_ranks: int) -> float:
@@ -119,41 +149,70 @@ class ShmTransport(BoundedSends, Transport):
         self._spin = spin
         self._shm_dir = shm_dir
         self._connect_timeout = connect_timeout
+        self._ring_bytes = cap
+        self._max_frame = max_frame
+        self._threads_lock = threading.Lock()
         # arena segments peers handed us: (peer, key) -> (fd, bytes)
         self._offers: dict[tuple[int, int], tuple[int, int]] = {}
         self._offer_cv = threading.Condition()
-        inbound: dict[int, mmap.mmap] = {}
-        mine: dict[int, int] = {}
-        links: dict[int, Link] = {}
-        try:
-            for p in local:
-                mine[p] = create_segment(segment_size(cap), shm_dir)
-                inbound[p] = mmap.mmap(mine[p], segment_size(cap))
-                init_segment(inbound[p], cap)
-            links = connect_local(store, rank, world_size, mine, secret, connect_timeout)
-            self._peers = {p: ShmPeer(links[p], Ring(inbound[p], spin),
-                                      self._map(links[p], spin), rank, hostname) for p in local}
-        except BaseException:
-            for link in links.values():
-                link.sock.close()
-            for m in inbound.values():
-                m.close()
-            raise
-        finally:
-            for fd in mine.values():
-                os.close(fd)  # the mappings keep the memory; nothing else refers to it
-            for link in links.values():
-                os.close(link.fd)
+        links = connect_local(store, rank, world_size, local, secret, connect_timeout)
+        self._peers = {p: self._peer(links[p]) for p in local}
         budget = lend_budget(len(local))
         for peer in self._peers.values():
             self._lend(peer, budget)
             peer.sock.setblocking(False)
-            self._start(peer.read_loop, (self.mailbox, max_frame),
-                        f"tandem-shm-read-{rank}<{peer.rank}")
         self._start(self._watch, (), f"tandem-shm-watch-{rank}")
         self.send_limit = send_limit
         forks.track(self)
 
+
+    def _peer(self, link: Link) -> ShmPeer:
+        peer: ShmPeer | None = None
+
+        def open_ring() -> Ring:
+            assert peer is not None
+            return self._open_ring(peer)
+
+        peer = ShmPeer(link, self.rank, self.hostname, open_ring, self.mailbox)
+        return peer
+
+    def _open_ring(self, peer: ShmPeer) -> Ring:
+        """Make the ring this rank writes to ``peer`` and hand it over (first message)."""
+        if self._closing:
+            raise StateError(f"rank {self.rank} closed its shared-memory transport")
+        size = segment_size(self._ring_bytes)
+        fd = create_segment(size, self._shm_dir)
+        try:
+            mm = mmap.mmap(fd, size)
+            init_segment(mm, self._ring_bytes)
+            ring = Ring(mm, self._spin)
+            try:
+                ring.announce(os.getpid())  # where the peer may read us by reference (_cma)
+                self._offer(peer, _RING_KEY, fd, size)
+            except BaseException:
+                ring.close()
+                raise
+        finally:
+            os.close(fd)  # the mappings keep the memory; nothing else refers to it
+        return ring
+
+    def _take_ring(self, peer: ShmPeer, fd: int, size: int) -> None:
+        """The ring ``peer`` writes to us arrived (watcher thread): map it, start reading."""
+        try:
+            if size < segment_size(_MIN_RING) or os.fstat(fd).st_size != size:
+                raise NetworkError(f"rank {peer.rank} handed over a bad {size}-byte ring")
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        try:
+            peer.take_inbound(Ring(mm, self._spin))
+        except BaseException:
+            mm.close()
+            raise
+        with self._threads_lock:
+            if not self._closing:
+                self._start(peer.read_loop, (self.mailbox, self._max_frame),
+                            f"tandem-shm-read-{self.rank}<{peer.rank}")
 
     def _lend(self, peer: ShmPeer, budget: int) -> None:
         """Let ``peer``'s large RPC pieces travel in shared segments (see ``_lend``)."""
@@ -179,15 +238,6 @@ class ShmTransport(BoundedSends, Transport):
                 p.closing = True
                 p.sock.close()  # the child's copy only: the parent's connection stays up
 
-    @staticmethod
-    def _map(link: Link, spin: float) -> Ring:
-        size = os.fstat(link.fd).st_size
-        if size < segment_size(_MIN_RING):
-            raise NetworkError(f"rank {link.peer} handed over a {size}-byte ring")
-        ring = Ring(mmap.mmap(link.fd, size), spin)
-        ring.announce(os.getpid())  # where the peer may read us by reference (see _cma)
-        return ring
-
     def _start(self, target: object, args: tuple[object, ...], name: str) -> None:
         t = threading.Thread(target=target, args=args, daemon=True, name=name)  # type: ignore[arg-type]
         self._threads.append(t)
@@ -212,11 +262,17 @@ class ShmTransport(BoundedSends, Transport):
                     except OSError:
                         data, fds = b"", []
                     if data or fds:
-                        self._take_offers(p.rank, data, fds, *pending[p.rank])
+                        try:
+                            self._take_offers(p, data, fds, *pending[p.rank])
+                        except ProtocolError as exc:
+                            p.stop(exc)  # this peer's stream is broken; the others go on
                         continue
                     sel.unregister(p.sock)
                     p.eof = True
-                    p.wake()  # its reader drains the ring, then reports the loss
+                    if p.has_rings()[0]:
+                        p.wake()  # its reader drains the ring, then reports the loss
+                    else:
+                        p.stop(p.lost("closed"))  # it never wrote to us: nothing to drain
                     with self._offer_cv:
                         self._offer_cv.notify_all()
         except Exception as exc:  # noqa: BLE001 - unwatched peers could die unnoticed
@@ -238,15 +294,36 @@ class ShmTransport(BoundedSends, Transport):
                 for fd in fds:
                     os.close(fd)
 
-    def _take_offers(self, peer: int, data: bytes, fds: list[int], buf: bytearray,
+    def _take_offers(self, p: ShmPeer, data: bytes, fds: list[int], buf: bytearray,
                      queued: list[int]) -> None:
-        """Records arrive as bytes; each one's descriptor comes with its first byte."""
+        """Records arrive as bytes; each one's descriptor (all but a goodbye's) comes
+        with its first byte."""
         buf += data
         queued += fds
-        while len(buf) >= _OFFER.size and queued:
+        peer = p.rank
+        while len(buf) >= _OFFER.size:
             key, size = _OFFER.unpack_from(buf)
+            if key == _NEWS_KEY:
+                if size > _NEWS_MAX:
+                    raise ProtocolError(f"rank {peer} sent a {size}-byte message on its "
+                                        f"shared-memory socket (at most {_NEWS_MAX})")
+                if len(buf) < _OFFER.size + size:
+                    return  # the rest of the frame comes with the next read
+                blob = bytes(buf[_OFFER.size:_OFFER.size + size])
+                del buf[:_OFFER.size + size]
+                header, payload = unframe(blob, peer)
+                self.mailbox.arrive(peer, header, _reader(payload, peer))
+                continue
+            if not queued:
+                return
             del buf[:_OFFER.size]
             fd = queued.pop(0)
+            if key == _RING_KEY:
+                try:
+                    self._take_ring(p, fd, size)
+                except (TandemError, OSError, ValueError) as exc:
+                    p.stop(exc)  # this peer's stream is broken; the others go on
+                continue
             with self._offer_cv:
                 old = self._offers.pop((peer, key), None)
                 self._offers[(peer, key)] = (fd, size)
@@ -259,12 +336,13 @@ class ShmTransport(BoundedSends, Transport):
 
     def arena(self, key: int, members: Sequence[int], chunk: int | None = None,
               timeout: float | None = None) -> Arena:
-        """Hand every member of ``members`` my staging segment and map theirs.
+        """Map the staging areas of ``members``: one segment, made by the first member
+        and handed to each other one (members - 1 hand-overs, one mapping each).
 
         Collective over ``members`` (global ranks, all on this host, this rank among
-        them); ``key`` (e.g. the group id) tells concurrent calls apart. The staging
-        size is the smallest any member offered, so members that computed different
-        defaults still agree.
+        them); ``key`` (e.g. the group id) tells concurrent calls apart. The area size
+        is the first member's choice, so members that computed different defaults
+        still agree.
         """
         if not self.shares_memory_with(members) or self.rank not in members:
             raise ArgumentError(f"an arena needs ranks that share memory with rank "
@@ -278,35 +356,46 @@ class ShmTransport(BoundedSends, Transport):
                     f"staging halves of all of them together may take a quarter of the "
                     f"{memory_text()}",
                     f"unset it (0 picks 1-4 MiB) or choose a power of two up to {limit}")
-        chunk = chunk or default_chunk(len(self._peers) + 1)
-        size = segment_bytes(chunk)
-        fd = create_segment(size, self._shm_dir, "tandem-arena")
-        maps: dict[int, mmap.mmap] = {}
-        try:
-            maps[self.rank] = mmap.mmap(fd, size)
-            for r in members:
-                if r != self.rank:
-                    self._offer(self._peers[r], key, fd, size)
+        members = list(members)
+        first, count = members[0], len(members)
+        if self.rank == first:
+            chunk = chunk or default_chunk(len(self._peers) + 1)
+            size = segment_bytes(chunk) * count
+            fd = create_segment(size, self._shm_dir, "tandem-arena")
+            try:
+                whole = mmap.mmap(fd, size)
+                try:
+                    for r in members[1:]:
+                        self._offer(self._peers[r], key, fd, size)
+                except BaseException:
+                    whole.close()
+                    raise
+            finally:
+                os.close(fd)
+        else:
             deadline = time.monotonic() + (timeout or self._connect_timeout)
-            for r in members:
-                if r != self.rank:
-                    maps[r] = self._accept_offer(r, key, deadline)
-        except BaseException:
-            for m in maps.values():
-                m.close()
-            raise
-        finally:
-            os.close(fd)
-        smallest = min(len(m) for m in maps.values())
-        return Arena(members, list(members).index(self.rank), [maps[r] for r in members],
-                     (smallest - CONTROL_BYTES) // 2, self._spin)
+            whole = self._accept_offer(first, key, deadline, count * segment_bytes(4096))
+            if len(whole) % count or (len(whole) // count) % mmap.PAGESIZE:
+                size = len(whole)
+                whole.close()
+                raise NetworkError(f"rank {first} handed over a {size}-byte arena for "
+                                   f"{count} ranks: not {count} whole areas of pages")
+        per = len(whole) // count
+        return Arena(members, members.index(self.rank), whole, (per - CONTROL_BYTES) // 2,
+                     self._spin)
 
-    def _offer(self, peer: ShmPeer, key: int, fd: int, size: int) -> None:
+    def _offer(self, peer: ShmPeer, key: int, fd: int | None, size: int,
+               follow: bytes = b"") -> None:
+        """Send a record (``follow``: bytes after it) with ``fd`` attached, if any."""
         deadline = time.monotonic() + self._connect_timeout
+        data = memoryview(_OFFER.pack(key, size) + follow)
+        fds = [] if fd is None else [fd]
         while True:
             try:
-                socket.send_fds(peer.sock, [_OFFER.pack(key, size)], [fd])
-                return
+                sent = socket.send_fds(peer.sock, [data], fds) if fds else peer.sock.send(data)
+                data, fds = data[sent:], []  # the descriptor went with the first byte
+                if not data:
+                    return
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     raise NetworkError(f"rank {peer.rank} does not take its shared-memory "
@@ -314,6 +403,11 @@ class ShmTransport(BoundedSends, Transport):
                 time.sleep(0.001)
             except OSError as exc:
                 raise peer.lost("closed") from exc
+
+    def _news(self, p: ShmPeer, header: Header, pieces: Sequence[memoryview]) -> None:
+        blob = b"".join([bytes(v) for v in frame(header, memoryview(b""))] +
+                        [bytes(v) for v in pieces])
+        self._offer(p, _NEWS_KEY, None, len(blob), blob)
 
     def _accept_offer(self, peer: int, key: int, deadline: float,
                       smallest: int = segment_bytes(4096)) -> mmap.mmap:
@@ -353,6 +447,10 @@ class ShmTransport(BoundedSends, Transport):
         assert p is not None
         check_header(header)
         slot = self._send_slot(peer, header)
+        if (header.kind in _NEWS_KINDS and header.nbytes <= _NEWS_MAX // 2
+                and p.send_unwritten(lambda: self._news(p, header, pieces))):
+            slot.finish(header)  # no ring made just to tell
+            return slot
         views = [b if b.format == "B" and b.ndim == 1 else b.cast("B") for b in pieces]
         p.post(header, views, slot)
         return slot
@@ -384,7 +482,8 @@ class ShmTransport(BoundedSends, Transport):
         if self._closing:
             return
         self._take_leave(self._peers.values())
-        self._closing = True
+        with self._threads_lock:  # no reader thread starts after this
+            self._closing = True
         forks.untrack(self)
         self.mailbox.close(self.closed_error())
         for p in self._peers.values():
@@ -396,7 +495,9 @@ class ShmTransport(BoundedSends, Transport):
                 p.sock.shutdown(socket.SHUT_RDWR)  # wakes the watcher; peers see EOF
             except OSError:
                 pass
-        stuck = not join_all(self._threads + [p.writer for p in self._peers.values()], _JOIN_S)
+        with self._threads_lock:
+            threads = list(self._threads)
+        stuck = not join_all(threads + [p.writer for p in self._peers.values()], _JOIN_S)
         deadline = time.monotonic() + _JOIN_S  # threads polling a ring (RPC callers) leave it
         stuck = not all([p.quiesce(deadline) for p in self._peers.values()]) or stuck
         for p in self._peers.values():
@@ -406,8 +507,9 @@ class ShmTransport(BoundedSends, Transport):
             if p.borrowed is not None:
                 p.borrowed.clear()
             if not stuck:  # a thread still inside a ring must not see it unmapped
-                p.inbound.close()
-                p.outbound.close()
+                for ring in (p._in, p._out):
+                    if ring is not None:
+                        ring.close()
         with self._offer_cv:  # segments offered for arenas this rank never made
             for fd, _ in self._offers.values():
                 os.close(fd)

@@ -102,6 +102,7 @@ def exits_normally(rank: int, p: int, backend: str, store: str, fail: bool) -> A
     _join(rank, p, backend, store)
     t = torch.ones(3 << 20)
     dist.all_reduce(t)
+    dist.barrier()  # through the arena too: no ring between ranks that share memory
     w = world()
     sockets = [w.store.get(f"tandem/{w.generation}/shm/addr/{r}").decode() for r in range(p)]
     seen = {"maps": mappings(), "fds": [f for f in open_fds() if "memfd" in f or "shm" in f],

@@ -14,10 +14,14 @@ CHUNK = 4096
 SIG = b"all_reduce(float32[1024], op=SUM, algorithm=shm)"
 
 
-@pytest.fixture
-def pair() -> Iterator[list[Arena]]:
-    maps = [mmap.mmap(-1, segment_bytes(CHUNK)) for _ in range(2)]
-    arenas = [Arena([0, 1], i, maps, CHUNK, 1e-4) for i in range(2)]
+@pytest.fixture(params=["a segment each", "one segment"])
+def pair(request: pytest.FixtureRequest) -> Iterator[list[Arena]]:
+    if request.param == "one segment":  # what ShmTransport.arena makes
+        one = mmap.mmap(-1, 2 * segment_bytes(CHUNK))
+        arenas = [Arena([0, 1], i, one, CHUNK, 1e-4) for i in range(2)]
+    else:
+        maps = [mmap.mmap(-1, segment_bytes(CHUNK)) for _ in range(2)]
+        arenas = [Arena([0, 1], i, maps, CHUNK, 1e-4) for i in range(2)]
     yield arenas
     arenas[0].close()
 

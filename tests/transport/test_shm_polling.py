@@ -61,6 +61,14 @@ def _payload(i: int) -> bytes:
     return bytes([i % 251]) * n
 
 
+def _prime(a: ShmTransport, b: ShmTransport) -> None:
+    """One frame from ``a`` to ``b``: its ring (made on the first message) exists after."""
+    first = Recorder()
+    b.handle(Kind.RPC, first)
+    a.isend(1, Header(Kind.RPC, 0, 0, 0, 1), memoryview(b"!"))
+    assert _wait_for(lambda: first.count() == 1), "the first frame did not arrive"
+
+
 def _wait_for(cond: Any, within: float = FAST) -> bool:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
@@ -110,6 +118,7 @@ def test_every_frame_is_delivered_once_in_order_whoever_reads_it(
 def test_a_watching_thread_reads_the_frame_without_waking_the_reader(
         pair: list[ShmTransport]) -> None:
     a, b = pair
+    _prime(a, b)
     rec = Recorder()
     b.handle(Kind.RPC, rec)
     peer = b._peers[0]
@@ -136,6 +145,7 @@ def test_a_watching_thread_reads_the_frame_without_waking_the_reader(
 def test_the_reader_thread_is_woken_again_when_the_last_watcher_leaves(
         pair: list[ShmTransport]) -> None:
     a, b = pair
+    _prime(a, b)
     rec = Recorder()
     b.handle(Kind.RPC, rec)
     ring = b._peers[0].inbound

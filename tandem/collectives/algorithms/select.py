@@ -142,7 +142,11 @@ def select_all_reduce_coalesced(group: ProcessGroup, bufs: list[torch.Tensor],
 
 
 def select_barrier(group: ProcessGroup) -> tuple[str, AllReduce]:
-    """A barrier is an all-reduce (MAX) of one byte."""
+    """A barrier is an all-reduce (MAX) of one byte: through the group's shared staging
+    memory when its ranks share memory (no ring between them is made for it), else by
+    recursive doubling."""
+    if group.shares_memory:
+        return "shm", shm_all_reduce
     return "doubling", ALL_REDUCE["doubling"]
 
 
