@@ -45,7 +45,9 @@ the averaged slices over shared memory, so the host's link carries the model onc
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import hashlib
 import math
 import threading
 import time
@@ -269,9 +271,20 @@ class DiLoCo:
 
     def _start_equal(self) -> None:
         """Every rank starts from the first rank's parameters (as DDP does): outer
-        parameters that began apart would stay apart."""
+        parameters that began apart would stay apart. Ranks that already agree (built from
+        one seed, as training scripts do) skip the broadcast: a digest's all-reduce tells,
+        16 bytes where the broadcast sends the model to every rank."""
         g = self._group()
         if g is None or g.group_size == 1:
+            return
+        digest = hashlib.blake2b(digest_size=7)  # 56 bits: the negation fits an int64
+        for p in self.params:
+            t = p.detach().contiguous()
+            digest.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
+        mine = int.from_bytes(digest.digest(), "little")
+        spread = torch.tensor([mine, -mine], dtype=torch.int64)
+        all_reduce(spread, op=ReduceOp.MAX, group=g)
+        if int(spread[0]) == -int(spread[1]):  # the largest digest is the smallest: all equal
             return
         flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in self.params])
         broadcast(flat, group=g, group_src=0)

@@ -195,6 +195,37 @@ def _hierarchical(rank: int, world: int, compression: str | None) -> dict[str, A
 WIDE = 100  # a fragment of the wide model: 10,100 values, 40 kB, below the ring threshold
 
 
+def _counting_writes(tcp: Any, written: list[int]) -> Callable[..., None]:
+    """The TCP transport's writer, counting the bytes the kernel took into ``written``."""
+    send = tcp._sendall_vec
+
+    def counting(sock: Any, parts: list[memoryview], flags: int = 0) -> None:
+        before = sum(p.nbytes for p in parts)
+        try:
+            send(sock, parts, flags)
+        finally:  # parts holds what was not sent
+            written[0] += before - sum(p.nbytes for p in parts)
+    return counting
+
+
+def _equal_start_bytes(rank: int, world: int) -> dict[str, Any]:
+    """Ranks built from one seed already agree: DiLoCo's start sends no parameters."""
+    import tandem as dist
+    from tandem.transport import tcp
+
+    dist.barrier()
+    written = [0]
+    send = tcp._sendall_vec
+    tcp._sendall_vec = _counting_writes(tcp, written)
+    try:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(WIDE, WIDE), nn.Linear(WIDE, WIDE))
+        DiLoCo(net, _inner(net), outer_optimizer=_plain, sync_every=2)
+    finally:
+        tcp._sendall_vec = send
+    return {"wire": written[0]}
+
+
 def _wire_bytes(rank: int, world: int) -> dict[str, Any]:
     """Streaming DiLoCo's exchanges of 40 kB fragments: the bytes this rank's TCP
     transport hands the kernel, counted around its writes (headers included)."""
@@ -208,15 +239,7 @@ def _wire_bytes(rank: int, world: int) -> dict[str, Any]:
     dist.barrier()  # the set-up's broadcast and earlier cases are off the wire
     written = [0]
     send = tcp._sendall_vec
-
-    def counting(sock: Any, parts: list[memoryview], flags: int = 0) -> None:
-        before = sum(p.nbytes for p in parts)
-        try:
-            send(sock, parts, flags)
-        finally:  # parts holds what was not sent
-            written[0] += before - sum(p.nbytes for p in parts)
-
-    tcp._sendall_vec = counting
+    tcp._sendall_vec = _counting_writes(tcp, written)
     try:
         for step in range(8):
             x = torch.randn(8, WIDE, generator=torch.Generator().manual_seed(rank + 10 * step))
@@ -276,6 +299,7 @@ CASES: dict[str, Callable[[int, int], Any]] = {
     "hierarchical_bf16": lambda rank, world: _hierarchical(rank, world, "bf16"),
     "ddp_equal": _ddp_equal,
     "wire_bytes": _wire_bytes,
+    "equal_start_bytes": _equal_start_bytes,
     "hidden": _hidden,
     **{f"trained_{name}": (lambda c: lambda rank, world: _trained(rank, c))(config)
        for name, config in STREAM_CONFIGS.items()},
@@ -470,6 +494,14 @@ def test_small_fragments_cross_the_wire_once_and_a_half_not_twice(results: Any) 
         assert info["counted"] == ring, (rank, info)
         # headers are a few dozen bytes per message; doubling would send 4 * 2 * fragment
         assert ring <= info["wire"] <= ring * 1.02, (rank, info, ring)
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(600)
+def test_ranks_that_start_equal_send_no_parameters(results: Any) -> None:
+    for rank, info in enumerate(_case(results, "equal_start_bytes")):
+        # a digest's all-reduce: a few headers; the broadcast would send 40 kB from rank 0
+        assert info["wire"] < 2000, (rank, info)
 
 
 @pytest.mark.procs
