@@ -172,9 +172,8 @@ class DiLoCo:
     Counters for benchmarks: ``bytes_sent`` (bytes this rank sent in outer exchanges,
     headers aside: for an all-reduce, those of the algorithm tandem picks; the
     reduce-scatter and all-gather send 2(W-1)/W of the payload), ``comm_seconds`` (from
-    issuing each exchange's collective
-    to its completion), ``exposed_seconds`` (of those, spent blocked waiting), and
-    ``hidden_fraction`` (1 - exposed/comm).
+    issuing each exchange's collective to its completion), ``exposed_seconds`` (of
+    those, spent blocked waiting), and ``hidden_fraction`` (1 - exposed/comm).
     """
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer,
