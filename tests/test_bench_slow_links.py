@@ -62,6 +62,19 @@ def test_unknown_methods_and_impossible_settings_are_refused() -> None:
     bad = subprocess.run([sys.executable, "-m", "tandem.bench", "slow-links", "--batch-size",
                           "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--batch-size 0: must be at least 1" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "tandem.bench", "slow-links", "--outer-momentum",
+                          "1"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "0 <= momentum < 1" in bad.stderr, bad.stderr
+
+
+def test_outer_optimizer_flags_go_to_the_diloco_methods_only() -> None:
+    outer = ["--outer-lr", "1.0", "--outer-momentum", "0.5"]
+    by = {m.name: m.flags for m in methods_for(
+        ["ddp", "local-sgd", "diloco", "streaming-diloco", "compute-only"], 40, 20, 4, outer)}
+    for name in ("diloco", "streaming-diloco"):
+        assert by[name][-4:] == outer, by[name]
+    for name in ("ddp", "local-sgd", "compute-only"):
+        assert "--outer-lr" not in by[name], by[name]
 
 
 @pytest.mark.procs

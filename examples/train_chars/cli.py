@@ -20,6 +20,8 @@ DESCRIPTION = ("Train a character-level transformer on Python's standard library
                "tandem DDP.")
 SYNC_METHODS = ("ddp", "local-sgd", "diloco")
 DEFAULT_INNER_STEPS = 20
+DEFAULT_OUTER_LR = 0.7  # the DiLoCo paper's outer SGD (Douillard et al. 2023)
+DEFAULT_OUTER_MOMENTUM = 0.9
 HELP_SHOWN = 3  # exit status of a check that printed the help: the caller stops, no error
 
 FULL = {"steps": 300, "batch_size": 16, "seq_len": 128, "dim": 128, "layers": 3, "heads": 4,
@@ -117,6 +119,11 @@ def parse(argv: Sequence[str] | None = None) -> tuple[dict[str, Any], argparse.N
     p.add_argument("--fragments", type=int, metavar="N",
                    help="diloco: sync the model in N fragments in turn, each overlapped with "
                         "the next steps (streaming DiLoCo; default 1)")
+    p.add_argument("--outer-lr", type=float, metavar="LR",
+                   help=f"diloco: the outer SGD's learning rate (default {DEFAULT_OUTER_LR})")
+    p.add_argument("--outer-momentum", type=float, metavar="M",
+                   help=f"diloco: the outer SGD's Nesterov momentum, 0 for none "
+                        f"(default {DEFAULT_OUTER_MOMENTUM})")
     p.add_argument("--eval-every", type=int, default=0, metavar="N",
                    help="also evaluate every N steps; metrics.json's val_curve gets "
                         "(step, training seconds, loss) for each (0: at the end only)")
@@ -156,7 +163,16 @@ def _check_sync(p: _Parser, ns: argparse.Namespace, cfg: dict[str, Any]) -> None
     """Fill in and check --sync, --inner-steps, --fragments and --eval-every."""
     if ns.eval_every < 0:
         p.error(f"--eval-every {ns.eval_every}: use 0 (at the end only) or a number of steps")
-    cfg.update(sync=ns.sync, inner_steps=1, fragments=1, eval_every=ns.eval_every)
+    cfg.update(sync=ns.sync, inner_steps=1, fragments=1, eval_every=ns.eval_every,
+               outer_lr=DEFAULT_OUTER_LR, outer_momentum=DEFAULT_OUTER_MOMENTUM)
+    for flag, value in (("--outer-lr", ns.outer_lr), ("--outer-momentum", ns.outer_momentum)):
+        if value is not None and ns.sync != "diloco":
+            p.error(f"{flag} {value}: only --sync diloco has an outer optimizer")
+    if ns.outer_lr is not None and not 0 < ns.outer_lr <= 10:
+        p.error(f"--outer-lr {ns.outer_lr}: must be above 0 and at most 10 (1 with "
+                f"--outer-momentum 0 is plain parameter averaging)")
+    if ns.outer_momentum is not None and not 0 <= ns.outer_momentum < 1:
+        p.error(f"--outer-momentum {ns.outer_momentum}: must be at least 0 and below 1")
     if ns.sync == "ddp":
         for flag, value in (("--inner-steps", ns.inner_steps), ("--fragments", ns.fragments)):
             if value is not None:
@@ -178,6 +194,10 @@ def _check_sync(p: _Parser, ns: argparse.Namespace, cfg: dict[str, Any]) -> None
                 f"syncs every rank at the same steps: drop --zero, --shard-grads, --uneven "
                 f"and --elastic (they go with --sync ddp)")
     cfg.update(inner_steps=inner, fragments=fragments)
+    if ns.outer_lr is not None:
+        cfg.update(outer_lr=ns.outer_lr)
+    if ns.outer_momentum is not None:
+        cfg.update(outer_momentum=ns.outer_momentum)
 
 
 if __name__ == "__main__":

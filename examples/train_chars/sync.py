@@ -25,12 +25,11 @@ from tandem.algorithms.model_averaging.averagers import PeriodicModelAverager
 from tandem.algorithms.model_averaging.utils import average_parameters
 from tandem.optim import PostLocalSGDOptimizer
 from tandem.parallel import DistributedDataParallel
+from train_chars.cli import DEFAULT_OUTER_LR as OUTER_LR  # --outer-lr's default
+from train_chars.cli import DEFAULT_OUTER_MOMENTUM as OUTER_MOMENTUM
 
 __all__ = ["Sync", "make_sync", "OUTER_LR", "OUTER_MOMENTUM"]
 
-# the DiLoCo paper's outer optimizer (Douillard et al. 2023): SGD, lr 0.7, Nesterov 0.9
-OUTER_LR = 0.7
-OUTER_MOMENTUM = 0.9
 
 
 @dataclasses.dataclass
@@ -70,9 +69,10 @@ def _local_sgd(model: torch.nn.Module, optimizer: torch.optim.Optimizer, every: 
 
 
 def _diloco(model: torch.nn.Module, optimizer: torch.optim.Optimizer, every: int,
-            fragments: int) -> Sync:
+            fragments: int, outer_lr: float, outer_momentum: float) -> Sync:
     def outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        return torch.optim.SGD(params, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+        return torch.optim.SGD(params, lr=outer_lr, momentum=outer_momentum,
+                               nesterov=outer_momentum > 0)
 
     # a group's collectives complete in issue order: on the default group the loss and
     # evaluation all-reduces would wait behind a streamed exchange still in flight
@@ -94,12 +94,13 @@ def _diloco(model: torch.nn.Module, optimizer: torch.optim.Optimizer, every: int
 
 
 def make_sync(method: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-              inner_steps: int, fragments: int) -> Sync:
+              inner_steps: int, fragments: int, outer_lr: float = OUTER_LR,
+              outer_momentum: float = OUTER_MOMENTUM) -> Sync:
     """The ``--sync`` method around ``model`` (already loaded) and its AdamW."""
     if method == "ddp":
         return _ddp(model, optimizer)
     if method == "local-sgd":
         return _local_sgd(model, optimizer, inner_steps)
     if method == "diloco":
-        return _diloco(model, optimizer, inner_steps, fragments)
+        return _diloco(model, optimizer, inner_steps, fragments, outer_lr, outer_momentum)
     raise ValueError(f"--sync {method!r}: use ddp, local-sgd or diloco")

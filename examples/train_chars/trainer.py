@@ -72,6 +72,8 @@ class RunConfig:
     sync: str = "ddp"  # or "local-sgd", "diloco" (train_chars/sync.py)
     inner_steps: int = 1  # local-sgd, diloco: steps between syncs
     fragments: int = 1  # diloco: parts of the model that sync in turn
+    outer_lr: float = 0.7  # diloco: the outer SGD's learning rate
+    outer_momentum: float = 0.9  # diloco: its Nesterov momentum (0: none)
     eval_every: int = 0  # 0: evaluate at the start and the end only
 
 
@@ -190,7 +192,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         model.load_state_dict(state["model"])
         step, history, val_history = state["step"], state["history"], state["val_history"]
         trained_on = state.get("world_size", world)  # older checkpoints did not say
-    sync = make_sync(cfg.sync, model, optimizer, cfg.inner_steps, cfg.fragments)
+    sync = make_sync(cfg.sync, model, optimizer, cfg.inner_steps, cfg.fragments,
+                     cfg.outer_lr, cfg.outer_momentum)
     optimizer = sync.optimizer  # local-sgd: the averaging optimizer around the AdamW
     if run.resume:  # after wrapping: local-sgd's state dict carries its averager's count
         optimizer.load_state_dict(state["optimizer"])
@@ -326,6 +329,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
             "val_loss_start": val_start, "val_loss_end": val_end, "val_history": val_history,
             "elapsed_s": elapsed, "val_curve": val_curve, "sync": cfg.sync,
             "inner_steps": cfg.inner_steps, "fragments": cfg.fragments,
+            "outer_lr": cfg.outer_lr, "outer_momentum": cfg.outer_momentum,
             **sync.counters(),
             "samples_per_s": ran * cfg.batch_size * world / elapsed if ran else 0.0,
             "chars_per_s": ran * cfg.batch_size * world * cfg.seq_len / elapsed if ran else 0.0,

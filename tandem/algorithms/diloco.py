@@ -26,7 +26,11 @@ Compression of the exchange: ``"bf16"`` or ``"int8"`` (symmetric, one fp32 scale
 ``block_size`` values). A compressed exchange is a reduce-scatter (an all-to-all of the
 compressed chunks, summed in fp32 by the chunk's owner) and an all-gather of the
 compressed averages, so every rank decodes the same bytes and the outer parameters stay
-identical on all ranks. Uncompressed, it is one all-reduce.
+identical on all ranks. Uncompressed, it is one all-reduce, except where tandem would
+all-reduce the payload by recursive doubling (below the ring's threshold, more than 2
+ranks, ``delay`` not 1): doubling sends log2(W) payloads per rank, so the exchange is
+then a reduce-scatter and an all-gather of fp32 chunks, 2 (W-1)/W payloads, as the ring
+sends; streaming's small fragments thus cost the bytes of the whole model's exchange.
 
 Hierarchical training: DDP inside a host (shared memory, every step), DiLoCo across
 hosts. :func:`host_groups` gives this rank's host group and its cross-host group (the
@@ -41,7 +45,9 @@ the averaged slices over shared memory, so the host's link carries the model onc
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import hashlib
 import math
 import threading
 import time
@@ -90,17 +96,22 @@ def _split(sizes: list[int], fragments: int) -> list[range]:
 
 
 class _Codec:
-    """Encodes a flat fp32 chunk into bytes and back: bf16, or int8 with block scales."""
+    """Encodes a flat fp32 chunk into bytes and back: bf16, int8 with block scales, or
+    "fp32" (the values as they are: an uncompressed exchange in two phases)."""
 
     def __init__(self, kind: str, block: int) -> None:
         self.kind, self.block = kind, block
 
     def nbytes(self, n: int) -> int:
+        if self.kind == "fp32":
+            return 4 * n
         if self.kind == "bf16":
             return 2 * n
         return n + 4 * (n // self.block)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "fp32":
+            return x.contiguous().view(torch.uint8)
         if self.kind == "bf16":
             return x.to(torch.bfloat16).view(torch.uint8)
         blocks = x.view(-1, self.block)
@@ -110,6 +121,8 @@ class _Codec:
         return torch.cat([q.view(torch.uint8).reshape(-1), scale.view(torch.uint8)])
 
     def decode(self, data: torch.Tensor, n: int) -> torch.Tensor:
+        if self.kind == "fp32":
+            return data.view(torch.float32)
         if self.kind == "bf16":
             return data.view(torch.bfloat16).to(torch.float32)
         q = data[:n].view(torch.int8).to(torch.float32).view(-1, self.block)
@@ -131,7 +144,8 @@ class _Exchange:
     world: int = 1
     result: torch.Tensor | None = None  # the averaged pseudo-gradient, once known
     work: Work | None = None
-    stage: int = 0              # compressed: 1 = all-to-all in flight, 2 = all-gather
+    codec: _Codec | None = None  # two phases (reduce-scatter, all-gather) when set
+    stage: int = 0              # two phases: 1 = all-to-all in flight, 2 = all-gather
     recv: torch.Tensor | None = None
     gathered: torch.Tensor | None = None
     issued_at: float = 0.0
@@ -155,11 +169,11 @@ class DiLoCo:
     scale), ``host_group`` (hierarchical: the ranks of this host, which hold the same
     parameters through DDP; each carries a slice across ``group``).
 
-    Counters for benchmarks: ``bytes_sent`` (bytes this rank sent in outer exchanges; for
-    an uncompressed all-reduce, those of the algorithm tandem picks: recursive doubling's
-    log2(W) payloads for small ones, the ring's 2(W-1)/W of it for large), ``comm_seconds`` (from issuing each exchange's collective
-    to its completion), ``exposed_seconds`` (of those, spent blocked waiting), and
-    ``hidden_fraction`` (1 - exposed/comm).
+    Counters for benchmarks: ``bytes_sent`` (bytes this rank sent in outer exchanges,
+    headers aside: for an all-reduce, those of the algorithm tandem picks; the
+    reduce-scatter and all-gather send 2(W-1)/W of the payload), ``comm_seconds`` (from
+    issuing each exchange's collective to its completion), ``exposed_seconds`` (of
+    those, spent blocked waiting), and ``hidden_fraction`` (1 - exposed/comm).
     """
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer,
@@ -256,9 +270,20 @@ class DiLoCo:
 
     def _start_equal(self) -> None:
         """Every rank starts from the first rank's parameters (as DDP does): outer
-        parameters that began apart would stay apart."""
+        parameters that began apart would stay apart. Ranks that already agree (built from
+        one seed, as training scripts do) skip the broadcast: a digest's all-reduce tells,
+        16 bytes where the broadcast sends the model to every rank."""
         g = self._group()
         if g is None or g.group_size == 1:
+            return
+        digest = hashlib.blake2b(digest_size=7)  # 56 bits: the negation fits an int64
+        for p in self.params:
+            t = p.detach().contiguous()
+            digest.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
+        mine = int.from_bytes(digest.digest(), "little")
+        spread = torch.tensor([mine, -mine], dtype=torch.int64)
+        all_reduce(spread, op=ReduceOp.MAX, group=g)
+        if int(spread[0]) == -int(spread[1]):  # the largest digest is the smallest: all equal
             return
         flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in self.params])
         broadcast(flat, group=g, group_src=0)
@@ -279,7 +304,7 @@ class DiLoCo:
         for ex in list(self._pending):
             if ex.finish == t:
                 self._finish(ex)
-            elif self._codec is not None and ex.stage == 1 and t == ex.started + self.delay // 2:
+            elif ex.codec is not None and ex.stage == 1 and t == ex.started + self.delay // 2:
                 self._second_phase(ex)
         for f, offset in enumerate(self._offsets):
             if t % self.sync_every == offset:
@@ -348,18 +373,26 @@ class DiLoCo:
             ex.result = payload.clone()
             return
         w = ex.world = g.group_size
-        if self._codec is None:
+        ex.codec = self._codec
+        if ex.codec is None:
             buf = payload / w  # divided before summing: no overflow, the same rounding as DDP
-            ex.result = buf
-            self.bytes_sent += _all_reduce_bytes(g, buf)
-            ex.work = self._launch(ex, lambda: all_reduce(buf, op=ReduceOp.SUM, group=g,
-                                                          async_op=True))
-            return
+            # with delay 1 the second phase could only start at the finishing step, in full
+            # view; one all-reduce then travels hidden behind the step
+            if self.delay == 1 or not _doubling_costs_more(g, buf):
+                ex.result = buf
+                self.bytes_sent += _all_reduce_bytes(g, buf)
+                ex.work = self._launch(ex, lambda: all_reduce(buf, op=ReduceOp.SUM, group=g,
+                                                              async_op=True))
+                return
+            # a fragment below the ring's threshold would go by recursive doubling, which
+            # sends it log2(W) times; a reduce-scatter and an all-gather send 2 (W-1)/W
+            ex.codec = _Codec("fp32", 1)
+            payload = buf
         per = self._unit() * w
         padded = torch.zeros(math.ceil(payload.numel() / per) * per)
         padded[:payload.numel()] = payload
         chunk = padded.numel() // w
-        send = torch.cat([self._codec.encode(c) for c in padded.split(chunk)])
+        send = torch.cat([ex.codec.encode(c) for c in padded.split(chunk)])
         ex.recv = torch.empty_like(send)
         self.bytes_sent += send.numel() * (w - 1) // w
         ex.stage = 1
@@ -395,8 +428,9 @@ class DiLoCo:
         ex.work = None
 
     def _second_phase(self, ex: _Exchange) -> None:
-        """Compressed: sum the chunk this rank owns, start the all-gather of the averages."""
-        assert self._codec is not None and ex.recv is not None
+        """Two phases: sum the chunk this rank owns, start the all-gather of the averages."""
+        codec = ex.codec
+        assert codec is not None and ex.recv is not None
         self._wait(ex)
         g = self._group()
         assert g is not None
@@ -406,8 +440,9 @@ class DiLoCo:
         chunk = self._chunk_len(ex)
         total = torch.zeros(chunk)
         for r in range(w):  # fp32 sums in rank order: the same on every rank for a chunk
-            total += self._codec.decode(rows[r], chunk)
-        mine = self._codec.encode(total / w)
+            total += codec.decode(rows[r], chunk)
+        # fp32: each part was divided by W before the exchange, as the all-reduce does
+        mine = codec.encode(total if codec.kind == "fp32" else total / w)
         ex.gathered = torch.empty(w * row_bytes, dtype=torch.uint8)
         self.bytes_sent += (w - 1) * row_bytes
         ex.stage = 2
@@ -426,14 +461,15 @@ class DiLoCo:
 
     def _finish(self, ex: _Exchange) -> None:
         """Average known: the outer step on the fragment, and the model's fragment updated."""
-        if self._codec is not None and ex.stage == 1:
+        codec = ex.codec
+        if codec is not None and ex.stage == 1:
             self._second_phase(ex)
         self._wait(ex)
-        if self._codec is not None and ex.gathered is not None:
+        if codec is not None and ex.gathered is not None:
             assert ex.payload is not None
             chunk = self._chunk_len(ex)
             rows = ex.gathered.view(ex.world, -1)
-            ex.result = torch.cat([self._codec.decode(rows[r], chunk)
+            ex.result = torch.cat([codec.decode(rows[r], chunk)
                                    for r in range(ex.world)])[:ex.payload.numel()]
         assert ex.result is not None
         host = self._host()
@@ -520,6 +556,16 @@ class DiLoCo:
                            finish=int(item["started"]) + self.delay,
                            start_local=item["start_local"].clone(), mine=item["mine"].clone())
             self._pending.append(ex)  # started again at the next step() or sync()
+
+
+def _doubling_costs_more(g: ProcessGroup, buf: torch.Tensor) -> bool:
+    """Whether tandem would all-reduce ``buf`` over ``g`` by recursive doubling, which
+    sends more than a reduce-scatter and all-gather do once there are more than 2 ranks
+    (log2(W) payloads against 2 (W-1)/W); shared memory and the hierarchical algorithm
+    choose for themselves."""
+    from tandem.collectives.algorithms import select_all_reduce
+
+    return g.group_size > 2 and select_all_reduce(g, buf)[0] == "doubling"
 
 
 def _all_reduce_bytes(g: ProcessGroup, buf: torch.Tensor) -> int:

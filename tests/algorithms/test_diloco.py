@@ -192,6 +192,68 @@ def _hierarchical(rank: int, world: int, compression: str | None) -> dict[str, A
             "params": runs[True][0]}
 
 
+WIDE = 100  # a fragment of the wide model: 10,100 values, 40 kB, below the ring threshold
+
+
+def _counting_writes(tcp: Any, written: list[int]) -> Callable[..., None]:
+    """The TCP transport's writer, counting the bytes the kernel took into ``written``."""
+    send = tcp._sendall_vec
+
+    def counting(sock: Any, parts: list[memoryview], flags: int = 0) -> None:
+        before = sum(p.nbytes for p in parts)
+        try:
+            send(sock, parts, flags)
+        finally:  # parts holds what was not sent
+            written[0] += before - sum(p.nbytes for p in parts)
+    return counting
+
+
+def _equal_start_bytes(rank: int, world: int) -> dict[str, Any]:
+    """Ranks built from one seed already agree: DiLoCo's start sends no parameters."""
+    import tandem as dist
+    from tandem.transport import tcp
+
+    dist.barrier()
+    written = [0]
+    send = tcp._sendall_vec
+    tcp._sendall_vec = _counting_writes(tcp, written)
+    try:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(WIDE, WIDE), nn.Linear(WIDE, WIDE))
+        DiLoCo(net, _inner(net), outer_optimizer=_plain, sync_every=2)
+    finally:
+        tcp._sendall_vec = send
+    return {"wire": written[0]}
+
+
+def _wire_bytes(rank: int, world: int) -> dict[str, Any]:
+    """Streaming DiLoCo's exchanges of 40 kB fragments: the bytes this rank's TCP
+    transport hands the kernel, counted around its writes (headers included)."""
+    import tandem as dist
+    from tandem.transport import tcp
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(WIDE, WIDE), nn.Linear(WIDE, WIDE))
+    opt = _inner(net)
+    diloco = DiLoCo(net, opt, outer_optimizer=_nesterov, sync_every=4, fragments=2, delay=2)
+    dist.barrier()  # the set-up's broadcast and earlier cases are off the wire
+    written = [0]
+    send = tcp._sendall_vec
+    tcp._sendall_vec = _counting_writes(tcp, written)
+    try:
+        for step in range(8):
+            x = torch.randn(8, WIDE, generator=torch.Generator().manual_seed(rank + 10 * step))
+            net(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            diloco.step()
+        diloco.sync()
+    finally:
+        tcp._sendall_vec = send
+    return {"wire": written[0], "counted": diloco.bytes_sent,
+            "exchanges": diloco.outer_steps}
+
+
 def _host_groups_refusal(rank: int, world: int) -> str:
     from tandem.algorithms.diloco import host_groups
 
@@ -236,6 +298,8 @@ CASES: dict[str, Callable[[int, int], Any]] = {
     "hierarchical": lambda rank, world: _hierarchical(rank, world, None),
     "hierarchical_bf16": lambda rank, world: _hierarchical(rank, world, "bf16"),
     "ddp_equal": _ddp_equal,
+    "wire_bytes": _wire_bytes,
+    "equal_start_bytes": _equal_start_bytes,
     "hidden": _hidden,
     **{f"trained_{name}": (lambda c: lambda rank, world: _trained(rank, c))(config)
        for name, config in STREAM_CONFIGS.items()},
@@ -405,15 +469,39 @@ def test_matches_the_one_process_oracle(results: Any, name: str) -> None:
 def test_bytes_sent_follow_the_payload_and_the_compression(results: Any) -> None:
     numel = sum(p.numel() for p in _model().parameters())
     plain = _case(results, "trained_plain_h3")[0]
-    # 3 syncs of the whole model (2.9 kB: below the ring's threshold), by recursive
-    # doubling: log2(4) = 2 swaps of the whole payload
-    assert plain["bytes"] == 3 * 2 * numel * 4
+    # 3 syncs of the whole model (2.9 kB: below the ring's threshold), each a reduce-scatter
+    # and an all-gather of the (padded) payload: 2 (W-1)/W of it, not doubling's 2 swaps
+    padded = math.ceil(numel / WORLD) * WORLD
+    assert plain["bytes"] == 3 * 2 * (WORLD - 1) * padded * 4 // WORLD
     bf16 = _case(results, "trained_bf16_h3")[0]
     padded = math.ceil(numel / WORLD) * WORLD  # bf16 chunks need no block alignment
     assert bf16["bytes"] == 3 * 2 * ((WORLD - 1) * padded * 2 // WORLD)
     # per (padded) element, half the bytes a ring of fp32 would send
     assert bf16["bytes"] / padded == pytest.approx(3 * 2 * (WORLD - 1) * 4 / WORLD / 2,
                                                    rel=1e-3)
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(600)
+def test_small_fragments_cross_the_wire_once_and_a_half_not_twice(results: Any) -> None:
+    """A fragment below the ring's threshold would go by recursive doubling (2 payloads
+    sent per rank at 4 ranks); DiLoCo sends it as a reduce-scatter and an all-gather
+    (1.5 payloads), so streaming's bytes per step are plain DiLoCo's, 1/H of DDP's."""
+    fragment = (WIDE * WIDE + WIDE) * 4
+    for rank, info in enumerate(_case(results, "wire_bytes")):
+        assert info["exchanges"] == 4, info
+        ring = 4 * 2 * (WORLD - 1) * fragment // WORLD
+        assert info["counted"] == ring, (rank, info)
+        # headers are a few dozen bytes per message; doubling would send 4 * 2 * fragment
+        assert ring <= info["wire"] <= ring * 1.02, (rank, info, ring)
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(600)
+def test_ranks_that_start_equal_send_no_parameters(results: Any) -> None:
+    for rank, info in enumerate(_case(results, "equal_start_bytes")):
+        # a digest's all-reduce: a few headers; the broadcast would send 40 kB from rank 0
+        assert info["wire"] < 2000, (rank, info)
 
 
 @pytest.mark.procs

@@ -89,9 +89,16 @@ def test_local_sgd_ranks_hold_one_model_at_every_inner_steps_th_step_only(
 def test_diloco_ranks_hold_one_model_at_every_inner_steps_th_step_only(tmp_path: Path) -> None:
     if importlib.util.find_spec("tandem.algorithms.diloco") is None:
         pytest.skip("tandem.algorithms.diloco is not in this tree")
-    digests, metrics = _train(tmp_path, "diloco", ["--sync", "diloco", "--inner-steps", "4"])
+    digests, metrics = _train(tmp_path, "diloco", ["--sync", "diloco", "--inner-steps", "4",
+                                                   "--outer-lr", "1.2", "--outer-momentum",
+                                                   "0.5"])
     _check_meets_every(digests, metrics, 4)
     assert metrics["sync"] == "diloco" and metrics["sync_bytes_sent"] > 0
+    # the outer optimizer DiLoCo stepped is the one the flags asked for
+    state = torch.load(tmp_path / "diloco" / "checkpoint.pt", weights_only=True)
+    group = state["sync"]["outer_optimizer"]["param_groups"][0]
+    assert (group["lr"], group["momentum"], group["nesterov"]) == (1.2, 0.5, True), group
+    assert (metrics["outer_lr"], metrics["outer_momentum"]) == (1.2, 0.5)
 
 
 @pytest.mark.parametrize("flags, says", [
@@ -105,6 +112,12 @@ def test_diloco_ranks_hold_one_model_at_every_inner_steps_th_step_only(tmp_path:
     (["--sync", "diloco", "--elastic"], "drop --zero, --shard-grads, --uneven"),
     (["--sync", "allreduce"], "invalid choice: 'allreduce'"),
     (["--eval-every", "-2"], "--eval-every -2: use 0"),
+    (["--sync", "local-sgd", "--outer-lr", "1"], "--outer-lr 1.0: only --sync diloco has"),
+    (["--outer-momentum", "0.5"], "--outer-momentum 0.5: only --sync diloco has"),
+    (["--sync", "diloco", "--outer-lr", "0"], "--outer-lr 0.0: must be above 0 and at most"),
+    (["--sync", "diloco", "--outer-lr", "nan"], "--outer-lr nan: must be above 0"),
+    (["--sync", "diloco", "--outer-momentum", "1"],
+     "--outer-momentum 1.0: must be at least 0 and below 1"),
 ])
 def test_sync_flags_that_cannot_work_are_refused_naming_the_flag(
         flags: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -128,5 +141,5 @@ def test_sync_flag_errors_name_the_flag_and_help_lists_the_methods() -> None:
                            text=True, timeout=60)
     assert shown.returncode == 3  # the help, then the caller stops
     for word in ("--sync {ddp,local-sgd,diloco}", "--inner-steps H", "--fragments N",
-                 "--eval-every N", "streaming DiLoCo"):
+                 "--eval-every N", "streaming DiLoCo", "--outer-lr LR", "--outer-momentum M"):
         assert word in shown.stdout, word
