@@ -102,3 +102,19 @@ def test_barrier_across_hosts_waits_for_every_rank(layout: str) -> None:
 
     results = run_threads(p, body, hosts=hosts, timeout=250, op_timeout=120)
     assert all(seen[i] >= i + 1 for seen in results for i in range(p)), results
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("n", [1, 1024, 1 << 18])
+def test_broadcast_crosses_hosts_between_entries_only(layout: str, n: int) -> None:
+    hosts = LAYOUTS[layout]
+    for root in sorted({0, 1, len(hosts) - 1}):
+        pairs = _pairs(hosts, lambda g: api.broadcast(torch.zeros(n), group_src=root, group=g))
+        across = _across(hosts, pairs)
+        assert {r for pair in across for r in pair} <= _entries(hosts, root), (root, across)
+        # the root check goes through each host's entry: the root hears from its own
+        # host's other ranks and the other hosts' entries, not from every rank
+        told = {a for a, b in pairs if b == root}
+        bound = hosts.count(hosts[root]) - 1 + len(set(hosts)) - 1
+        assert 0 < len(told) <= bound, (root, sorted(told))
+

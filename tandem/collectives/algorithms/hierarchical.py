@@ -41,7 +41,8 @@ from tandem.collectives.group import Op
 from tandem.collectives.reduce_op import ReduceOp, finish
 from tandem.config import Settings
 
-__all__ = ["host_layout", "hierarchical_all_reduce", "hierarchical_broadcast"]
+__all__ = ["host_layout", "hierarchical_all_reduce", "hierarchical_broadcast",
+           "root_check_tree"]
 
 
 def flat_all_reduce(settings: Settings, size: int,
@@ -77,6 +78,26 @@ def hierarchical_all_reduce(op: Op, buf: torch.Tensor, redop: ReduceOp) -> None:
         finish(redop, buf, g.group_size)
     if len(local) > 1:
         tree_broadcast(Phase(op, local, 2 * PHASE), buf, 0)
+
+
+def root_check_tree(layout: list[list[int]], root: int,
+                    rank: int) -> tuple[int | None, list[int]]:
+    """``rank``'s parent and children in a hierarchical broadcast's root check: each
+    host's other ranks confirm to the host's entry rank (the root on its own host, else
+    the lowest), and the other entries to the root, so only entries confirm across hosts.
+
+    Two levels, no deeper: only entries wait for confirmations (a binomial tree made
+    every inner rank wait for its children; 8 hosts x 8, 4 KB: 30.1 ms per broadcast
+    against 23.0 ms this way, one run each at load 40-90)."""
+    entry = [root if root in ranks else ranks[0] for ranks in layout]
+    local = host_of_rank(layout, rank)
+    me_entry = entry[layout.index(local)]
+    if rank != me_entry:
+        return me_entry, []
+    children = [r for r in local if r != rank]
+    if rank != root:
+        return root, children
+    return None, [e for e in entry if e != root] + children
 
 
 def hierarchical_broadcast(op: Op, buf: torch.Tensor, root: int) -> None:

@@ -14,7 +14,8 @@ or a host leader then plays its own part in it. The rules, by group:
   ``TANDEM_RING_THRESHOLD`` (four times that for two ranks); broadcast and reduce a
   binomial ``tree``; all_gather and reduce_scatter the ``ring``.
 * **messages, several hosts, some holding several ranks**: all_reduce ``hierarchical``;
-  broadcast ``hierarchical`` (a tree across hosts, then within each); reduce the
+  broadcast ``hierarchical`` (a tree across hosts, then within each, its root check
+  through each host's entry rank); reduce the
   ``tree``; all_gather and reduce_scatter through the hosts' ``leaders`` when each
   host's ranks are consecutive (and, for a reduction, the leaders' receive areas fit),
   else the ``ring``.
@@ -43,12 +44,13 @@ from tandem.collectives.algorithms.direct import (direct_gather, direct_scatter,
 from tandem.collectives.algorithms.doubling import doubling_all_reduce
 from tandem.collectives.algorithms.flat import Flat
 from tandem.collectives.algorithms.hierarchical import (hierarchical_all_reduce,
-                                                        hierarchical_broadcast)
+                                                        hierarchical_broadcast,
+                                                        root_check_tree)
 from tandem.collectives.algorithms.naive import naive_all_reduce
 from tandem.collectives.algorithms.ring import (Bounds, even_bounds, link_chunk, ring,
                                                 ring_all_reduce, ring_gather_into, ring_pays,
                                                 segment_bounds, separate)
-from tandem.collectives.algorithms.roots import announce_root, confirm_root
+from tandem.collectives.algorithms.roots import announce_root, confirm_root, confirm_up
 from tandem.collectives.algorithms.shm import shm_all_reduce, shm_all_reduce_many
 from tandem.collectives.algorithms.shm_gather import shm_all_gather, shm_reduce_scatter
 from tandem.collectives.algorithms.shm_rooted import shm_broadcast, shm_reduce
@@ -159,9 +161,15 @@ def _tree_broadcast(o: Op, buf: torch.Tensor, root: int) -> None:
 
 
 def _hierarchical_broadcast(o: Op, buf: torch.Tensor, root: int) -> None:
-    told = confirm_root(o, root)
+    # the root check through each host's entry rank: only entries confirm across hosts,
+    # and the root hears from its host's ranks and the other entries, not from every rank
+    layout = host_layout(o.group)
+    assert layout is not None  # as select_broadcast found it
+    tree = root_check_tree(layout, root, o.group.group_rank)
+    told = confirm_root(o, root, tree)
     hierarchical_broadcast(o, buf, root)
     o.wait(*told)
+    confirm_up(o, tree)
 
 
 def select_broadcast(group: ProcessGroup, buf: torch.Tensor) -> tuple[str, Broadcast]:
