@@ -118,3 +118,28 @@ def test_broadcast_crosses_hosts_between_entries_only(layout: str, n: int) -> No
         bound = hosts.count(hosts[root]) - 1 + len(set(hosts)) - 1
         assert 0 < len(told) <= bound, (root, sorted(told))
 
+
+
+UNROOTED = {
+    "all_reduce": lambda g, n: api.all_reduce(torch.ones(n), group=g),
+    "all_gather": lambda g, n: api.all_gather([torch.zeros(n) for _ in range(g.group_size)],
+                                              torch.ones(n), group=g),
+    "all_gather_into_tensor": lambda g, n: api.all_gather_into_tensor(
+        torch.zeros(n * g.group_size), torch.ones(n), group=g),
+    "reduce_scatter": lambda g, n: api.reduce_scatter(
+        torch.zeros(n), [torch.ones(n) for _ in range(g.group_size)], group=g),
+    "reduce_scatter_tensor": lambda g, n: api.reduce_scatter_tensor(
+        torch.zeros(n), torch.ones(n * g.group_size), group=g),
+}
+
+
+@pytest.mark.parametrize("layout", ["2x8", "4x4", "uneven"])
+@pytest.mark.parametrize("name", UNROOTED)
+def test_unrooted_collectives_cross_hosts_between_leaders_only(layout: str, name: str) -> None:
+    """What the scale benchmark runs, small (doubling/tree) and large (streamed through
+    the leaders): with connections made on first use, O(hosts) of them per host."""
+    hosts = LAYOUTS[layout]
+    for n in [1, 1024, 1 << 18]:
+        across = _across(hosts, _pairs(hosts, lambda g: UNROOTED[name](g, n)))
+        assert across and {r for pair in across for r in pair} <= _entries(hosts, None), (
+            n, sorted(across))
