@@ -100,10 +100,13 @@ def root_check_tree(layout: list[list[int]], root: int,
     return None, [e for e in entry if e != root] + children
 
 
-def hierarchical_broadcast(op: Op, buf: torch.Tensor, root: int) -> None:
+def hierarchical_broadcast(op: Op, buf: torch.Tensor, root: int,
+                           between: Callable[[], None] | None = None) -> None:
     """Broadcast flat ``buf`` from group rank ``root``: to one rank per host, then within hosts.
 
     The root stands for its own host; every other host is entered at its lowest rank.
+    ``between`` runs on every rank once the across-hosts part is done, before the
+    within-host part (an entry passes its host's root check on there).
     """
     g = op.group
     layout = host_layout(g)
@@ -115,5 +118,7 @@ def hierarchical_broadcast(op: Op, buf: torch.Tensor, root: int) -> None:
     me_entry = entry[layout.index(local)]
     if g.group_rank == me_entry:
         tree_broadcast(Phase(op, entry, 0), buf, entry.index(root))
+    if between is not None:
+        between()
     if len(local) > 1:
         tree_broadcast(Phase(op, local, PHASE), buf, local.index(me_entry))

@@ -167,9 +167,17 @@ def _hierarchical_broadcast(o: Op, buf: torch.Tensor, root: int) -> None:
     assert layout is not None  # as select_broadcast found it
     tree = root_check_tree(layout, root, o.group.group_rank)
     told = confirm_root(o, root, tree)
-    hierarchical_broadcast(o, buf, root)
+    parent, children = tree
+
+    def entry_confirms() -> None:
+        # before an entry hands the data on within its host, so the root never waits
+        # for that (its host's ranks confirmed on entering the call, usually long since)
+        if children and parent is not None:
+            o.wait(*told)
+            confirm_up(o, tree)
+
+    hierarchical_broadcast(o, buf, root, entry_confirms)
     o.wait(*told)
-    confirm_up(o, tree)
 
 
 def select_broadcast(group: ProcessGroup, buf: torch.Tensor) -> tuple[str, Broadcast]:
