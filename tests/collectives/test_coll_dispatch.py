@@ -49,7 +49,8 @@ LEAVES: list[Callable[..., Any]] = [
     shm_gather.shm_all_gather, shm_gather.shm_reduce_scatter, tree.tree_broadcast,
     tree.tree_reduce, ring.ring, ring.ring_gather_into, streamed.streamed_all_reduce,
     streamed._through_leaders, direct.direct_gather, direct.direct_scatter,
-    direct.pairwise_all_to_all, alltoall._agree, roots.confirm_root, roots.announce_root,
+    direct.pairwise_all_to_all, alltoall._agree, roots.confirm_root, roots.confirm_up,
+    roots.announce_root,
 ]
 # recorded without leading underscores, so a helper may move and lose its "_"
 _EMPTY: dict[str, Any] = {"agree": {}, "confirm_root": [], "announce_root": []}

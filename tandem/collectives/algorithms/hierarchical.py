@@ -41,7 +41,8 @@ from tandem.collectives.group import Op
 from tandem.collectives.reduce_op import ReduceOp, finish
 from tandem.config import Settings
 
-__all__ = ["host_layout", "hierarchical_all_reduce", "hierarchical_broadcast"]
+__all__ = ["host_layout", "hierarchical_all_reduce", "hierarchical_broadcast",
+           "root_check_tree"]
 
 
 def flat_all_reduce(settings: Settings, size: int,
@@ -79,10 +80,33 @@ def hierarchical_all_reduce(op: Op, buf: torch.Tensor, redop: ReduceOp) -> None:
         tree_broadcast(Phase(op, local, 2 * PHASE), buf, 0)
 
 
-def hierarchical_broadcast(op: Op, buf: torch.Tensor, root: int) -> None:
+def root_check_tree(layout: list[list[int]], root: int,
+                    rank: int) -> tuple[int | None, list[int]]:
+    """``rank``'s parent and children in a hierarchical broadcast's root check: each
+    host's other ranks confirm to the host's entry rank (the root on its own host, else
+    the lowest), and the other entries to the root, so only entries confirm across hosts.
+
+    Two levels, no deeper: only entries wait for confirmations (a binomial tree made
+    every inner rank wait for its children; 8 hosts x 8, 4 KB: 30.1 ms per broadcast
+    against 23.0 ms this way, one run each at load 40-90)."""
+    entry = [root if root in ranks else ranks[0] for ranks in layout]
+    local = host_of_rank(layout, rank)
+    me_entry = entry[layout.index(local)]
+    if rank != me_entry:
+        return me_entry, []
+    children = [r for r in local if r != rank]
+    if rank != root:
+        return root, children
+    return None, [e for e in entry if e != root] + children
+
+
+def hierarchical_broadcast(op: Op, buf: torch.Tensor, root: int,
+                           between: Callable[[], None] | None = None) -> None:
     """Broadcast flat ``buf`` from group rank ``root``: to one rank per host, then within hosts.
 
     The root stands for its own host; every other host is entered at its lowest rank.
+    ``between`` runs on every rank once the across-hosts part is done, before the
+    within-host part (an entry passes its host's root check on there).
     """
     g = op.group
     layout = host_layout(g)
@@ -94,5 +118,7 @@ def hierarchical_broadcast(op: Op, buf: torch.Tensor, root: int) -> None:
     me_entry = entry[layout.index(local)]
     if g.group_rank == me_entry:
         tree_broadcast(Phase(op, entry, 0), buf, entry.index(root))
+    if between is not None:
+        between()
     if len(local) > 1:
         tree_broadcast(Phase(op, local, PHASE), buf, local.index(me_entry))

@@ -1,0 +1,145 @@
+"""Across hosts, only each host's entry rank (its leader, or the root on the root's host)
+sends or receives, so lazily made connections stay O(hosts) per host; and a rooted
+call's root hears from a few ranks, not from the whole group.
+
+Nothing moves between processes: every rank of a layout runs the call on the dispatch
+oracle's stand-in group, whose transport completes each message at once, here
+recording its two ends. Barriers also run on threads, one rank late in turn.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import tandem
+from test_coll_dispatch import _Group as _InlineGroup
+from test_coll_dispatch import _Transport as _Inline
+
+from tandem.collectives import api, barriers
+from tandem.collectives.group import ProcessGroup
+from tandem.config import Settings
+from tandem.testing import run_threads
+from tandem.transport.message import Slot
+
+pytestmark = pytest.mark.timeout(300)
+
+LAYOUTS = {"2x8": "a" * 8 + "b" * 8, "4x4": "aaaabbbbccccdddd",
+           "8x8": "".join(h * 8 for h in "abcdefgh"), "uneven": "aaabbbbbc", "3+1": "aaab"}
+
+
+class _Recording(_Inline):
+    """The dispatch oracle's stand-in transport, recording each message's two ends."""
+
+    def __init__(self, rank: int, hosts: str, pairs: set[tuple[int, int]]) -> None:
+        super().__init__(rank, hosts)
+        self.pairs = pairs
+
+    def isend(self, to: int, header: Any, view: memoryview) -> Slot:
+        self.pairs.add((self.rank, to))
+        return super().isend(to, header, view)
+
+    def irecv(self, frm: int, *args: Any) -> Slot:
+        self.pairs.add((frm, self.rank))
+        return super().irecv(frm, *args)
+
+
+def _pairs(hosts: str, call: Callable[[ProcessGroup], Any]) -> set[tuple[int, int]]:
+    pairs: set[tuple[int, int]] = set()
+    for rank in range(len(hosts)):
+        g = _InlineGroup(rank, hosts, False, Settings())
+        g.transport = _Recording(rank, hosts, pairs)  # type: ignore[assignment]
+        call(g)
+    return pairs
+
+
+def _entries(hosts: str, root: int | None) -> set[int]:
+    """Each host's entry: the root on its host, else the host's lowest rank."""
+    out: dict[str, int] = {}
+    for rank, host in enumerate(hosts):
+        out.setdefault(host, rank)
+    if root is not None:
+        out[hosts[root]] = root
+    return set(out.values())
+
+
+def _across(hosts: str, pairs: set[tuple[int, int]]) -> set[tuple[int, int]]:
+    return {(a, b) for a, b in pairs if hosts[a] != hosts[b]}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_barrier_crosses_hosts_between_leaders_only(layout: str) -> None:
+    hosts = LAYOUTS[layout]
+    across = _across(hosts, _pairs(hosts, lambda g: barriers.barrier(group=g)))
+    entries = _entries(hosts, None)
+    assert across and {r for pair in across for r in pair} <= entries, sorted(across)
+
+
+@pytest.mark.parametrize("layout", ["2x8", "uneven", "3+1"])
+def test_barrier_across_hosts_waits_for_every_rank(layout: str) -> None:
+    """Each rank of each host, late in turn, holds every other rank in the barrier."""
+    hosts = list(LAYOUTS[layout])
+    p = len(hosts)
+    entered = [0] * p  # rounds each rank has entered
+    lock = threading.Lock()
+
+    def body(group: ProcessGroup) -> list[int]:
+        r = group.rank()
+        seen = []
+        for late in range(p):
+            if r == late:
+                time.sleep(0.05)  # the late rank: the others must still be waiting for it
+            with lock:
+                entered[r] += 1
+            tandem.barrier(group=group)
+            with lock:
+                seen.append(min(entered))  # every rank entered this round's barrier
+        return seen
+
+    results = run_threads(p, body, hosts=hosts, timeout=250, op_timeout=120)
+    assert all(seen[i] >= i + 1 for seen in results for i in range(p)), results
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("n", [1, 1024, 1 << 18])
+def test_broadcast_crosses_hosts_between_entries_only(layout: str, n: int) -> None:
+    hosts = LAYOUTS[layout]
+    for root in sorted({0, 1, len(hosts) - 1}):
+        pairs = _pairs(hosts, lambda g: api.broadcast(torch.zeros(n), group_src=root, group=g))
+        across = _across(hosts, pairs)
+        assert {r for pair in across for r in pair} <= _entries(hosts, root), (root, across)
+        # the root check goes through each host's entry: the root hears from its own
+        # host's other ranks and the other hosts' entries, not from every rank
+        told = {a for a, b in pairs if b == root}
+        bound = hosts.count(hosts[root]) - 1 + len(set(hosts)) - 1
+        assert 0 < len(told) <= bound, (root, sorted(told))
+
+
+
+UNROOTED = {
+    "all_reduce": lambda g, n: api.all_reduce(torch.ones(n), group=g),
+    "all_gather": lambda g, n: api.all_gather([torch.zeros(n) for _ in range(g.group_size)],
+                                              torch.ones(n), group=g),
+    "all_gather_into_tensor": lambda g, n: api.all_gather_into_tensor(
+        torch.zeros(n * g.group_size), torch.ones(n), group=g),
+    "reduce_scatter": lambda g, n: api.reduce_scatter(
+        torch.zeros(n), [torch.ones(n) for _ in range(g.group_size)], group=g),
+    "reduce_scatter_tensor": lambda g, n: api.reduce_scatter_tensor(
+        torch.zeros(n), torch.ones(n * g.group_size), group=g),
+}
+
+
+@pytest.mark.parametrize("layout", ["2x8", "4x4", "uneven"])
+@pytest.mark.parametrize("name", UNROOTED)
+def test_unrooted_collectives_cross_hosts_between_leaders_only(layout: str, name: str) -> None:
+    """What the scale benchmark runs, small (doubling/tree) and large (streamed through
+    the leaders): with connections made on first use, O(hosts) of them per host."""
+    hosts = LAYOUTS[layout]
+    for n in [1, 1024, 1 << 18]:
+        across = _across(hosts, _pairs(hosts, lambda g: UNROOTED[name](g, n)))
+        assert across and {r for pair in across for r in pair} <= _entries(hosts, None), (
+            n, sorted(across))
