@@ -41,7 +41,7 @@ RPC codec asks for), which goes back to the sender once the last view of it is f
 or at once if the piece was copied out.
 
     peer = ShmPeer(link, me=0, hostname="h", open_ring=make_and_hand_over, mailbox=mailbox)
-    peer.take_inbound(ring)                       # the peer's ring arrived (watcher thread)
+    peer.take_inbound(ring, max_frame)            # the peer's ring arrived (watcher thread)
     peer.send_now(header, views) or peer.post(header, views, slot)  # caller thread
     peer.read_loop(mailbox, max_frame)            # reader thread
     peer.watch(True); peer.poll(); peer.watch(False)  # any thread that waits for a frame
@@ -181,11 +181,14 @@ class ShmPeer:
         """Whether the (inbound, outbound) rings exist yet."""
         return self._in is not None, self._out is not None
 
-    def take_inbound(self, ring: Ring) -> None:
+    def take_inbound(self, ring: Ring, max_frame: int) -> None:
         """The peer made the ring it writes to us (its first message to us follows in it)."""
         with self._in_lock:
             if self._in is not None:
                 raise ProtocolError(f"rank {self.rank} handed rank {self.me} a second ring")
+            # before the ring is published: a polling thread may read its first frame
+            # before the reader thread starts, and must not see every frame as oversized
+            self._max_frame = max_frame
             for _ in range(self._early_watchers):
                 ring.watch(True)
             self._in = ring

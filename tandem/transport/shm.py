@@ -205,7 +205,7 @@ class ShmTransport(BoundedSends, Transport):
         finally:
             os.close(fd)
         try:
-            peer.take_inbound(Ring(mm, self._spin))
+            peer.take_inbound(Ring(mm, self._spin), self._max_frame)
         except BaseException:
             mm.close()
             raise
