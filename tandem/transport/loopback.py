@@ -26,7 +26,7 @@ class LoopbackTransport(Transport):
         self.rank = rank
         self.world_size = hub.world_size
         self.mailbox = Mailbox(rank)
-        self.mailbox.reply = lambda peer, group, error: self.abort(group, [peer], error)
+        self.mailbox.reply = lambda peers, group, error: self.abort(group, peers, error)
         self.closed = False
 
     def isend(self, peer: int, header: Header, payload: memoryview) -> Slot:

@@ -59,8 +59,9 @@ class Mailbox:
         self._parked_bytes = 0
         self._filling: dict[int, Slot] = {}  # per peer: the parked message being read
         self._wild: list[tuple[Callable[[int, Header], bool], Slot]] = []
-        # set by the transport: tell ``peer`` that ``group`` failed with ``error``
-        self.reply: Callable[[int, int, TandemError], None] | None = None
+        # set by the transport: tell ``peers`` that ``group`` failed with ``error``
+        self.reply: Callable[[list[int], int, TandemError], None] | None = None
+        self._members: dict[int, list[int]] = {}  # group -> its global ranks (know_members)
         self._handlers: dict[int, Handler] = {}
 
     def handle(self, kind: int, handler: Handler | None) -> None:
@@ -191,10 +192,16 @@ class Mailbox:
                 return slot
         return None
 
+    def know_members(self, group: int, ranks: list[int]) -> None:
+        """``group``'s global ranks: a clash this rank finds is told to all of them."""
+        self._members[group] = list(ranks)
+
     def _reject(self, peer: int, group: int, error: TandemError) -> None:
+        # every member, not only ``peer``: a root still waiting for a rank that called
+        # another collective would otherwise wait out its whole timeout
         self.abort_group(group, error)
         if self.reply is not None:
-            self.reply(peer, group, error)
+            self.reply(self._members.get(group, [peer]), group, error)
 
     def finished(self, group: int, seq: int, sig: bytes, site: bytes,
                  recorded: bool = False) -> None:

@@ -131,7 +131,7 @@ class MixedTransport(Transport):
         self.tcp = tcp
         self.shm = shm
         # a rank rejecting a stray message tells its sender, by whichever way reaches it
-        self.mailbox.reply = lambda peer, group, error: self.abort(group, [peer], error)
+        self.mailbox.reply = lambda peers, group, error: self.abort(group, peers, error)
 
     def route(self, peer: int) -> Transport:
         """The transport that carries messages to ``peer``."""

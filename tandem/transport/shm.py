@@ -140,7 +140,7 @@ class ShmTransport(BoundedSends, Transport):
         self.world_size = world_size
         if mailbox is None:  # a shared mailbox's owner (the mixed transport) sets the reply
             mailbox = Mailbox(rank, park_limit)
-            mailbox.reply = lambda peer, group, error: self.abort(group, [peer], error)
+            mailbox.reply = lambda peers, group, error: self.abort(group, peers, error)
         self.mailbox = mailbox
         self.hostname = hostname
         self._closing = False

@@ -109,7 +109,7 @@ class TcpTransport(BoundedSends, Transport):
             raise ArgumentError(f"peers {sorted(peers or ())} must be ranks of a "
                                 f"{world_size}-rank job")
         self.mailbox = Mailbox(rank, park_limit)
-        self.mailbox.reply = lambda peer, group, error: self.abort(group, [peer], error)
+        self.mailbox.reply = lambda peers, group, error: self.abort(group, peers, error)
         self._secret = secret
         self._max_frame = max_frame
         self._closing = False

@@ -131,8 +131,8 @@ def _verdict(group: int, mine: set[int], cause: CollectiveTimeoutError, mailbox:
         mine_error = CollectiveTimeoutError(
             f"{describe()} timed out on rank {me}: no message from rank(s) {_names(mine)}",
             tuple(sorted(mine)))
-        for p in live:
-            mailbox.reply(p, group, mine_error)
+        if live:
+            mailbox.reply(sorted(live), group, mine_error)
     end = time.monotonic() + TIMEOUT_GRACE
     while True:
         reports = [(r, e) for r, e in failures.reports(group)

@@ -29,8 +29,8 @@ class Mailbox:
                                  CollectiveTimeoutError(f"rank {reporter} timed out", missing))
         self.sent: list[tuple[int, Any]] = []
 
-    def reply(self, peer: int, group: int, error: Any) -> None:
-        self.sent.append((peer, error.missing))
+    def reply(self, peers: list[int], group: int, error: Any) -> None:
+        self.sent.extend((peer, error.missing) for peer in peers)
 
 
 def verdict(rank: int, mine: set[int], cause: tuple[int, ...],

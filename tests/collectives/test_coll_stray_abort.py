@@ -1,0 +1,49 @@
+"""A clash found in a message for a call this rank already completed (a stray) fails the
+group on every member, not only on the rank that sent it.
+
+Rank 4 names rank 5 as a broadcast's root while everyone else names rank 0, and calls
+late, after rank 5 (which agreed with rank 0) has completed. Rank 5 then finds rank 4's
+confirmation a stray. Rank 0, the real root, still waits for rank 4's confirmation: it
+must learn of the clash at once instead of waiting out the whole operation timeout.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import tandem
+from tandem.errors import TandemError
+from tandem.testing import run_threads
+
+pytestmark = [pytest.mark.timeout(120)]
+
+HOSTS = list("aaabbbcc")  # ranks 3-5 on one host: 4's claim goes to 5 through its entry
+LATE, NAMED = 4, 5
+OP_TIMEOUT = 60.0
+
+
+def _body(group: Any) -> tuple[str, float]:
+    rank = group.rank()
+    if rank == LATE:
+        time.sleep(0.5)  # rank 5 has completed by now: 4's message to it is a stray
+    start = time.monotonic()
+    try:
+        tandem.broadcast(torch.full((4,), float(rank)), src=NAMED if rank == LATE else 0,
+                         group=group)
+    except TandemError as exc:
+        return type(exc).__name__, time.monotonic() - start
+    return "returned", time.monotonic() - start
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_the_root_learns_of_a_stray_clash_at_once(attempt: int) -> None:
+    out = run_threads(len(HOSTS), _body, hosts=HOSTS, timeout=OP_TIMEOUT + 30,
+                      op_timeout=OP_TIMEOUT)
+    what, took = out[0]
+    assert what == "CollectiveMismatchError", out
+    assert took < 10, f"the root took {took:.1f} s to learn of the clash: {out}"
+    assert out[LATE][0] == "CollectiveMismatchError", out
