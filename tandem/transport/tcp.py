@@ -7,20 +7,26 @@ every higher one. Each connection proves the job secret (``tandem._wire``)
 before the peer's rank is read; strangers, junk and wrong secrets are dropped
 without disturbing the job. The listener is closed once the mesh is complete.
 
-Data path: one reader thread per peer reads headers and receives payloads
-straight into posted tensor memory (``recv_into``, GIL released). Small sends go
-out inline from the caller (lowest latency); large ones are queued to a per-peer
-writer thread so a pipelined algorithm can reduce one chunk while the next is on
-the wire. ``sendmsg`` writes header and payload in one call without copying.
-A reader that sees its socket close reports the peer as lost at once; a reader or
-writer that fails in any other way closes that connection and reports why, so no
-thread dies silently. Queues are bounded (:mod:`.sendqueue`). ``close`` lets sends
-already queued (aborts, goodbyes) go out for a moment, then ends every thread.
+Data path: one reader thread serves every connection (a selector): it reads a
+frame's header and receives its payload straight into posted tensor memory
+(``recv_into``, GIL released). Small sends go out inline from the caller (lowest
+latency); large ones, and whatever the kernel does not take at once, are queued to
+one sender thread, so a pipelined algorithm can reduce one chunk while the next is
+on the wire. The sender never blocks on a peer: a full socket is set aside until it
+drains, so a stopped peer holds up nobody else, and a frame once begun always
+completes (which is what lets one reader read a frame to its end). Threads per rank
+are thus two, whatever the number of peers. ``sendmsg`` writes header and payload
+in one call without copying. A connection that closes reports the peer as lost at
+once; a read or write that fails in any other way closes that connection and
+reports why, so nothing fails silently. Queues are bounded (:mod:`.sendqueue`).
+``close`` lets sends already queued (aborts, goodbyes) go out for a moment, then
+ends both threads.
 """
 
 from __future__ import annotations
 
 import os
+import selectors
 import socket
 import struct
 import sys
@@ -35,7 +41,7 @@ from tandem.transport import forks
 from tandem.transport.base import Transport, check_header, check_size, join_all
 from tandem.transport.mailbox import DEFAULT_PARK_LIMIT, Mailbox
 from tandem.transport.message import Header, Slot
-from tandem.transport.sendqueue import DEFAULT_SEND_LIMIT, BoundedSends, SendQueue
+from tandem.transport.sendqueue import DEFAULT_SEND_LIMIT, BoundedSends, Entry, SendQueue
 
 __all__ = ["TcpTransport"]
 
@@ -73,19 +79,22 @@ def _sendall_vec(sock: socket.socket, parts: list[memoryview], flags: int = 0) -
 
 
 class _Peer:
+    """One connection to ``rank``: what the caller and the sender write, what the reader reads."""
+
     def __init__(self, me: int, rank: int, sock: socket.socket) -> None:
         self.rank = rank
         self.sock = sock
         self.cv = threading.Condition()
-        self.busy = False  # someone is writing to the socket; protected by cv
+        self.busy = False  # a thread is writing to the socket now; protected by cv
+        self.current: Entry | None = None  # the frame being written, partly sent; under cv
         self.queue = SendQueue(me, rank)
-        self.writer: threading.Thread | None = None
-        self.reader: threading.Thread | None = None
+        self.reader = _wire.BufferedReader(sock, wake_bytes=_WAKE_BYTES)
 
     def flush(self, deadline: float) -> None:
         """Wait (until ``deadline``, monotonic) for queued sends to be written."""
         with self.cv:
-            while (self.queue or self.busy) and time.monotonic() < deadline:
+            while ((self.queue or self.busy or self.current is not None)
+                   and time.monotonic() < deadline):
                 self.cv.wait(max(0.0, deadline - time.monotonic()))
 
 
@@ -119,10 +128,24 @@ class TcpTransport(BoundedSends, Transport):
         self._advertise = advertise or _wire.advertised_address(host, None)
         self._connect(store, host, connect_timeout, hostname)
         self.send_limit = send_limit
+        # one reader for every connection and one sender for what cannot go out inline:
+        # a rank's threads do not grow with the number of peers
+        self._io_lock = threading.Lock()
+        self._read_sel = selectors.DefaultSelector()
+        self._read_wake_r, self._read_wake_w = socket.socketpair()
+        self._read_sel.register(self._read_wake_r, selectors.EVENT_READ, None)
+        self._send_sel = selectors.DefaultSelector()
+        self._send_wake_r, self._send_wake_w = socket.socketpair()
+        self._send_sel.register(self._send_wake_r, selectors.EVENT_READ, None)
+        for s in (self._read_wake_r, self._read_wake_w, self._send_wake_r, self._send_wake_w):
+            s.setblocking(False)
+        self._ready: set[_Peer] = set()  # peers with frames for the sender; under _io_lock
+        self._sender: threading.Thread | None = None
         for peer in self._peers.values():
-            peer.reader = threading.Thread(target=self._read_loop, args=(peer,), daemon=True,
-                                           name=f"tandem-read-{rank}<{peer.rank}")
-            peer.reader.start()
+            self._read_sel.register(peer.sock, selectors.EVENT_READ, peer)
+        self._reader = threading.Thread(target=self._read_loop, daemon=True,
+                                        name=f"tandem-read-{rank}")
+        self._reader.start()
         forks.track(self)
 
     def _send_queues(self) -> list[SendQueue]:
@@ -134,6 +157,9 @@ class TcpTransport(BoundedSends, Transport):
             self._closing = True
             for p in self._peers.values():
                 p.sock.close()  # the child's descriptor only: the parent's connection stays up
+            for s in (self._read_wake_r, self._read_wake_w, self._send_wake_r,
+                      self._send_wake_w):
+                s.close()
 
     # -- set-up ----------------------------------------------------------------------
     def _connect(self, store: Store, host: str, timeout: float, hostname: str) -> None:
@@ -262,8 +288,36 @@ class TcpTransport(BoundedSends, Transport):
             print(f"[tandem rank {self.rank}] {message}", file=sys.stderr)
 
     # -- data path -------------------------------------------------------------------
-    def _read_loop(self, peer: _Peer) -> None:
-        reader = _wire.BufferedReader(peer.sock, wake_bytes=_WAKE_BYTES)
+    def _read_loop(self) -> None:
+        """Read every connection on this one thread: whichever has data, one frame at a time.
+
+        A frame once begun is read to its end before another peer is served: senders
+        write a frame without pause (the sender multiplexes its peers, never waits on
+        one), so a begun frame completes unless its sender dies, which ends the read."""
+        sel = self._read_sel
+        try:
+            while not self._closing:
+                for key, _ in sel.select():
+                    peer = key.data
+                    if peer is None:
+                        self._drain_wake(self._read_wake_r)
+                    elif not self._read_frames(peer):
+                        try:
+                            sel.unregister(peer.sock)
+                        except (KeyError, ValueError):
+                            pass
+        except Exception as exc:  # noqa: BLE001 - the reader must never die silently
+            if not self._closing:
+                for p in list(self._peers.values()):
+                    self._shutdown(p.sock)
+                    self.mailbox.peer_lost(p.rank, PeerLostError(
+                        f"rank {self.rank}'s reader failed ({type(exc).__name__}: {exc}); "
+                        f"its connection to rank {p.rank} was closed", p.rank))
+
+    def _read_frames(self, peer: _Peer) -> bool:
+        """Deliver the frames ``peer`` sent, as long as bytes of one are at hand; False
+        once the connection is gone (and reported)."""
+        reader = peer.reader
         read = reader.read_into
         try:
             while True:
@@ -273,6 +327,8 @@ class TcpTransport(BoundedSends, Transport):
                 extra = self._read_extra(reader, siglen + sitelen)
                 header = Header(kind, group, seq, step, nbytes, extra[:siglen], extra[siglen:])
                 self.mailbox.arrive(peer.rank, header, read)
+                if reader.end == reader.start:
+                    return True
         except (OSError, NetworkError) as exc:
             if isinstance(exc, ProtocolError):
                 # refuse the rest of this peer's stream; closing tells the sender at once
@@ -289,6 +345,24 @@ class TcpTransport(BoundedSends, Transport):
                 self.mailbox.peer_lost(peer.rank, PeerLostError(
                     f"rank {self.rank} failed reading from rank {peer.rank} "
                     f"({type(exc).__name__}: {exc}); the connection was closed", peer.rank))
+        return False
+
+    @staticmethod
+    def _drain_wake(sock: socket.socket) -> None:
+        try:
+            while sock.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+
+    @staticmethod
+    def _wake(sock: socket.socket) -> None:
+        try:
+            sock.send(b"x")
+        except (BlockingIOError, InterruptedError):
+            pass  # the buffer holds wake-ups enough
+        except OSError:
+            pass  # closed: the thread is gone
 
     @staticmethod
     def _read_extra(reader: _wire.BufferedReader, n: int) -> bytes:
@@ -324,40 +398,47 @@ class TcpTransport(BoundedSends, Transport):
         parts = [memoryview(head)]
         parts += [b if b.ndim == 1 and b.format == "B" else b.cast("B") for b in pieces]
         with p.cv:
-            inline = not p.queue and not p.busy and header.nbytes <= _INLINE_MAX
+            inline = (not p.queue and not p.busy and p.current is None
+                      and header.nbytes <= _INLINE_MAX)
             if inline:
                 p.busy = True
             else:
-                self._enqueue(p, parts, header, slot, front=False)
-        if inline:
-            # never block the caller: a stopped peer with full buffers must not stall us past
-            # the op's deadline, so what the kernel does not take now goes to the writer
-            try:
-                _sendall_vec(p.sock, parts, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                pass
-            except OSError as exc:
-                parts = []
-                self._send_failed(p, slot, exc)
-            with p.cv:
-                p.busy = False
-                if parts:
-                    self._enqueue(p, parts, header, slot, front=True)
-                else:
-                    p.cv.notify()
-            if not parts and not slot.done():
-                slot.finish(header)
+                p.queue.push((parts, header, slot))
+        if not inline:
+            self._hand_to_sender(p)
+            return slot
+        # never block the caller: a stopped peer with full buffers must not stall us past
+        # the op's deadline, so what the kernel does not take now goes to the sender
+        try:
+            _sendall_vec(p.sock, parts, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            pass
+        except OSError as exc:
+            parts = []
+            self._send_failed(p, slot, exc)
+        with p.cv:
+            p.busy = False
+            if parts:
+                p.current = (parts, header, slot)  # the rest of a begun frame goes first
+            more = bool(parts) or bool(p.queue)
+            p.cv.notify_all()
+        if not parts and not slot.done():
+            slot.finish(header)
+        if more:
+            self._hand_to_sender(p)  # the rest, or sends queued while this one went out
         return slot
 
-    def _enqueue(self, p: _Peer, parts: list[memoryview], header: Header, slot: Slot,
-                 front: bool) -> None:
-        """Queue for the writer thread (caller holds ``p.cv``)."""
-        p.queue.push((parts, header, slot), front)
-        if p.writer is None:
-            p.writer = threading.Thread(target=self._write_loop, args=(p,), daemon=True,
-                                        name=f"tandem-write-{self.rank}>{p.rank}")
-            p.writer.start()
-        p.cv.notify()
+    def _hand_to_sender(self, p: _Peer) -> None:
+        """``p`` has frames to write: wake the sender (started on first use)."""
+        with self._io_lock:
+            if self._closing:
+                return
+            self._ready.add(p)
+            if self._sender is None:
+                self._sender = threading.Thread(target=self._send_loop, daemon=True,
+                                                name=f"tandem-write-{self.rank}")
+                self._sender.start()
+        self._wake(self._send_wake_w)
 
     def _send_failed(self, p: _Peer, slot: Slot, exc: OSError) -> None:
         error = PeerLostError(f"rank {self.rank} could not send to rank {p.rank}: {exc}; "
@@ -366,26 +447,71 @@ class TcpTransport(BoundedSends, Transport):
             self.mailbox.peer_lost(p.rank, error)
         slot.finish(None, error)
 
-    def _write_loop(self, p: _Peer) -> None:
+    def _send_loop(self) -> None:
+        """Write every peer's queued frames on this one thread, never waiting on one peer:
+        a peer whose socket is full is set aside until the kernel says it is writable."""
+        sel = self._send_sel
+        waiting: set[_Peer] = set()  # registered for writability
+        while not self._closing:
+            with self._io_lock:
+                work, self._ready = self._ready, set()
+            for p in work:
+                if p in waiting:
+                    continue  # its socket is full: the selector says when it drains
+                if self._pump(p):
+                    try:
+                        sel.register(p.sock, selectors.EVENT_WRITE, p)
+                        waiting.add(p)
+                    except (KeyError, ValueError, OSError):
+                        pass  # closed meanwhile: its frames were failed or dropped
+            try:
+                events = sel.select()
+            except OSError:
+                return  # closed under us
+            for key, _ in events:
+                if key.data is None:
+                    self._drain_wake(self._send_wake_r)
+                    continue
+                p = key.data
+                try:
+                    sel.unregister(p.sock)
+                except (KeyError, ValueError):
+                    pass
+                waiting.discard(p)
+                with self._io_lock:
+                    self._ready.add(p)
+
+    def _pump(self, p: _Peer) -> bool:
+        """Write ``p``'s frames until none is left (False) or its socket is full (True)."""
         while True:
             with p.cv:
-                while not p.queue or p.busy:
-                    if self._closing:
-                        return
-                    p.cv.wait()
-                parts, header, slot = p.queue.popleft()
+                if p.busy:
+                    return False  # the caller writes inline; it hands the rest back after
+                if p.current is None:
+                    if not p.queue:
+                        p.cv.notify_all()
+                        return False
+                    p.current = p.queue.popleft()
+                parts, header, slot = p.current
                 p.busy = True
+            full = False
             try:
-                _sendall_vec(p.sock, parts)
+                _sendall_vec(p.sock, parts, socket.MSG_DONTWAIT)
                 slot.finish(header)
+            except BlockingIOError:
+                full = True
             except OSError as exc:
                 self._send_failed(p, slot, exc)
-            except Exception as exc:  # noqa: BLE001 - a writer must never die silently
+            except Exception as exc:  # noqa: BLE001 - the sender must never die silently
                 self._shutdown(p.sock)
                 self._send_failed(p, slot, OSError(f"{type(exc).__name__}: {exc}"))
             with p.cv:
                 p.busy = False
+                if not full:
+                    p.current = None
                 p.cv.notify_all()
+            if full:
+                return True
 
     def host_of(self, rank: int) -> str:
         return self._hosts.get(rank, "")
@@ -402,10 +528,19 @@ class TcpTransport(BoundedSends, Transport):
         for p in self._peers.values():
             with p.cv:
                 dropped = p.queue.drain()
+                if p.current is not None:
+                    dropped.append(p.current)
+                    p.current = None
                 p.cv.notify_all()
             for _, _, slot in dropped:
                 slot.finish(None, self.closed_error())
             self._shutdown(p.sock)
-        join_all([t for p in self._peers.values() for t in (p.reader, p.writer)], _JOIN_S)
+        self._wake(self._read_wake_w)
+        self._wake(self._send_wake_w)
+        join_all([self._reader, self._sender], _JOIN_S)
         for p in self._peers.values():
             p.sock.close()
+        for s in (self._read_wake_r, self._read_wake_w, self._send_wake_r, self._send_wake_w):
+            s.close()
+        self._read_sel.close()
+        self._send_sel.close()
