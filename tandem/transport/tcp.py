@@ -103,13 +103,17 @@ class TcpTransport(BoundedSends, Transport):
     ``store``. The mixed transport passes the ranks of other hosts only: a same-host
     peer talks through shared memory alone, so there is one link per peer and one
     stream of that peer's messages (two links could deliver a goodbye on one before a
-    message still in flight on the other)."""
+    message still in flight on the other).
+
+    ``hosts``: every rank's host key (``mixed.exchange_hosts``), which the mixed
+    transport already has; without it the transport exchanges them itself."""
 
     def __init__(self, rank: int, world_size: int, store: Store, host: str, secret: bytes,
                  connect_timeout: float, max_frame: int, hostname: str = "",
                  debug: bool = False, *, advertise: str = "",
                  park_limit: int = DEFAULT_PARK_LIMIT, send_limit: int = DEFAULT_SEND_LIMIT,
-                 peers: Sequence[int] | None = None) -> None:
+                 peers: Sequence[int] | None = None,
+                 hosts: Sequence[str] | None = None) -> None:
         self.rank = rank
         self._debug_log = debug  # TANDEM_DEBUG, read once with the other settings
         self.world_size = world_size
@@ -117,20 +121,29 @@ class TcpTransport(BoundedSends, Transport):
         if not self.links <= set(range(world_size)):
             raise ArgumentError(f"peers {sorted(peers or ())} must be ranks of a "
                                 f"{world_size}-rank job")
+        if hosts is not None and len(hosts) != world_size:
+            raise ArgumentError(f"hosts has {len(hosts)} entries; a {world_size}-rank job "
+                                f"needs one per rank")
         self.mailbox = Mailbox(rank, park_limit)
         self.mailbox.reply = lambda peer, group, error: self.abort(group, [peer], error)
         self._secret = secret
         self._max_frame = max_frame
+        self._timeout = connect_timeout
+        self._store = store
         self._closing = False
-        self._peers: dict[int, _Peer] = {}
+        self._peers: dict[int, _Peer] = {}  # the connection each peer's messages go out on
+        self._extra: list[_Peer] = []  # a second connection, when both ranks dialed at once
+        self._conns: dict[int, int] = {}  # open connections per peer
+        self._dialing: dict[int, threading.Lock] = {}
+        self._addrs: dict[int, tuple[str, int]] = {}
         self._hosts: dict[int, str] = {rank: hostname}
+        self.host_keys: list[str] = []  # every rank's host (``mixed.host_key``), by rank
         self._refused: tuple[int, int] | None = None  # (rank, its world_size) at set-up
         self._advertise = advertise or _wire.advertised_address(host, None)
-        self._connect(store, host, connect_timeout, hostname)
         self.send_limit = send_limit
         # one reader for every connection and one sender for what cannot go out inline:
         # a rank's threads do not grow with the number of peers
-        self._io_lock = threading.Lock()
+        self._io_lock = threading.Condition()
         self._read_sel = selectors.DefaultSelector()
         self._read_wake_r, self._read_wake_w = socket.socketpair()
         self._read_sel.register(self._read_wake_r, selectors.EVENT_READ, None)
@@ -140,75 +153,95 @@ class TcpTransport(BoundedSends, Transport):
         for s in (self._read_wake_r, self._read_wake_w, self._send_wake_r, self._send_wake_w):
             s.setblocking(False)
         self._ready: set[_Peer] = set()  # peers with frames for the sender; under _io_lock
+        self._to_watch: list[_Peer] = []  # new connections for the reader; under _io_lock
         self._sender: threading.Thread | None = None
-        for peer in self._peers.values():
-            self._read_sel.register(peer.sock, selectors.EVENT_READ, peer)
         self._reader = threading.Thread(target=self._read_loop, daemon=True,
                                         name=f"tandem-read-{rank}")
         self._reader.start()
+        self._listener: socket.socket | None = None
+        self._gate: _gate.Gate | None = None
+        self._acceptor: threading.Thread | None = None
+        try:
+            self._connect(store, host, connect_timeout, hostname, hosts)
+        except BaseException:
+            self._stop()
+            raise
         forks.track(self)
 
     def _send_queues(self) -> list[SendQueue]:
-        return [p.queue for p in self._peers.values()]
+        return [p.queue for p in list(self._peers.values())]
 
     def forget_in_child(self) -> None:
         """In a forked child: drop the inherited connections (see :mod:`.forks`)."""
         if not self._closing:
             self._closing = True
-            for p in self._peers.values():
+            for p in self._all_links():
                 p.sock.close()  # the child's descriptor only: the parent's connection stays up
             for s in (self._read_wake_r, self._read_wake_w, self._send_wake_r,
                       self._send_wake_w):
                 s.close()
+            if self._listener is not None:
+                self._listener.close()
+
+    def _all_links(self) -> list[_Peer]:
+        with self._io_lock:
+            return list(self._peers.values()) + list(self._extra)
 
     # -- set-up ----------------------------------------------------------------------
-    def _connect(self, store: Store, host: str, timeout: float, hostname: str) -> None:
+    def eager_peers(self, hosts: Sequence[str]) -> set[int]:
+        """The peers connected at set-up, which prove the job secret before anything runs:
+        host leaders (each host's lowest rank) with one another, and a leader with the
+        ranks of its own host that this transport links it to (backend ``tcp``). Every
+        other connection is made on first use."""
+        leaders: dict[str, int] = {}
+        for r, h in enumerate(hosts):
+            leaders.setdefault(h, r)
+        mine = hosts[self.rank]
+        if leaders[mine] == self.rank:
+            wanted = set(leaders.values()) | {r for r, h in enumerate(hosts) if h == mine}
+        else:
+            wanted = {leaders[mine]}
+        return wanted & self.links
+
+    def _connect(self, store: Store, host: str, timeout: float, hostname: str,
+                 hosts: Sequence[str] | None) -> None:
+        """Listen for the whole life of the transport (peers dial on first use), publish
+        the address, and make the set-up connections (:meth:`eager_peers`)."""
         deadline = time.monotonic() + timeout
-        listener = _wire.listen(host, 0)
-        cond = threading.Condition()
-        accepted: dict[int, socket.socket] = {}
-        expected = {p for p in self.links if p > self.rank}
-        acceptor = None
-        try:
-            port = listener.getsockname()[1]
-            store.set(f"addr/{self.rank}",
-                      f"{self._advertise}:{port}|{hostname}|{self.world_size}")
-            if expected:
-                acceptor = threading.Thread(target=self._accept_loop,
-                                            args=(listener, expected, accepted, cond, deadline),
-                                            daemon=True, name=f"tandem-accept-{self.rank}")
-                acceptor.start()
-            lower = sorted(p for p in self.links if p < self.rank)
-            self._connect_lower(dict(zip(lower, self._entries(store, lower))), deadline)
-            with cond:
-                while not expected <= accepted.keys():
-                    if self._refused is not None:
-                        raise self._world_error(*self._refused)
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        missing = sorted(expected - accepted.keys())
-                        raise NetworkError(
-                            f"rank {self.rank}: rank(s) {missing} did not connect within "
-                            f"{timeout:.0f}s"
-                        )
-                    cond.wait(left)
-            higher = sorted(expected)
-            for peer, entry in zip(higher, self._entries(store, higher)):
-                self._peers[peer] = _Peer(self.rank, peer, accepted[peer])
-                self._hosts[peer] = entry[1]
-        except BaseException:
-            for p in self._peers.values():
-                p.sock.close()
-            for s in accepted.values():
-                s.close()
-            raise
-        finally:
-            listener.close()
-            if acceptor is not None:
-                acceptor.join(1.0)  # it notices the closed listener within its poll
+        self._listener = listener = _wire.listen(host, 0)
+        self._gate = _gate.Gate(listener, self._secret, _PURPOSE, self._admit,
+                                name=f"tandem-accept-{self.rank}")
+        self._acceptor = threading.Thread(target=self._gate.run, daemon=True,
+                                          name=f"tandem-accept-{self.rank}")
+        self._acceptor.start()
+        port = listener.getsockname()[1]
+        store.set(f"addr/{self.rank}", f"{self._advertise}:{port}|{hostname}|{self.world_size}")
+        if hosts is None:
+            from tandem.transport.mixed import exchange_hosts  # mixed builds on tcp
+
+            hosts = exchange_hosts(store, self.rank, self.world_size, hostname)
+        self.host_keys = list(hosts)
+        for r, key in enumerate(hosts):
+            self._hosts.setdefault(r, key.partition("|")[0])
+        eager = self.eager_peers(hosts)
+        lower = sorted(p for p in eager if p < self.rank)
+        self._connect_lower(dict(zip(lower, self._entries(store, lower))), deadline)
+        expected = {p for p in eager if p > self.rank}
+        with self._io_lock:
+            while not expected <= self._conns.keys():
+                if self._refused is not None:
+                    raise self._world_error(*self._refused)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(expected - self._conns.keys())
+                    raise NetworkError(
+                        f"rank {self.rank}: rank(s) {missing} did not connect within "
+                        f"{timeout:.0f}s"
+                    )
+                self._io_lock.wait(left)
 
     def _connect_lower(self, entries: dict[int, tuple[str, str, int]], deadline: float) -> None:
-        """Connect to every lower rank, each handshake step on all connections before the
+        """Connect to ``entries``' ranks, each handshake step on all connections before the
         next, so the peers answer in parallel (one after another, rank n waited for n - 1
         peers' replies in turn)."""
         socks: dict[int, socket.socket] = {}
@@ -228,25 +261,70 @@ class TcpTransport(BoundedSends, Transport):
                 if world != self.world_size:  # after our hello: the peer learns it too
                     raise self._world_error(peer, world)
             for peer in entries:
-                self._peers[peer] = _Peer(self.rank, peer, socks.pop(peer))
+                self._adopt(peer, socks.pop(peer))
         finally:
-            for sock in socks.values():  # the connections not handed to ``_peers``
+            for sock in socks.values():  # the connections not handed over
                 sock.close()
 
-    def _accept_loop(self, listener: socket.socket, expected: set[int],
-                     accepted: dict[int, socket.socket], cond: threading.Condition,
-                     deadline: float) -> None:
-        def waiting() -> bool:
-            with cond:
-                return not expected <= accepted.keys()
+    def _dial(self, peer: int) -> _Peer:
+        """The connection to ``peer``, made now if there is none (first use).
 
-        gate = _gate.Gate(listener, self._secret, _PURPOSE,
-                          lambda sock: self._admit(sock, expected, accepted, cond),
-                          name=f"tandem-accept-{self.rank}")
-        gate.run(deadline, waiting)
+        Two ranks dialing each other at once both succeed: each then reads both
+        connections and sends on the first it had, so each direction is one stream."""
+        with self._io_lock:
+            lock = self._dialing.setdefault(peer, threading.Lock())
+        with lock:
+            p = self._peers.get(peer)
+            if p is not None:
+                return p
+            lost = self.lost(peer)
+            if lost is not None:
+                raise lost
+            try:
+                if peer not in self._addrs:
+                    addr, _, _ = self._entries(self._store, [peer])[0]
+                    ip, _, port_text = addr.rpartition(":")
+                    self._addrs[peer] = (ip, int(port_text))
+                sock = socket.create_connection(self._addrs[peer], timeout=self._timeout)
+            except (OSError, TandemError) as exc:
+                error = PeerLostError(f"rank {self.rank} could not connect to rank {peer} "
+                                      f"(host {self._hosts.get(peer) or '?'}): {exc}; did it "
+                                      f"exit or crash?", peer)
+                if not self._closing:
+                    self.mailbox.peer_lost(peer, error)
+                raise error from exc
+            try:
+                _wire.client_handshake(sock, self._secret, _PURPOSE, f"rank {peer}")
+                sock.sendall(_HELLO.pack(self.rank, self.world_size))
+                sock.settimeout(None)
+                _wire.tune(sock)
+            except BaseException:
+                sock.close()
+                raise
+            self._adopt(peer, sock)
+            p = self._peers.get(peer)
+            if p is None:  # closing meanwhile
+                raise self.closed_error()
+            return p
 
-    def _admit(self, sock: socket.socket, expected: set[int],
-               accepted: dict[int, socket.socket], cond: threading.Condition) -> None:
+    def _adopt(self, peer: int, sock: socket.socket) -> None:
+        """Hand a connection to ``peer`` to the reader; the first one carries the sends."""
+        with self._io_lock:
+            if self._closing:
+                sock.close()
+                return
+            p = _Peer(self.rank, peer, sock)
+            p.queue.limit = self._send_limit
+            self._conns[peer] = self._conns.get(peer, 0) + 1
+            if peer in self._peers:
+                self._extra.append(p)
+            else:
+                self._peers[peer] = p
+            self._to_watch.append(p)
+            self._io_lock.notify_all()
+        self._wake(self._read_wake_w)
+
+    def _admit(self, sock: socket.socket) -> None:
         """Take one authenticated connection (the gate checked the secret); anything wrong
         just closes it."""
         try:
@@ -258,14 +336,13 @@ class TcpTransport(BoundedSends, Transport):
             self._debug(f"rejected a connection: {exc}")
             sock.close()
             return
-        with cond:
-            if peer in expected and peer not in accepted and world == self.world_size:
-                accepted[peer] = sock
-                cond.notify_all()
-                return
-            if world != self.world_size:  # authenticated: a rank of this job, misconfigured
+        if peer in self.links and world == self.world_size:
+            self._adopt(peer, sock)
+            return
+        if world != self.world_size:  # authenticated: a rank of this job, misconfigured
+            with self._io_lock:
                 self._refused = (peer, world)
-                cond.notify_all()
+                self._io_lock.notify_all()
         self._debug(f"rejected an authenticated connection claiming rank {peer}/{world}")
         sock.close()
 
@@ -301,6 +378,10 @@ class TcpTransport(BoundedSends, Transport):
                     peer = key.data
                     if peer is None:
                         self._drain_wake(self._read_wake_r)
+                        with self._io_lock:
+                            new, self._to_watch = self._to_watch, []
+                        for p in new:
+                            sel.register(p.sock, selectors.EVENT_READ, p)
                     elif not self._read_frames(peer):
                         try:
                             sel.unregister(peer.sock)
@@ -308,7 +389,7 @@ class TcpTransport(BoundedSends, Transport):
                             pass
         except Exception as exc:  # noqa: BLE001 - the reader must never die silently
             if not self._closing:
-                for p in list(self._peers.values()):
+                for p in self._all_links():
                     self._shutdown(p.sock)
                     self.mailbox.peer_lost(p.rank, PeerLostError(
                         f"rank {self.rank}'s reader failed ({type(exc).__name__}: {exc}); "
@@ -337,6 +418,8 @@ class TcpTransport(BoundedSends, Transport):
             else:
                 why = (f"rank {peer.rank} (host {self._hosts.get(peer.rank) or '?'}) closed its "
                        f"connection to rank {self.rank} ({exc}); did it exit or crash?")
+                if self._closed_one(peer):
+                    return False  # its other connection still carries what it says
             if not self._closing:
                 self.mailbox.peer_lost(peer.rank, PeerLostError(why, peer.rank))
         except Exception as exc:  # noqa: BLE001 - a reader must never die silently
@@ -346,6 +429,14 @@ class TcpTransport(BoundedSends, Transport):
                     f"rank {self.rank} failed reading from rank {peer.rank} "
                     f"({type(exc).__name__}: {exc}); the connection was closed", peer.rank))
         return False
+
+    def _closed_one(self, peer: _Peer) -> bool:
+        """``peer``'s connection closed; whether another one to that rank is still open
+        (a rank leaving says goodbye on one and closes both, in either order)."""
+        with self._io_lock:
+            left = self._conns.get(peer.rank, 1) - 1
+            self._conns[peer.rank] = left
+            return left > 0
 
     @staticmethod
     def _drain_wake(sock: socket.socket) -> None:
@@ -389,8 +480,11 @@ class TcpTransport(BoundedSends, Transport):
         if peer == self.rank:
             return super().isendv(peer, header, pieces)
         p = self._peers.get(peer)
-        self._check_peer(peer, p is not None, "connection")
-        assert p is not None
+        if p is None:
+            self._check_peer(peer, peer in self.links, "link")
+            p = self._dial(peer)
+        else:
+            self._check_peer(peer, True, "connection")
         check_header(header)
         slot = self._send_slot(peer, header)
         head = _HDR.pack(header.kind, header.group, header.seq, header.step, header.nbytes,
@@ -513,6 +607,10 @@ class TcpTransport(BoundedSends, Transport):
             if full:
                 return True
 
+    def connected(self, peer: int) -> bool:
+        """Whether a connection to ``peer`` is up (made at set-up or by an earlier send)."""
+        return peer in self._peers
+
     def host_of(self, rank: int) -> str:
         return self._hosts.get(rank, "")
 
@@ -521,11 +619,19 @@ class TcpTransport(BoundedSends, Transport):
         connection; operations still pending fail with ``StateError``."""
         if self._closing:
             return
-        self._take_leave(self._peers.values())
-        self._closing = True
+        self._take_leave(list(self._peers.values()))
         forks.untrack(self)
+        self._stop()
+
+    def _stop(self) -> None:
+        self._closing = True
         self.mailbox.close(self.closed_error())
-        for p in self._peers.values():
+        if self._gate is not None:
+            self._gate.close()
+        if self._listener is not None:
+            self._listener.close()
+        links = self._all_links()
+        for p in links:
             with p.cv:
                 dropped = p.queue.drain()
                 if p.current is not None:
@@ -537,8 +643,8 @@ class TcpTransport(BoundedSends, Transport):
             self._shutdown(p.sock)
         self._wake(self._read_wake_w)
         self._wake(self._send_wake_w)
-        join_all([self._reader, self._sender], _JOIN_S)
-        for p in self._peers.values():
+        join_all([self._reader, self._sender, self._acceptor], _JOIN_S)
+        for p in links:
             p.sock.close()
         for s in (self._read_wake_r, self._read_wake_w, self._send_wake_r, self._send_wake_w):
             s.close()

@@ -6,39 +6,11 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 from typing import Any
 
-from tandem.store.hash import HashStore
-from tandem.transport import Header, Kind, Slot
-from tandem.transport.tcp import TcpTransport
+from tandem.transport import Header, Kind
 
-SECRET = b"s" * 32
-DEADLINE = 60.0  # generous: the machine is shared
-
-
-def _mesh(world: int) -> list[TcpTransport]:
-    """``world`` connected transports in this process, each built on a thread of its own."""
-    store = HashStore()
-    made: list[Any] = [None] * world
-
-    def build(rank: int) -> None:
-        made[rank] = TcpTransport(rank, world, store, "127.0.0.1", SECRET, 30.0, 1 << 34, "h")
-
-    threads = [threading.Thread(target=build, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(DEADLINE)
-    assert all(isinstance(m, TcpTransport) for m in made), made
-    return made
-
-
-def _wait(slots: list[Slot]) -> None:
-    end = time.monotonic() + DEADLINE
-    for s in slots:
-        assert s.event.wait(max(0.0, end - time.monotonic())), f"not done: {s.key}"
-        assert s.error is None, s.error
+from _tcp_job import DEADLINE, tcp_job, wait_ok
 
 
 def _threads_of(rank: int) -> dict[str, int]:
@@ -53,7 +25,7 @@ def _threads_of(rank: int) -> dict[str, int]:
 
 def test_one_reader_and_one_sender_per_rank_whatever_the_number_of_peers() -> None:
     world = 5
-    mesh = _mesh(world)
+    mesh = tcp_job(["h"] * world)
     try:
         big = memoryview(bytes(4 << 20))  # past the inline size: the sender writes these
         sends, recvs = [], []
@@ -67,7 +39,7 @@ def test_one_reader_and_one_sender_per_rank_whatever_the_number_of_peers() -> No
             for b in range(world):
                 if a != b:
                     sends.append(mesh[a].isend(b, Header(Kind.P2P, 7, a, 0, len(big)), big))
-        _wait(sends + recvs)
+        wait_ok(sends + recvs)
         for r in range(world):
             assert _threads_of(r) == {"read": 1, "write": 1}, (r, _threads_of(r))
     finally:
@@ -76,7 +48,7 @@ def test_one_reader_and_one_sender_per_rank_whatever_the_number_of_peers() -> No
 
 
 def test_a_peer_that_stopped_reading_does_not_hold_up_sends_to_the_others() -> None:
-    a, stuck, other = _mesh(3)
+    a, stuck, other = tcp_job(["h"] * 3)
     blocked = threading.Event()
     release = threading.Event()
     real = stuck.mailbox.arrive
@@ -95,7 +67,7 @@ def test_a_peer_that_stopped_reading_does_not_hold_up_sends_to_the_others() -> N
         buf = bytearray(len(payload))
         got = other.irecv(0, Kind.P2P, 3, 1, 0, memoryview(buf))
         sent = a.isend(2, Header(Kind.P2P, 3, 1, 0, len(payload)), payload)
-        _wait([sent, got])
+        wait_ok([sent, got])
         assert bytes(buf) == bytes(payload)
         assert not held.done(), "the stopped peer cannot have taken 64 MB"
     finally:
