@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from tandem.store.hash import HashStore
 from tandem.transport import Slot
@@ -15,21 +15,27 @@ SECRET = b"s" * 32
 DEADLINE = 60.0  # generous: the machine is shared
 
 
-def tcp_job(hostnames: list[str]) -> list[TcpTransport]:
-    """One transport per entry of ``hostnames`` (that rank's host name)."""
-    world = len(hostnames)
-    store = HashStore()
+def built_at_once(world: int, make: Callable[[int], Any]) -> list[Any]:
+    """``[make(0), ..., make(world - 1)]``, each called on a thread of its own, at once
+    (set-up waits for peers), within ``DEADLINE``."""
     made: list[Any] = [None] * world
 
     def build(rank: int) -> None:
-        made[rank] = TcpTransport(rank, world, store, "127.0.0.1", SECRET, 30.0, 1 << 34,
-                                  hostnames[rank])
+        made[rank] = make(rank)
 
     threads = [threading.Thread(target=build, args=(r,)) for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(DEADLINE)
+    return made
+
+
+def tcp_job(hostnames: list[str]) -> list[TcpTransport]:
+    """One transport per entry of ``hostnames`` (that rank's host name)."""
+    store = HashStore()
+    made = built_at_once(len(hostnames), lambda rank: TcpTransport(
+        rank, len(hostnames), store, "127.0.0.1", SECRET, 30.0, 1 << 34, hostnames[rank]))
     assert all(isinstance(m, TcpTransport) for m in made), made
     return made
 

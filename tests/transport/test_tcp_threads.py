@@ -13,18 +13,15 @@ from tandem.transport import Header, Kind
 from _tcp_job import DEADLINE, tcp_job, wait_ok
 
 
-def _threads_of(rank: int) -> dict[str, int]:
-    """How many reader and writer threads ``rank``'s transport runs now."""
-    out = {"read": 0, "write": 0}
-    for t in threading.enumerate():
-        m = re.fullmatch(rf"tandem-(read|write)-{rank}(?:[<>]\d+)?", t.name)
-        if m:
-            out[m.group(1)] += 1
-    return out
+def _threads(kind: str, rank: int, among: set[threading.Thread]) -> int:
+    """How many of ``among`` are ``rank``'s ``kind`` ("read" or "write") threads."""
+    return sum(1 for t in among
+               if re.fullmatch(rf"tandem-{kind}-{rank}(?:[<>]\d+)?", t.name))
 
 
 def test_one_reader_and_one_sender_per_rank_whatever_the_number_of_peers() -> None:
     world = 5
+    before = set(threading.enumerate())  # other tests' transports may still be closing
     mesh = tcp_job(["h"] * world)
     try:
         big = memoryview(bytes(4 << 20))  # past the inline size: the sender writes these
@@ -40,8 +37,10 @@ def test_one_reader_and_one_sender_per_rank_whatever_the_number_of_peers() -> No
                 if a != b:
                     sends.append(mesh[a].isend(b, Header(Kind.P2P, 7, a, 0, len(big)), big))
         wait_ok(sends + recvs)
+        ours = set(threading.enumerate()) - before
         for r in range(world):
-            assert _threads_of(r) == {"read": 1, "write": 1}, (r, _threads_of(r))
+            counts = {k: _threads(k, r, ours) for k in ("read", "write")}
+            assert counts == {"read": 1, "write": 1}, (r, counts)
     finally:
         for t in mesh:
             t.close()
