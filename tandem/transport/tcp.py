@@ -1,11 +1,18 @@
-"""TCP transport: a full mesh of authenticated connections, one per pair of ranks.
+"""TCP transport: authenticated connections between ranks, made on first use.
 
-Set-up: every rank listens on its bind address (port 0, so jobs never collide),
-publishes ``host:port`` in the store (for a listener on every interface, ``0.0.0.0``,
-the address peers can dial: ``advertise``), connects to every lower rank and accepts
-every higher one. Each connection proves the job secret (``tandem._wire``)
-before the peer's rank is read; strangers, junk and wrong secrets are dropped
-without disturbing the job. The listener is closed once the mesh is complete.
+Set-up: every rank listens on its bind address (port 0, so jobs never collide) for
+the transport's whole life and publishes ``host:port`` in the store (for a listener
+on every interface, ``0.0.0.0``, the address peers can dial: ``advertise``). Only host
+leaders (each host's lowest rank) connect at set-up, with one another, and a leader
+with the ranks of its own host that tcp links it to (backend ``tcp``): the lower rank
+dials, and every rank has proved the job secret before anything runs. Any other pair
+connects when one of them first sends. Each connection proves the job secret
+(``tandem._wire``) before the peer's rank is read; strangers, junk and wrong secrets
+are dropped without disturbing the job. Two ranks dialing each other at once both
+get through and keep both connections: each reads both and sends on the first it
+had, so each direction is one stream, and one closing while its twin is open is not
+a loss (a leaving rank says goodbye on one). A host thus holds a connection per other
+host between leaders, plus one per pair that exchanged messages directly.
 
 Data path: one reader thread serves every connection (a selector): it reads a
 frame's header and receives its payload straight into posted tensor memory
@@ -15,12 +22,14 @@ one sender thread, so a pipelined algorithm can reduce one chunk while the next 
 on the wire. The sender never blocks on a peer: a full socket is set aside until it
 drains, so a stopped peer holds up nobody else, and a frame once begun always
 completes (which is what lets one reader read a frame to its end). Threads per rank
-are thus two, whatever the number of peers. ``sendmsg`` writes header and payload
+are thus three (reader, sender, the listener's gate), whatever the number of peers.
+A stopped peer that began a frame and stalls mid-frame holds the reader (and so the
+other connections) until its connection closes or the waits time out. ``sendmsg`` writes header and payload
 in one call without copying. A connection that closes reports the peer as lost at
 once; a read or write that fails in any other way closes that connection and
 reports why, so nothing fails silently. Queues are bounded (:mod:`.sendqueue`).
 ``close`` lets sends already queued (aborts, goodbyes) go out for a moment, then
-ends both threads.
+ends every thread and closes the listener.
 """
 
 from __future__ import annotations
