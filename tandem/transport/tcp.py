@@ -14,22 +14,21 @@ had, so each direction is one stream, and one closing while its twin is open is 
 a loss (a leaving rank says goodbye on one). A host thus holds a connection per other
 host between leaders, plus one per pair that exchanged messages directly.
 
-Data path: one reader thread serves every connection (a selector): it reads a
-frame's header and receives its payload straight into posted tensor memory
-(``recv_into``, GIL released). Small sends go out inline from the caller (lowest
-latency); large ones, and whatever the kernel does not take at once, are queued to
-one sender thread, so a pipelined algorithm can reduce one chunk while the next is
-on the wire. The sender never blocks on a peer: a full socket is set aside until it
-drains, so a stopped peer holds up nobody else, and a frame once begun always
-completes (which is what lets one reader read a frame to its end). Threads per rank
-are thus three (reader, sender, the listener's gate), whatever the number of peers.
-A stopped peer that began a frame and stalls mid-frame holds the reader (and so the
-other connections) until its connection closes or the waits time out. ``sendmsg`` writes header and payload
-in one call without copying. A connection that closes reports the peer as lost at
-once; a read or write that fails in any other way closes that connection and
-reports why, so nothing fails silently. Queues are bounded (:mod:`.sendqueue`).
-``close`` lets sends already queued (aborts, goodbyes) go out for a moment, then
-ends every thread and closes the listener.
+Data path: one reader thread serves every connection (a selector): it reads a frame's
+header and receives its payload straight into posted tensor memory (``recv_into``, GIL
+released). Small sends go out inline from the caller (lowest latency); large ones, and
+whatever the kernel does not take at once, are queued to one sender thread, so a
+pipelined algorithm can reduce one chunk while the next is on the wire. The sender never
+blocks on a peer: a full socket is set aside until it drains, so a stopped peer holds up
+nobody else, and a frame once begun always completes (which is what lets one reader read
+a frame to its end). Threads per rank are thus three (reader, sender, the listener's
+gate), whatever the number of peers. A stopped peer that began a frame and stalls
+mid-frame holds the reader (and so the other connections) until its connection closes or
+the waits time out. ``sendmsg`` writes header and payload in one call without copying. A
+connection that closes reports the peer as lost at once; a read or write that fails in
+any other way closes that connection and reports why, so nothing fails silently. Queues
+are bounded (:mod:`.sendqueue`). ``close`` lets sends already queued (aborts, goodbyes)
+go out for a moment, then ends every thread and closes the listener.
 """
 
 from __future__ import annotations
