@@ -57,11 +57,11 @@ Factory = Callable[[BackendOptions], Transport]
 
 
 def _tcp(options: BackendOptions, peers: list[int] | None = None,
-         hosts: list[str] | None = None) -> TcpTransport:
+         hosts: list[str] | None = None, lazy: bool = False) -> TcpTransport:
     return TcpTransport(options.rank, options.world_size, options.store, options.host,
                         options.secret, options.settings.connect_timeout,
                         options.settings.max_frame, options.hostname, options.settings.debug,
-                        advertise=options.advertise, peers=peers, hosts=hosts)
+                        advertise=options.advertise, peers=peers, hosts=hosts, lazy=lazy)
 
 
 def _shm_over(options: BackendOptions, peers: list[int], tcp: Transport | None) -> ShmTransport:
@@ -93,7 +93,7 @@ def _auto(options: BackendOptions) -> Transport:
         return _tcp(options, hosts=hosts)
     # same-host peers talk through shared memory only: no second (tcp) link to them
     tcp = _tcp(options, peers=[r for r in range(options.world_size) if r not in local],
-               hosts=hosts)
+               hosts=hosts, lazy=True)
     try:
         return MixedTransport(tcp, _shm_over(options, local, tcp))
     except BaseException:

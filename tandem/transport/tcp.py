@@ -43,7 +43,8 @@ import time
 from typing import Sequence
 
 from tandem import _gate, _wire
-from tandem.errors import ArgumentError, NetworkError, PeerLostError, ProtocolError, TandemError
+from tandem.errors import (ArgumentError, AuthenticationError, NetworkError, PeerLostError,
+                           ProtocolError, TandemError)
 from tandem.store.base import Store
 from tandem.transport import forks
 from tandem.transport.base import Transport, check_header, check_size, join_all
@@ -114,14 +115,18 @@ class TcpTransport(BoundedSends, Transport):
     message still in flight on the other).
 
     ``hosts``: every rank's host key (``mixed.exchange_hosts``), which the mixed
-    transport already has; without it the transport exchanges them itself."""
+    transport already has; without it the transport exchanges them itself.
+
+    ``lazy``: connect host leaders only at set-up and every other pair on first use
+    (the mixed transport, which carries failure news across hosts itself); else every
+    pair at set-up, so each rank sees any peer's connection close."""
 
     def __init__(self, rank: int, world_size: int, store: Store, host: str, secret: bytes,
                  connect_timeout: float, max_frame: int, hostname: str = "",
                  debug: bool = False, *, advertise: str = "",
                  park_limit: int = DEFAULT_PARK_LIMIT, send_limit: int = DEFAULT_SEND_LIMIT,
                  peers: Sequence[int] | None = None,
-                 hosts: Sequence[str] | None = None) -> None:
+                 hosts: Sequence[str] | None = None, lazy: bool = False) -> None:
         self.rank = rank
         self._debug_log = debug  # TANDEM_DEBUG, read once with the other settings
         self.world_size = world_size
@@ -137,6 +142,7 @@ class TcpTransport(BoundedSends, Transport):
         self._secret = secret
         self._max_frame = max_frame
         self._timeout = connect_timeout
+        self._lazy = lazy
         self._store = store
         self._closing = False
         self._peers: dict[int, _Peer] = {}  # the connection each peer's messages go out on
@@ -201,6 +207,8 @@ class TcpTransport(BoundedSends, Transport):
         host leaders (each host's lowest rank) with one another, and a leader with the
         ranks of its own host that this transport links it to (backend ``tcp``). Every
         other connection is made on first use."""
+        if not self._lazy:
+            return set(self.links)
         leaders: dict[str, int] = {}
         for r, h in enumerate(hosts):
             leaders.setdefault(h, r)
@@ -295,17 +303,18 @@ class TcpTransport(BoundedSends, Transport):
                     self._addrs[peer] = (ip, int(port_text))
                 sock = socket.create_connection(self._addrs[peer], timeout=self._timeout)
             except (OSError, TandemError) as exc:
-                error = PeerLostError(f"rank {self.rank} could not connect to rank {peer} "
-                                      f"(host {self._hosts.get(peer) or '?'}): {exc}; did it "
-                                      f"exit or crash?", peer)
-                if not self._closing:
-                    self.mailbox.peer_lost(peer, error)
-                raise error from exc
+                raise self._unreachable(peer, exc) from exc
             try:
                 _wire.client_handshake(sock, self._secret, _PURPOSE, f"rank {peer}")
                 sock.sendall(_HELLO.pack(self.rank, self.world_size))
                 sock.settimeout(None)
                 _wire.tune(sock)
+            except AuthenticationError:
+                sock.close()
+                raise
+            except (OSError, TandemError) as exc:  # it died, or stopped, mid-handshake
+                sock.close()
+                raise self._unreachable(peer, exc) from exc
             except BaseException:
                 sock.close()
                 raise
@@ -314,6 +323,15 @@ class TcpTransport(BoundedSends, Transport):
             if p is None:  # closing meanwhile
                 raise self.closed_error()
             return p
+
+    def _unreachable(self, peer: int, exc: BaseException) -> PeerLostError:
+        """``peer`` cannot be connected to: it is lost from now on; the error to raise."""
+        error = PeerLostError(f"rank {self.rank} could not connect to rank {peer} (host "
+                              f"{self._hosts.get(peer) or '?'}): {exc}; did it exit, crash "
+                              f"or stop?", peer)
+        if not self._closing:
+            self.mailbox.peer_lost(peer, error)
+        return error
 
     def _adopt(self, peer: int, sock: socket.socket) -> None:
         """Hand a connection to ``peer`` to the reader; the first one carries the sends."""

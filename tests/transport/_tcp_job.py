@@ -35,7 +35,8 @@ def tcp_job(hostnames: list[str]) -> list[TcpTransport]:
     """One transport per entry of ``hostnames`` (that rank's host name)."""
     store = HashStore()
     made = built_at_once(len(hostnames), lambda rank: TcpTransport(
-        rank, len(hostnames), store, "127.0.0.1", SECRET, 30.0, 1 << 34, hostnames[rank]))
+        rank, len(hostnames), store, "127.0.0.1", SECRET, 30.0, 1 << 34, hostnames[rank],
+        lazy=True))
     assert all(isinstance(m, TcpTransport) for m in made), made
     return made
 

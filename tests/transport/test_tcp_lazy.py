@@ -5,6 +5,7 @@ direction stays one ordered stream; a rank that leaves is not taken for a crash.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -87,5 +88,30 @@ def test_a_first_send_to_a_rank_that_is_gone_fails_naming_it() -> None:
         assert "rank 3" in str(info.value), info.value
         assert job[1].lost(3) is not None
     finally:
+        for t in job:
+            t.close()
+
+
+def test_a_first_send_to_a_rank_that_dies_mid_handshake_fails_naming_it() -> None:
+    job = tcp_job(["a", "a", "b", "b"])
+    dying = socket.socket()
+    dying.bind(("127.0.0.1", 0))
+    dying.listen(1)
+
+    def accept_and_die() -> None:
+        conn, _ = dying.accept()
+        conn.close()  # what the kernel does for a rank killed before it answered
+
+    helper = threading.Thread(target=accept_and_die, daemon=True)
+    helper.start()
+    try:
+        job[1]._addrs[3] = dying.getsockname()  # rank 3's address, as far as rank 1 knows
+        with pytest.raises(PeerLostError) as info:
+            job[1].isend(3, Header(Kind.P2P, 1, 0, 0, 1), memoryview(b"x"))
+        assert "rank 3" in str(info.value), info.value
+        assert job[1].lost(3) is not None
+    finally:
+        helper.join(DEADLINE)
+        dying.close()
         for t in job:
             t.close()
