@@ -216,6 +216,8 @@ class MixedTransport(Transport):
         error = self.mailbox.failures.lost(peer)
         if error is None or not self.shm.reaches(peer) or peer == self.rank:
             return  # it left on purpose, or it is another host's to announce
+        if not isinstance(self.tcp, TcpTransport) or self.tcp.closing:
+            return  # this rank is going: its own connections closing prove nothing
         mates = [r for r in range(self.world_size) if self._keys[r] == self._keys[self.rank]]
         if min(r for r in mates if r != peer and self.lost(r) is None) != self.rank:
             return

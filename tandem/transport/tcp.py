@@ -296,6 +296,8 @@ class TcpTransport(BoundedSends, Transport):
             lost = self.lost(peer)
             if lost is not None:
                 raise lost
+            if self._closing:  # a closing rank connects to nobody new
+                raise self.closed_error()
             try:
                 if peer not in self._addrs:
                     addr, _, _ = self._entries(self._store, [peer])[0]
@@ -632,6 +634,11 @@ class TcpTransport(BoundedSends, Transport):
                 p.cv.notify_all()
             if full:
                 return True
+
+    @property
+    def closing(self) -> bool:
+        """Whether ``close`` began (or the process forked and this is the child's copy)."""
+        return self._closing
 
     def connected(self, peer: int) -> bool:
         """Whether a connection to ``peer`` is up (made at set-up or by an earlier send)."""

@@ -75,10 +75,10 @@ def test_a_dead_rank_is_named_to_a_rank_of_another_host_that_never_connected_to_
     waiting = job[3].irecv(1, Kind.P2P, 0, 0, 0, memoryview(bytearray(4)))
     assert not _tcp(job[3]).connected(1)
     start = time.monotonic()
-    vanish(job[1].shm)  # what the kernel does for a SIGKILLed process
-    vanish(_tcp(job[1]))
+    vanish(_tcp(job[1]))  # what the kernel does for a SIGKILLed process (tcp first: a
+    vanish(job[1].shm)  # rank that is going announces nobody, and a dead one runs nothing)
     error = _failed(waiting)
     assert isinstance(error, PeerLostError) and error.rank == 1, error
-    assert "rank 1" in str(error), error
+    assert "rank 1 died (reported by rank 0)" in str(error), error
     assert time.monotonic() - start < NOTICED_WITHIN
     assert job[3].lost(1) is not None
