@@ -90,7 +90,8 @@ def _auto(options: BackendOptions) -> Transport:
     if len(local) == options.world_size:
         return _shm_over(options, local, None)
     if len(local) == 1:
-        return _tcp(options, hosts=hosts)
+        # every rank picks the same set-up connections: first use wherever a host has many
+        return _tcp(options, hosts=hosts, lazy=len(set(hosts)) < options.world_size)
     # same-host peers talk through shared memory only: no second (tcp) link to them
     tcp = _tcp(options, peers=[r for r in range(options.world_size) if r not in local],
                hosts=hosts, lazy=True)

@@ -25,16 +25,14 @@ from tandem.errors import ArgumentError, PeerLostError, TandemError
 from tandem.transport._arena import Arena
 from tandem.store.base import Store
 from tandem.transport.base import Poller, Transport, _abort_message
-from tandem.transport.failures import decode_error, split_relay
+from tandem.transport.failures import split_relay
 from tandem.transport.message import Header, Kind, Reader, Slot
 from tandem.transport.shm import ShmTransport
-from tandem.transport.tcp import TcpTransport
+from tandem.transport.tcp import LOST_NOTICE, TcpTransport, act_on_abort
 
 __all__ = ["MixedTransport", "exchange_hosts", "require_one_host", "host_key", "same_host"]
 
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
-# the ABORT "group" of a lost-rank notice: a rank died, not a group failed
-LOST_NOTICE = 0xFFFFFFFF
 
 
 def host_key(hostname: str) -> str:
@@ -201,13 +199,7 @@ class MixedTransport(Transport):
                             self.route(r).isend(r, out, memoryview(passed))
                         except TandemError:
                             pass
-            reporter, reported = decode_error(header.step, passed)
-            if header.group == LOST_NOTICE:
-                if isinstance(reported, PeerLostError) and reported.rank not in (-1, self.rank):
-                    self.mailbox.peer_lost(reported.rank, reported)
-                return
-            self.mailbox.failures.report(header.group, reporter, reported)
-            self.mailbox.abort_group(header.group, reported)
+            act_on_abort(self.mailbox, self.rank, header, passed)
         except Exception:  # noqa: BLE001 - a handler must not raise (Mailbox.handle)
             pass
 

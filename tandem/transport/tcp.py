@@ -48,8 +48,9 @@ from tandem.errors import (ArgumentError, AuthenticationError, NetworkError, Pee
 from tandem.store.base import Store
 from tandem.transport import forks
 from tandem.transport.base import Transport, check_header, check_size, join_all
+from tandem.transport.failures import decode_error, split_relay
 from tandem.transport.mailbox import DEFAULT_PARK_LIMIT, Mailbox
-from tandem.transport.message import Header, Slot
+from tandem.transport.message import Header, Kind, Reader, Slot
 from tandem.transport.sendqueue import DEFAULT_SEND_LIMIT, BoundedSends, Entry, SendQueue
 
 __all__ = ["TcpTransport"]
@@ -66,6 +67,22 @@ _JOIN_S = 2.0  # how long close() waits for this transport's threads to end
 # 2 runs each), +6% at 3 x 16 MB, +2% at 4 x 16 MB, -2% at 4 x 64 MB (within the noise);
 # 1 MiB gave +15% at 3 x 64 MB but nothing at 3 x 16 MB, 256 KiB +10% and +3%.
 _WAKE_BYTES = 512 << 10
+
+
+# the ABORT "group" of a lost-rank notice: a rank died, not a group failed (mixed.py)
+LOST_NOTICE = 0xFFFFFFFF
+
+
+def act_on_abort(mailbox: Mailbox, rank: int, header: Header, data: bytes) -> None:
+    """What an ABORT payload ``data`` (relay list removed) tells this rank: a group
+    failed, or (``LOST_NOTICE``) a rank died."""
+    reporter, reported = decode_error(header.step, data)
+    if header.group == LOST_NOTICE:
+        if isinstance(reported, PeerLostError) and reported.rank not in (-1, rank):
+            mailbox.peer_lost(reported.rank, reported)
+        return
+    mailbox.failures.report(header.group, reporter, reported)
+    mailbox.abort_group(header.group, reported)
 
 
 def _sendall_vec(sock: socket.socket, parts: list[memoryview], flags: int = 0) -> None:
@@ -139,6 +156,8 @@ class TcpTransport(BoundedSends, Transport):
                                 f"needs one per rank")
         self.mailbox = Mailbox(rank, park_limit)
         self.mailbox.reply = lambda peer, group, error: self.abort(group, [peer], error)
+        if lazy:  # news of ranks it never connected to comes as notices (mixed.py)
+            self.mailbox.handle(Kind.ABORT, self._on_abort)
         self._secret = secret
         self._max_frame = max_frame
         self._timeout = connect_timeout
@@ -325,6 +344,14 @@ class TcpTransport(BoundedSends, Transport):
             if p is None:  # closing meanwhile
                 raise self.closed_error()
             return p
+
+    def _on_abort(self, peer: int, header: Header, read: Reader) -> None:
+        try:
+            buf = bytearray(header.nbytes)
+            read(memoryview(buf))
+            act_on_abort(self.mailbox, self.rank, header, split_relay(bytes(buf))[1])
+        except Exception:  # noqa: BLE001 - a handler must not raise (Mailbox.handle)
+            pass
 
     def _unreachable(self, peer: int, exc: BaseException) -> PeerLostError:
         """``peer`` cannot be connected to: it is lost from now on; the error to raise."""
