@@ -26,7 +26,8 @@ from tandem.errors import (
     TandemError,
 )
 
-__all__ = ["Failures", "Report", "ABORT_CODES", "encode_error", "decode_error", "split_relay"]
+__all__ = ["Failures", "Report", "ABORT_CODES", "encode_error", "decode_error", "split_relay",
+           "with_relay"]
 
 # An ABORT message's ``step`` says which error the receivers raise.
 ABORT_CODES: dict[int, type[TandemError]] = {
@@ -47,6 +48,14 @@ def encode_error(error: TandemError, reporter: int, relay: Iterable[int] = ()) -
     missing = ",".join(map(str, getattr(error, "missing", ())))
     lost = getattr(error, "rank", -1)
     return f"{missing};{lost};{reporter};{','.join(map(str, relay))}\n{error}".encode()
+
+
+def with_relay(data: bytes, relay: Iterable[int]) -> bytes:
+    """An ABORT payload (as :func:`split_relay` leaves it) asking its receiver to pass it
+    on to ``relay``; the reporter and the error stay the original's."""
+    head, nl, text = data.partition(b"\n")
+    fields = (head.split(b";") + [b"", b"", b""])[:3]
+    return b";".join(fields + [",".join(map(str, relay)).encode()]) + nl + text
 
 
 def split_relay(data: bytes) -> tuple[list[int], bytes]:

@@ -25,7 +25,7 @@ from tandem.errors import ArgumentError, PeerLostError, TandemError
 from tandem.transport._arena import Arena
 from tandem.store.base import Store
 from tandem.transport.base import Poller, Transport, _abort_message
-from tandem.transport.failures import split_relay
+from tandem.transport.failures import split_relay, with_relay
 from tandem.transport.message import Header, Kind, Reader, Slot
 from tandem.transport.shm import ShmTransport
 from tandem.transport.tcp import LOST_NOTICE, TcpTransport, act_on_abort
@@ -143,6 +143,9 @@ class MixedTransport(Transport):
         # a rank rejecting a stray message tells its sender, by whichever way reaches it
         self.mailbox.reply = lambda peer, group, error: self.abort(group, [peer], error)
         self._keys = tcp.host_keys if isinstance(tcp, TcpTransport) else []
+        self._leaders: dict[str, int] = {}  # each host's lowest rank
+        for r, key in enumerate(self._keys):
+            self._leaders.setdefault(key, r)
         if self._keys:
             self.mailbox.handle(Kind.ABORT, self._on_abort)
             first_hand = self.mailbox.peer_lost
@@ -164,22 +167,36 @@ class MixedTransport(Transport):
         if not self._keys:
             super()._tell_abort(group, error, targets)
             return
+        local = [p for p in targets if self.shm.reaches(p)]
         remote = [p for p in targets if not self.shm.reaches(p)]
-        self._tell_hosts(group, error, remote)
-        super()._tell_abort(group, error, [p for p in targets if self.shm.reaches(p)])
+        header, data = _abort_message(group, error, self.rank)
+        leader = self._leaders[self._keys[self.rank]]
+        if remote and leader != self.rank and self.lost(leader) is None:
+            # the host leader, connected to the other leaders, carries it across: this
+            # rank dials nobody, and its host mates hear first (it may leave right after)
+            try:
+                relayed = with_relay(data, remote)
+                self.shm.isend(leader, header._replace(nbytes=len(relayed)),
+                               memoryview(relayed))
+                local = [p for p in local if p != leader]
+                remote = []
+            except TandemError:
+                pass
+        super()._tell_abort(group, error, local)
+        self._tell_hosts(header, data, remote)
 
-    def _tell_hosts(self, group: int, error: TandemError, remote: list[int]) -> None:
-        """Send the news to one rank of each host of ``remote``, which relays it to the
-        others: a rank already connected to this one first, else the lowest."""
+    def _tell_hosts(self, header: Header, data: bytes, remote: Sequence[int]) -> None:
+        """Send the news ``data`` (an ABORT payload) to one rank of each host of ``remote``,
+        which relays it to the others: a rank already connected to this one first, else
+        the lowest."""
         tcp = self.tcp
         assert isinstance(tcp, TcpTransport)
         for ranks in self._by_host(remote).values():
             live = [r for r in ranks if self.lost(r) is None]
             for relay in sorted(live, key=lambda r: (not tcp.connected(r), r)):
-                header, data = _abort_message(group, error, self.rank,
-                                              [r for r in ranks if r != relay])
+                out = with_relay(data, [r for r in ranks if r != relay])
                 try:
-                    tcp.isend(relay, header, memoryview(data))
+                    tcp.isend(relay, header._replace(nbytes=len(out)), memoryview(out))
                     break
                 except TandemError:
                     continue  # that one is gone too: the next one relays
@@ -194,11 +211,15 @@ class MixedTransport(Transport):
             if relay:
                 out = header._replace(nbytes=len(passed))
                 for r in relay:
-                    if r != self.rank and self.lost(r) is None:
+                    if r != self.rank and self.shm.reaches(r) and self.lost(r) is None:
                         try:
-                            self.route(r).isend(r, out, memoryview(passed))
+                            self.shm.isend(r, out, memoryview(passed))
                         except TandemError:
                             pass
+                # ranks of other hosts: through one rank of each (a leader passing on
+                # news from its own host)
+                self._tell_hosts(header, passed, [r for r in relay if r != self.rank
+                                                  and not self.shm.reaches(r)])
             act_on_abort(self.mailbox, self.rank, header, passed)
         except Exception:  # noqa: BLE001 - a handler must not raise (Mailbox.handle)
             pass
@@ -215,7 +236,8 @@ class MixedTransport(Transport):
             return
         remote = [r for r in range(self.world_size) if not self.shm.reaches(r)
                   and r != self.rank]
-        threading.Thread(target=self._tell_hosts, args=(LOST_NOTICE, error, remote),
+        header, data = _abort_message(LOST_NOTICE, error, self.rank)
+        threading.Thread(target=self._tell_hosts, args=(header, data, remote),
                          daemon=True, name=f"tandem-lost-{self.rank}").start()
 
     def route(self, peer: int) -> Transport:
