@@ -125,9 +125,10 @@ class MixedTransport(Transport):
     arrive in the order they were sent.
 
     tcp connects on first use, so a rank holds no connection to most ranks of other
-    hosts. Failure news crosses hosts through one rank per host instead: an abort goes
-    to one rank of each other host (one already connected, else the lowest), which
-    passes it on to the rest of its host before acting on it; a rank that dies is
+    hosts. Failure news crosses hosts through one rank per host instead: a non-leader
+    hands an abort for other hosts to its host leader; a leader sends it to one rank of
+    each other host (one already connected, else the lowest), which passes it on to
+    the rest of its host before acting on it; a rank that dies is
     announced by the lowest live rank of its host the same way (``LOST_NOTICE``), so
     a rank of another host waiting on it learns at once without a connection to it.
     """
