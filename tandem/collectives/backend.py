@@ -56,11 +56,12 @@ class BackendOptions:
 Factory = Callable[[BackendOptions], Transport]
 
 
-def _tcp(options: BackendOptions, peers: list[int] | None = None) -> TcpTransport:
+def _tcp(options: BackendOptions, peers: list[int] | None = None,
+         hosts: list[str] | None = None, lazy: bool = False) -> TcpTransport:
     return TcpTransport(options.rank, options.world_size, options.store, options.host,
                         options.secret, options.settings.connect_timeout,
                         options.settings.max_frame, options.hostname, options.settings.debug,
-                        advertise=options.advertise, peers=peers)
+                        advertise=options.advertise, peers=peers, hosts=hosts, lazy=lazy)
 
 
 def _shm_over(options: BackendOptions, peers: list[int], tcp: Transport | None) -> ShmTransport:
@@ -89,9 +90,11 @@ def _auto(options: BackendOptions) -> Transport:
     if len(local) == options.world_size:
         return _shm_over(options, local, None)
     if len(local) == 1:
-        return _tcp(options)
+        # every rank picks the same set-up connections: first use wherever a host has many
+        return _tcp(options, hosts=hosts, lazy=len(set(hosts)) < options.world_size)
     # same-host peers talk through shared memory only: no second (tcp) link to them
-    tcp = _tcp(options, peers=[r for r in range(options.world_size) if r not in local])
+    tcp = _tcp(options, peers=[r for r in range(options.world_size) if r not in local],
+               hosts=hosts, lazy=True)
     try:
         return MixedTransport(tcp, _shm_over(options, local, tcp))
     except BaseException:

@@ -182,21 +182,25 @@ class Transport(abc.ABC):
     def abort(self, group: int, peers: Iterable[int], error: TandemError) -> None:
         """Fail ``group`` here and tell ``peers`` so they raise the same error."""
         self.mailbox.abort_group(group, error)
-        header, data = _abort_message(group, error, self.rank)
         targets = [p for p in peers if p != self.rank and self.lost(p) is None]
 
         def tell() -> None:
-            for p in targets:
-                try:
-                    self.isend(p, header, memoryview(data))
-                except TandemError:
-                    pass
+            self._tell_abort(group, error, targets)
 
         # a stuck peer with a full socket buffer must not block the rank that aborts
         teller = threading.Thread(target=tell, daemon=True, name="tandem-abort")
         teller.start()  # before it is listed: close() may join it from another thread
         tellers = self._tellers()
         tellers[:] = [t for t in tellers if t.is_alive()] + [teller]
+
+    def _tell_abort(self, group: int, error: TandemError, targets: list[int]) -> None:
+        """Send ``targets`` the news that ``group`` failed (on the abort's own thread)."""
+        header, data = _abort_message(group, error, self.rank)
+        for p in targets:
+            try:
+                self.isend(p, header, memoryview(data))
+            except TandemError:
+                pass
 
     def fail_here(self, group: int, error: TandemError) -> None:
         """Fail every receive of ``group`` on this rank only (peers are not told)."""
@@ -283,10 +287,12 @@ class Transport(abc.ABC):
             raise lost
 
 
-def _abort_message(group: int, error: TandemError, reporter: int) -> tuple[Header, bytes]:
-    """The ABORT message telling peers that ``group`` failed with ``error``."""
+def _abort_message(group: int, error: TandemError, reporter: int,
+                   relay: Sequence[int] = ()) -> tuple[Header, bytes]:
+    """The ABORT message telling peers that ``group`` failed with ``error`` (``relay``:
+    see ``encode_error``)."""
     code = next((c for c, t in ABORT_CODES.items() if type(error) is t), 0)
-    data = encode_error(error, reporter)
+    data = encode_error(error, reporter, relay)
     return Header(Kind.ABORT, group, 0, code, len(data)), data
 
 

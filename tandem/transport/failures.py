@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import threading
+from typing import Iterable
 
 from tandem.errors import (
     CollectiveMismatchError,
@@ -25,7 +26,8 @@ from tandem.errors import (
     TandemError,
 )
 
-__all__ = ["Failures", "Report", "ABORT_CODES", "encode_error", "decode_error"]
+__all__ = ["Failures", "Report", "ABORT_CODES", "encode_error", "decode_error", "split_relay",
+           "with_relay"]
 
 # An ABORT message's ``step`` says which error the receivers raise.
 ABORT_CODES: dict[int, type[TandemError]] = {
@@ -39,11 +41,33 @@ _KEPT_REPORTS = 256  # per group: enough to hear every rank of a large group onc
 Report = tuple[int, TandemError]  # (the rank that reported, its error)
 
 
-def encode_error(error: TandemError, reporter: int) -> bytes:
-    """An ABORT payload: the details other ranks need to rebuild ``error``."""
+def encode_error(error: TandemError, reporter: int, relay: Iterable[int] = ()) -> bytes:
+    """An ABORT payload: the details other ranks need to rebuild ``error``; ``relay``:
+    ranks of the receiver's host it passes the news on to (the sender has no connection
+    to them, see ``MixedTransport.abort``)."""
     missing = ",".join(map(str, getattr(error, "missing", ())))
     lost = getattr(error, "rank", -1)
-    return f"{missing};{lost};{reporter}\n{error}".encode()
+    return f"{missing};{lost};{reporter};{','.join(map(str, relay))}\n{error}".encode()
+
+
+def with_relay(data: bytes, relay: Iterable[int]) -> bytes:
+    """An ABORT payload (as :func:`split_relay` leaves it) asking its receiver to pass it
+    on to ``relay``; the reporter and the error stay the original's."""
+    head, nl, text = data.partition(b"\n")
+    fields = (head.split(b";") + [b"", b"", b""])[:3]
+    return b";".join(fields + [",".join(map(str, relay)).encode()]) + nl + text
+
+
+def split_relay(data: bytes) -> tuple[list[int], bytes]:
+    """(the ranks an ABORT payload asks its receiver to pass it on to, the payload to
+    pass on: the same news with no one left to relay to)."""
+    head, nl, text = data.partition(b"\n")
+    fields = head.split(b";")
+    if len(fields) < 4 or not fields[3]:
+        return [], data
+    relay = [r for r in (_int(f.decode(errors="replace")) for f in fields[3].split(b","))
+             if r >= 0]
+    return relay, b";".join(fields[:3] + [b""]) + nl + text
 
 
 def decode_error(code: int, data: bytes) -> Report:

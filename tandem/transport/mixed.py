@@ -18,14 +18,17 @@ message came.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Sequence
 
-from tandem.errors import ArgumentError
+from tandem.errors import ArgumentError, PeerLostError, TandemError
 from tandem.transport._arena import Arena
 from tandem.store.base import Store
-from tandem.transport.base import Poller, Transport
-from tandem.transport.message import Header, Slot
+from tandem.transport.base import Poller, Transport, _abort_message
+from tandem.transport.failures import split_relay, with_relay
+from tandem.transport.message import Header, Kind, Reader, Slot
 from tandem.transport.shm import ShmTransport
+from tandem.transport.tcp import LOST_NOTICE, TcpTransport, act_on_abort
 
 __all__ = ["MixedTransport", "exchange_hosts", "require_one_host", "host_key", "same_host"]
 
@@ -120,6 +123,14 @@ class MixedTransport(Transport):
     Each peer has exactly one link: ``tcp`` connects to the other hosts' ranks only
     (``TcpTransport(peers=...)``), so a peer's messages, and its goodbye after them,
     arrive in the order they were sent.
+
+    tcp connects on first use, so a rank holds no connection to most ranks of other
+    hosts. Failure news crosses hosts through one rank per host instead: a non-leader
+    hands an abort for other hosts to its host leader; a leader sends it to one rank of
+    each other host (one already connected, else the lowest), which passes it on to
+    the rest of its host before acting on it; a rank that dies is
+    announced by the lowest live rank of its host the same way (``LOST_NOTICE``), so
+    a rank of another host waiting on it learns at once without a connection to it.
     """
 
     def __init__(self, tcp: Transport, shm: ShmTransport) -> None:
@@ -132,6 +143,103 @@ class MixedTransport(Transport):
         self.shm = shm
         # a rank rejecting a stray message tells its sender, by whichever way reaches it
         self.mailbox.reply = lambda peers, group, error: self.abort(group, peers, error)
+        self._keys = tcp.host_keys if isinstance(tcp, TcpTransport) else []
+        self._leaders: dict[str, int] = {}  # each host's lowest rank
+        for r, key in enumerate(self._keys):
+            self._leaders.setdefault(key, r)
+        if self._keys:
+            self.mailbox.handle(Kind.ABORT, self._on_abort)
+            first_hand = self.mailbox.peer_lost
+
+            def peer_lost(peer: int, error: PeerLostError) -> None:
+                first_hand(peer, error)
+                self._announce_lost(peer)
+
+            self.mailbox.peer_lost = peer_lost  # type: ignore[method-assign]
+
+    # -- failure news across hosts -------------------------------------------------------
+    def _by_host(self, ranks: Sequence[int]) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for r in sorted(ranks):
+            out.setdefault(self._keys[r], []).append(r)
+        return out
+
+    def _tell_abort(self, group: int, error: TandemError, targets: list[int]) -> None:
+        if not self._keys:
+            super()._tell_abort(group, error, targets)
+            return
+        local = [p for p in targets if self.shm.reaches(p)]
+        remote = [p for p in targets if not self.shm.reaches(p)]
+        header, data = _abort_message(group, error, self.rank)
+        leader = self._leaders[self._keys[self.rank]]
+        if remote and leader != self.rank and self.lost(leader) is None:
+            # the host leader, connected to the other leaders, carries it across: this
+            # rank dials nobody, and its host mates hear first (it may leave right after)
+            try:
+                relayed = with_relay(data, remote)
+                self.shm.isend(leader, header._replace(nbytes=len(relayed)),
+                               memoryview(relayed))
+                local = [p for p in local if p != leader]
+                remote = []
+            except TandemError:
+                pass
+        super()._tell_abort(group, error, local)
+        self._tell_hosts(header, data, remote)
+
+    def _tell_hosts(self, header: Header, data: bytes, remote: Sequence[int]) -> None:
+        """Send the news ``data`` (an ABORT payload) to one rank of each host of ``remote``,
+        which relays it to the others: a rank already connected to this one first, else
+        the lowest."""
+        tcp = self.tcp
+        assert isinstance(tcp, TcpTransport)
+        for ranks in self._by_host(remote).values():
+            live = [r for r in ranks if self.lost(r) is None]
+            for relay in sorted(live, key=lambda r: (not tcp.connected(r), r)):
+                out = with_relay(data, [r for r in ranks if r != relay])
+                try:
+                    tcp.isend(relay, header._replace(nbytes=len(out)), memoryview(out))
+                    break
+                except TandemError:
+                    continue  # that one is gone too: the next one relays
+
+    def _on_abort(self, peer: int, header: Header, read: Reader) -> None:
+        """An ABORT (or a lost-rank notice): passed on to the ranks it names first, so
+        they know before this rank, having acted on it, may leave."""
+        try:
+            buf = bytearray(header.nbytes)
+            read(memoryview(buf))
+            relay, passed = split_relay(bytes(buf))
+            if relay:
+                out = header._replace(nbytes=len(passed))
+                for r in relay:
+                    if r != self.rank and self.shm.reaches(r) and self.lost(r) is None:
+                        try:
+                            self.shm.isend(r, out, memoryview(passed))
+                        except TandemError:
+                            pass
+                # ranks of other hosts: through one rank of each (a leader passing on
+                # news from its own host)
+                self._tell_hosts(header, passed, [r for r in relay if r != self.rank
+                                                  and not self.shm.reaches(r)])
+            act_on_abort(self.mailbox, self.rank, header, passed)
+        except Exception:  # noqa: BLE001 - a handler must not raise (Mailbox.handle)
+            pass
+
+    def _announce_lost(self, peer: int) -> None:
+        """``peer`` of this host died: the lowest live rank of the host tells the others."""
+        error = self.mailbox.failures.lost(peer)
+        if error is None or not self.shm.reaches(peer) or peer == self.rank:
+            return  # it left on purpose, or it is another host's to announce
+        if not isinstance(self.tcp, TcpTransport) or self.tcp.closing:
+            return  # this rank is going: its own connections closing prove nothing
+        mates = [r for r in range(self.world_size) if self._keys[r] == self._keys[self.rank]]
+        if min(r for r in mates if r != peer and self.lost(r) is None) != self.rank:
+            return
+        remote = [r for r in range(self.world_size) if not self.shm.reaches(r)
+                  and r != self.rank]
+        header, data = _abort_message(LOST_NOTICE, error, self.rank)
+        threading.Thread(target=self._tell_hosts, args=(header, data, remote),
+                         daemon=True, name=f"tandem-lost-{self.rank}").start()
 
     def route(self, peer: int) -> Transport:
         """The transport that carries messages to ``peer``."""

@@ -1,26 +1,40 @@
-"""TCP transport: a full mesh of authenticated connections, one per pair of ranks.
+"""TCP transport: authenticated connections between ranks, made on first use.
 
-Set-up: every rank listens on its bind address (port 0, so jobs never collide),
-publishes ``host:port`` in the store (for a listener on every interface, ``0.0.0.0``,
-the address peers can dial: ``advertise``), connects to every lower rank and accepts
-every higher one. Each connection proves the job secret (``tandem._wire``)
-before the peer's rank is read; strangers, junk and wrong secrets are dropped
-without disturbing the job. The listener is closed once the mesh is complete.
+Set-up: every rank listens on its bind address (port 0, so jobs never collide) for
+the transport's whole life and publishes ``host:port`` in the store (for a listener
+on every interface, ``0.0.0.0``, the address peers can dial: ``advertise``). Only host
+leaders (each host's lowest rank) connect at set-up, with one another, and a leader
+with the ranks of its own host that tcp links it to (backend ``tcp``): the lower rank
+dials, and every rank has proved the job secret before anything runs. Any other pair
+connects when one of them first sends. Each connection proves the job secret
+(``tandem._wire``) before the peer's rank is read; strangers, junk and wrong secrets
+are dropped without disturbing the job. Two ranks dialing each other at once both
+get through and keep both connections: each reads both and sends on the first it
+had, so each direction is one stream, and one closing while its twin is open is not
+a loss (a leaving rank says goodbye on one). A host thus holds a connection per other
+host between leaders, plus one per pair that exchanged messages directly.
 
-Data path: one reader thread per peer reads headers and receives payloads
-straight into posted tensor memory (``recv_into``, GIL released). Small sends go
-out inline from the caller (lowest latency); large ones are queued to a per-peer
-writer thread so a pipelined algorithm can reduce one chunk while the next is on
-the wire. ``sendmsg`` writes header and payload in one call without copying.
-A reader that sees its socket close reports the peer as lost at once; a reader or
-writer that fails in any other way closes that connection and reports why, so no
-thread dies silently. Queues are bounded (:mod:`.sendqueue`). ``close`` lets sends
-already queued (aborts, goodbyes) go out for a moment, then ends every thread.
+Data path: one reader thread serves every connection (a selector): it reads a frame's
+header and receives its payload straight into posted tensor memory (``recv_into``, GIL
+released). Small sends go out inline from the caller (lowest latency); large ones, and
+whatever the kernel does not take at once, are queued to one sender thread, so a
+pipelined algorithm can reduce one chunk while the next is on the wire. The sender never
+blocks on a peer: a full socket is set aside until it drains, so a stopped peer holds up
+nobody else, and a frame once begun always completes (which is what lets one reader read
+a frame to its end). Threads per rank are thus three (reader, sender, the listener's
+gate), whatever the number of peers. A stopped peer that began a frame and stalls
+mid-frame holds the reader (and so the other connections) until its connection closes or
+the waits time out. ``sendmsg`` writes header and payload in one call without copying. A
+connection that closes reports the peer as lost at once; a read or write that fails in
+any other way closes that connection and reports why, so nothing fails silently. Queues
+are bounded (:mod:`.sendqueue`). ``close`` lets sends already queued (aborts, goodbyes)
+go out for a moment, then ends every thread and closes the listener.
 """
 
 from __future__ import annotations
 
 import os
+import selectors
 import socket
 import struct
 import sys
@@ -29,13 +43,15 @@ import time
 from typing import Sequence
 
 from tandem import _gate, _wire
-from tandem.errors import ArgumentError, NetworkError, PeerLostError, ProtocolError, TandemError
+from tandem.errors import (ArgumentError, AuthenticationError, NetworkError, PeerLostError,
+                           ProtocolError, TandemError)
 from tandem.store.base import Store
 from tandem.transport import forks
 from tandem.transport.base import Transport, check_header, check_size, join_all
+from tandem.transport.failures import decode_error, split_relay
 from tandem.transport.mailbox import DEFAULT_PARK_LIMIT, Mailbox
-from tandem.transport.message import Header, Slot
-from tandem.transport.sendqueue import DEFAULT_SEND_LIMIT, BoundedSends, SendQueue
+from tandem.transport.message import Header, Kind, Reader, Slot
+from tandem.transport.sendqueue import DEFAULT_SEND_LIMIT, BoundedSends, Entry, SendQueue
 
 __all__ = ["TcpTransport"]
 
@@ -51,6 +67,22 @@ _JOIN_S = 2.0  # how long close() waits for this transport's threads to end
 # 2 runs each), +6% at 3 x 16 MB, +2% at 4 x 16 MB, -2% at 4 x 64 MB (within the noise);
 # 1 MiB gave +15% at 3 x 64 MB but nothing at 3 x 16 MB, 256 KiB +10% and +3%.
 _WAKE_BYTES = 512 << 10
+
+
+# the ABORT "group" of a lost-rank notice: a rank died, not a group failed (mixed.py)
+LOST_NOTICE = 0xFFFFFFFF
+
+
+def act_on_abort(mailbox: Mailbox, rank: int, header: Header, data: bytes) -> None:
+    """What an ABORT payload ``data`` (relay list removed) tells this rank: a group
+    failed, or (``LOST_NOTICE``) a rank died."""
+    reporter, reported = decode_error(header.step, data)
+    if header.group == LOST_NOTICE:
+        if isinstance(reported, PeerLostError) and reported.rank not in (-1, rank):
+            mailbox.peer_lost(reported.rank, reported)
+        return
+    mailbox.failures.report(header.group, reporter, reported)
+    mailbox.abort_group(header.group, reported)
 
 
 def _sendall_vec(sock: socket.socket, parts: list[memoryview], flags: int = 0) -> None:
@@ -73,19 +105,22 @@ def _sendall_vec(sock: socket.socket, parts: list[memoryview], flags: int = 0) -
 
 
 class _Peer:
+    """One connection to ``rank``: what the caller and the sender write, what the reader reads."""
+
     def __init__(self, me: int, rank: int, sock: socket.socket) -> None:
         self.rank = rank
         self.sock = sock
         self.cv = threading.Condition()
-        self.busy = False  # someone is writing to the socket; protected by cv
+        self.busy = False  # a thread is writing to the socket now; protected by cv
+        self.current: Entry | None = None  # the frame being written, partly sent; under cv
         self.queue = SendQueue(me, rank)
-        self.writer: threading.Thread | None = None
-        self.reader: threading.Thread | None = None
+        self.reader = _wire.BufferedReader(sock, wake_bytes=_WAKE_BYTES)
 
     def flush(self, deadline: float) -> None:
         """Wait (until ``deadline``, monotonic) for queued sends to be written."""
         with self.cv:
-            while (self.queue or self.busy) and time.monotonic() < deadline:
+            while ((self.queue or self.busy or self.current is not None)
+                   and time.monotonic() < deadline):
                 self.cv.wait(max(0.0, deadline - time.monotonic()))
 
 
@@ -94,13 +129,21 @@ class TcpTransport(BoundedSends, Transport):
     ``store``. The mixed transport passes the ranks of other hosts only: a same-host
     peer talks through shared memory alone, so there is one link per peer and one
     stream of that peer's messages (two links could deliver a goodbye on one before a
-    message still in flight on the other)."""
+    message still in flight on the other).
+
+    ``hosts``: every rank's host key (``mixed.exchange_hosts``), which the mixed
+    transport already has; without it the transport exchanges them itself.
+
+    ``lazy``: connect host leaders only at set-up and every other pair on first use
+    (the mixed transport, which carries failure news across hosts itself); else every
+    pair at set-up, so each rank sees any peer's connection close."""
 
     def __init__(self, rank: int, world_size: int, store: Store, host: str, secret: bytes,
                  connect_timeout: float, max_frame: int, hostname: str = "",
                  debug: bool = False, *, advertise: str = "",
                  park_limit: int = DEFAULT_PARK_LIMIT, send_limit: int = DEFAULT_SEND_LIMIT,
-                 peers: Sequence[int] | None = None) -> None:
+                 peers: Sequence[int] | None = None,
+                 hosts: Sequence[str] | None = None, lazy: bool = False) -> None:
         self.rank = rank
         self._debug_log = debug  # TANDEM_DEBUG, read once with the other settings
         self.world_size = world_size
@@ -108,81 +151,132 @@ class TcpTransport(BoundedSends, Transport):
         if not self.links <= set(range(world_size)):
             raise ArgumentError(f"peers {sorted(peers or ())} must be ranks of a "
                                 f"{world_size}-rank job")
+        if hosts is not None and len(hosts) != world_size:
+            raise ArgumentError(f"hosts has {len(hosts)} entries; a {world_size}-rank job "
+                                f"needs one per rank")
         self.mailbox = Mailbox(rank, park_limit)
         self.mailbox.reply = lambda peers, group, error: self.abort(group, peers, error)
+        if lazy:  # news of ranks it never connected to comes as notices (mixed.py)
+            self.mailbox.handle(Kind.ABORT, self._on_abort)
         self._secret = secret
         self._max_frame = max_frame
+        self._timeout = connect_timeout
+        self._lazy = lazy
+        self._store = store
         self._closing = False
-        self._peers: dict[int, _Peer] = {}
+        self._peers: dict[int, _Peer] = {}  # the connection each peer's messages go out on
+        self._extra: list[_Peer] = []  # a second connection, when both ranks dialed at once
+        self._conns: dict[int, int] = {}  # open connections per peer
+        self._dialing: dict[int, threading.Lock] = {}
+        self._addrs: dict[int, tuple[str, int]] = {}
         self._hosts: dict[int, str] = {rank: hostname}
+        self.host_keys: list[str] = []  # every rank's host (``mixed.host_key``), by rank
         self._refused: tuple[int, int] | None = None  # (rank, its world_size) at set-up
         self._advertise = advertise or _wire.advertised_address(host, None)
-        self._connect(store, host, connect_timeout, hostname)
         self.send_limit = send_limit
-        for peer in self._peers.values():
-            peer.reader = threading.Thread(target=self._read_loop, args=(peer,), daemon=True,
-                                           name=f"tandem-read-{rank}<{peer.rank}")
-            peer.reader.start()
+        # one reader for every connection and one sender for what cannot go out inline:
+        # a rank's threads do not grow with the number of peers
+        self._io_lock = threading.Condition()
+        self._read_sel = selectors.DefaultSelector()
+        self._read_wake_r, self._read_wake_w = socket.socketpair()
+        self._read_sel.register(self._read_wake_r, selectors.EVENT_READ, None)
+        self._send_sel = selectors.DefaultSelector()
+        self._send_wake_r, self._send_wake_w = socket.socketpair()
+        self._send_sel.register(self._send_wake_r, selectors.EVENT_READ, None)
+        for s in (self._read_wake_r, self._read_wake_w, self._send_wake_r, self._send_wake_w):
+            s.setblocking(False)
+        self._ready: set[_Peer] = set()  # peers with frames for the sender; under _io_lock
+        self._to_watch: list[_Peer] = []  # new connections for the reader; under _io_lock
+        self._sender: threading.Thread | None = None
+        self._reader = threading.Thread(target=self._read_loop, daemon=True,
+                                        name=f"tandem-read-{rank}")
+        self._reader.start()
+        self._listener: socket.socket | None = None
+        self._gate: _gate.Gate | None = None
+        self._acceptor: threading.Thread | None = None
+        try:
+            self._connect(store, host, connect_timeout, hostname, hosts)
+        except BaseException:
+            self._stop()
+            raise
         forks.track(self)
 
     def _send_queues(self) -> list[SendQueue]:
-        return [p.queue for p in self._peers.values()]
+        return [p.queue for p in list(self._peers.values())]
 
     def forget_in_child(self) -> None:
         """In a forked child: drop the inherited connections (see :mod:`.forks`)."""
         if not self._closing:
             self._closing = True
-            for p in self._peers.values():
+            for p in self._all_links():
                 p.sock.close()  # the child's descriptor only: the parent's connection stays up
+            for s in (self._read_wake_r, self._read_wake_w, self._send_wake_r,
+                      self._send_wake_w):
+                s.close()
+            if self._listener is not None:
+                self._listener.close()
+
+    def _all_links(self) -> list[_Peer]:
+        with self._io_lock:
+            return list(self._peers.values()) + list(self._extra)
 
     # -- set-up ----------------------------------------------------------------------
-    def _connect(self, store: Store, host: str, timeout: float, hostname: str) -> None:
+    def eager_peers(self, hosts: Sequence[str]) -> set[int]:
+        """The peers connected at set-up, which prove the job secret before anything runs:
+        host leaders (each host's lowest rank) with one another, and a leader with the
+        ranks of its own host that this transport links it to (backend ``tcp``). Every
+        other connection is made on first use."""
+        if not self._lazy:
+            return set(self.links)
+        leaders: dict[str, int] = {}
+        for r, h in enumerate(hosts):
+            leaders.setdefault(h, r)
+        mine = hosts[self.rank]
+        if leaders[mine] == self.rank:
+            wanted = set(leaders.values()) | {r for r, h in enumerate(hosts) if h == mine}
+        else:
+            wanted = {leaders[mine]}
+        return wanted & self.links
+
+    def _connect(self, store: Store, host: str, timeout: float, hostname: str,
+                 hosts: Sequence[str] | None) -> None:
+        """Listen for the whole life of the transport (peers dial on first use), publish
+        the address, and make the set-up connections (:meth:`eager_peers`)."""
         deadline = time.monotonic() + timeout
-        listener = _wire.listen(host, 0)
-        cond = threading.Condition()
-        accepted: dict[int, socket.socket] = {}
-        expected = {p for p in self.links if p > self.rank}
-        acceptor = None
-        try:
-            port = listener.getsockname()[1]
-            store.set(f"addr/{self.rank}",
-                      f"{self._advertise}:{port}|{hostname}|{self.world_size}")
-            if expected:
-                acceptor = threading.Thread(target=self._accept_loop,
-                                            args=(listener, expected, accepted, cond, deadline),
-                                            daemon=True, name=f"tandem-accept-{self.rank}")
-                acceptor.start()
-            lower = sorted(p for p in self.links if p < self.rank)
-            self._connect_lower(dict(zip(lower, self._entries(store, lower))), deadline)
-            with cond:
-                while not expected <= accepted.keys():
-                    if self._refused is not None:
-                        raise self._world_error(*self._refused)
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        missing = sorted(expected - accepted.keys())
-                        raise NetworkError(
-                            f"rank {self.rank}: rank(s) {missing} did not connect within "
-                            f"{timeout:.0f}s"
-                        )
-                    cond.wait(left)
-            higher = sorted(expected)
-            for peer, entry in zip(higher, self._entries(store, higher)):
-                self._peers[peer] = _Peer(self.rank, peer, accepted[peer])
-                self._hosts[peer] = entry[1]
-        except BaseException:
-            for p in self._peers.values():
-                p.sock.close()
-            for s in accepted.values():
-                s.close()
-            raise
-        finally:
-            listener.close()
-            if acceptor is not None:
-                acceptor.join(1.0)  # it notices the closed listener within its poll
+        self._listener = listener = _wire.listen(host, 0)
+        self._gate = _gate.Gate(listener, self._secret, _PURPOSE, self._admit,
+                                name=f"tandem-accept-{self.rank}")
+        self._acceptor = threading.Thread(target=self._gate.run, daemon=True,
+                                          name=f"tandem-accept-{self.rank}")
+        self._acceptor.start()
+        port = listener.getsockname()[1]
+        store.set(f"addr/{self.rank}", f"{self._advertise}:{port}|{hostname}|{self.world_size}")
+        if hosts is None:
+            from tandem.transport.mixed import exchange_hosts  # mixed builds on tcp
+
+            hosts = exchange_hosts(store, self.rank, self.world_size, hostname)
+        self.host_keys = list(hosts)
+        for r, key in enumerate(hosts):
+            self._hosts.setdefault(r, key.partition("|")[0])
+        eager = self.eager_peers(hosts)
+        lower = sorted(p for p in eager if p < self.rank)
+        self._connect_lower(dict(zip(lower, self._entries(store, lower))), deadline)
+        expected = {p for p in eager if p > self.rank}
+        with self._io_lock:
+            while not expected <= self._conns.keys():
+                if self._refused is not None:
+                    raise self._world_error(*self._refused)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(expected - self._conns.keys())
+                    raise NetworkError(
+                        f"rank {self.rank}: rank(s) {missing} did not connect within "
+                        f"{timeout:.0f}s"
+                    )
+                self._io_lock.wait(left)
 
     def _connect_lower(self, entries: dict[int, tuple[str, str, int]], deadline: float) -> None:
-        """Connect to every lower rank, each handshake step on all connections before the
+        """Connect to ``entries``' ranks, each handshake step on all connections before the
         next, so the peers answer in parallel (one after another, rank n waited for n - 1
         peers' replies in turn)."""
         socks: dict[int, socket.socket] = {}
@@ -202,25 +296,90 @@ class TcpTransport(BoundedSends, Transport):
                 if world != self.world_size:  # after our hello: the peer learns it too
                     raise self._world_error(peer, world)
             for peer in entries:
-                self._peers[peer] = _Peer(self.rank, peer, socks.pop(peer))
+                self._adopt(peer, socks.pop(peer))
         finally:
-            for sock in socks.values():  # the connections not handed to ``_peers``
+            for sock in socks.values():  # the connections not handed over
                 sock.close()
 
-    def _accept_loop(self, listener: socket.socket, expected: set[int],
-                     accepted: dict[int, socket.socket], cond: threading.Condition,
-                     deadline: float) -> None:
-        def waiting() -> bool:
-            with cond:
-                return not expected <= accepted.keys()
+    def _dial(self, peer: int) -> _Peer:
+        """The connection to ``peer``, made now if there is none (first use).
 
-        gate = _gate.Gate(listener, self._secret, _PURPOSE,
-                          lambda sock: self._admit(sock, expected, accepted, cond),
-                          name=f"tandem-accept-{self.rank}")
-        gate.run(deadline, waiting)
+        Two ranks dialing each other at once both succeed: each then reads both
+        connections and sends on the first it had, so each direction is one stream."""
+        with self._io_lock:
+            lock = self._dialing.setdefault(peer, threading.Lock())
+        with lock:
+            p = self._peers.get(peer)
+            if p is not None:
+                return p
+            lost = self.lost(peer)
+            if lost is not None:
+                raise lost
+            if self._closing:  # a closing rank connects to nobody new
+                raise self.closed_error()
+            try:
+                if peer not in self._addrs:
+                    addr, _, _ = self._entries(self._store, [peer])[0]
+                    ip, _, port_text = addr.rpartition(":")
+                    self._addrs[peer] = (ip, int(port_text))
+                sock = socket.create_connection(self._addrs[peer], timeout=self._timeout)
+            except (OSError, TandemError) as exc:
+                raise self._unreachable(peer, exc) from exc
+            try:
+                _wire.client_handshake(sock, self._secret, _PURPOSE, f"rank {peer}")
+                sock.sendall(_HELLO.pack(self.rank, self.world_size))
+                sock.settimeout(None)
+                _wire.tune(sock)
+            except AuthenticationError:
+                sock.close()
+                raise
+            except (OSError, TandemError) as exc:  # it died, or stopped, mid-handshake
+                sock.close()
+                raise self._unreachable(peer, exc) from exc
+            except BaseException:
+                sock.close()
+                raise
+            self._adopt(peer, sock)
+            p = self._peers.get(peer)
+            if p is None:  # closing meanwhile
+                raise self.closed_error()
+            return p
 
-    def _admit(self, sock: socket.socket, expected: set[int],
-               accepted: dict[int, socket.socket], cond: threading.Condition) -> None:
+    def _on_abort(self, peer: int, header: Header, read: Reader) -> None:
+        try:
+            buf = bytearray(header.nbytes)
+            read(memoryview(buf))
+            act_on_abort(self.mailbox, self.rank, header, split_relay(bytes(buf))[1])
+        except Exception:  # noqa: BLE001 - a handler must not raise (Mailbox.handle)
+            pass
+
+    def _unreachable(self, peer: int, exc: BaseException) -> PeerLostError:
+        """``peer`` cannot be connected to: it is lost from now on; the error to raise."""
+        error = PeerLostError(f"rank {self.rank} could not connect to rank {peer} (host "
+                              f"{self._hosts.get(peer) or '?'}): {exc}; did it exit, crash "
+                              f"or stop?", peer)
+        if not self._closing:
+            self.mailbox.peer_lost(peer, error)
+        return error
+
+    def _adopt(self, peer: int, sock: socket.socket) -> None:
+        """Hand a connection to ``peer`` to the reader; the first one carries the sends."""
+        with self._io_lock:
+            if self._closing:
+                sock.close()
+                return
+            p = _Peer(self.rank, peer, sock)
+            p.queue.limit = self._send_limit
+            self._conns[peer] = self._conns.get(peer, 0) + 1
+            if peer in self._peers:
+                self._extra.append(p)
+            else:
+                self._peers[peer] = p
+            self._to_watch.append(p)
+            self._io_lock.notify_all()
+        self._wake(self._read_wake_w)
+
+    def _admit(self, sock: socket.socket) -> None:
         """Take one authenticated connection (the gate checked the secret); anything wrong
         just closes it."""
         try:
@@ -232,14 +391,13 @@ class TcpTransport(BoundedSends, Transport):
             self._debug(f"rejected a connection: {exc}")
             sock.close()
             return
-        with cond:
-            if peer in expected and peer not in accepted and world == self.world_size:
-                accepted[peer] = sock
-                cond.notify_all()
-                return
-            if world != self.world_size:  # authenticated: a rank of this job, misconfigured
+        if peer in self.links and world == self.world_size:
+            self._adopt(peer, sock)
+            return
+        if world != self.world_size:  # authenticated: a rank of this job, misconfigured
+            with self._io_lock:
                 self._refused = (peer, world)
-                cond.notify_all()
+                self._io_lock.notify_all()
         self._debug(f"rejected an authenticated connection claiming rank {peer}/{world}")
         sock.close()
 
@@ -262,8 +420,40 @@ class TcpTransport(BoundedSends, Transport):
             print(f"[tandem rank {self.rank}] {message}", file=sys.stderr)
 
     # -- data path -------------------------------------------------------------------
-    def _read_loop(self, peer: _Peer) -> None:
-        reader = _wire.BufferedReader(peer.sock, wake_bytes=_WAKE_BYTES)
+    def _read_loop(self) -> None:
+        """Read every connection on this one thread: whichever has data, one frame at a time.
+
+        A frame once begun is read to its end before another peer is served: senders
+        write a frame without pause (the sender multiplexes its peers, never waits on
+        one), so a begun frame completes unless its sender dies, which ends the read."""
+        sel = self._read_sel
+        try:
+            while not self._closing:
+                for key, _ in sel.select():
+                    peer = key.data
+                    if peer is None:
+                        self._drain_wake(self._read_wake_r)
+                        with self._io_lock:
+                            new, self._to_watch = self._to_watch, []
+                        for p in new:
+                            sel.register(p.sock, selectors.EVENT_READ, p)
+                    elif not self._read_frames(peer):
+                        try:
+                            sel.unregister(peer.sock)
+                        except (KeyError, ValueError):
+                            pass
+        except Exception as exc:  # noqa: BLE001 - the reader must never die silently
+            if not self._closing:
+                for p in self._all_links():
+                    self._shutdown(p.sock)
+                    self.mailbox.peer_lost(p.rank, PeerLostError(
+                        f"rank {self.rank}'s reader failed ({type(exc).__name__}: {exc}); "
+                        f"its connection to rank {p.rank} was closed", p.rank))
+
+    def _read_frames(self, peer: _Peer) -> bool:
+        """Deliver the frames ``peer`` sent, as long as bytes of one are at hand; False
+        once the connection is gone (and reported)."""
+        reader = peer.reader
         read = reader.read_into
         try:
             while True:
@@ -273,6 +463,8 @@ class TcpTransport(BoundedSends, Transport):
                 extra = self._read_extra(reader, siglen + sitelen)
                 header = Header(kind, group, seq, step, nbytes, extra[:siglen], extra[siglen:])
                 self.mailbox.arrive(peer.rank, header, read)
+                if reader.end == reader.start:
+                    return True
         except (OSError, NetworkError) as exc:
             if isinstance(exc, ProtocolError):
                 # refuse the rest of this peer's stream; closing tells the sender at once
@@ -281,6 +473,8 @@ class TcpTransport(BoundedSends, Transport):
             else:
                 why = (f"rank {peer.rank} (host {self._hosts.get(peer.rank) or '?'}) closed its "
                        f"connection to rank {self.rank} ({exc}); did it exit or crash?")
+                if self._closed_one(peer):
+                    return False  # its other connection still carries what it says
             if not self._closing:
                 self.mailbox.peer_lost(peer.rank, PeerLostError(why, peer.rank))
         except Exception as exc:  # noqa: BLE001 - a reader must never die silently
@@ -289,6 +483,32 @@ class TcpTransport(BoundedSends, Transport):
                 self.mailbox.peer_lost(peer.rank, PeerLostError(
                     f"rank {self.rank} failed reading from rank {peer.rank} "
                     f"({type(exc).__name__}: {exc}); the connection was closed", peer.rank))
+        return False
+
+    def _closed_one(self, peer: _Peer) -> bool:
+        """``peer``'s connection closed; whether another one to that rank is still open
+        (a rank leaving says goodbye on one and closes both, in either order)."""
+        with self._io_lock:
+            left = self._conns.get(peer.rank, 1) - 1
+            self._conns[peer.rank] = left
+            return left > 0
+
+    @staticmethod
+    def _drain_wake(sock: socket.socket) -> None:
+        try:
+            while sock.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+
+    @staticmethod
+    def _wake(sock: socket.socket) -> None:
+        try:
+            sock.send(b"x")
+        except (BlockingIOError, InterruptedError):
+            pass  # the buffer holds wake-ups enough
+        except OSError:
+            pass  # closed: the thread is gone
 
     @staticmethod
     def _read_extra(reader: _wire.BufferedReader, n: int) -> bytes:
@@ -315,8 +535,11 @@ class TcpTransport(BoundedSends, Transport):
         if peer == self.rank:
             return super().isendv(peer, header, pieces)
         p = self._peers.get(peer)
-        self._check_peer(peer, p is not None, "connection")
-        assert p is not None
+        if p is None:
+            self._check_peer(peer, peer in self.links, "link")
+            p = self._dial(peer)
+        else:
+            self._check_peer(peer, True, "connection")
         check_header(header)
         slot = self._send_slot(peer, header)
         head = _HDR.pack(header.kind, header.group, header.seq, header.step, header.nbytes,
@@ -324,40 +547,47 @@ class TcpTransport(BoundedSends, Transport):
         parts = [memoryview(head)]
         parts += [b if b.ndim == 1 and b.format == "B" else b.cast("B") for b in pieces]
         with p.cv:
-            inline = not p.queue and not p.busy and header.nbytes <= _INLINE_MAX
+            inline = (not p.queue and not p.busy and p.current is None
+                      and header.nbytes <= _INLINE_MAX)
             if inline:
                 p.busy = True
             else:
-                self._enqueue(p, parts, header, slot, front=False)
-        if inline:
-            # never block the caller: a stopped peer with full buffers must not stall us past
-            # the op's deadline, so what the kernel does not take now goes to the writer
-            try:
-                _sendall_vec(p.sock, parts, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                pass
-            except OSError as exc:
-                parts = []
-                self._send_failed(p, slot, exc)
-            with p.cv:
-                p.busy = False
-                if parts:
-                    self._enqueue(p, parts, header, slot, front=True)
-                else:
-                    p.cv.notify()
-            if not parts and not slot.done():
-                slot.finish(header)
+                p.queue.push((parts, header, slot))
+        if not inline:
+            self._hand_to_sender(p)
+            return slot
+        # never block the caller: a stopped peer with full buffers must not stall us past
+        # the op's deadline, so what the kernel does not take now goes to the sender
+        try:
+            _sendall_vec(p.sock, parts, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            pass
+        except OSError as exc:
+            parts = []
+            self._send_failed(p, slot, exc)
+        with p.cv:
+            p.busy = False
+            if parts:
+                p.current = (parts, header, slot)  # the rest of a begun frame goes first
+            more = bool(parts) or bool(p.queue)
+            p.cv.notify_all()
+        if not parts and not slot.done():
+            slot.finish(header)
+        if more:
+            self._hand_to_sender(p)  # the rest, or sends queued while this one went out
         return slot
 
-    def _enqueue(self, p: _Peer, parts: list[memoryview], header: Header, slot: Slot,
-                 front: bool) -> None:
-        """Queue for the writer thread (caller holds ``p.cv``)."""
-        p.queue.push((parts, header, slot), front)
-        if p.writer is None:
-            p.writer = threading.Thread(target=self._write_loop, args=(p,), daemon=True,
-                                        name=f"tandem-write-{self.rank}>{p.rank}")
-            p.writer.start()
-        p.cv.notify()
+    def _hand_to_sender(self, p: _Peer) -> None:
+        """``p`` has frames to write: wake the sender (started on first use)."""
+        with self._io_lock:
+            if self._closing:
+                return
+            self._ready.add(p)
+            if self._sender is None:
+                self._sender = threading.Thread(target=self._send_loop, daemon=True,
+                                                name=f"tandem-write-{self.rank}")
+                self._sender.start()
+        self._wake(self._send_wake_w)
 
     def _send_failed(self, p: _Peer, slot: Slot, exc: OSError) -> None:
         error = PeerLostError(f"rank {self.rank} could not send to rank {p.rank}: {exc}; "
@@ -366,26 +596,80 @@ class TcpTransport(BoundedSends, Transport):
             self.mailbox.peer_lost(p.rank, error)
         slot.finish(None, error)
 
-    def _write_loop(self, p: _Peer) -> None:
+    def _send_loop(self) -> None:
+        """Write every peer's queued frames on this one thread, never waiting on one peer:
+        a peer whose socket is full is set aside until the kernel says it is writable."""
+        sel = self._send_sel
+        waiting: set[_Peer] = set()  # registered for writability
+        while not self._closing:
+            with self._io_lock:
+                work, self._ready = self._ready, set()
+            for p in work:
+                if p in waiting:
+                    continue  # its socket is full: the selector says when it drains
+                if self._pump(p):
+                    try:
+                        sel.register(p.sock, selectors.EVENT_WRITE, p)
+                        waiting.add(p)
+                    except (KeyError, ValueError, OSError):
+                        pass  # closed meanwhile: its frames were failed or dropped
+            try:
+                events = sel.select()
+            except OSError:
+                return  # closed under us
+            for key, _ in events:
+                if key.data is None:
+                    self._drain_wake(self._send_wake_r)
+                    continue
+                p = key.data
+                try:
+                    sel.unregister(p.sock)
+                except (KeyError, ValueError):
+                    pass
+                waiting.discard(p)
+                with self._io_lock:
+                    self._ready.add(p)
+
+    def _pump(self, p: _Peer) -> bool:
+        """Write ``p``'s frames until none is left (False) or its socket is full (True)."""
         while True:
             with p.cv:
-                while not p.queue or p.busy:
-                    if self._closing:
-                        return
-                    p.cv.wait()
-                parts, header, slot = p.queue.popleft()
+                if p.busy:
+                    return False  # the caller writes inline; it hands the rest back after
+                if p.current is None:
+                    if not p.queue:
+                        p.cv.notify_all()
+                        return False
+                    p.current = p.queue.popleft()
+                parts, header, slot = p.current
                 p.busy = True
+            full = False
             try:
-                _sendall_vec(p.sock, parts)
+                _sendall_vec(p.sock, parts, socket.MSG_DONTWAIT)
                 slot.finish(header)
+            except BlockingIOError:
+                full = True
             except OSError as exc:
                 self._send_failed(p, slot, exc)
-            except Exception as exc:  # noqa: BLE001 - a writer must never die silently
+            except Exception as exc:  # noqa: BLE001 - the sender must never die silently
                 self._shutdown(p.sock)
                 self._send_failed(p, slot, OSError(f"{type(exc).__name__}: {exc}"))
             with p.cv:
                 p.busy = False
+                if not full:
+                    p.current = None
                 p.cv.notify_all()
+            if full:
+                return True
+
+    @property
+    def closing(self) -> bool:
+        """Whether ``close`` began (or the process forked and this is the child's copy)."""
+        return self._closing
+
+    def connected(self, peer: int) -> bool:
+        """Whether a connection to ``peer`` is up (made at set-up or by an earlier send)."""
+        return peer in self._peers
 
     def host_of(self, rank: int) -> str:
         return self._hosts.get(rank, "")
@@ -395,17 +679,34 @@ class TcpTransport(BoundedSends, Transport):
         connection; operations still pending fail with ``StateError``."""
         if self._closing:
             return
-        self._take_leave(self._peers.values())
-        self._closing = True
+        self._take_leave(list(self._peers.values()))
         forks.untrack(self)
+        self._stop()
+
+    def _stop(self) -> None:
+        self._closing = True
         self.mailbox.close(self.closed_error())
-        for p in self._peers.values():
+        if self._gate is not None:
+            self._gate.close()
+        if self._listener is not None:
+            self._listener.close()
+        links = self._all_links()
+        for p in links:
             with p.cv:
                 dropped = p.queue.drain()
+                if p.current is not None:
+                    dropped.append(p.current)
+                    p.current = None
                 p.cv.notify_all()
             for _, _, slot in dropped:
                 slot.finish(None, self.closed_error())
             self._shutdown(p.sock)
-        join_all([t for p in self._peers.values() for t in (p.reader, p.writer)], _JOIN_S)
-        for p in self._peers.values():
+        self._wake(self._read_wake_w)
+        self._wake(self._send_wake_w)
+        join_all([self._reader, self._sender, self._acceptor], _JOIN_S)
+        for p in links:
             p.sock.close()
+        for s in (self._read_wake_r, self._read_wake_w, self._send_wake_r, self._send_wake_w):
+            s.close()
+        self._read_sel.close()
+        self._send_sel.close()

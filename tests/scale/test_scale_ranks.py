@@ -74,9 +74,12 @@ def _per_host(layout: str) -> list[int]:
             for h in range(count)]
 
 
-@pytest.mark.xfail(strict=True, reason="the tcp transport is a full mesh: every rank connects "
-                   "to every rank of the other hosts, so a host holds R*R*(H-1) connections: "
-                   "64 at 2x8, 192 at 4x8 (measured), against a target of 2*(H-1)")
+@pytest.mark.xfail(strict=True, reason="tcp connects on first use (host leaders at set-up), "
+                   "but two collectives still send between non-leaders of different hosts: "
+                   "the barrier (recursive doubling over the whole group) and broadcast's "
+                   "root check (every rank sends the root an empty message, roots.py), so a "
+                   "host holds 26 connections at 2x8 and up to 55 at 4x8 (measured; 64 and 192 "
+                   "with the full mesh), against a target of 2*(H-1)")
 def test_connections_across_hosts_grow_with_hosts_not_with_the_world() -> None:
     for layout, count in (("2x8", 2), ("4x8", 4)):
         per_host = _per_host(layout)
@@ -91,12 +94,22 @@ def test_connections_across_hosts_are_seen_by_the_count() -> None:
         assert min(_per_host(layout)) > 0, (layout, _per_host(layout))
 
 
-@pytest.mark.xfail(strict=True, reason="one tcp reader thread and one socket per rank of "
-                   "another host: going from 2x8 to 4x8 (2 more hosts, 16 more ranks) adds 16 "
-                   "threads and 16 descriptors per rank (measured), against a target of at "
-                   "most 2 per added host")
-def test_descriptors_and_threads_per_rank_do_not_grow_with_the_world() -> None:
-    small, big = run("2x8"), run("4x8")
-    grew = {what: max(v[what] for v in big) - max(v[what] for v in small)
-            for what in ("fds", "threads")}
-    assert max(grew.values()) <= 2 * 2, f"per rank, from 2x8 to 4x8: {grew}"
+def _growth(what: str) -> int:
+    """How much more of ``what`` the rank holding most of it has at 4x8 than at 2x8."""
+    return max(v[what] for v in run("4x8")) - max(v[what] for v in run("2x8"))
+
+
+def test_threads_per_rank_do_not_grow_with_the_world() -> None:
+    # tcp runs one reader, one sender and its listener's gate whatever the peers
+    grew = _growth("threads")
+    assert grew <= 2 * 2, f"threads per rank, from 2x8 to 4x8: +{grew}"
+
+
+@pytest.mark.xfail(strict=True, reason="a non-leader broadcast root is sent an empty message "
+                   "by every other rank (the root check, roots.py), each over a connection of "
+                   "its own: going from 2x8 to 4x8 (2 more hosts, 16 more ranks) adds "
+                   "18 descriptors to the rank holding most (measured), against at most 2 "
+                   "per added host")
+def test_descriptors_per_rank_do_not_grow_with_the_world() -> None:
+    grew = _growth("fds")
+    assert grew <= 2 * 2, f"descriptors per rank, from 2x8 to 4x8: +{grew}"
