@@ -309,7 +309,7 @@ def test_hierarchical_broadcast_crosses_hosts_once_per_host() -> None:
     hosts = list("aabbbc")
 
     def call(group: ProcessGroup) -> None:
-        _broadcast(group, torch.ones(100), 3)  # root 3 enters host b; a and c at 0 and 5
+        _broadcast(group, torch.ones(100), 3)  # root 3 hands it to its host's leader, 2
 
     senders = _cross_host_senders(hosts, call)
-    assert senders == {3}, senders
+    assert senders == {2}, senders  # only that leader sends to the leaders 0 and 5

@@ -74,12 +74,6 @@ def _per_host(layout: str) -> list[int]:
             for h in range(count)]
 
 
-@pytest.mark.xfail(strict=True, reason="tcp connects on first use (host leaders at set-up), "
-                   "but two collectives still send between non-leaders of different hosts: "
-                   "the barrier (recursive doubling over the whole group) and broadcast's "
-                   "root check (every rank sends the root an empty message, roots.py), so a "
-                   "host holds 26 connections at 2x8 and up to 55 at 4x8 (measured; 64 and 192 "
-                   "with the full mesh), against a target of 2*(H-1)")
 def test_connections_across_hosts_grow_with_hosts_not_with_the_world() -> None:
     for layout, count in (("2x8", 2), ("4x8", 4)):
         per_host = _per_host(layout)
@@ -105,11 +99,6 @@ def test_threads_per_rank_do_not_grow_with_the_world() -> None:
     assert grew <= 2 * 2, f"threads per rank, from 2x8 to 4x8: +{grew}"
 
 
-@pytest.mark.xfail(strict=True, reason="a non-leader broadcast root is sent an empty message "
-                   "by every other rank (the root check, roots.py), each over a connection of "
-                   "its own: going from 2x8 to 4x8 (2 more hosts, 16 more ranks) adds "
-                   "18 descriptors to the rank holding most (measured), against at most 2 "
-                   "per added host")
 def test_descriptors_per_rank_do_not_grow_with_the_world() -> None:
     grew = _growth("fds")
     assert grew <= 2 * 2, f"descriptors per rank, from 2x8 to 4x8: +{grew}"

@@ -37,7 +37,7 @@ from tandem.collectives.algorithms.doubling import doubling_all_reduce
 from tandem.collectives.algorithms.ring import ring_all_reduce, ring_pays
 from tandem.collectives.algorithms.streamed import streamed_all_reduce, streamed_fits
 from tandem.collectives.algorithms.tree import tree_broadcast, tree_reduce
-from tandem.collectives.group import Op
+from tandem.collectives.group import Op, as_bytes
 from tandem.collectives.reduce_op import ReduceOp, finish
 from tandem.config import Settings
 
@@ -80,45 +80,64 @@ def hierarchical_all_reduce(op: Op, buf: torch.Tensor, redop: ReduceOp) -> None:
         tree_broadcast(Phase(op, local, 2 * PHASE), buf, 0)
 
 
+# a root that is not its host's leader hands the data to it first, in steps of their own
+_TO_LEADER = 2 * PHASE
+
+
 def root_check_tree(layout: list[list[int]], root: int,
                     rank: int) -> tuple[int | None, list[int]]:
     """``rank``'s parent and children in a hierarchical broadcast's root check: each
-    host's other ranks confirm to the host's entry rank (the root on its own host, else
-    the lowest), and the other entries to the root, so only entries confirm across hosts.
+    host's other ranks confirm to the host's leader (its lowest rank), the other
+    leaders to the leader of the root's host, and that one to the root (when it is not
+    the root itself), so only leaders confirm across hosts.
 
-    Two levels, no deeper: only entries wait for confirmations (a binomial tree made
-    every inner rank wait for its children; 8 hosts x 8, 4 KB: 30.1 ms per broadcast
-    against 23.0 ms this way, one run each at load 40-90)."""
-    entry = [root if root in ranks else ranks[0] for ranks in layout]
+    Two levels below that leader, no deeper: only leaders wait for confirmations (a
+    binomial tree made every inner rank wait for its children; 8 hosts x 8, 4 KB:
+    30.1 ms per broadcast against 23.0 ms this way, one run each at load 40-90)."""
+    leaders = [ranks[0] for ranks in layout]
     local = host_of_rank(layout, rank)
-    me_entry = entry[layout.index(local)]
-    if rank != me_entry:
-        return me_entry, []
-    children = [r for r in local if r != rank]
-    if rank != root:
-        return root, children
-    return None, [e for e in entry if e != root] + children
+    top = host_of_rank(layout, root)[0]  # the leader of the root's host
+    if rank == root and root != top:
+        return None, [top]
+    if rank != local[0]:
+        return local[0], []
+    children = [r for r in local if r != rank and r != root]
+    if rank != top:
+        return top, children
+    children = [e for e in leaders if e != top] + children
+    return (root if root != top else None), children
 
 
 def hierarchical_broadcast(op: Op, buf: torch.Tensor, root: int,
                            between: Callable[[], None] | None = None) -> None:
-    """Broadcast flat ``buf`` from group rank ``root``: to one rank per host, then within hosts.
+    """Broadcast flat ``buf`` from group rank ``root``: to its host's leader (its lowest
+    rank), among the hosts' leaders, then within hosts.
 
-    The root stands for its own host; every other host is entered at its lowest rank.
-    ``between`` runs on every rank once the across-hosts part is done, before the
-    within-host part (an entry passes its host's root check on there).
+    Only leaders send across hosts, whichever rank the root is, so a host needs
+    connections to the other hosts' leaders only (a root that is not its host's leader
+    costs one hop within its host). ``between`` runs on every rank once the
+    across-hosts part is done, before the within-host part (a leader passes its host's
+    root check on there).
     """
     g = op.group
     layout = host_layout(g)
     if layout is None:
         tree_broadcast(op, buf, root)
         return
-    entry = [root if root in ranks else ranks[0] for ranks in layout]
+    leaders = [ranks[0] for ranks in layout]
     local = host_of_rank(layout, g.group_rank)
-    me_entry = entry[layout.index(local)]
-    if g.group_rank == me_entry:
-        tree_broadcast(Phase(op, entry, 0), buf, entry.index(root))
+    top = host_of_rank(layout, root)[0]
+    me = g.group_rank
+    if root != top and me in (root, top):
+        view = as_bytes(buf)
+        if me == root:
+            op.wait(op.send(top, _TO_LEADER, view))
+        else:
+            op.wait(op.recv(root, _TO_LEADER, view))
+    if me == local[0]:
+        tree_broadcast(Phase(op, leaders, 0), buf, leaders.index(top))
     if between is not None:
         between()
-    if len(local) > 1:
-        tree_broadcast(Phase(op, local, PHASE), buf, local.index(me_entry))
+    within = [r for r in local if r == local[0] or r != root]  # the root has the data
+    if len(within) > 1 and me in within:
+        tree_broadcast(Phase(op, within, PHASE), buf, 0)

@@ -16,9 +16,9 @@ all. Two ranks that both believe they are the root, or that name each other, the
 hold a message of this call with another signature, and raise in this call.
 
 Across hosts the mirror check runs through a tree instead (``tree``; a hierarchical
-broadcast's: each host's ranks confirm to its entry rank, the entries to the root): a
-rank confirms to its parent once its children have confirmed to it, so only entries
-confirm across hosts. The root still completes only when every rank named it: each
+broadcast's: each host's ranks confirm to its leader, the other leaders to the leader
+of the root's host, and that one to the root): a rank confirms to its parent once its
+children have confirmed to it, so only leaders confirm across hosts. The root still completes only when every rank named it: each
 confirmation it takes matched its signature, and was sent only after its sender's
 children matched.
 """

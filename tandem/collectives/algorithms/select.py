@@ -14,8 +14,8 @@ or a host leader then plays its own part in it. The rules, by group:
   ``TANDEM_RING_THRESHOLD`` (four times that for two ranks); broadcast and reduce a
   binomial ``tree``; all_gather and reduce_scatter the ``ring``.
 * **messages, several hosts, some holding several ranks**: all_reduce ``hierarchical``;
-  broadcast ``hierarchical`` (a tree across hosts, then within each, its root check
-  through each host's entry rank); reduce the
+  broadcast ``hierarchical`` (the root to its host's leader, a tree across the
+  leaders, then within each host, its root check through the leaders); reduce the
   ``tree``; all_gather and reduce_scatter through the hosts' ``leaders`` when each
   host's ranks are consecutive (and, for a reduction, the leaders' receive areas fit),
   else the ``ring``.
@@ -164,22 +164,23 @@ def _tree_broadcast(o: Op, buf: torch.Tensor, root: int) -> None:
 
 
 def _hierarchical_broadcast(o: Op, buf: torch.Tensor, root: int) -> None:
-    # the root check through each host's entry rank: only entries confirm across hosts,
-    # and the root hears from its host's ranks and the other entries, not from every rank
+    # the root check through each host's leader: only leaders confirm across hosts, and
+    # the root hears from its host's leader (or, being it, its host's ranks and the other
+    # leaders), not from every rank
     layout = host_layout(o.group)
     assert layout is not None  # as select_broadcast found it
     tree = root_check_tree(layout, root, o.group.group_rank)
     told = confirm_root(o, root, tree)
     parent, children = tree
 
-    def entry_confirms() -> None:
-        # before an entry hands the data on within its host, so the root never waits
+    def leader_confirms() -> None:
+        # before a leader hands the data on within its host, so the root never waits
         # for that (its host's ranks confirmed on entering the call, usually long since)
         if children and parent is not None:
             o.wait(*told)
             confirm_up(o, tree)
 
-    hierarchical_broadcast(o, buf, root, entry_confirms)
+    hierarchical_broadcast(o, buf, root, leader_confirms)
     o.wait(*told)
 
 
