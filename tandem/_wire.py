@@ -324,6 +324,15 @@ class BufferedReader:
         self.start = 0
         self.end = 0
 
+    def close(self) -> None:
+        """Unmap the buffer now (a mapping stays in the process's maps until freed); only
+        once nothing reads from it any more."""
+        try:
+            self.view.release()
+            self.buf.close()
+        except BufferError:
+            pass  # a view of it is still held somewhere: it goes when that view does
+
     def _fill(self, need: int) -> None:
         if self.end - self.start >= need:
             return

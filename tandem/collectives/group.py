@@ -170,7 +170,7 @@ class ProcessGroup:
         self.transport = transport
         self.ranks = list(ranks)
         self.group_id = group_id
-        transport.mailbox.know_members(group_id, self.ranks)
+        transport.know_group(group_id, self.ranks)
         self.group_name = group_name
         self.group_rank = self.ranks.index(transport.rank)
         self.group_size = len(self.ranks)

@@ -17,7 +17,9 @@ The same question also goes straight to each peer over the transport (``Kind.STA
 messages, answered by the peer's reader thread): the store lives in one rank's
 process (rank 0's, with env:// and tcp://), and when that rank is stopped the store
 answers nobody, while every live peer still answers over its own connection. Only
-the stopped rank is then reported as not answering.
+the stopped rank is then reported as not answering. Peers this rank has no connection
+to yet (tcp across hosts connects on first use) are asked through the store alone: a
+connection made now would wait on a stopped peer for its whole handshake.
 
 The exchange through the store, under the group's private prefix::
 
@@ -257,6 +259,8 @@ class Watchdog:
             token = self._direct_asked
         header = Header(Kind.STATE, 0, token, 0, 0)
         for r in peers:
+            if not self.transport.connected(r):
+                continue  # dialing a stopped rank would hold the report back: the store asks it
             try:
                 if not self.transport.send_now(r, header, []):
                     self.transport.isendv(r, header, [])  # never waits: a full peer is fine

@@ -129,6 +129,16 @@ class Transport(abc.ABC):
         """Wait for ``slots`` until ``deadline``; ``peers`` are watched for death."""
         wait_all(slots, deadline, describe, self.mailbox, peers)
 
+    def connected(self, peer: int) -> bool:
+        """Whether a message to ``peer`` goes out without first making a connection (one
+        made on first use may wait on a stopped peer for the whole handshake timeout)."""
+        return True
+
+    def know_group(self, group: int, ranks: list[int]) -> None:
+        """``group``'s global ranks: a clash this rank finds in one of its calls is told to
+        all of them, not only to the rank whose message showed it."""
+        self.mailbox.know_members(group, ranks)
+
     # -- what failed ---------------------------------------------------------------------
     def aborted(self, group: int) -> TandemError | None:
         """Why ``group`` failed on this rank (abort, or the transport closed), or None."""

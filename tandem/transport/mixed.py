@@ -245,6 +245,9 @@ class MixedTransport(Transport):
         """The transport that carries messages to ``peer``."""
         return self.shm if self.shm.reaches(peer) else self.tcp
 
+    def connected(self, peer: int) -> bool:
+        return self.route(peer).connected(peer)
+
     def isend(self, peer: int, header: Header, payload: memoryview) -> Slot:
         return self.route(peer).isend(peer, header, payload)
 

@@ -704,8 +704,11 @@ class TcpTransport(BoundedSends, Transport):
         self._wake(self._read_wake_w)
         self._wake(self._send_wake_w)
         join_all([self._reader, self._sender, self._acceptor], _JOIN_S)
+        reading = self._reader is not None and self._reader.is_alive()
         for p in links:
             p.sock.close()
+            if not reading:
+                p.reader.close()
         for s in (self._read_wake_r, self._read_wake_w, self._send_wake_r, self._send_wake_w):
             s.close()
         self._read_sel.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -162,22 +163,24 @@ def test_a_preemption_warning_checkpoints_and_the_requeued_job_resumes(
     _no_leftovers(slurm)
 
 
-def _worker_of_rank(slurm: SlurmCluster, host: int, rank: int) -> int:
-    """The training process of ``rank`` on ``host``: the child of its supervisor."""
-    procs: dict[int, tuple[int, str, bytes]] = {}
-    for pid in slurm.lab.pids(host):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = Path(f"/proc/{pid}/environ").read_bytes()
-        except (OSError, ValueError):
-            continue
-        procs[pid] = (ppid, cmd, environ)
-    found = [pid for pid, (ppid, cmd, environ) in procs.items()
-             if "_worker.py" in cmd and f"\0RANK={rank}\0".encode() in b"\0" + environ
-             and "_worker.py" in procs.get(ppid, (0, "", b""))[1]]
-    assert len(found) == 1, f"rank {rank}'s worker on host {host}: {found} of {procs.keys()}"
-    return found[0]
+def _worker_of_rank(slurm: SlurmCluster, host: int, rank: int, log: Path) -> int:
+    """The training process of ``rank`` on ``host``, as the elastic example names it (its
+    membership line: "rank R pid P"). Warm workers are forked from a zygote, so neither
+    their command line nor /proc/PID/environ says which rank they are."""
+    found: list[int] = []
+
+    def named() -> bool:
+        if not log.exists():
+            return False
+        found[:] = [int(p) for line in log.read_text(errors="replace").splitlines()
+                    if "(kill -9" in line
+                    for r, p in re.findall(r"rank (\d+) pid (\d+)", line) if int(r) == rank]
+        return bool(found)
+
+    _wait_for(f"rank {rank}'s pid in the membership line", named, JOB_S, log)
+    pid = found[-1]
+    assert pid in slurm.lab.pids(host), f"rank {rank} (pid {pid}) is not on host {host}"
+    return pid
 
 
 @pytest.mark.timeout(300)
@@ -190,7 +193,7 @@ def test_the_elastic_template_replaces_a_killed_rank_in_place(slurm: SlurmCluste
                      str(steps), "--save-every", "5", "--out", str(out)], timeout=60,
                     cwd=ROOT, env=_env_with_tools()).stdout.strip()
     _wait_for("first checkpoint", lambda: (out / "checkpoint.pt").exists(), JOB_S, log)
-    os.kill(_worker_of_rank(slurm, 2, 3), signal.SIGKILL)  # rank 3 lives on node2
+    os.kill(_worker_of_rank(slurm, 2, 3, log), signal.SIGKILL)  # rank 3 lives on node2
     _wait_for("completed job", lambda: _state(slurm, job) in ("COMPLETED", "FAILED"), JOB_S,
               log)
     text = log.read_text(errors="replace")
