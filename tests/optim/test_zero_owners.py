@@ -22,8 +22,10 @@ from tandem.testing import run_threads
 
 
 def _params() -> list[nn.Parameter]:
-    torch.manual_seed(0)  # the same parameters on every rank
-    return [nn.Parameter(torch.randn(n)) for n in (40, 30, 20, 10)]
+    # the same parameters on every rank: a generator of its own, as the ranks are threads
+    # of one process and would race on torch's global one (seeded by one, drawn by both)
+    gen = torch.Generator().manual_seed(0)
+    return [nn.Parameter(torch.randn(n, generator=gen)) for n in (40, 30, 20, 10)]
 
 
 def _on_two_ranks(fn: Callable[[ZeroRedundancyOptimizer], Any]) -> list[Any]:
