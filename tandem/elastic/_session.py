@@ -175,6 +175,13 @@ class Session:
             t = world().transport
             if t.lost_peers() or t.left_peers():
                 return True
+            if self._world == self.gen.number >= 0 and any(
+                    isinstance(e, (PeerLostError, CollectiveTimeoutError))
+                    for e in t.group_failures()):
+                # a wrapper kept only the error's text (a torch future's callback, as in a
+                # DDP comm hook, re-raises it as a RuntimeError) and the news of the loss
+                # came from a peer: the transport still holds why the group failed
+                return True
         return self.roster.arrived(self.gen.number, [m for m in self.gen.members
                                                      if m != self.me]) != []
 

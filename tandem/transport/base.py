@@ -144,6 +144,11 @@ class Transport(abc.ABC):
         """Why ``group`` failed on this rank (abort, or the transport closed), or None."""
         return self.mailbox.failures.aborted(group)
 
+    def group_failures(self) -> list[TandemError]:
+        """Why each failed group failed on this rank (its own or a peer's abort; not the
+        groups this rank destroyed), oldest first."""
+        return [error for _, error in self.mailbox.failures.reasons()]
+
     def lost(self, peer: int) -> PeerLostError | None:
         """Why ``peer`` is gone if its connection closed without a goodbye, else None."""
         return self.mailbox.failures.lost(peer)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tandem
+from tandem.collectives.world import world
 from tandem.elastic import ElasticSampler, ElasticState, run_elastic
 from tandem.elastic.roster import Roster
 from tandem.parallel import DistributedDataParallel
@@ -58,6 +59,10 @@ class Spec:
     max_ranks: int = 0  # TANDEM_ELASTIC_MAX_RANKS (joiners beyond it wait as spares)
     min_ranks: int = 1
     op_timeout: float = 30.0  # the collectives' timeout
+    hosts: tuple[str, ...] = ()  # TANDEM_HOST_ID by launch rank: simulated hosts
+    # (rank, other): on a failure, rank goes on to recover only once other arrived at the
+    # round or left the group, so other judges the failure before anyone arrived
+    hold: tuple[int, int] = (-1, -1)
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,6 +96,8 @@ def job(rank: int, world_size: int, spec: Spec) -> dict[str, Any]:
     os.environ["TANDEM_ELASTIC_ID"] = f"w{rank}"
     os.environ["TANDEM_ELASTIC_MAX_RANKS"] = str(spec.max_ranks)
     signals = _store(spec)
+    if spec.hosts:
+        os.environ["TANDEM_HOST_ID"] = spec.hosts[rank]
     if joiner:
         os.environ["TANDEM_ELASTIC_JOIN"] = "1"
         tandem.init_process_group(spec.backend, store=tandem.HashStore(), rank=0, world_size=1,
@@ -119,7 +126,12 @@ def job(rank: int, world_size: int, spec: Spec) -> dict[str, Any]:
                 return
             loss = F.mse_loss(ddp(x[idx]), y[idx])
             opt.zero_grad()
-            loss.backward()
+            try:
+                loss.backward()
+            except Exception:
+                if rank == spec.hold[0]:
+                    _await_judged(signals, spec.hold[1])
+                raise
             opt.step()
             state.history.append((state.step, state.world_size, sampler.position_at(state.step)))
             state.step += 1
@@ -136,6 +148,17 @@ def job(rank: int, world_size: int, spec: Spec) -> dict[str, Any]:
     return {"params": [p.detach().clone() for p in net.parameters()],
             "history": list(state.history), "rank": tandem.get_rank(),
             "world_size": tandem.get_world_size(), "pid": os.getpid(), "joiner": joiner}
+
+
+def _await_judged(signals: TCPStore, other: int) -> None:
+    """Until launch rank ``other`` arrived at the round of generation 0 (it judged the
+    failure recoverable) or left the group (it judged it fatal)."""
+    roster = Roster(signals, PREFIX)
+    transport = world().transport
+    deadline = time.monotonic() + 60
+    while (not roster.arrived(0, [f"w{other}"]) and other not in transport.left_peers()
+           and other not in transport.lost_peers() and time.monotonic() < deadline):
+        time.sleep(0.01)
 
 
 def _await_joiner(signals: TCPStore) -> None:
