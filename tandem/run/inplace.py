@@ -48,6 +48,7 @@ import signal
 import time
 from typing import Callable, Sequence
 
+from tandem._proc import process_alive
 from tandem.elastic.roster import Roster
 from tandem.run.config import LaunchConfig
 from tandem.run.rendezvous import Assignment
@@ -255,13 +256,16 @@ class InPlace:
             out = set(before.members) - set(after.members)
             for w in group.workers:
                 name = _name(w)
-                if name in out and w.alive and not w.retired and name not in self._evicted:
-                    self._evicted[name] = (f"killed: left out of generation {number} by the "
-                                           f"other members, whose collectives timed out "
-                                           f"waiting on it (it stopped answering)")
-                    self._say(f"worker {name} (rank {w.spec.rank}) stopped answering and was "
-                              f"left out of generation {number}; killing it")
-                    w.send(signal.SIGKILL)
+                if name not in out or not w.alive or w.retired or name in self._evicted:
+                    continue
+                if w.worker_pid and not process_alive(w.worker_pid):
+                    continue  # it died by itself (its supervisor has yet to say): not stuck
+                self._evicted[name] = (f"killed: left out of generation {number} by the "
+                                       f"other members, whose collectives timed out "
+                                       f"waiting on it (it stopped answering)")
+                self._say(f"worker {name} (rank {w.spec.rank}) stopped answering and was "
+                          f"left out of generation {number}; killing it")
+                w.send(signal.SIGKILL)
 
     def _start(self, group: WorkerGroup, slot: int) -> bool:
         """Start a new worker for ``slot``, warm if the zygote can; False to wait for the
