@@ -87,11 +87,14 @@ def test_the_example_survives_a_kill_9_of_a_worker_from_outside(tmp_path: Path) 
     first, *later = memberships
     survivor = first[1][0]
     assert first == (0, {0: survivor, 1: killed}), memberships
-    assert [m for _, m in later[:1]] == [{0: survivor}], "the survivor did not go on alone"
     grown = [m for _, m in later if len(m) == 2]
     assert grown, f"the replacement never joined:\n{text}"
     replacement = grown[0][1]
     assert grown[0] == {0: survivor, 1: replacement} and replacement not in (survivor, killed)
+    # the survivor goes on alone until the replacement joins at a commit; a replacement
+    # already waiting when the survivor's recovery round closes (its warm start quicker
+    # than the survivor noticing the loss, under load) is let in by that round instead
+    assert [m for _, m in later] in ([{0: survivor}, grown[0]], [grown[0]]), memberships
     assert "worker n0.s1.1 admitted" in text, text
     assert "[rank0.1]" not in text, "rank 0's worker was replaced, not kept"
 
