@@ -48,6 +48,7 @@ LEAVES: list[Callable[..., Any]] = [
     shm.shm_all_reduce, shm.shm_all_reduce_many, shm_rooted.shm_broadcast, shm_rooted.shm_reduce,
     shm_gather.shm_all_gather, shm_gather.shm_reduce_scatter, tree.tree_broadcast,
     tree.tree_reduce, ring.ring, ring.ring_gather_into, streamed.streamed_all_reduce,
+    streamed.two_level_all_reduce,
     streamed._through_leaders, direct.direct_gather, direct.direct_scatter,
     direct.pairwise_all_to_all, alltoall._agree, roots.confirm_root, roots.confirm_up,
     roots.announce_root,
@@ -72,7 +73,7 @@ LAYOUTS: dict[str, tuple[str, bool]] = {
     "1+2": ("abb", False),
     "unknown-host": ("aa?b", False),
 }
-NUMELS = [0, 1, 1024, 32 << 10, 128 << 10, 512 << 10, 1 << 20]  # float32 elements
+NUMELS = [0, 1, 1024, 32 << 10, 128 << 10, 512 << 10, 1 << 20, 2 << 20]  # float32 elements
 FORCED = ["naive", "doubling", "ring", "hierarchical", "shm", "nonesuch"]
 OVERRIDDEN = ["ring", "shm"]  # forced through group.algorithm_override, not the setting
 FORCED_NUMELS = [1, 128 << 10, 1 << 20]

@@ -143,6 +143,43 @@ def test_streamed_all_reduce_moves_a_large_buffer_within_a_host_in_the_rings_chu
         assert {n for _, n in within[rank]} == {(1 << 18) * 4 // 16}
 
 
+@pytest.mark.parametrize("hosts", ["aaaaabbbbb", "aaabbbbbbc"])
+def test_a_leader_takes_in_under_three_buffers_from_its_host_not_one_per_rank(hosts: str) -> None:
+    # with three or more ranks on a host, the host reduces in a ring before its leader
+    # sees anything: the leader takes in 3 (R-1)/R of the buffer from its host (ring
+    # reduce-scatter, pieces up, ring all-gather), where taking every rank's whole
+    # buffer was R-1 of them (7 x 16 MB at 8 ranks per host)
+    numel = 1 << 16
+
+    def body(group: ProcessGroup) -> tuple[int, torch.Tensor]:
+        transport, plain, taken = group.transport, group.transport.isend, [0]
+
+        def isend(peer: int, header: Any, payload: memoryview) -> Any:
+            if header.kind == Kind.COLL and hosts[peer] == hosts[transport.rank] and \
+                    hosts.index(hosts[peer]) == peer:  # to its host's leader
+                taken[0] += len(payload)
+            return plain(peer, header, payload)
+
+        transport.isend = isend  # type: ignore[method-assign]
+        x = rank_input("SUM", torch.float32, numel, group.rank())
+        tandem.all_reduce(x, group=group)
+        return taken[0], x
+
+    results = run_threads(len(hosts), body, settings=LEADER_RING, hosts=list(hosts))
+    expected = reduce_locally("SUM", [rank_input("SUM", torch.float32, numel, r)
+                                      for r in range(len(hosts))])
+    for rank, (_, got) in enumerate(results):
+        assert_equal(got, expected, f"rank {rank} on hosts {hosts}: all_reduce")
+    for host in sorted(set(hosts)):
+        leader, count = hosts.index(host), hosts.count(host)
+        if count < 3:
+            continue
+        sent_up = sum(results[r][0] for r in range(len(hosts)) if hosts[r] == host)
+        assert sent_up < 3 * numel * 4, (
+            f"host {host} ({count} ranks) sent its leader (rank {leader}) {sent_up} bytes "
+            f"for a {numel * 4}-byte all_reduce; under three buffers were expected")
+
+
 def test_three_million_and_five_floats() -> None:
     _against_oracle(list("aabb"), [("SUM", torch.float32, BIG), ("AVG", torch.float32, BIG)],
                     Settings())

@@ -13,7 +13,10 @@ group:
 Only phase 2 crosses hosts, with one message stream per host instead of one per
 rank, and it runs over ``log2(hosts)`` rounds instead of ``log2(ranks)``. From
 ``TANDEM_RING_THRESHOLD`` bytes on, the three phases overlap instead, chunk by chunk
-(``streamed.py``). A broadcast goes root -> one rank per host -> the rest of each host.
+(``streamed.py``); from 16 times that, on a layout with three or more ranks on some
+host, each host first reduces in a ring among its own ranks, so that its leader takes
+in one piece per rank instead of every rank's whole buffer (:func:`two_level_pays`,
+``streamed.two_level_all_reduce``). A broadcast goes root -> one rank per host -> the rest of each host.
 
 Host identity is ``group.transport.host_of(rank)``; when any rank's host is unknown
 (``""``), or the group is on one host, or every rank is alone on its host, the
@@ -35,13 +38,21 @@ import torch
 from tandem.collectives.algorithms._phases import PHASE, Phase, host_layout, host_of_rank
 from tandem.collectives.algorithms.doubling import doubling_all_reduce
 from tandem.collectives.algorithms.ring import ring_all_reduce, ring_pays
-from tandem.collectives.algorithms.streamed import streamed_all_reduce, streamed_fits
+from tandem.collectives.algorithms.streamed import (streamed_all_reduce, streamed_fits,
+                                                    two_level_all_reduce)
 from tandem.collectives.algorithms.tree import tree_broadcast, tree_reduce
 from tandem.collectives.group import Op, as_bytes
 from tandem.collectives.reduce_op import ReduceOp, finish
 from tandem.config import Settings
 
-__all__ = ["host_layout", "hierarchical_all_reduce", "hierarchical_broadcast",
+# a host of this many ranks or more reduces in a ring before its leader sends across,
+# for buffers of at least this many ring thresholds (8 MiB by default): at 2 hosts x 4,
+# 1 Gbit/s, 16 MB took 183-203 ms against 258-298 ms through the leader alone, 2-4 MB
+# were even within the noise and 1 MB was slower (23-32 ms against 13-16 ms)
+TWO_LEVEL_RANKS = 3
+TWO_LEVEL_THRESHOLDS = 16
+
+__all__ = ["host_layout", "hierarchical_all_reduce", "two_level_pays", "hierarchical_broadcast",
            "root_check_tree"]
 
 
@@ -49,6 +60,14 @@ def flat_all_reduce(settings: Settings, size: int,
                     buf: torch.Tensor) -> Callable[[Op, torch.Tensor, ReduceOp], None]:
     """Doubling or ring for ``size`` ranks, by the rule of ``select_all_reduce``."""
     return ring_all_reduce if ring_pays(settings, size, buf) else doubling_all_reduce
+
+
+def two_level_pays(settings: Settings, layout: list[list[int]], buf: torch.Tensor) -> bool:
+    """Whether an all-reduce of ``buf`` over ``layout`` takes :func:`two_level_all_reduce`."""
+    busiest = max(len(ranks) for ranks in layout)
+    nbytes = buf.numel() * buf.element_size()
+    return (busiest >= TWO_LEVEL_RANKS and buf.numel() >= busiest * len(layout)
+            and nbytes >= TWO_LEVEL_THRESHOLDS * settings.ring_threshold)
 
 
 def hierarchical_all_reduce(op: Op, buf: torch.Tensor, redop: ReduceOp) -> None:
@@ -59,6 +78,9 @@ def hierarchical_all_reduce(op: Op, buf: torch.Tensor, redop: ReduceOp) -> None:
         flat_all_reduce(g.settings, g.group_size, buf)(op, buf, redop)
         return
     nbytes = buf.numel() * buf.element_size()
+    if two_level_pays(g.settings, layout, buf):
+        two_level_all_reduce(op, buf, redop, layout)
+        return
     if (nbytes >= g.settings.ring_threshold and buf.numel() >= len(layout)
             and streamed_fits(layout, nbytes)):
         # even with two leaders, whose flat all-reduce would still use doubling here:
