@@ -28,7 +28,8 @@ def _value(call: int, root: int, n: int) -> torch.Tensor:
 def test_broadcast_across_hosts_matches_the_naive_oracle(layout: str) -> None:
     hosts = list(LAYOUTS[layout])
     p = len(hosts)
-    calls = [(1, 0), (1024, p - 1), (1024, 9), (70_001, 3), (1, 8)]
+    # 70,001 and 2^20 floats cross hosts in 2 and in 8 pieces (256 KiB links, at most 8)
+    calls = [(1, 0), (1024, p - 1), (1024, 9), (70_001, 3), (1, 8), (1 << 20, 5)]
 
     def body(group: ProcessGroup) -> list[bool]:
         same = []
@@ -59,8 +60,8 @@ def test_roots_that_disagree_across_hosts_fail_fast(roots_of: str) -> None:
     assert "CollectiveMismatchError" in str(failed.value)
 
 
-def _messages_to(hosts: list[str], root: int, to: int) -> list[int]:
-    """The ranks that sent rank ``to`` a message during one broadcast from ``root``."""
+def _messages(hosts: list[str], root: int, numel: int = 8) -> list[tuple[int, int]]:
+    """(sender, receiver) of every message of one broadcast of ``numel`` floats."""
 
     def body(group: ProcessGroup) -> list[tuple[int, int]]:
         transport = group.transport
@@ -73,11 +74,15 @@ def _messages_to(hosts: list[str], root: int, to: int) -> list[int]:
             return plain(peer, header, payload)
 
         transport.isend = isend  # type: ignore[method-assign]
-        tandem.broadcast(torch.ones(8), src=root, group=group)
+        tandem.broadcast(torch.ones(numel), src=root, group=group)
         return sent
 
-    pairs = [pair for sent in run_threads(len(hosts), body, hosts=hosts) for pair in sent]
-    return sorted(frm for frm, peer in pairs if peer == to)
+    return [pair for sent in run_threads(len(hosts), body, hosts=hosts) for pair in sent]
+
+
+def _messages_to(hosts: list[str], root: int, to: int) -> list[int]:
+    """The ranks that sent rank ``to`` a message during one broadcast from ``root``."""
+    return sorted(frm for frm, peer in _messages(hosts, root) if peer == to)
 
 
 @pytest.mark.parametrize("hosts", ["abcdefgh", "aabbccddeeffgghh"])
@@ -94,3 +99,10 @@ def test_every_rank_sends_one_confirmation_and_the_data_to_its_children() -> Non
     # 2: the root's data and the confirmations of 4 and of the leaders below it
     assert sum(counts.values()) == 2 * (len(hosts) - 1), counts
     assert counts[3] == 1 and counts[2] == 1 + 1 + 2, counts
+
+
+def test_data_crosses_hosts_in_link_sized_pieces_and_a_host_in_one() -> None:
+    pairs = _messages(list("aabb"), 0, numel=1 << 18)  # 1 MiB: four 256 KiB pieces
+    # the leaders 0 -> 2 in pieces, each leader to its host's other rank in one message
+    assert pairs.count((0, 2)) == 4 and pairs.count((0, 1)) == 1, pairs
+    assert pairs.count((2, 3)) == 1, pairs

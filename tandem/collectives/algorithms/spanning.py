@@ -30,9 +30,11 @@ from __future__ import annotations
 import torch
 
 from tandem.collectives.algorithms._phases import host_of_rank
+from tandem.collectives.algorithms.ring import link_chunk
 from tandem.collectives.algorithms.roots import ROOT_STEP
 from tandem.collectives.algorithms.tree import binomial
 from tandem.collectives.group import Op, as_bytes
+from tandem.transport.base import Slot
 
 __all__ = ["broadcast_tree", "confirmed_broadcast"]
 
@@ -56,20 +58,55 @@ def broadcast_tree(layout: list[list[int]] | None, size: int, root: int,
     return parent, children + [r for r in local[1:] if r != root]
 
 
+_MAX_PIECES = 8  # as the ring's: more posted messages per call set off long GC passes
+
+
+def _cut(view: memoryview, chunk: int | None) -> list[tuple[int, int]]:
+    """The byte ranges ``view`` crosses a link in: pieces of ``chunk`` (at most eight),
+    or whole when ``chunk`` is None (within a host)."""
+    n = len(view)
+    if chunk is None or n <= chunk:
+        return [(0, n)]
+    size = max(chunk, -(-n // _MAX_PIECES))
+    return [(a, min(a + size, n)) for a in range(0, n, size)]
+
+
 def confirmed_broadcast(op: Op, buf: torch.Tensor, parent: int | None,
                         children: list[int]) -> None:
     """Broadcast flat ``buf`` down the tree given by this rank's ``parent`` (None on the
-    root) and ``children``, with the confirmations of the module doc."""
+    root) and ``children``, with the confirmations of the module doc.
+
+    Across hosts the data goes in link-sized pieces (``ring.link_chunk``), each passed on
+    as it arrives, so the hops of the leaders' tree overlap; within a host in one message
+    (a receiver reads it from the sender's memory, and one message is one wake-up)."""
+    g = op.group
     empty = memoryview(bytearray(0))
     view = as_bytes(buf)
+    chunk = link_chunk(g)
+    host_of, ranks = g.transport.host_of, g.ranks
+    mine = host_of(ranks[g.group_rank])
+
+    def cut(peer: int) -> list[tuple[int, int]]:
+        return _cut(view, None if host_of(ranks[peer]) == mine else chunk)
+
     if parent is not None and not children:  # a leaf: it names the root on entering
-        got = op.recv(parent, 0, view)
-        op.wait(got, op.send(parent, ROOT_STEP, empty))
+        got = [op.recv(parent, i, view[a:b]) for i, (a, b) in enumerate(cut(parent))]
+        op.wait(*got, op.send(parent, ROOT_STEP, empty))
         return
     told = [op.recv(c, ROOT_STEP, empty) for c in children]
-    if parent is not None:
-        op.wait(op.recv(parent, 0, view))
-    sent = [op.send(c, 0, view) for c in children]
+    arriving = [(len(view), None)] if parent is None else [
+        (b, op.recv(parent, i, view[a:b])) for i, (a, b) in enumerate(cut(parent))]
+    plans = [(c, cut(c)) for c in children]
+    sent: list[Slot] = []
+    done = [0] * len(plans)  # pieces sent to each child so far
+    for have, slot in arriving:
+        if slot is not None:
+            op.wait(slot)
+        for k, (c, pieces) in enumerate(plans):
+            while done[k] < len(pieces) and pieces[done[k]][1] <= have:
+                a, b = pieces[done[k]]
+                sent.append(op.send(c, done[k], view[a:b]))
+                done[k] += 1
     if parent is not None:
         # for its whole subtree, once the data is on its way down
         op.wait(*told)
