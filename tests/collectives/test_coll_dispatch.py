@@ -32,10 +32,10 @@ from tandem.config import Settings
 from tandem.transport.message import Slot
 
 # modules by path: the package's names "ring" and "direct" are functions, not these
-direct, doubling, naive, ring, roots, shm, shm_gather, shm_rooted, streamed, tree = (
-    importlib.import_module(f"tandem.collectives.algorithms.{name}") for name in
-    ("direct", "doubling", "naive", "ring", "roots", "shm", "shm_gather", "shm_rooted",
-     "streamed", "tree"))
+(direct, doubling, leaders_barrier, naive, ring, roots, shm, shm_gather, shm_rooted, spanning,
+ streamed, tree) = (importlib.import_module(f"tandem.collectives.algorithms.{name}") for name in
+                    ("direct", "doubling", "leaders_barrier", "naive", "ring", "roots", "shm",
+                     "shm_gather", "shm_rooted", "spanning", "streamed", "tree"))
 
 # CPU time ~10 s; the wall time grows with the machine's load
 pytestmark = pytest.mark.timeout(900)
@@ -50,8 +50,8 @@ LEAVES: list[Callable[..., Any]] = [
     tree.tree_reduce, ring.ring, ring.ring_gather_into, streamed.streamed_all_reduce,
     streamed.two_level_all_reduce,
     streamed._through_leaders, direct.direct_gather, direct.direct_scatter,
-    direct.pairwise_all_to_all, alltoall._agree, roots.confirm_root, roots.confirm_up,
-    roots.announce_root,
+    direct.pairwise_all_to_all, alltoall._agree, roots.confirm_root, roots.announce_root,
+    spanning.confirmed_broadcast, leaders_barrier.leaders_barrier,
 ]
 # recorded without leading underscores, so a helper may move and lose its "_"
 _EMPTY: dict[str, Any] = {"agree": {}, "confirm_root": [], "announce_root": []}

@@ -16,7 +16,8 @@ rank, and it runs over ``log2(hosts)`` rounds instead of ``log2(ranks)``. From
 (``streamed.py``); from 16 times that, on a layout with three or more ranks on some
 host, each host first reduces in a ring among its own ranks, so that its leader takes
 in one piece per rank instead of every rank's whole buffer (:func:`two_level_pays`,
-``streamed.two_level_all_reduce``). A broadcast goes root -> one rank per host -> the rest of each host.
+``streamed.two_level_all_reduce``). A broadcast goes root -> one rank per host -> the
+rest of each host (``spanning.py``).
 
 Host identity is ``group.transport.host_of(rank)``; when any rank's host is unknown
 (``""``), or the group is on one host, or every rank is alone on its host, the
@@ -38,10 +39,11 @@ import torch
 from tandem.collectives.algorithms._phases import PHASE, Phase, host_layout, host_of_rank
 from tandem.collectives.algorithms.doubling import doubling_all_reduce
 from tandem.collectives.algorithms.ring import ring_all_reduce, ring_pays
+from tandem.collectives.algorithms.spanning import broadcast_tree, confirmed_broadcast
 from tandem.collectives.algorithms.streamed import (streamed_all_reduce, streamed_fits,
                                                     two_level_all_reduce)
 from tandem.collectives.algorithms.tree import tree_broadcast, tree_reduce
-from tandem.collectives.group import Op, as_bytes
+from tandem.collectives.group import Op
 from tandem.collectives.reduce_op import ReduceOp, finish
 from tandem.config import Settings
 
@@ -52,8 +54,7 @@ from tandem.config import Settings
 TWO_LEVEL_RANKS = 3
 TWO_LEVEL_THRESHOLDS = 16
 
-__all__ = ["host_layout", "hierarchical_all_reduce", "two_level_pays", "hierarchical_broadcast",
-           "root_check_tree"]
+__all__ = ["host_layout", "hierarchical_all_reduce", "two_level_pays", "hierarchical_broadcast"]
 
 
 def flat_all_reduce(settings: Settings, size: int,
@@ -102,64 +103,16 @@ def hierarchical_all_reduce(op: Op, buf: torch.Tensor, redop: ReduceOp) -> None:
         tree_broadcast(Phase(op, local, 2 * PHASE), buf, 0)
 
 
-# a root that is not its host's leader hands the data to it first, in steps of their own
-_TO_LEADER = 2 * PHASE
-
-
-def root_check_tree(layout: list[list[int]], root: int,
-                    rank: int) -> tuple[int | None, list[int]]:
-    """``rank``'s parent and children in a hierarchical broadcast's root check: each
-    host's other ranks confirm to the host's leader (its lowest rank), the other
-    leaders to the leader of the root's host, and that one to the root (when it is not
-    the root itself), so only leaders confirm across hosts.
-
-    Two levels below that leader, no deeper: only leaders wait for confirmations (a
-    binomial tree made every inner rank wait for its children; 8 hosts x 8, 4 KB:
-    30.1 ms per broadcast against 23.0 ms this way, one run each at load 40-90)."""
-    leaders = [ranks[0] for ranks in layout]
-    local = host_of_rank(layout, rank)
-    top = host_of_rank(layout, root)[0]  # the leader of the root's host
-    if rank == root and root != top:
-        return None, [top]
-    if rank != local[0]:
-        return local[0], []
-    children = [r for r in local if r != rank and r != root]
-    if rank != top:
-        return top, children
-    children = [e for e in leaders if e != top] + children
-    return (root if root != top else None), children
-
-
-def hierarchical_broadcast(op: Op, buf: torch.Tensor, root: int,
-                           between: Callable[[], None] | None = None) -> None:
+def hierarchical_broadcast(op: Op, buf: torch.Tensor, root: int) -> None:
     """Broadcast flat ``buf`` from group rank ``root``: to its host's leader (its lowest
-    rank), among the hosts' leaders, then within hosts.
+    rank), among the hosts' leaders, then from each leader to its host's other ranks,
+    each rank confirming to its parent (:mod:`~.spanning`); a binomial tree when the
+    hierarchical path does not apply.
 
     Only leaders send across hosts, whichever rank the root is, so a host needs
     connections to the other hosts' leaders only (a root that is not its host's leader
-    costs one hop within its host). ``between`` runs on every rank once the
-    across-hosts part is done, before the within-host part (a leader passes its host's
-    root check on there).
+    costs one hop within its host).
     """
     g = op.group
-    layout = host_layout(g)
-    if layout is None:
-        tree_broadcast(op, buf, root)
-        return
-    leaders = [ranks[0] for ranks in layout]
-    local = host_of_rank(layout, g.group_rank)
-    top = host_of_rank(layout, root)[0]
-    me = g.group_rank
-    if root != top and me in (root, top):
-        view = as_bytes(buf)
-        if me == root:
-            op.wait(op.send(top, _TO_LEADER, view))
-        else:
-            op.wait(op.recv(root, _TO_LEADER, view))
-    if me == local[0]:
-        tree_broadcast(Phase(op, leaders, 0), buf, leaders.index(top))
-    if between is not None:
-        between()
-    within = [r for r in local if r == local[0] or r != root]  # the root has the data
-    if len(within) > 1 and me in within:
-        tree_broadcast(Phase(op, within, PHASE), buf, 0)
+    parent, children = broadcast_tree(host_layout(g), g.group_size, root, g.group_rank)
+    confirmed_broadcast(op, buf, parent, children)

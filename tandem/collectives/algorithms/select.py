@@ -12,18 +12,21 @@ or a host leader then plays its own part in it. The rules, by group:
   arena); gather, scatter and all_to_all move messages, as below.
 * **messages, one host or one rank per host**: all_reduce ``doubling``, ``ring`` from
   ``TANDEM_RING_THRESHOLD`` (four times that for two ranks); broadcast and reduce a
-  binomial ``tree``; all_gather and reduce_scatter the ``ring``.
+  binomial ``tree`` (a broadcast's down :func:`~.spanning.confirmed_broadcast`);
+  all_gather and reduce_scatter the ``ring``.
 * **messages, several hosts, some holding several ranks**: all_reduce ``hierarchical``;
   broadcast ``hierarchical`` (the root to its host's leader, a tree across the
-  leaders, then within each host, its root check through the leaders); reduce the
+  leaders, then each leader to its host's ranks, :mod:`~.spanning`); reduce the
   ``tree``; all_gather and reduce_scatter through the hosts' ``leaders`` when each
   host's ranks are consecutive (and, for a reduction, the leaders' receive areas fit),
   else the ``ring``.
-* **barrier**: ``doubling``; ``hierarchical`` on several hosts some holding several ranks.
+* **barrier**: ``doubling``; ``hierarchical`` on several hosts some holding several ranks
+  (check in with each host's leader, the leaders meet, release: ``leaders_barrier``).
 * **always**: gather and scatter ``direct``, all_to_all ``pairwise``.
 
 Rooted algorithms that move messages check the root with messages of their own
-(:mod:`~tandem.collectives.algorithms.roots`); shared memory checks it in the arena.
+(:mod:`~tandem.collectives.algorithms.roots`; a broadcast's go up its own tree,
+:mod:`~tandem.collectives.algorithms.spanning`); shared memory checks it in the arena.
 ``TANDEM_ALGORITHM``, ``group.algorithm_override`` and :func:`register_algorithm`
 apply to all_reduce.
 
@@ -44,19 +47,19 @@ from tandem.collectives.algorithms.direct import (direct_gather, direct_scatter,
 from tandem.collectives.algorithms.doubling import doubling_all_reduce
 from tandem.collectives.algorithms.flat import Flat
 from tandem.collectives.algorithms.hierarchical import (hierarchical_all_reduce,
-                                                        hierarchical_broadcast,
-                                                        root_check_tree)
+                                                        hierarchical_broadcast)
+from tandem.collectives.algorithms.leaders_barrier import leaders_barrier
 from tandem.collectives.algorithms.naive import naive_all_reduce
 from tandem.collectives.algorithms.ring import (Bounds, even_bounds, link_chunk, ring,
                                                 ring_all_reduce, ring_gather_into, ring_pays,
                                                 segment_bounds, separate)
-from tandem.collectives.algorithms.roots import announce_root, confirm_root, confirm_up
+from tandem.collectives.algorithms.roots import announce_root, confirm_root
 from tandem.collectives.algorithms.shm import shm_all_reduce, shm_all_reduce_many
 from tandem.collectives.algorithms.shm_gather import shm_all_gather, shm_reduce_scatter
 from tandem.collectives.algorithms.shm_rooted import shm_broadcast, shm_reduce
 from tandem.collectives.algorithms.streamed import (host_blocks, leaders_all_gather,
                                                     leaders_reduce_scatter, streamed_fits)
-from tandem.collectives.algorithms.tree import tree_broadcast, tree_reduce
+from tandem.collectives.algorithms.tree import tree_reduce
 from tandem.collectives.checks import any_shared
 from tandem.collectives.group import Op, ProcessGroup
 from tandem.collectives.reduce_op import ReduceOp
@@ -146,50 +149,23 @@ def select_all_reduce_coalesced(group: ProcessGroup, bufs: list[torch.Tensor],
 def select_barrier(group: ProcessGroup) -> tuple[str, AllReduce]:
     """A barrier is an all-reduce (MAX) of one byte: through the group's shared staging
     memory when its ranks share memory (no ring between them is made for it); across
-    hosts the hierarchical one, so that only host leaders send across hosts (8 hosts x 8:
-    31 ms against 85 ms per barrier); else recursive doubling."""
+    hosts, with some holding several ranks, the hosts check in with their leaders, which
+    meet (:mod:`~.leaders_barrier`), so that only host leaders send across hosts (8
+    hosts x 8: 31 ms against 85 ms per barrier, the whole group's doubling); else
+    recursive doubling."""
     if group.shares_memory:
         return "shm", shm_all_reduce
     if host_layout(group) is not None:
-        return "hierarchical", hierarchical_all_reduce
+        return "hierarchical", leaders_barrier
     return "doubling", ALL_REDUCE["doubling"]
 
 
 # -- rooted: broadcast, reduce, gather, scatter ------------------------------------
 
-def _tree_broadcast(o: Op, buf: torch.Tensor, root: int) -> None:
-    told = confirm_root(o, root)
-    tree_broadcast(o, buf, root)
-    o.wait(*told)
-
-
-def _hierarchical_broadcast(o: Op, buf: torch.Tensor, root: int) -> None:
-    # the root check through each host's leader: only leaders confirm across hosts, and
-    # the root hears from its host's leader (or, being it, its host's ranks and the other
-    # leaders), not from every rank
-    layout = host_layout(o.group)
-    assert layout is not None  # as select_broadcast found it
-    tree = root_check_tree(layout, root, o.group.group_rank)
-    told = confirm_root(o, root, tree)
-    parent, children = tree
-
-    def leader_confirms() -> None:
-        # before a leader hands the data on within its host, so the root never waits
-        # for that (its host's ranks confirmed on entering the call, usually long since)
-        if children and parent is not None:
-            o.wait(*told)
-            confirm_up(o, tree)
-
-    hierarchical_broadcast(o, buf, root, leader_confirms)
-    o.wait(*told)
-
-
 def select_broadcast(group: ProcessGroup, buf: torch.Tensor) -> tuple[str, Broadcast]:
     if group.shares_memory:  # the arena checks the root itself (algorithms.shm_rooted)
         return "shm", shm_broadcast
-    if host_layout(group) is None:
-        return "tree", _tree_broadcast
-    return "hierarchical", _hierarchical_broadcast
+    return ("tree" if host_layout(group) is None else "hierarchical"), hierarchical_broadcast
 
 
 def _tree_reduce(o: Op, buf: torch.Tensor, root: int, redop: ReduceOp) -> None:

@@ -12,27 +12,38 @@ import torch
 from tandem.collectives.group import Op, as_bytes
 from tandem.collectives.reduce_op import ReduceOp, combine, finish
 
-__all__ = ["tree_broadcast", "tree_reduce"]
+__all__ = ["binomial", "tree_broadcast", "tree_reduce"]
+
+
+def binomial(members: list[int], root: int, me: int) -> tuple[int | None, list[int]]:
+    """``me``'s parent and children in a binomial tree over ``members`` rooted at
+    ``root`` (both members), children in the order they are sent to: farthest first."""
+    p = len(members)
+    at = members.index(root)
+    rel = (members.index(me) - at) % p
+    parent = None
+    mask = 1
+    while mask < p:
+        if rel & mask:
+            parent = members[(rel - mask + at) % p]
+            break
+        mask <<= 1
+    mask >>= 1
+    children = []
+    while mask > 0:
+        if rel + mask < p:
+            children.append(members[(rel + mask + at) % p])
+        mask >>= 1
+    return parent, children
 
 
 def tree_broadcast(op: Op, buf: torch.Tensor, root: int) -> None:
     g = op.group
-    p, r = g.group_size, g.group_rank
-    rel = (r - root) % p
+    parent, children = binomial(list(range(g.group_size)), root, g.group_rank)
     view = as_bytes(buf)
-    mask = 1
-    while mask < p:
-        if rel & mask:
-            op.wait(op.recv((rel - mask + root) % p, 0, view))
-            break
-        mask <<= 1
-    mask >>= 1
-    sends = []
-    while mask > 0:
-        if rel + mask < p:
-            sends.append(op.send((rel + mask + root) % p, 0, view))
-        mask >>= 1
-    op.wait(*sends)
+    if parent is not None:
+        op.wait(op.recv(parent, 0, view))
+    op.wait(*[op.send(c, 0, view) for c in children])
 
 
 def tree_reduce(op: Op, buf: torch.Tensor, root: int, redop: ReduceOp) -> None:

@@ -1,0 +1,56 @@
+"""A barrier across hosts: each host checks in with its leader, the leaders meet, each
+leader releases its host.
+
+Every other rank of a host sends its leader (its lowest group rank) an empty message
+and waits for an empty one back; the leaders run a dissemination barrier among
+themselves (in round ``k`` leader ``i`` tells leader ``i + 2^k`` and hears from
+``i - 2^k``, modulo their count: ``ceil(log2 hosts)`` rounds for any count) once their
+host has checked in, then release their host. Only leaders send across hosts. Each
+message carries the call's signature, so a rank that called something else meets a
+receive of another call and the group fails with a mismatch, as with any message.
+
+Before this, a barrier across hosts was the hierarchical all-reduce of one byte:
+binomial trees within each host (three hops each way with 8 ranks a host, each hop a
+wake-up and a reduction) around recursive doubling. 4 hosts x 8: 10.0 ms per barrier
+against 16.6 ms (gloo 34.7 ms), best of 3 rounds of 60, load ~30.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.collectives.algorithms._phases import host_layout, host_of_rank
+from tandem.collectives.algorithms.doubling import doubling_all_reduce
+from tandem.collectives.group import Op
+from tandem.collectives.reduce_op import ReduceOp
+
+__all__ = ["leaders_barrier"]
+
+_CHECK_IN, _RELEASE = 0, 1  # the leaders' rounds are the steps after these
+
+
+def leaders_barrier(op: Op, token: torch.Tensor, redop: ReduceOp) -> None:
+    """Return once every rank of ``op``'s group has entered; ``token`` and ``redop``
+    (a barrier's one byte and MAX) are unused: only the messages' arrival matters."""
+    g = op.group
+    layout = host_layout(g)
+    if layout is None:  # chosen on a group where no two ranks share a host, or one host
+        doubling_all_reduce(op, token, redop)
+        return
+    me = g.group_rank
+    local = host_of_rank(layout, me)
+    empty = memoryview(bytearray(0))
+    if me != local[0]:
+        released = op.recv(local[0], _RELEASE, empty)
+        op.wait(op.send(local[0], _CHECK_IN, empty), released)
+        return
+    op.wait(*[op.recv(r, _CHECK_IN, empty) for r in local[1:]])
+    leaders = [ranks[0] for ranks in layout]
+    n, i = len(leaders), leaders.index(me)
+    distance, step = 1, _RELEASE + 1
+    while distance < n:
+        heard = op.recv(leaders[(i - distance) % n], step, empty)
+        op.wait(op.send(leaders[(i + distance) % n], step, empty), heard)
+        distance <<= 1
+        step += 1
+    op.wait(*[op.send(r, _RELEASE, empty) for r in local[1:]])
