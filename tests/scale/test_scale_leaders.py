@@ -21,7 +21,7 @@ from tandem.testing.netns import Unavailable, netns_lab
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(240)]
 
-# elements: tiny, small, and the most whose gather at 3x4 in float64 stays below
+# elements: tiny, small, and one whose gather at 3x4 in float64 stays well below
 # select.LEADERS_BELOW_BYTES; then LARGE, past it, where the pieces go straight
 SIZES = [5, 1000, 9000]
 LARGE = [70_000]

@@ -250,11 +250,11 @@ def _leaders_scatter(o: Op, mine: torch.Tensor, ins: list[torch.Tensor] | None,
 # Below this many bytes per call (reduce: the buffer; gather, scatter: the root's whole
 # list; all_to_all: what the rank sending most sends to other hosts) rooted calls and
 # all_to_all across hosts go through the leaders; from it on straight to their peers, as
-# leader routing measured slower there (2x8 and 4x8, load 21-36, ms per call, direct ->
-# leaders: 16 MB gather 14.4 -> 24.3 and 14.4 -> 27.1, scatter 10.6 -> 15.4 and 30.1 ->
-# 37.4, reduce 108 -> 147 and 264 -> 311, all_to_all 120 -> 791 and 509 -> 1680; 4 KB
-# all_to_all 28.9 -> 23.8 and 113 -> 67.5, 1 MB 43.8 -> 42.6 and 136 -> 84.8).
-LEADERS_BELOW_BYTES = 1 << 20
+# leader routing measured slower at 16 MB (2x8 and 4x8, load 21-38, ms per call, direct
+# -> leaders: gather 14.4 -> 24.3 and 14.4 -> 27.1, scatter 10.6 -> 15.4 and 30.1 ->
+# 37.4, all_to_all 120 -> 791 and 509 -> 1680) and within the noise at 1 MB (all_to_all
+# 43.8 -> 42.6 and 136 -> 84.8); 4 MB lies between, unmeasured.
+LEADERS_BELOW_BYTES = 4 << 20
 
 
 def _leaders_pay(nbytes: int) -> bool:
