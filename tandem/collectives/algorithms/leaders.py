@@ -88,93 +88,102 @@ def leaders_reduce(o: Op, buf: torch.Tensor, root: int, redop: ReduceOp, layout:
 
 def leaders_gather(o: Op, mine: torch.Tensor, outs: list[torch.Tensor] | None, root: int,
                    layout: Layout) -> None:
+    """Piece by piece, each forwarded as it arrives (one message per rank, so a leader
+    never waits for its whole host before sending, and the root receives straight into
+    its list)."""
     me = o.group.group_rank
     local = host_of_rank(layout, me)
     top = host_of_rank(layout, root)[0]
-    n = mine.numel()
+    if me == root:
+        assert outs is not None
+        outs[me].copy_(mine)
     if me != local[0]:
+        # a root too sends its piece up: a leader naming another root then holds a
+        # message of this call with another signature, and raises
         sent = o.send(local[0], _UP, as_bytes(mine))
-        if me == root:  # everything comes back from top, in host order
-            full = torch.empty(o.group.group_size * n, dtype=mine.dtype)
-            o.wait(sent, o.recv(top, _UP, as_bytes(full)))
-            _unpack(full, outs, layout, n)
+        if me == root:  # every other piece comes from top, straight into the list
+            assert outs is not None
+            o.wait(sent, *[o.recv(top, _DOWN + r, as_bytes(outs[r]))
+                           for r in range(o.group.group_size) if r != me])
         else:
             o.wait(sent)
         return
     if me != top:
-        block = torch.empty(len(local) * n, dtype=mine.dtype)
-        recvs = [o.recv(r, _UP, as_bytes(block[i * n:(i + 1) * n]))
-                 for i, r in enumerate(local) if r != me]
-        block[:n].copy_(mine)
-        o.wait(*recvs)
-        o.wait(o.send(top, _ACROSS, as_bytes(block)))
+        pending = [(r, torch.empty_like(mine)) for r in local if r != me]
+        recvs = [o.recv(r, _UP, as_bytes(t)) for r, t in pending]
+        sends = [o.send(top, _ACROSS + me, as_bytes(mine))]
+        for slot, (r, t) in zip(recvs, pending):
+            o.wait(slot)
+            sends.append(o.send(top, _ACROSS + r, as_bytes(t)))
+        o.wait(*sends)
         return
-    full = torch.empty(o.group.group_size * n, dtype=mine.dtype)
-    pending: list[Slot] = []
-    at = 0
-    for ranks in layout:
-        if ranks is local:
-            for i, r in enumerate(ranks):
-                if r != me:
-                    pending.append(o.recv(r, _UP, as_bytes(full[at + i * n:at + (i + 1) * n])))
-            full[at:at + n].copy_(mine)
-        else:
-            pending.append(o.recv(ranks[0], _ACROSS, as_bytes(full[at:at + len(ranks) * n])))
-        at += len(ranks) * n
-    o.wait(*pending)
+    p = o.group.group_size
+    # top: into the root's list when it is the root, else into pieces it passes on
+    dst = outs if me == root else [torch.empty_like(mine) for _ in range(p)]
+    assert dst is not None
+    dst[me].copy_(mine)
+    leader_of = {r: ranks[0] for ranks in layout for r in ranks}
+    order = [r for r in _order(layout) if r != me]
+    recvs = [o.recv(r, _UP, as_bytes(dst[r])) if leader_of[r] == me
+             else o.recv(leader_of[r], _ACROSS + r, as_bytes(dst[r])) for r in order]
     if me == root:
-        _unpack(full, outs, layout, n)
-    else:
-        o.wait(o.send(root, _UP, as_bytes(full)))
-
-
-def _unpack(full: torch.Tensor, outs: list[torch.Tensor] | None, layout: Layout, n: int) -> None:
-    assert outs is not None  # the root's
-    for i, r in enumerate(_order(layout)):
-        outs[r].copy_(full[i * n:(i + 1) * n])
+        o.wait(*recvs)
+        return
+    sends = [o.send(root, _DOWN + me, as_bytes(dst[me]))]
+    for slot, r in zip(recvs, order):
+        o.wait(slot)
+        if r != root:
+            sends.append(o.send(root, _DOWN + r, as_bytes(dst[r])))
+    o.wait(*sends)
 
 
 def leaders_scatter(o: Op, recv: torch.Tensor, ins: list[torch.Tensor] | None, root: int,
                     layout: Layout) -> None:
-    me = o.group.group_rank
+    """Piece by piece: the root sends its own host's ranks their pieces, and top (its
+    host's leader) each other host's leader the pieces of that host, which each leader
+    passes on as it arrives."""
+    g = o.group
+    me, p = g.group_rank, g.group_size
     local = host_of_rank(layout, me)
     top = host_of_rank(layout, root)[0]
-    n = recv.numel()
+    leader_of = {r: ranks[0] for ranks in layout for r in ranks}
+    home = host_of_rank(layout, root)  # the root's host
+    away = [r for r in _order(layout) if leader_of[r] != top]  # ranks of other hosts
     if me == root:
         assert ins is not None
-        recv.copy_(ins[root])
-        if me != top:
-            packed = torch.cat([ins[r] for r in _order(layout)]) if n else recv[:0]
-            o.wait(o.send(top, _UP, as_bytes(packed)))
-            return
-    if me != local[0]:
-        if me != root:
-            o.wait(o.recv(local[0], _DOWN, as_bytes(recv)))
-        return
-    if me == top:
-        if me == root:
-            assert ins is not None
-            full = torch.cat([ins[r] for r in _order(layout)]) if n else recv[:0]
+        recv.copy_(ins[me])
+        sends = [o.send(r, _DOWN, as_bytes(ins[r])) for r in home if r != me]
+        if me == top:
+            sends += [o.send(leader_of[r], _ACROSS + r, as_bytes(ins[r])) for r in away]
         else:
-            full = torch.empty(o.group.group_size * n, dtype=recv.dtype)
-            o.wait(o.recv(root, _UP, as_bytes(full)))
-        sends: list[Slot] = []
-        at = 0
-        for ranks in layout:
-            if ranks is not local:
-                sends.append(o.send(ranks[0], _ACROSS, as_bytes(full[at:at + len(ranks) * n])))
-            else:
-                block = full[at:at + len(ranks) * n]
-            at += len(ranks) * n
-    else:
-        block = torch.empty(len(local) * n, dtype=recv.dtype)
-        o.wait(o.recv(top, _ACROSS, as_bytes(block)))
-        sends = []
-    sends += [o.send(r, _DOWN, as_bytes(block[i * n:(i + 1) * n]))
-              for i, r in enumerate(local) if r != me and r != root]
-    if me != root:
-        recv.copy_(block[:n])
-    o.wait(*sends)
+            sends += [o.send(top, _UP + r, as_bytes(ins[r])) for r in away]
+        o.wait(*sends)
+        return
+    if local is home:
+        if me != top:
+            o.wait(o.recv(root, _DOWN, as_bytes(recv)))
+            return
+        # top, not the root: its own piece, then each other host's pieces passed on
+        slots = [o.recv(root, _DOWN, as_bytes(recv))]
+        pieces = [torch.empty_like(recv) for _ in away]
+        recvs = [o.recv(root, _UP + r, as_bytes(t)) for r, t in zip(away, pieces)]
+        for slot, r, t in zip(recvs, away, pieces):
+            o.wait(slot)
+            slots.append(o.send(leader_of[r], _ACROSS + r, as_bytes(t)))
+        o.wait(*slots)
+        return
+    if me != local[0]:
+        o.wait(o.recv(local[0], _DOWN, as_bytes(recv)))
+        return
+    # a leader of another host: its own piece, and its ranks' passed on as they arrive
+    others = [r for r in local if r != me]
+    pieces = [torch.empty_like(recv) for _ in others]
+    slots = [o.recv(top, _ACROSS + me, as_bytes(recv))]
+    recvs = [o.recv(top, _ACROSS + r, as_bytes(t)) for r, t in zip(others, pieces)]
+    for slot, r, t in zip(recvs, others, pieces):
+        o.wait(slot)
+        slots.append(o.send(r, _DOWN, as_bytes(t)))
+    o.wait(*slots)
 
 
 # the all-to-all's table of sizes moves in steps of its own, before the data
