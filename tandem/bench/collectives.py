@@ -145,6 +145,22 @@ def _check(lib: Any, name: str, op: str, numel: int, rank: int, p: int) -> None:
         got = torch.zeros(numel // p)
         lib.reduce_scatter_tensor(got, torch.full((numel,), float(rank + 1)))
         want = torch.full((numel // p,), float(p * (p + 1) // 2))
+    elif op == "gather":  # only the root's list is defined; root 0
+        outs = [torch.zeros(numel) for _ in range(p)]
+        lib.gather(torch.full((numel,), float(rank + 1)), outs if rank == 0 else None, dst=0)
+        want = torch.cat([torch.full((numel,), float(r + 1)) for r in range(p)])
+        got = torch.cat(outs) if rank == 0 else want
+    elif op == "scatter":
+        got = torch.zeros(numel)
+        lib.scatter(got, [torch.full((numel,), float(r + 1)) for r in range(p)]
+                    if rank == 0 else None, src=0)
+        want = torch.full((numel,), float(rank + 1))
+    elif op == "all_to_all":  # numel: each rank's whole input, numel // p to each rank
+        got = torch.zeros(numel // p * p)
+        lib.all_to_all_single(got, torch.arange(numel // p * p, dtype=torch.float32) + rank * numel)
+        m = numel // p
+        want = torch.cat([torch.arange(rank * m, (rank + 1) * m, dtype=torch.float32) + r * numel
+                          for r in range(p)])
     else:
         outs = [torch.zeros(numel) for _ in range(p)]
         lib.all_gather(outs, torch.full((numel,), float(rank + 1)))
@@ -170,7 +186,16 @@ def _step(lib: Any, op: str, numel: int, p: int) -> Callable[[], object]:
     if op == "reduce_scatter":
         out = torch.zeros(numel // p)
         return lambda: lib.reduce_scatter_tensor(out, t)
+    if op == "all_to_all":
+        ins, out = torch.zeros(numel // p * p), torch.zeros(numel // p * p)
+        return lambda: lib.all_to_all_single(out, ins)
     outs = [torch.zeros(numel) for _ in range(p)]
+    if op == "gather":
+        rank = lib.get_rank()
+        return lambda: lib.gather(t, outs if rank == 0 else None, dst=0)
+    if op == "scatter":
+        rank = lib.get_rank()
+        return lambda: lib.scatter(t, outs if rank == 0 else None, src=0)
     return lambda: lib.all_gather(outs, t)
 
 
@@ -197,7 +222,7 @@ def _measure_one(tandem: Any, gloo: Any, backend: str, op: str, size: int, rank:
                  contenders: Sequence[str] = CONTENDERS) -> dict[str, Any]:
     """Per-op seconds of each of ``contenders``, per round, for one (backend, op, size)."""
     numel = max(1, size // 4)
-    if op == "reduce_scatter":  # every rank's output is numel / p elements
+    if op in ("reduce_scatter", "all_to_all"):  # every rank's output is numel / p elements
         numel = max(p, numel - numel % p)
     _check(tandem, backend, op, numel, rank, p)  # also the warm-up
     _check(gloo, "gloo", op, numel, rank, p)

@@ -30,7 +30,9 @@ imports torch, then, in order:
   (``tandem.bench.collectives``: checked once, then rounds alternating between tandem
   and gloo; a round's time is its slowest rank's, the row keeps the best round).
   all_gather's size is its output (each rank gives size / world), so 16 MB at 64 ranks
-  stays in memory; the others' size is each rank's input; barrier has no size;
+  stays in memory; so are gather's and scatter's (``--ops`` adds reduce, gather,
+  scatter and all_to_all, rooted ones at root 0); the others' size is each rank's input
+  (all_to_all's: size / world to each rank); barrier has no size;
 * waiting: rank 0 sleeps ``--wait`` seconds before a barrier; every other rank's CPU
   time (all its threads) during that barrier, per second waited. 1.0 is one core spun.
 
@@ -85,6 +87,8 @@ __all__ = ["main", "parse_scale_layouts", "run_layout", "format_tables"]
 DEFAULT_LAYOUTS = "1x8,1x16,1x32,2x8,4x8,8x8"
 SMOKE_LAYOUTS = "1x2,2x2"
 OPS = ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "barrier")
+# on request (--ops): the rooted ones (root 0) and all_to_all (size: each rank's input)
+MORE_OPS = ("reduce", "gather", "scatter", "all_to_all")
 DEFAULT_SIZES = "4K,1M,16M"
 _OP_TIMEOUT_S = 600.0
 _BARRIER_TIMEOUT_S = 600.0
@@ -172,7 +176,8 @@ def _scale_rank(rank: int, world: int, workdir: str, ops: Sequence[str], sizes: 
         for op in ops:
             for size in ([0] if op == "barrier" else sizes):
                 per_rank = (4 if op == "barrier" else
-                            max(4, size // world) if op == "all_gather" else size)
+                            max(4, size // world) if op in ("all_gather", "gather", "scatter")
+                            else size)
                 got = _measure_one(tandem, gloo, "auto", "barrier" if op == "barrier" else op,
                                    per_rank, rank, world, rounds, round_s, ("tandem", "gloo"))
                 times.append({"op": op, "size": size, "times": got["times"]})
@@ -621,7 +626,7 @@ def format_tables(results: Sequence[dict[str, Any]]) -> str:
             _md(["layout", "same host /rank", "across /rank", "across /host",
                  "mesh (H-1)R^2", "target 2(H-1)", "CPU waiting"], conn)]
     keys = sorted({(c["op"], c["size"]) for r in results for c in r["collectives"]},
-                  key=lambda k: (OPS.index(k[0]), k[1]))
+                  key=lambda k: ((OPS + MORE_OPS).index(k[0]), k[1]))
     coll = []
     for op, size in keys:
         cells = []
@@ -662,7 +667,7 @@ def plot(results: Sequence[dict[str, Any]], path: Path) -> None:
     ]
     launched = [r for r in rs if r["launch"]]
     keys = sorted({(c["op"], c["size"]) for r in rs for c in r["collectives"]},
-                  key=lambda k: (OPS.index(k[0]), k[1]))
+                  key=lambda k: ((OPS + MORE_OPS).index(k[0]), k[1]))
     for op, size in keys:
         title = op if op == "barrier" else f"{op} {_fmt_size(size)}"
         series = []
@@ -794,9 +799,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
-    unknown = sorted(set(ops) - set(OPS))
+    unknown = sorted(set(ops) - set(OPS + MORE_OPS))
     if unknown or not ops:
-        parser.error(f"--ops: unknown {unknown or ops}; choose from {list(OPS)}")
+        parser.error(f"--ops: unknown {unknown or ops}; choose from {list(OPS + MORE_OPS)}")
     if args.rounds < 1 or args.round_ms <= 0 or args.wait <= 0 or args.launch_rounds < 0:
         parser.error("need --rounds >= 1, --round-ms > 0, --wait > 0, --launch-rounds >= 0")
     rounds, round_s, wait_s = args.rounds, args.round_ms / 1e3, args.wait

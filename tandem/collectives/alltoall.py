@@ -25,6 +25,7 @@ import torch
 from tandem.collectives import algorithms as algo
 from tandem.collectives import api
 from tandem.collectives.algorithms.flat import Flat
+from tandem.collectives.algorithms.leaders import leaders_table
 from tandem.collectives.checks import (crossed, int_list, output_arg, shares_memory,
                                        tensor_arg, tensors_arg)
 from tandem.collectives.group import Op, as_bytes
@@ -56,13 +57,13 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
                             f"elements, input_tensor_list[{r}] has {ins[r].numel()}")
     in_sizes = [t.numel() for t in ins]
     out_sizes = [f.flat.numel() for f in outs]
-    _, fn = algo.select_all_to_all(g)
+    name, fn = algo.select_all_to_all(g)
 
     def body(o: Op) -> None:
         flat_ins = [t.view(-1) for t in ins]
-        early = _agree(o, "all_to_all", 1, in_sizes, out_sizes, "elements",
-                       "input_tensor_list numels", "output_tensor_list numels", flat_ins)
-        fn(o, [f.flat for f in outs], flat_ins, early)
+        early, counts = _agree(o, name, "all_to_all", 1, in_sizes, out_sizes, "elements",
+                               "input_tensor_list numels", "output_tensor_list numels", flat_ins)
+        fn(o, [f.flat for f in outs], flat_ins, early, counts)
         for f in outs:
             f.done()
 
@@ -106,16 +107,16 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     src = (input.clone(memory_format=torch.contiguous_format) if shares_memory(output, input)
            else input.contiguous())
     out = Flat(output, load=False)
-    _, fn = algo.select_all_to_all(g)
+    name, fn = algo.select_all_to_all(g)
 
     def pieces(flat: torch.Tensor, sizes: list[int], row: int) -> list[torch.Tensor]:
         return list(flat.split([s * row for s in sizes]))
 
     def body(o: Op) -> None:
         ins = pieces(src.view(-1), in_sizes, row_in)
-        early = _agree(o, "all_to_all_single", row_in, in_sizes, out_sizes, "rows",
-                       "input_split_sizes", "output_split_sizes", ins)
-        fn(o, pieces(out.flat, out_sizes, row_out), ins, early)
+        early, counts = _agree(o, name, "all_to_all_single", row_in, in_sizes, out_sizes,
+                               "rows", "input_split_sizes", "output_split_sizes", ins)
+        fn(o, pieces(out.flat, out_sizes, row_out), ins, early, counts)
         out.done()
 
     return api._launch(g, "all_to_all_single", api._sig("all_to_all_single", None, dtype=input.dtype),
@@ -129,21 +130,29 @@ _SPLITS_STEP = 1  # the data moves at step 0
 _EARLY_BYTES = 64 << 10
 
 
-def _agree(o: Op, what: str, row: int, in_sizes: list[int], out_sizes: list[int], unit: str,
-           in_name: str, out_name: str, ins: list[torch.Tensor]) -> dict[int, Slot]:
+def _agree(o: Op, algorithm: str, what: str, row: int, in_sizes: list[int],
+           out_sizes: list[int], unit: str, in_name: str, out_name: str,
+           ins: list[torch.Tensor]) -> tuple[dict[int, Slot], list[list[int]]]:
     """Raise, on every rank alike, unless each rank's input piece for every rank is as
     large as that rank's output piece for it (``row`` elements per unit on each side).
 
-    Returns the sends of the pieces of ``ins`` sent with the splits, by peer."""
+    Returns the sends of the pieces of ``ins`` sent with the splits, by peer, and the
+    elements each rank sends each rank. Through the hosts' leaders (``algorithm``
+    "leaders") the splits go as their data does, and no piece goes early."""
     g = o.group
     p, r = g.group_size, g.group_rank
     mine = torch.tensor([row, *in_sizes, *out_sizes], dtype=torch.int64)
-    table = [mine if j == r else torch.empty_like(mine) for j in range(p)]
-    recvs = [o.recv(j, _SPLITS_STEP, as_bytes(table[j])) for j in range(p) if j != r]
-    sends = [o.send(j, _SPLITS_STEP, as_bytes(mine)) for j in range(p) if j != r]
-    early = {j: o.send(j, 0, as_bytes(ins[j])) for j in range(p)
-             if j != r and ins[j].numel() * ins[j].element_size() <= _EARLY_BYTES}
-    o.wait(*recvs, *sends)
+    layout = algo.host_layout(g) if algorithm == "leaders" else None
+    early: dict[int, Slot] = {}
+    if layout is not None:
+        table = leaders_table(o, mine, layout)
+    else:
+        table = [mine if j == r else torch.empty_like(mine) for j in range(p)]
+        recvs = [o.recv(j, _SPLITS_STEP, as_bytes(table[j])) for j in range(p) if j != r]
+        sends = [o.send(j, _SPLITS_STEP, as_bytes(mine)) for j in range(p) if j != r]
+        early = {j: o.send(j, 0, as_bytes(ins[j])) for j in range(p)
+                 if j != r and ins[j].numel() * ins[j].element_size() <= _EARLY_BYTES}
+        o.wait(*recvs, *sends)
     rows = [t.tolist() for t in table]
     for a in range(p):  # every rank finds the same first disagreement
         for b in range(p):
@@ -158,4 +167,4 @@ def _agree(o: Op, what: str, row: int, in_sizes: list[int], out_sizes: list[int]
                 f"{rows[a][1:1 + p]} on rank {ga}) but rank {gb} expects {expected} {unit} from "
                 f"rank {ga} ({out_name}={rows[b][1 + p:]} on rank {gb}){shapes}; "
                 f"{out_name}[i] on each rank must match {in_name}[that rank] on rank i")
-    return early
+    return early, [[rows[a][0] * rows[a][1 + b] for b in range(p)] for a in range(p)]

@@ -23,7 +23,7 @@ from test_coll_dispatch import _Transport as _Inline
 from tandem.collectives import api, barriers
 from tandem.collectives.group import ProcessGroup
 from tandem.config import Settings
-from tandem.testing import run_threads
+from tandem.testing import RankFailed, run_threads
 from tandem.transport.message import Slot
 
 pytestmark = pytest.mark.timeout(300)
@@ -143,3 +143,60 @@ def test_unrooted_collectives_cross_hosts_between_leaders_only(layout: str, name
         across = _across(hosts, _pairs(hosts, lambda g: UNROOTED[name](g, n)))
         assert across and {r for pair in across for r in pair} <= _entries(hosts, None), (
             n, sorted(across))
+
+
+# all_to_all's split check reads the sizes other ranks sent, which this stand-in does not
+# move: it is checked on simulated hosts (tests/scale/test_scale_leaders.py)
+ROOTED = {
+    "reduce": lambda g, n, root: api.reduce(torch.ones(n), group_dst=root, group=g),
+    "gather": lambda g, n, root: api.gather(
+        torch.ones(n), [torch.zeros(n) for _ in range(g.group_size)] if g.group_rank == root
+        else None, group_dst=root, group=g),
+    "scatter": lambda g, n, root: api.scatter(
+        torch.zeros(n), [torch.ones(n) for _ in range(g.group_size)] if g.group_rank == root
+        else None, group_src=root, group=g),
+}
+
+
+@pytest.mark.parametrize("layout", ["2x8", "4x4", "uneven", "3+1"])
+@pytest.mark.parametrize("name", ROOTED)
+def test_reduce_gather_scatter_cross_hosts_between_leaders_only(layout: str, name: str) -> None:
+    """Whichever rank the root is, data and root checks alike: O(hosts) connections."""
+    hosts = LAYOUTS[layout]
+    leaders = _entries(hosts, None)
+    for root in sorted({0, 1, len(hosts) - 1}):
+        pairs = _pairs(hosts, lambda g: ROOTED[name](g, 1000, root))
+        across = _across(hosts, pairs)
+        assert across and {r for pair in across for r in pair} <= leaders, (root, sorted(across))
+
+
+ROOTED_CALLS = {
+    "reduce": lambda g, root: tandem.reduce(torch.ones(4), dst=root, group=g),
+    "gather": lambda g, root: tandem.gather(
+        torch.ones(4), [torch.empty(4) for _ in range(g.size())] if g.rank() == root else None,
+        dst=root, group=g),
+    "scatter": lambda g, root: tandem.scatter(
+        torch.empty(4), [torch.ones(4)] * g.size() if g.rank() == root else None, src=root,
+        group=g),
+}
+# the root each rank names, by rank: each itself; a leader against the rest naming a
+# non-leader of another host
+DISAGREEMENTS = {"each-its-own": [0, 1, 2, 3], "two-camps": [0, 3, 3, 3]}
+
+
+@pytest.mark.parametrize("name", list(ROOTED_CALLS))
+@pytest.mark.parametrize("roots", list(DISAGREEMENTS))
+def test_roots_that_disagree_across_hosts_fail_on_every_rank_within_seconds(
+        name: str, roots: str) -> None:
+    """Through the leaders' root check: a mismatch, never the deadline (40 s)."""
+    def body(g: ProcessGroup) -> None:
+        ROOTED_CALLS[name](g, DISAGREEMENTS[roots][g.rank()])
+        tandem.barrier(group=g)  # a rank whose own part completed learns here
+
+    with pytest.raises(RankFailed) as failed:
+        run_threads(4, body, timeout=20, op_timeout=40, hosts=list("aabb"))
+    text = str(failed.value)
+    for rank in range(4):
+        assert f"--- rank {rank} ---" in text, (name, roots, rank, text[-2000:])
+        part = text.split(f"--- rank {rank} ---")[1].split("--- rank")[0]
+        assert "CollectiveMismatchError" in part or "mismatch" in part, (name, roots, rank, part)

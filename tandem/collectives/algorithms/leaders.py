@@ -1,0 +1,320 @@
+"""Reduce, gather, scatter and all-to-all across hosts through each host's leader.
+
+For a group spanning hosts with several ranks on some host (``host_layout``), only
+leaders (each host's lowest group rank) send across hosts, so a host needs connections
+to the other hosts' leaders only: H-1 per host instead of one per pair of ranks. Within
+a host messages go over shared memory (backend ``auto``).
+
+* **reduce**: a binomial tree within each host onto its leader, a binomial tree among
+  the leaders onto the leader of the root's host (``top``), then ``top`` to the root
+  when the root is not a leader.
+* **gather**: each rank to its leader, each leader its host's block to ``top``, ``top``
+  everything to the root (when it is not ``top``); **scatter** the same backwards.
+* **all-to-all**: the pieces for ranks of the same host go straight to them; the rest
+  go to the sender's leader, which packs one message per destination host (every
+  piece from its host to that host, by source then destination rank), sends it to that
+  host's leader, which hands each of its ranks one message of the pieces meant for it.
+
+The root checks of the rooted ones confirm up a two-level tree (:func:`check_tree`):
+each host's ranks to its leader, each leader once its host confirmed, the root once
+every rank did.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from tandem.collectives.algorithms._phases import PHASE, Phase, host_of_rank
+from tandem.collectives.algorithms.roots import ROOT_STEP
+from tandem.collectives.algorithms.tree import tree_reduce
+from tandem.collectives.group import Op, as_bytes
+from tandem.collectives.reduce_op import ReduceOp, finish
+from tandem.transport.base import Slot
+
+__all__ = ["leaders_reduce", "leaders_gather", "leaders_scatter", "leaders_all_to_all",
+           "rooted", "check_tree"]
+
+Layout = list[list[int]]
+
+# steps of their own: the within-host and across-leaders trees of a reduce use 0 and PHASE
+_UP = 2 * PHASE  # a rank to its leader, or top to the root
+_ACROSS = 3 * PHASE  # leader to leader
+_DOWN = 4 * PHASE  # a leader to its ranks
+
+
+def check_tree(layout: Layout, root: int, rank: int) -> tuple[int | None, list[int]]:
+    """``rank``'s parent and children in a rooted call's root check: each host's other
+    ranks confirm to the host's leader (its lowest rank), the other leaders to the
+    leader of the root's host, and that one to the root (when it is not the root), so
+    only leaders confirm across hosts, and only leaders wait for confirmations."""
+    leaders = [ranks[0] for ranks in layout]
+    local = host_of_rank(layout, rank)
+    top = host_of_rank(layout, root)[0]  # the leader of the root's host
+    if rank == root and root != top:
+        return None, [top]
+    if rank != local[0]:
+        return local[0], []
+    children = [r for r in local if r != rank and r != root]
+    if rank != top:
+        return top, children
+    children = [e for e in leaders if e != top] + children
+    return (root if root != top else None), children
+
+
+def rooted(o: Op, root: int, layout: Layout, body: Callable[[], None]) -> None:
+    """Run ``body`` inside the root check through the leaders: a leaf confirms at once;
+    a leader confirms up once its children did, before its part of ``body`` (a child
+    naming another root is then found before the leader waits for its data); the root
+    waits for all at the end."""
+    parent, children = check_tree(layout, root, o.group.group_rank)
+    empty = memoryview(bytearray(0))
+    if parent is not None and not children:
+        told = [o.send(parent, ROOT_STEP, empty)]
+    else:
+        told = [o.recv(c, ROOT_STEP, empty) for c in children]
+        if parent is not None:
+            o.wait(*told)
+            o.wait(o.send(parent, ROOT_STEP, empty))
+            told = []
+    body()
+    o.wait(*told)
+
+
+def _order(layout: Layout) -> list[int]:
+    """Group ranks host by host: the order of the packed buffers that cross hosts."""
+    return [r for ranks in layout for r in ranks]
+
+
+def leaders_reduce(o: Op, buf: torch.Tensor, root: int, redop: ReduceOp, layout: Layout) -> None:
+    """Reduce flat ``buf`` onto ``root``; other ranks' ``buf`` stays unchanged."""
+    me = o.group.group_rank
+    local = host_of_rank(layout, me)
+    leaders = [ranks[0] for ranks in layout]
+    top = host_of_rank(layout, root)[0]
+    # AVG sums throughout and divides once, by the whole group, on top
+    inner = ReduceOp.SUM if redop.name == "AVG" and redop.fn is None else redop
+    acc = buf if me == root else buf.clone() if me == local[0] else buf
+    if len(local) > 1:
+        tree_reduce(Phase(o, local, 0), acc, 0, inner)  # writes only into the leader's acc
+    if me == local[0]:
+        tree_reduce(Phase(o, leaders, PHASE), acc, leaders.index(top), inner)
+        if me == top:
+            finish(redop, acc, o.group.group_size)
+            if root != top:
+                o.wait(o.send(root, _UP, as_bytes(acc)))
+    elif me == root:
+        o.wait(o.recv(top, _UP, as_bytes(buf)))
+
+
+def leaders_gather(o: Op, mine: torch.Tensor, outs: list[torch.Tensor] | None, root: int,
+                   layout: Layout) -> None:
+    """Piece by piece, each forwarded as it arrives (one message per rank, so a leader
+    never waits for its whole host before sending, and the root receives straight into
+    its list)."""
+    me = o.group.group_rank
+    local = host_of_rank(layout, me)
+    top = host_of_rank(layout, root)[0]
+    if me == root:
+        assert outs is not None
+        outs[me].copy_(mine)
+    if me != local[0]:
+        # a root too sends its piece up: a leader naming another root then holds a
+        # message of this call with another signature, and raises
+        sent = o.send(local[0], _UP, as_bytes(mine))
+        if me == root:  # every other piece comes from top, straight into the list
+            assert outs is not None
+            o.wait(sent, *[o.recv(top, _DOWN + r, as_bytes(outs[r]))
+                           for r in range(o.group.group_size) if r != me])
+        else:
+            o.wait(sent)
+        return
+    if me != top:
+        pending = [(r, torch.empty_like(mine)) for r in local if r != me]
+        recvs = [o.recv(r, _UP, as_bytes(t)) for r, t in pending]
+        sends = [o.send(top, _ACROSS + me, as_bytes(mine))]
+        for slot, (r, t) in zip(recvs, pending):
+            o.wait(slot)
+            sends.append(o.send(top, _ACROSS + r, as_bytes(t)))
+        o.wait(*sends)
+        return
+    p = o.group.group_size
+    # top: into the root's list when it is the root, else into pieces it passes on
+    dst = outs if me == root else [torch.empty_like(mine) for _ in range(p)]
+    assert dst is not None
+    dst[me].copy_(mine)
+    leader_of = {r: ranks[0] for ranks in layout for r in ranks}
+    order = [r for r in _order(layout) if r != me]
+    recvs = [o.recv(r, _UP, as_bytes(dst[r])) if leader_of[r] == me
+             else o.recv(leader_of[r], _ACROSS + r, as_bytes(dst[r])) for r in order]
+    if me == root:
+        o.wait(*recvs)
+        return
+    sends = [o.send(root, _DOWN + me, as_bytes(dst[me]))]
+    for slot, r in zip(recvs, order):
+        o.wait(slot)
+        if r != root:
+            sends.append(o.send(root, _DOWN + r, as_bytes(dst[r])))
+    o.wait(*sends)
+
+
+def leaders_scatter(o: Op, recv: torch.Tensor, ins: list[torch.Tensor] | None, root: int,
+                    layout: Layout) -> None:
+    """Piece by piece: the root sends its own host's ranks their pieces, and top (its
+    host's leader) each other host's leader the pieces of that host, which each leader
+    passes on as it arrives."""
+    g = o.group
+    me, p = g.group_rank, g.group_size
+    local = host_of_rank(layout, me)
+    top = host_of_rank(layout, root)[0]
+    leader_of = {r: ranks[0] for ranks in layout for r in ranks}
+    home = host_of_rank(layout, root)  # the root's host
+    away = [r for r in _order(layout) if leader_of[r] != top]  # ranks of other hosts
+    if me == root:
+        assert ins is not None
+        recv.copy_(ins[me])
+        sends = [o.send(r, _DOWN, as_bytes(ins[r])) for r in home if r != me]
+        if me == top:
+            sends += [o.send(leader_of[r], _ACROSS + r, as_bytes(ins[r])) for r in away]
+        else:
+            sends += [o.send(top, _UP + r, as_bytes(ins[r])) for r in away]
+        o.wait(*sends)
+        return
+    if local is home:
+        if me != top:
+            o.wait(o.recv(root, _DOWN, as_bytes(recv)))
+            return
+        # top, not the root: its own piece, then each other host's pieces passed on
+        slots = [o.recv(root, _DOWN, as_bytes(recv))]
+        pieces = [torch.empty_like(recv) for _ in away]
+        recvs = [o.recv(root, _UP + r, as_bytes(t)) for r, t in zip(away, pieces)]
+        for slot, r, t in zip(recvs, away, pieces):
+            o.wait(slot)
+            slots.append(o.send(leader_of[r], _ACROSS + r, as_bytes(t)))
+        o.wait(*slots)
+        return
+    if me != local[0]:
+        o.wait(o.recv(local[0], _DOWN, as_bytes(recv)))
+        return
+    # a leader of another host: its own piece, and its ranks' passed on as they arrive
+    others = [r for r in local if r != me]
+    pieces = [torch.empty_like(recv) for _ in others]
+    slots = [o.recv(top, _ACROSS + me, as_bytes(recv))]
+    recvs = [o.recv(top, _ACROSS + r, as_bytes(t)) for r, t in zip(others, pieces)]
+    for slot, r, t in zip(recvs, others, pieces):
+        o.wait(slot)
+        slots.append(o.send(r, _DOWN, as_bytes(t)))
+    o.wait(*slots)
+
+
+# the all-to-all's table of sizes moves in steps of its own, before the data
+_T_UP, _T_ACROSS, _T_DOWN = 5 * PHASE, 6 * PHASE, 7 * PHASE
+
+
+def leaders_table(o: Op, mine: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+    """Every rank's ``mine`` (one small tensor each, all of one size), by group rank:
+    to the leader, between every two leaders, back to the host's ranks."""
+    g = o.group
+    me, p, n = g.group_rank, g.group_size, mine.numel()
+    local = host_of_rank(layout, me)
+    order = _order(layout)
+    full = torch.empty(p * n, dtype=mine.dtype)
+    at = {r: i * n for i, r in enumerate(order)}
+    rows = [full[at[r]:at[r] + n] for r in range(p)]
+    rows[me].copy_(mine)
+    if me != local[0]:
+        o.wait(o.send(local[0], _T_UP, as_bytes(mine)), o.recv(local[0], _T_DOWN, as_bytes(full)))
+        return rows
+    o.wait(*[o.recv(r, _T_UP, as_bytes(rows[r])) for r in local if r != me])
+    first, last = at[local[0]], at[local[-1]] + n
+    block = full[first:last]  # this host's ranks are consecutive in ``order``
+    slots = []
+    for ranks in layout:
+        if ranks is not local:
+            a, b = at[ranks[0]], at[ranks[-1]] + n
+            slots.append(o.recv(ranks[0], _T_ACROSS, as_bytes(full[a:b])))
+            slots.append(o.send(ranks[0], _T_ACROSS, as_bytes(block)))
+    o.wait(*slots)
+    o.wait(*[o.send(r, _T_DOWN, as_bytes(full)) for r in local if r != me])
+    return rows
+
+
+def leaders_all_to_all(o: Op, outs: list[torch.Tensor], ins: list[torch.Tensor],
+                       counts: list[list[int]], layout: Layout) -> None:
+    """``outs[j]`` on rank ``i`` receives ``ins[i]`` of rank ``j``; ``counts[a][b]``: the
+    elements rank ``a`` sends rank ``b`` (every rank's, as the split check agreed)."""
+    me = o.group.group_rank
+    local = host_of_rank(layout, me)
+    leader = local[0]
+    dtype = ins[me].dtype
+    others = [r for r in _order(layout) if r not in local]  # ranks on other hosts, in order
+    slots = [o.recv(s, 0, as_bytes(outs[s])) for s in local if s != me]
+    slots += [o.send(d, 0, as_bytes(ins[d])) for d in local if d != me]
+    outs[me].copy_(ins[me])
+    if not others:
+        o.wait(*slots)
+        return
+    if me != leader:
+        # everything for other hosts to the leader; everything from them back from it
+        out_box = torch.cat([ins[d] for d in others])
+        in_box = torch.empty(sum(counts[s][me] for s in others), dtype=dtype)
+        slots.append(o.send(leader, _UP, as_bytes(out_box)))
+        o.wait(o.recv(leader, _DOWN, as_bytes(in_box)), *slots)
+        _split_into(in_box, [outs[s] for s in others])
+        return
+    # what each rank of this host sends to other hosts, pieces in the order of ``others``
+    boxes = {r: torch.empty(sum(counts[r][d] for d in others), dtype=dtype)
+             for r in local if r != me}
+    boxes[me] = torch.cat([ins[d] for d in others])
+    ups = [o.recv(r, _UP, as_bytes(boxes[r])) for r in local if r != me]
+    offsets = {}
+    for r in local:
+        at = 0
+        for d in others:
+            offsets[(r, d)] = at
+            at += counts[r][d]
+
+    def piece(r: int, d: int) -> torch.Tensor:
+        return boxes[r][offsets[(r, d)]:offsets[(r, d)] + counts[r][d]]
+
+    # from each other host: its ranks' pieces for this host's ranks, by source then destination
+    inbound = {}
+    for ranks in layout:
+        if ranks is not local:
+            size = sum(counts[s][d] for s in ranks for d in local)
+            inbound[ranks[0]] = torch.empty(size, dtype=dtype)
+            slots.append(o.recv(ranks[0], _ACROSS, as_bytes(inbound[ranks[0]])))
+    o.wait(*ups)
+    for ranks in layout:
+        if ranks is not local:
+            packed = torch.cat([piece(s, d) for s in local for d in ranks])
+            slots.append(o.send(ranks[0], _ACROSS, as_bytes(packed)))
+    # wait for the other leaders one by one, then hand each rank of this host its pieces
+    views: dict[int, dict[int, torch.Tensor]] = {d: {} for d in local}
+    for ranks in layout:
+        if ranks is local:
+            continue
+        box = inbound[ranks[0]]
+        at = 0
+        for s in ranks:
+            for d in local:
+                views[d][s] = box[at:at + counts[s][d]]
+                at += counts[s][d]
+    o.wait(*slots)
+    downs = []
+    for d in local:
+        if d == me:
+            for s in others:
+                outs[s].copy_(views[d][s])
+        else:
+            downs.append(o.send(d, _DOWN, as_bytes(torch.cat([views[d][s] for s in others]))))
+    o.wait(*downs)
+
+
+def _split_into(box: torch.Tensor, outs: list[torch.Tensor]) -> None:
+    at = 0
+    for t in outs:
+        k = t.numel()
+        t.copy_(box[at:at + k])
+        at += k
