@@ -12,17 +12,21 @@ hanging; a goodbye from a rank that never wrote needs no ring.
 from __future__ import annotations
 
 import socket
+import sys
 import threading
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
 
 from tandem.errors import PeerLostError, StateError
-from tandem.store.hash import HashStore
 from tandem.transport import Header, Kind
 from tandem.transport.message import Slot
 from tandem.transport import shm
 from tandem.transport.shm import ShmTransport, unsupported_reason
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "transport"))
+from _pair import connected_pair  # noqa: E402 - the transport tests' helper, found above
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(bool(unsupported_reason()), reason=unsupported_reason())]
@@ -32,21 +36,10 @@ RING = 1 << 16
 FAST = 10.0
 
 
-def _build(n: int, **kw: Any) -> list[ShmTransport]:
-    """``n`` connected transports (ranks 0..n-1 of one host), each built on its own thread."""
-    store = HashStore()
-    made: list[Any] = [None] * n
-
-    def build(rank: int) -> None:
-        made[rank] = ShmTransport(rank, n, store, SECRET, ring_bytes=RING, hostname="h", **kw)
-
-    threads = [threading.Thread(target=build, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert all(isinstance(m, ShmTransport) for m in made), made
-    return made
+def _build(n: int) -> list[ShmTransport]:
+    """``n`` connected transports (ranks 0..n-1 of one host)."""
+    return connected_pair(lambda rank, store: ShmTransport(
+        rank, n, store, SECRET, ring_bytes=RING, hostname="h"), ShmTransport, n)
 
 
 @pytest.fixture
