@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
-import time
-from typing import Callable
 
 import torch
 
@@ -20,6 +17,7 @@ from tandem.store.prefix import PrefixStore
 from tandem.transport import Header, Kind
 from tandem.transport.message import Slot
 from tandem.transport.shm import ShmTransport
+from tandem.testing import wait_until
 
 RING = 1 << 16
 # one frame in the ring; several rings' worth (streamed through it); by reference (>= 1 MiB)
@@ -31,15 +29,6 @@ SECRET = b"send-then-leave"
 def payload(round_: int, n: int) -> bytes:
     block = hashlib.sha256(str(round_).encode()).digest()
     return (block * (n // len(block) + 1))[:n]
-
-
-def _until(done: Callable[[], bool], what: str) -> None:
-    tick = threading.Event()
-    deadline = time.monotonic() + WAIT_S
-    while not done():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {WAIT_S:.0f}s for {what}")
-        tick.wait(0.002)
 
 
 def _finished(slot: Slot, what: str) -> str | None:
@@ -69,8 +58,8 @@ def send_then_leave(rank: int, world: int, store_path: str, rounds: int) -> list
                     problems.append(problem)
                 continue  # closes at once
             if (i // len(SIZES)) % 2:
-                _until(lambda: t.left(1) is not None or t.lost(1) is not None,
-                       "rank 1 to leave")
+                wait_until(lambda: t.left(1) is not None or t.lost(1) is not None,
+                       "rank 1 to leave", WAIT_S)
             buf = bytearray(n)
             got = t.irecv(1, Kind.P2P, 0, i, 0, memoryview(buf))
             problem = _finished(got, f"{where}: rank 0's receive")
@@ -80,7 +69,7 @@ def send_then_leave(rank: int, world: int, store_path: str, rounds: int) -> list
             for p in (problem, _finished(reply, f"{where}: rank 0's send to rank 1, gone")):
                 if p:
                     problems.append(p)
-            _until(lambda: t.left(1) is not None or t.lost(1) is not None, "rank 1's end")
+            wait_until(lambda: t.left(1) is not None or t.lost(1) is not None, "rank 1's end", WAIT_S)
             if t.lost(1) is not None:
                 problems.append(f"{where}: rank 1 said goodbye but was taken for a crash: "
                                 f"{t.lost(1)}")
@@ -95,7 +84,7 @@ def gather_after_a_member_left(rank: int, world: int, flag: str) -> list[list[fl
     tandem.all_reduce(torch.ones(1))  # the group's shared memory is set up
     out = None
     if rank == 0:
-        _until(lambda: os.path.exists(flag), "rank 1 to leave")
+        wait_until(lambda: os.path.exists(flag), "rank 1 to leave", WAIT_S)
         out = [torch.empty(3) for _ in range(world)]
     tandem.gather(torch.full((3,), float(rank)), out, dst=0)
     if rank != 0:

@@ -15,7 +15,7 @@ import socket
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -24,6 +24,7 @@ from tandem.transport import Header, Kind
 from tandem.transport.message import Slot
 from tandem.transport import shm
 from tandem.transport.shm import ShmTransport, unsupported_reason
+from tandem.testing import wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "transport"))
 from _pair import connected_pair  # noqa: E402 - the transport tests' helper, found above
@@ -200,18 +201,9 @@ def test_a_goodbye_from_a_rank_that_never_wrote_needs_no_ring(
     a.close()  # on purpose: b's receive fails as "left", not as a crash
     error = _done(waiting)
     assert isinstance(error, PeerLostError), error
-    wait_until(lambda: b.left(0) is not None, "rank 1 to learn that rank 0 left")
+    wait_until(lambda: b.left(0) is not None, "rank 1 to learn that rank 0 left", FAST)
     assert b.lost(0) is None, "a rank that said goodbye was taken for a crash"
     assert _rings(b)[0] == (False, False)
-
-
-def wait_until(done: Callable[[], bool], what: str) -> None:
-    ready = threading.Event()
-    for _ in range(int(FAST / 0.01)):
-        if done():
-            return
-        ready.wait(0.01)
-    raise AssertionError(f"waited {FAST}s for {what}")
 
 
 def test_an_abort_to_a_peer_never_written_to_arrives_without_a_ring(

@@ -8,8 +8,6 @@ crash?", though the rank had left on purpose.
 from __future__ import annotations
 
 import os
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,21 +16,12 @@ import torch
 
 import tandem
 from tandem.collectives.world import world
-from tandem.testing import launch
+from tandem.testing import launch, wait_until
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(180)]
 
 WAIT_S = 60.0
 SENDS = 4  # a tcp connection takes the first frame after the peer's close; later ones fail
-
-
-def _until(done: Any, what: str) -> None:
-    tick = threading.Event()
-    deadline = time.monotonic() + WAIT_S
-    while not done():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {WAIT_S:.0f}s for {what}")
-        tick.wait(0.005)
 
 
 def _send_after_leave(rank: int, world_size: int, flag: str) -> Any:
@@ -41,11 +30,11 @@ def _send_after_leave(rank: int, world_size: int, flag: str) -> Any:
         tandem.destroy_process_group()
         Path(flag).touch()
         return None
-    _until(lambda: os.path.exists(flag), "rank 1 to leave")
+    wait_until(lambda: os.path.exists(flag), "rank 1 to leave", WAIT_S)
     got = torch.empty(1000)
     tandem.recv(got, 1)  # sent before it left: delivered
     transport = world().transport
-    _until(lambda: transport.left(1) is not None, "rank 1's goodbye")
+    wait_until(lambda: transport.left(1) is not None, "rank 1's goodbye", WAIT_S)
     outcomes = []
     for i in range(SENDS):
         try:
