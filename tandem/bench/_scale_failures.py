@@ -10,7 +10,6 @@ workers run this file as their script (:func:`worker_main`).
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import signal
 import sys
@@ -18,6 +17,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any, Sequence
+
+from tandem.testing.logs import capture_stall_reports
 
 __all__ = ["enter_host", "killed", "stalled", "skipped", "worker_main", "SKIP_LINE",
            "CALL_LINE"]
@@ -83,14 +84,7 @@ def stalled(rank: int, world: int, store: str, names: Sequence[str], addrs: Sequ
 
     import tandem
 
-    reports: list[tuple[float, str]] = []
-
-    class Capture(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if "has waited" in record.getMessage():
-                reports.append((time.monotonic(), record.getMessage()))
-
-    logging.getLogger("tandem").addHandler(Capture())
+    reports = capture_stall_reports()
     _join(rank, world, store, names, addrs, per_host, timeout)
     tandem.all_reduce(torch.ones(4))
     if rank == victim:
@@ -100,7 +94,7 @@ def stalled(rank: int, world: int, store: str, names: Sequence[str], addrs: Sequ
         tandem.all_reduce(torch.ones(4))
     except Exception:  # noqa: BLE001 - the call times out; the reports are the result
         pass
-    return [(t - start, m) for t, m in reports]
+    return reports.since(start)
 
 
 def _line_of(marker: str) -> int:

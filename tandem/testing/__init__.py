@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 from tandem._proc import process_stopped
 
-__all__ = ["spawn", "launch", "Outcome", "run_threads", "RankFailed"]
+__all__ = ["spawn", "launch", "Outcome", "run_threads", "RankFailed", "wait_until"]
 
 
 class RankFailed(AssertionError):
@@ -221,6 +221,17 @@ def spawn(world_size: int, fn: Callable[..., Any], args: Sequence[Any] = (), **k
         text = "\n".join(f"--- rank {o.rank} ({o.error_type}) ---\n{o.error}" for o in failed)
         raise RankFailed(f"{len(failed)} of {world_size} ranks failed:\n{text}")
     return [o.value for o in outcomes]
+
+
+def wait_until(done: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    """Return once ``done()`` holds (another thread or process makes it true); raise
+    ``AssertionError`` naming ``what`` if it does not within ``timeout`` seconds."""
+    tick = threading.Event()  # a wait that never fires: a pause that is not a bare sleep
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout:g}s for {what}")
+        tick.wait(0.005)
 
 
 def run_threads(world_size: int, fn: Callable[..., Any], args: Sequence[Any] = (), *,

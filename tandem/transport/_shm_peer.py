@@ -67,7 +67,7 @@ from tandem.transport.mailbox import Mailbox
 from tandem.transport.message import Header, Kind, Slot
 from tandem.transport.sendqueue import SendQueue
 
-__all__ = ["ShmPeer", "Closed", "frame", "unframe", "BY_REFERENCE_MIN", "SMALL_FRAME"]
+__all__ = ["ShmPeer", "Closed", "HungUp", "frame", "unframe", "BY_REFERENCE_MIN", "SMALL_FRAME"]
 
 _HDR = struct.Struct("<BIQiQHH")
 _REF, _ACK = 0x80, 0x40  # kind-byte flags: the payload goes by reference; an acknowledgement
@@ -98,6 +98,11 @@ _RPC = Kind.RPC
 
 class Closed(TandemError):
     """The transport is closing: waiting threads stop quietly."""
+
+
+class HungUp(PeerLostError):
+    """The peer's connection closed before a message to it could be written: whether it
+    left (said goodbye) or died is known only once everything it sent has been read."""
 
 
 def _head(header: Header, flags: int = 0) -> bytes:
@@ -156,6 +161,10 @@ class ShmPeer:
         self._max_frame = 0
         self._probed = False
         self._dead = False  # no more frames: the peer is gone or the stream broke
+        # sends that found the connection closed, settled once the peer's stream ended
+        # (``_settle_unsent``): dropped if it said goodbye, failed if it died
+        self._unsent: list[tuple[Header, Slot]] = []
+        self._ended = False
         self._head = memoryview(bytearray(_HDR.size))
         self.borrowed: Borrowed | None = None  # segments the peer lent us (set by the transport)
 
@@ -204,18 +213,58 @@ class ShmPeer:
             return True
 
     def lost(self, why: str) -> PeerLostError:
-        return PeerLostError(
-            f"rank {self.rank} (pid {self.pid}, host {self.hostname or '?'}) {why} its "
-            f"shared-memory connection to rank {self.me}; did it exit or crash?", self.rank)
+        return PeerLostError(self._lost_text(why), self.rank)
+
+    def hung_up(self) -> HungUp:
+        """What a send raises when the peer's connection is closed (see :meth:`gone`)."""
+        return HungUp(self._lost_text("closed"), self.rank)
+
+    def _lost_text(self, why: str) -> str:
+        return (f"rank {self.rank} (pid {self.pid}, host {self.hostname or '?'}) {why} its "
+                f"shared-memory connection to rank {self.me}; did it exit or crash?")
+
+    def gone(self, header: Header, slot: Slot) -> None:
+        """A message the peer's closed connection could not take: complete ``slot`` as
+        sent if the peer left on purpose (a message to a rank that left is never read,
+        like one written into its ring after it left), fail it if the peer died. Known
+        once the peer's stream ended (its goodbye, if any, comes before the close)."""
+        with self._cv:
+            if not self._ended:
+                self._unsent.append((header, slot))
+                return
+        self._settle(header, slot, None)
+
+    def _settle(self, header: Header, slot: Slot, error: BaseException | None) -> None:
+        failures = self._mailbox.failures
+        if error is None and failures.left(self.rank) is not None:
+            slot.finish(header)
+            return
+        slot.finish(None, error or failures.lost(self.rank) or self.lost("closed"))
+
+    def _settle_unsent(self, error: BaseException | None) -> None:
+        """The peer's stream ended (its fate is recorded) or the transport closes
+        (``error``): settle the sends that found its connection closed."""
+        with self._cv:
+            self._ended = True
+            unsent, self._unsent = self._unsent, []
+        for header, slot in unsent:
+            self._settle(header, slot, error)
 
     # -- sending ---------------------------------------------------------------------
     def post(self, header: Header, views: list[memoryview], slot: Slot) -> None:
         """Send one message (``views``: 1-D byte views); ``slot`` finishes once the peer
         may have every byte: written into the ring, or read by reference and acknowledged."""
+        try:
+            self._post(header, views, slot)
+        except HungUp:  # e.g. a segment to lend could not be handed over
+            self.gone(header, slot)
+
+    def _post(self, header: Header, views: list[memoryview], slot: Slot) -> None:
         if (header.kind == _RPC and header.nbytes >= LEND_MIN and self.lender is not None
                 and self._post_lent(header, views, slot)):
             return
-        if (header.nbytes >= BY_REFERENCE_MIN and self.outbound.readable()
+        out = self._out  # a ring made by this very message is not readable yet
+        if (header.nbytes >= BY_REFERENCE_MIN and out is not None and out.readable()
                 and any(len(v) >= BY_REFERENCE_MIN for v in views)):
             self._post_by_reference(header, views, slot)
             return
@@ -361,7 +410,11 @@ class ShmPeer:
 
     def send(self, parts: list[memoryview], header: Header, slot: Slot) -> None:
         """Write ``parts`` now if they fit, else queue them; ``slot`` finishes when written."""
-        out = self.outbound  # made here on the first message, outside the locks below
+        try:
+            out = self.outbound  # made here on the first message, outside the locks below
+        except HungUp:
+            self.gone(header, slot)
+            return
         with self._cv:
             # inline only when nothing is queued or being written and the frame fits now
             inline = not self.queue and self._wlock.acquire(blocking=False)
@@ -385,11 +438,14 @@ class ShmPeer:
         if self.closing:
             raise StateError(f"rank {self.me} closed its shared-memory transport")
         if self.eof:
-            raise self.lost("closed")
+            raise self.hung_up()
 
     def _write(self, parts: list[memoryview], header: Header, slot: Slot) -> None:
         try:
             self.outbound.write(parts, self._check_out)
+        except HungUp:
+            self.gone(header, slot)
+            return
         except TandemError as exc:
             slot.finish(None, exc)
             return
@@ -419,7 +475,10 @@ class ShmPeer:
         with self._cv:
             slots = [slot for _, _, slot in self.queue.drain()]
             slots += [slot for _, _, slot in self._acks.values()]
+            slots += [slot for _, slot in self._unsent]
             self._acks.clear()
+            self._unsent.clear()
+            self._ended = True
             self.queue.held = self.queue.held_count = 0
             return slots
 
@@ -619,7 +678,9 @@ class ShmPeer:
         if self._in is not None:
             self._in.wake_local()  # the reader thread, if asleep, sees _dead
         if isinstance(exc, Closed) or self.closing:
-            self._fail_acks(StateError(f"rank {self.me} closed its shared-memory transport"))
+            closed = StateError(f"rank {self.me} closed its shared-memory transport")
+            self._fail_acks(closed)
+            self._settle_unsent(closed)
             return
         if not isinstance(exc, PeerLostError):
             # the stream is broken (e.g. an oversized frame): end the connection, so the
@@ -631,6 +692,7 @@ class ShmPeer:
                 self.rank)
         self._fail_acks(exc)
         self._mailbox.peer_lost(self.rank, exc)
+        self._settle_unsent(None)  # its goodbye, if any, was read: the book says which
 
     def stop(self, exc: BaseException) -> None:
         """Stop reading from the peer and report why (from outside the reader: e.g. its

@@ -31,7 +31,9 @@ A dead peer: the kernel closes its sockets, a watcher thread sees EOF, and the
 reader reports ``PeerLostError`` once it has drained what the peer wrote before
 dying (the watcher reports it at once if the peer never wrote to us). A rank that
 closes says goodbye through the ring, or, if it never wrote to that peer, in a
-record on the socket (as are aborts to such a peer). Hygiene: segments and sockets have no names (memfd, abstract UNIX
+record on the socket (as are aborts to such a peer). A message to a peer whose
+connection closed completes unread if the peer said goodbye and fails if it died,
+decided once everything it sent was read (``ShmPeer.gone``). Hygiene: segments and sockets have no names (memfd, abstract UNIX
 sockets), so normal exit, exceptions and SIGKILL leave nothing behind.
 """
 
@@ -53,7 +55,7 @@ from tandem.store.base import Store
 from tandem.transport._arena import Arena, default_chunk, segment_bytes, CONTROL_BYTES
 from tandem.transport._lend import KEY_BIT, Borrowed, Lender, lend_budget
 from tandem.transport._ring import Ring, init_segment, segment_size
-from tandem.transport._shm_peer import ShmPeer, frame, unframe
+from tandem.transport._shm_peer import HungUp, ShmPeer, frame, unframe
 from tandem.transport._shm_setup import Link, connect_local
 from tandem.transport import forks
 from tandem.transport._shmem import create_segment, unsupported_reason
@@ -366,7 +368,10 @@ class ShmTransport(BoundedSends, Transport):
                 whole = mmap.mmap(fd, size)
                 try:
                     for r in members[1:]:
-                        self._offer(self._peers[r], key, fd, size)
+                        try:
+                            self._offer(self._peers[r], key, fd, size)
+                        except HungUp as exc:  # a member that is gone cannot take part
+                            raise self._peers[r].lost("closed") from exc
                 except BaseException:
                     whole.close()
                     raise
@@ -402,7 +407,7 @@ class ShmTransport(BoundedSends, Transport):
                                        f"arena segment from rank {self.rank}") from None
                 time.sleep(0.001)
             except OSError as exc:
-                raise peer.lost("closed") from exc
+                raise peer.hung_up() from exc
 
     def _news(self, p: ShmPeer, header: Header, pieces: Sequence[memoryview]) -> None:
         blob = b"".join([bytes(v) for v in frame(header, memoryview(b""))] +
@@ -447,8 +452,13 @@ class ShmTransport(BoundedSends, Transport):
         assert p is not None
         check_header(header)
         slot = self._send_slot(peer, header)
-        if (header.kind in _NEWS_KINDS and header.nbytes <= _NEWS_MAX // 2
-                and p.send_unwritten(lambda: self._news(p, header, pieces))):
+        try:
+            told = (header.kind in _NEWS_KINDS and header.nbytes <= _NEWS_MAX // 2
+                    and p.send_unwritten(lambda: self._news(p, header, pieces)))
+        except HungUp:
+            p.gone(header, slot)
+            return slot
+        if told:
             slot.finish(header)  # no ring made just to tell
             return slot
         views = [b if b.format == "B" and b.ndim == 1 else b.cast("B") for b in pieces]

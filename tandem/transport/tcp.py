@@ -569,7 +569,7 @@ class TcpTransport(BoundedSends, Transport):
             pass
         except OSError as exc:
             parts = []
-            self._send_failed(p, slot, exc)
+            self._send_failed(p, slot, exc, header)
         with p.cv:
             p.busy = False
             if parts:
@@ -594,7 +594,14 @@ class TcpTransport(BoundedSends, Transport):
                 self._sender.start()
         self._wake(self._send_wake_w)
 
-    def _send_failed(self, p: _Peer, slot: Slot, exc: OSError) -> None:
+    def _send_failed(self, p: _Peer, slot: Slot, exc: OSError,
+                     header: Header | None = None) -> None:
+        if header is not None and self.mailbox.failures.left(p.rank) is not None:
+            # it said goodbye: nobody reads this, as nobody reads a frame the kernel took
+            # just before its close; the caller's call goes on (a gather's root announcing
+            # itself to a member that finished and left)
+            slot.finish(header)
+            return
         error = PeerLostError(f"rank {self.rank} could not send to rank {p.rank}: {exc}; "
                               f"did it exit or crash?", p.rank)
         if not self._closing:
@@ -655,7 +662,7 @@ class TcpTransport(BoundedSends, Transport):
             except BlockingIOError:
                 full = True
             except OSError as exc:
-                self._send_failed(p, slot, exc)
+                self._send_failed(p, slot, exc, header)
             except Exception as exc:  # noqa: BLE001 - the sender must never die silently
                 self._shutdown(p.sock)
                 self._send_failed(p, slot, OSError(f"{type(exc).__name__}: {exc}"))

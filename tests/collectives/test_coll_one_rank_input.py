@@ -17,6 +17,7 @@ import torch
 import tandem
 from tandem.errors import CollectiveMismatchError
 from tandem.testing import run_threads
+from tandem.testing.logs import capture_logs
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -145,18 +146,8 @@ def test_the_rank_that_failed_to_pickle_keeps_the_cause() -> None:
 
 
 # -- sends nobody received -------------------------------------------------------------------
-class _Logged(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def _unreceived(rank: int, world_size: int) -> list[str]:
-    logged = _Logged()
-    logging.getLogger("tandem").addHandler(logged)
+    logged = capture_logs("no receive took")
     if rank == 0:
         tandem.isend(torch.ones(4), 1, tag=5).wait()  # 16 bytes nobody receives
         for _ in range(2):
@@ -165,7 +156,7 @@ def _unreceived(rank: int, world_size: int) -> list[str]:
         tandem.recv(torch.empty(2, dtype=torch.float64), 0, tag=7)  # one of the two
     tandem.barrier()  # after the sends, on the same links: they have arrived
     tandem.destroy_process_group()
-    return [m for m in logged.messages if "no receive took" in m]
+    return logged.messages()
 
 
 @pytest.mark.parametrize("backend", ["tcp", "shm"])
@@ -184,8 +175,7 @@ def test_sends_nobody_received_are_named_when_the_group_is_destroyed(backend: st
 
 def test_a_group_whose_sends_were_all_received_closes_quietly() -> None:
     def body(g):
-        logged = _Logged()
-        logging.getLogger("tandem").addHandler(logged)
+        logged = capture_logs("no receive took")
         try:
             if g.rank() == 0:
                 tandem.send(torch.ones(3), 1, group=g, tag=2)
@@ -195,6 +185,6 @@ def test_a_group_whose_sends_were_all_received_closes_quietly() -> None:
             g.close()
         finally:
             logging.getLogger("tandem").removeHandler(logged)
-        return [m for m in logged.messages if "no receive took" in m]
+        return logged.messages()
 
     assert run_threads(2, body) == [[], []]

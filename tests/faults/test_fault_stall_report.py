@@ -4,7 +4,6 @@ intervals, long before the call's deadline."""
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import signal
@@ -19,6 +18,7 @@ import tandem as dist
 from _fault_helpers import attempt, line_of, values, warm_up
 from tandem.errors import TandemError
 from tandem.testing import launch
+from tandem.testing.logs import LogCapture, capture_stall_reports
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]
 
@@ -28,19 +28,6 @@ STALL = 1.0  # TANDEM_STALL_WARN in these tests
 FIRST_REPORT_BY = STALL + 4.0
 LATE_FOR = 30.0  # a late rank returns once the waiting rank reported, or after this
 ENV = {"TANDEM_STALL_WARN": str(STALL)}
-
-
-class _Capture(logging.Handler):
-    """Keeps the reports; tells the late rank how many there are (files in a directory)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[tuple[float, str]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append((time.monotonic(), record.getMessage()))
-        if "has waited" in record.getMessage():
-            Path(_sync(f"report{len(self.records)}")).touch()
 
 
 def _sync(name: str) -> str:
@@ -54,14 +41,11 @@ def _stay_late(reports: int) -> None:
         time.sleep(0.02)  # late-rank
 
 
-def _capture() -> _Capture:
-    handler = _Capture()
-    logging.getLogger("tandem").addHandler(handler)
+def _capture() -> LogCapture:
+    """Keeps the stall reports; tells the late rank how many there are (files in a directory)."""
+    handler = capture_stall_reports()
+    handler.then = lambda _: Path(_sync(f"report{len(handler.records)}")).touch()
     return handler
-
-
-def _reports(handler: _Capture, since: float) -> list[tuple[float, str]]:
-    return [(t - since, m) for t, m in handler.records if "has waited" in m]
 
 
 def _late_sleeper(rank: int, world_size: int) -> Any:
@@ -71,7 +55,7 @@ def _late_sleeper(rank: int, world_size: int) -> Any:
         _stay_late(reports=3)
     start = time.monotonic()
     dist.all_reduce(torch.ones(4))  # late-call
-    return _reports(handler, start)
+    return handler.since(start)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +104,7 @@ def _crossed(rank: int, world_size: int) -> Any:
         error = "none"
     except TandemError as exc:
         error = type(exc).__name__
-    return {"reports": _reports(handler, start), "error": error}
+    return {"reports": handler.since(start), "error": error}
 
 
 def test_a_missing_rank_in_another_collective_is_named_with_that_call() -> None:
@@ -150,7 +134,7 @@ def _p2p_sleeper(rank: int, world_size: int) -> Any:
         return []
     start = time.monotonic()
     dist.recv(t, src=1)
-    return _reports(handler, start)
+    return handler.since(start)
 
 
 def test_a_receive_that_waits_names_the_sender_and_what_it_does() -> None:
@@ -172,7 +156,7 @@ def _stopped(rank: int, world_size: int) -> Any:
         os.kill(os.getpid(), signal.SIGSTOP)
     start = time.monotonic()
     attempt(dist.all_reduce, torch.ones(4))
-    return _reports(handler, start)
+    return handler.since(start)
 
 
 def test_a_stopped_rank_is_named_as_not_answering() -> None:

@@ -4,7 +4,6 @@ their timeouts."""
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import time
@@ -17,22 +16,13 @@ import torch
 import tandem as dist
 from _fault_helpers import attempt, values, warm_up
 from tandem.testing import launch
+from tandem.testing.logs import capture_stall_reports
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.procs]
 
 WORLD = 4
 STALL = 1.5  # TANDEM_STALL_WARN: the first report comes well before the timeout
 OP_TIMEOUT = 20.0  # reports come at 1.5, 3, 6 and 12 s
-
-
-class _Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.reports: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "has waited" in record.getMessage():
-            self.reports.append(record.getMessage())
 
 
 def _store_host_stopped(rank: int, world_size: int, where: str, backend: str) -> Any:
@@ -51,13 +41,12 @@ def _store_host_stopped(rank: int, world_size: int, where: str, backend: str) ->
                               is_master=False, timeout=OP_TIMEOUT)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=OP_TIMEOUT)
-    handler = _Capture()
-    logging.getLogger("tandem").addHandler(handler)
+    reports = capture_stall_reports()
     dist.all_reduce(torch.ones(4))  # everyone is connected
     if rank == 0:
         os.kill(os.getpid(), signal.SIGSTOP)
     result = attempt(dist.all_reduce, torch.ones(1 << 12))
-    result["reports"] = handler.reports
+    result["reports"] = reports.messages()
     return result
 
 

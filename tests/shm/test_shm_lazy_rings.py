@@ -12,17 +12,22 @@ hanging; a goodbye from a rank that never wrote needs no ring.
 from __future__ import annotations
 
 import socket
+import sys
 import threading
-from typing import Any, Callable, Iterator
+from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 
 from tandem.errors import PeerLostError, StateError
-from tandem.store.hash import HashStore
 from tandem.transport import Header, Kind
 from tandem.transport.message import Slot
 from tandem.transport import shm
 from tandem.transport.shm import ShmTransport, unsupported_reason
+from tandem.testing import wait_until
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "transport"))
+from _pair import connected_pair  # noqa: E402 - the transport tests' helper, found above
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(bool(unsupported_reason()), reason=unsupported_reason())]
@@ -32,21 +37,10 @@ RING = 1 << 16
 FAST = 10.0
 
 
-def _build(n: int, **kw: Any) -> list[ShmTransport]:
-    """``n`` connected transports (ranks 0..n-1 of one host), each built on its own thread."""
-    store = HashStore()
-    made: list[Any] = [None] * n
-
-    def build(rank: int) -> None:
-        made[rank] = ShmTransport(rank, n, store, SECRET, ring_bytes=RING, hostname="h", **kw)
-
-    threads = [threading.Thread(target=build, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert all(isinstance(m, ShmTransport) for m in made), made
-    return made
+def _build(n: int) -> list[ShmTransport]:
+    """``n`` connected transports (ranks 0..n-1 of one host)."""
+    return connected_pair(lambda rank, store: ShmTransport(
+        rank, n, store, SECRET, ring_bytes=RING, hostname="h"), ShmTransport, n)
 
 
 @pytest.fixture
@@ -162,9 +156,11 @@ def test_a_peer_lost_before_it_ever_wrote_is_reported_to_its_waiters(
     error = _done(waiting)
     assert isinstance(error, PeerLostError) and error.rank == 0, error
     assert isinstance(b.lost(0), PeerLostError) and b.left(0) is None  # died, not left
-    with pytest.raises(PeerLostError, match="rank 0"):  # a first send to it fails at once
-        slot = _send(c, 0, 1, b"late")
-        raise AssertionError(f"the send was accepted: {_done(slot)}")
+    try:  # a first send to it fails: at once if c saw the close, else once it has
+        late: BaseException | None = _done(_send(c, 0, 1, b"late"))
+    except PeerLostError as exc:
+        late = exc
+    assert isinstance(late, PeerLostError) and "rank 0" in str(late), late
     assert c._peers[0].has_rings() == (False, False)
 
 
@@ -207,18 +203,9 @@ def test_a_goodbye_from_a_rank_that_never_wrote_needs_no_ring(
     a.close()  # on purpose: b's receive fails as "left", not as a crash
     error = _done(waiting)
     assert isinstance(error, PeerLostError), error
-    wait_until(lambda: b.left(0) is not None, "rank 1 to learn that rank 0 left")
+    wait_until(lambda: b.left(0) is not None, "rank 1 to learn that rank 0 left", FAST)
     assert b.lost(0) is None, "a rank that said goodbye was taken for a crash"
     assert _rings(b)[0] == (False, False)
-
-
-def wait_until(done: Callable[[], bool], what: str) -> None:
-    ready = threading.Event()
-    for _ in range(int(FAST / 0.01)):
-        if done():
-            return
-        ready.wait(0.01)
-    raise AssertionError(f"waited {FAST}s for {what}")
 
 
 def test_an_abort_to_a_peer_never_written_to_arrives_without_a_ring(

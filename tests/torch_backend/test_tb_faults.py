@@ -31,6 +31,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _tb_util import attempt, init, run, values
+from tandem.testing.logs import capture_logs, capture_stall_reports
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]
 
@@ -155,23 +156,14 @@ STALL_WARN = 1.0  # TANDEM_STALL_WARN of the stall test
 
 
 def _stopped_rank(rank: int, world: int, store_dir: str) -> dict[str, Any]:
-    import logging
-
-    reports: list[tuple[float, str]] = []
-
-    class Capture(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if "has waited" in record.getMessage():
-                reports.append((time.monotonic(), record.getMessage()))
-
-    logging.getLogger("tandem").addHandler(Capture())
+    reports = capture_stall_reports()
     init(rank, world, store_dir, timeout=10)
     dist.all_reduce(torch.ones(4))  # everyone is connected
     if rank == world - 1:
         os.kill(os.getpid(), signal.SIGSTOP)  # never resumed: the harness kills it
     start = time.monotonic()
     result = attempt(dist.all_reduce, torch.ones(4))  # stalled-call
-    result["reports"] = [(t - start, m) for t, m in reports]
+    result["reports"] = reports.since(start)
     return result
 
 
@@ -193,21 +185,13 @@ def test_a_stopped_rank_is_reported_by_the_watchdog_under_the_torch_backend(
 
 
 def _unreceived_send(rank: int, world: int, store_dir: str) -> list[str]:
-    import logging
-
-    logged: list[str] = []
-
-    class Capture(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            logged.append(record.getMessage())
-
-    logging.getLogger("tandem").addHandler(Capture())
+    logged = capture_logs("no receive took")
     init(rank, world, store_dir)
     if rank == 0:
         dist.isend(torch.ones(6), 1, tag=3).wait()  # 24 bytes rank 1 never receives
     dist.barrier()  # after the send, on the same link: it has arrived
     dist.destroy_process_group()
-    return [m for m in logged if "no receive took" in m]
+    return logged.messages()
 
 
 def test_a_send_nobody_received_is_named_when_torch_destroys_the_group(tmp_path: Path) -> None:

@@ -80,9 +80,14 @@ def _under_gloo(rank: int, world: int, store_dir: str) -> Any:
     init(rank, world, store_dir, backend="gloo", store="gloo")
     pair = dist.new_group([1, 2], backend="tandem")
     if rank == 0:
-        return {"member": False}
-    return {"member": True, "sum": _sum_of_ranks(pair), "global_ranks": pair.global_ranks(),
-            "backend": dist.get_backend(pair)}
+        out: dict[str, Any] = {"member": False}
+    else:
+        out = {"member": True, "sum": _sum_of_ranks(pair), "global_ranks": pair.global_ranks(),
+               "backend": dist.get_backend(pair)}
+    # nobody leaves before all have joined: a rank that destroys its gloo group while a
+    # peer is still in gloo's connectFullMesh fails that peer ("Connection closed by peer")
+    dist.barrier()
+    return out
 
 
 def lifetimes(rank: int, world: int, store_dir: str) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import pytest
 
 from tandem.errors import ArgumentError, NetworkError, PeerLostError, TandemError
 from tandem.store.hash import HashStore
+from tandem.testing import wait_until
 from tandem.transport import Header, Kind, Slot, Transport
 from tandem.transport.shm import ShmTransport
 from tandem.transport.tcp import TcpTransport
@@ -45,13 +46,6 @@ def pair(request: Any) -> Iterator[list[Transport]]:
 def _finished(slot: Slot, within: float = FAST) -> BaseException | None:
     assert slot.event.wait(within), f"{slot.key} still pending after {within}s"
     return slot.error
-
-
-def _until(done: Callable[[], bool], what: str, within: float = FAST) -> None:
-    deadline = time.monotonic() + within
-    while not done():
-        assert time.monotonic() < deadline, f"waited {within}s for {what}"
-        time.sleep(0.005)
 
 
 def _recv(t: Transport, peer: int, group: int, n: int) -> Slot:
@@ -96,9 +90,11 @@ def test_a_receive_posted_after_its_sender_died_mid_message_fails_naming_it(
         pair: list[Transport]) -> None:
     a, b = pair
     _cut_message(a, 1, Header(Kind.P2P, 5, 0, 0, 8 << 20), b"x" * (256 << 10))
-    _until(lambda: 0 in b.mailbox._filling, "the reader to start filling the parked message")
+    wait_until(lambda: 0 in b.mailbox._filling, "the reader to start filling the parked message",
+               FAST)
     _die(a)
-    _until(lambda: b.mailbox.failures.lost(0) is not None, "rank 1 to learn rank 0 is lost")
+    wait_until(lambda: b.mailbox.failures.lost(0) is not None, "rank 1 to learn rank 0 is lost",
+               FAST)
     start = time.monotonic()
     slot = _recv(b, 0, 5, 8 << 20)  # must not block here, nor wait for ever
     error = _finished(slot)
@@ -142,8 +138,8 @@ def test_a_first_parked_message_larger_than_the_cap_is_still_accepted(
     b.mailbox.park_limit = 1 << 20
     big = bytes(3 << 20)
     a.isend(1, Header(Kind.P2P, 12, 0, 0, len(big)), memoryview(big))
-    _until(lambda: any(s.event.is_set() for s in list(b.mailbox._parked.values())),
-           "the message to be parked whole")
+    wait_until(lambda: any(s.event.is_set() for s in list(b.mailbox._parked.values())),
+               "the message to be parked whole", FAST)
     slot = _recv(b, 0, 12, len(big))
     assert _finished(slot) is None
 
