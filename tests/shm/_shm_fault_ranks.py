@@ -228,9 +228,9 @@ def oversized(rank: int, p: int, store: str) -> Any:
 
 
 def handshakes_at_init(rank: int, p: int, store: str) -> Any:
-    """Count the secret handshakes this rank starts while joining a one-host job, then use
-    the socket of a pair that made none (ranks 1 and 2: a ring travels on it) and report
-    which local peers this rank holds a socket to."""
+    """Count the secret handshakes and thread starts of this rank while joining a one-host
+    job, then use the socket of a pair that made none (ranks 1 and 2: a ring travels on
+    it) and report which local peers this rank holds a socket to."""
     from tandem import _wire
 
     count = 0
@@ -241,12 +241,22 @@ def handshakes_at_init(rank: int, p: int, store: str) -> Any:
         count += 1
         return start(*args, **kwargs)
 
+    started = 0
+    thread_start = threading.Thread.start
+
+    def counted_thread(self: threading.Thread) -> None:
+        nonlocal started
+        started += 1
+        thread_start(self)
+
     _wire.client_handshake_start = counted
+    threading.Thread.start = counted_thread  # type: ignore[method-assign]
     try:
         dist.init_process_group("shm", init_method=f"file://{store}", rank=rank, world_size=p,
                                 timeout=30)
     finally:
         _wire.client_handshake_start = start
+        threading.Thread.start = thread_start  # type: ignore[method-assign]
     t = world().transport
     assert isinstance(t, ShmTransport)
     got = torch.zeros(4)
@@ -258,4 +268,4 @@ def handshakes_at_init(rank: int, p: int, store: str) -> Any:
     dist.all_reduce(total)
     dist.destroy_process_group()
     return {"handshakes": count, "peers": sorted(t._peers), "got": got.tolist(),
-            "sum": total.item()}
+            "sum": total.item(), "threads_started": started}
