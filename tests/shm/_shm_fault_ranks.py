@@ -241,12 +241,12 @@ def handshakes_at_init(rank: int, p: int, store: str) -> Any:
         count += 1
         return start(*args, **kwargs)
 
-    started = 0
+    started: list[str] = []
     thread_start = threading.Thread.start
 
     def counted_thread(self: threading.Thread) -> None:
-        nonlocal started
-        started += 1
+        if threading.current_thread() is threading.main_thread():  # init waits for these
+            started.append(self.name)
         thread_start(self)
 
     _wire.client_handshake_start = counted
