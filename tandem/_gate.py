@@ -55,7 +55,12 @@ class Gate:
     """Authenticates the connections of ``listener``; see the module docstring."""
 
     def __init__(self, listener: socket.socket, secret: bytes, purpose: bytes,
-                 admit: Callable[[socket.socket], None], *, name: str) -> None:
+                 admit: Callable[[socket.socket], None], *, name: str,
+                 inline: bool = False) -> None:
+        """``inline``: ``admit`` runs on the gate's own thread, for an ``admit`` that only
+        reads a hello the peer sends right after the handshake (a thread start waits for
+        the new thread to run: 10-30 ms each with 32 ranks on 2 CPUs)."""
+        self._inline = inline
         self._listener = listener
         self._secret, self._purpose = secret, purpose
         self._admit = admit
@@ -212,6 +217,12 @@ class Gate:
         sel.unregister(sock)
         del self._pending[sock]
         sock.setblocking(True)
+        if self._inline:
+            try:
+                self._admit(sock)
+            except Exception:  # noqa: BLE001 - one bad peer must not stop the gate
+                sock.close()
+            return
         threading.Thread(target=self._admit_or_close, args=(sock,), daemon=True,
                          name=f"{self._name}-peer").start()
 

@@ -50,7 +50,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from tandem.errors import ProtocolError
-from tandem.transport._shmem import address_of, fence, futex_wait, futex_wake
+from tandem.transport._shmem import address_of, fence, futex_wait, futex_wake, reserve_more
 
 __all__ = ["Ring", "DATA_OFFSET", "segment_size", "init_segment"]
 
@@ -76,6 +76,16 @@ def _copy(dst: memoryview, dst_a: np.ndarray | None, a: int, src: memoryview,
         dst[a:a + k] = src[b:b + k]
 
 
+_PAGE = 4096  # reservations grow in whole pages
+_ALL = 1 << 62  # stream position below which every write lands in reserved memory
+_INITIAL_DATA = 64 << 10
+
+
+def initial_data(capacity: int) -> int:
+    """Data bytes a new ring reserves at once: 64 KiB (small messages never need more)."""
+    return min(capacity, _INITIAL_DATA)
+
+
 def segment_size(capacity: int) -> int:
     return DATA_OFFSET + capacity
 
@@ -92,7 +102,12 @@ class Ring:
     its own counter in a local variable (only it stores that counter).
     """
 
-    def __init__(self, mm: mmap.mmap, spin: float = 5e-6) -> None:
+    def __init__(self, mm: mmap.mmap, spin: float = 5e-6, fd: int | None = None,
+                 where: str = "memory (memfd)") -> None:
+        """``fd``: the producer's segment, of which only the first page and the data
+        :func:`initial_data` are reserved; the producer reserves the rest as its writes
+        first reach it (doubling) and closes ``fd`` once all is. A pair that exchanges
+        only small messages (a barrier) then reserves 64 KiB, not 4 MiB."""
         self._mm = mm
         self._mv = memoryview(mm)
         self._ctl = self._mv[:DATA_OFFSET].cast("Q")
@@ -117,6 +132,37 @@ class Ring:
         self._idle_sleeper = False  # the reader thread sleeps between frames
         self._frame_sleeper = False  # a reader sleeps inside a frame
         self._closed = False
+        self._fd = fd
+        self._where = where
+        # data bytes reserved: writes below this stream position touch reserved memory
+        self._grown = min(cap, initial_data(cap)) if fd is not None else _ALL
+        if self._grown >= cap:
+            self._grown = _ALL  # the descriptor stays until handed over (``handed_over``)
+
+    def descriptor(self) -> int | None:
+        """The segment's descriptor (until all is reserved and it was handed over)."""
+        return self._fd
+
+    def handed_over(self) -> None:
+        """The consumer has the segment: the descriptor is kept only to reserve more."""
+        if self._grown == _ALL:
+            self._all_reserved()
+
+    def _grow(self, end: int) -> None:
+        """Reserve data up to stream position ``end`` (at least double what was), before
+        a write reaches it; once all is, the descriptor goes."""
+        assert self._fd is not None
+        want = min(self.capacity, -(-max(end, 2 * self._grown) // _PAGE) * _PAGE)
+        reserve_more(self._fd, DATA_OFFSET + self._grown, want - self._grown, self._where)
+        self._grown = want
+        if want >= self.capacity:
+            self._all_reserved()
+
+    def _all_reserved(self) -> None:
+        self._grown = _ALL
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     # -- producer --------------------------------------------------------------------
     def free(self) -> int:
@@ -127,6 +173,8 @@ class Ring:
         """Append ``parts`` (1-D byte views) in order and publish; wait for space as needed."""
         ctl, data, cap, mask = self._ctl, self._data, self.capacity, self._mask
         head = self._head
+        if head + sum(len(p) for p in parts) > self._grown:
+            self._grow(head + sum(len(p) for p in parts))
         published = ctl[_HEAD]
         for part in parts:
             off, n = 0, len(part)
@@ -162,6 +210,8 @@ class Ring:
             n += len(part)
         if n > self.capacity - (head - self._ctl[_TAIL]):
             return False
+        if head + n > self._grown:
+            self._grow(head + n)
         data, cap = self._data, self.capacity
         for part in parts:
             k = len(part)
@@ -359,3 +409,6 @@ class Ring:
         with self._watch_lock:
             self._closed = True
             self._release()
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None

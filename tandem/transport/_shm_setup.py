@@ -1,16 +1,19 @@
-"""Connecting same-host ranks for the shm transport: authenticated UNIX sockets between them.
+"""Connecting same-host ranks for the shm transport: one authenticated UNIX socket per pair.
 
-Every rank listens on an *abstract* UNIX socket (Linux; no file exists, so none
-can be left behind) whose name carries 128 random bits and is published only in
-the job's store. A rank connects to every lower local rank and accepts every
-higher one. On each connection both sides prove the job secret with the
-``tandem._wire`` HMAC handshake and must run as the same user (``SO_PEERCRED``);
-then each sends its rank, world size and pid. No memory changes hands here: a ring
-is made by its writer on the pair's first message in that direction and handed over
-these same connections then (``ShmTransport``), so pairs that never talk reserve
-nothing. Strangers, junk and wrong secrets are dropped without disturbing the job.
-The listener closes as soon as the local mesh is complete; the connections stay
-open: a peer's death closes them at once, and rings and arena segments travel on them.
+The host's first local rank (its *leader*) listens on an *abstract* UNIX socket (Linux;
+no file exists, so none can be left behind) whose name carries 128 random bits and is
+published only in the job's store. Every other local rank connects to it; on each
+connection both sides prove the job secret with the ``tandem._wire`` HMAC handshake
+and must run as the same user (``SO_PEERCRED``); then each sends its rank, world size
+and pid. Once every local rank has proven itself, the leader makes one socket pair
+(``socketpair``) for every other pair of local ranks and hands each end to its rank
+(``SCM_RIGHTS``, with the peer's rank and pid) over the authenticated connection: R - 1
+handshakes per host instead of R (R - 1) / 2 (at 32 ranks, 31 instead of 496, which
+took most of start-up), and every pair still has a socket of its own, so a peer's
+death closes it at once and rings and arena segments travel on it. No memory changes
+hands here: a ring is made by its writer on the pair's first message in that direction
+(``ShmTransport``). Strangers, junk and wrong secrets are dropped without disturbing
+the job. The listener closes as soon as every local rank has connected.
 
     links = connect_local(store, rank, world, local_peers, secret, timeout)
     for peer, link in links.items(): link.sock, link.pid
@@ -31,11 +34,17 @@ from tandem import _gate, _wire
 from tandem.errors import AuthenticationError, NetworkError, ProtocolError, TandemError
 from tandem.store.base import Store
 
-__all__ = ["Link", "connect_local"]
+__all__ = ["Link", "connect_local", "HAND_BATCH", "HOLD_LIMIT"]
 
 _PURPOSE = b"tandem-shm-transport"
 _HELLO = struct.Struct("!III")  # rank, world size, pid
 _CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
+_BATCH = struct.Struct("!I")  # sockets in this hand-over message
+_PAIR = struct.Struct("!II")  # the peer at the other end of one socket: rank, pid
+# sockets per hand-over message: the kernel passes at most 253 descriptors at once
+HAND_BATCH = 250
+# peer ends the leader keeps before handing them over; more go out early (descriptors)
+HOLD_LIMIT = 256
 
 
 @dataclasses.dataclass
@@ -65,33 +74,40 @@ def _recv_hello(sock: socket.socket) -> tuple[int, int, int]:
 def connect_local(store: Store, rank: int, world: int, peers: Iterable[int], secret: bytes,
                   timeout: float) -> dict[int, Link]:
     """Connect ``rank`` to every rank of ``peers`` (all on this host)."""
-    mine = set(peers)
+    mine = set(peers) - {rank}
+    if not mine:
+        return {}
     deadline = time.monotonic() + timeout
+    leader = min(mine | {rank})
+    if rank == leader:
+        return _lead(store, rank, world, mine, secret, timeout, deadline)
+    return _follow(store, rank, world, leader, mine, secret, timeout, deadline)
+
+
+def _lead(store: Store, rank: int, world: int, mine: set[int], secret: bytes, timeout: float,
+          deadline: float) -> dict[int, Link]:
+    """The leader: admit every local rank, then hand out a socket for every other pair."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     name = f"\0tandem-shm-{secrets.token_hex(16)}"
     listener.bind(name)
     listener.listen(_wire.BACKLOG)
     links: dict[int, Link] = {}
-    higher = {p for p in mine if p > rank}
+    higher = set(mine)
     cond = threading.Condition()
     try:
         store.set(f"shm/addr/{rank}", name[1:])
-        if higher:
-            threading.Thread(target=_accept_loop, daemon=True, name=f"tandem-shm-accept-{rank}",
-                             args=(listener, rank, world, secret, higher, links, cond, deadline,
-                                   )).start()
-        lower = sorted(p for p in mine if p < rank)
-        names = store.multi_get([f"shm/addr/{p}" for p in lower])  # one store round trip
-        _connect_lower(rank, world, dict(zip(lower, names)), secret, deadline, links, cond)
+        # on this thread, admitting each rank inline: it waits for them anyway, and a
+        # thread started per rank cost 10-30 ms each at 32 ranks on 2 CPUs
+        _accept_loop(listener, rank, world, secret, higher, links, cond, deadline)
         with cond:
-            while not higher <= links.keys():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise NetworkError(f"rank {rank}: local rank(s) {sorted(higher - links.keys())}"
-                                       f" did not connect through shared memory within "
-                                       f"{timeout:.0f}s")
-                cond.wait(left)
-            return dict(links)
+            if not higher <= links.keys():
+                raise NetworkError(f"rank {rank}: local rank(s) {sorted(higher - links.keys())}"
+                                   f" did not connect through shared memory within "
+                                   f"{timeout:.0f}s")
+            got = dict(links)
+        listener.close()  # every local rank is in: no stranger gets a socket from now on
+        _hand_out(rank, got, deadline)
+        return got
     except BaseException:
         with cond:
             for link in links.values():
@@ -103,39 +119,135 @@ def connect_local(store: Store, rank: int, world: int, peers: Iterable[int], sec
         listener.close()
 
 
-def _connect_lower(rank: int, world: int, names: dict[int, bytes], secret: bytes, deadline: float, links: dict[int, Link],
-                   cond: threading.Condition) -> None:
-    """Connect to every lower local rank, each step of the handshake on all connections
-    before the next step, so the peers answer in parallel: one after another, rank n
-    waited for n - 1 peers' replies in turn (O(world^2) waits for the host)."""
-    socks: dict[int, socket.socket] = {}
+def _hand_out(rank: int, links: dict[int, Link], deadline: float) -> None:
+    """Make a socket pair for every two non-leader ranks and send each end to its rank
+    over that rank's link, at most ``HOLD_LIMIT`` ends kept waiting at a time."""
+    ranks = sorted(links)
+    pending: dict[int, list[tuple[int, int, socket.socket]]] = {r: [] for r in ranks}
+    held = 0
     try:
-        for peer, name in names.items():
-            sock = socks[peer] = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(max(0.1, deadline - time.monotonic()))
-            try:
-                sock.connect("\0" + name.decode())
-            except OSError as exc:
-                raise NetworkError(
-                    f"rank {rank} cannot reach rank {peer} through its shared-memory socket "
-                    f"({exc}): did rank {peer} exit?") from exc
-        proofs = {peer: _wire.client_handshake_start(sock, secret, _PURPOSE, f"local rank {peer}")
-                  for peer, sock in socks.items()}
-        for peer, sock in socks.items():
-            _wire.client_handshake_finish(sock, proofs[peer], f"local rank {peer}")
-        for sock in socks.values():
-            _send_hello(sock, rank, world)
-        for peer, sock in list(socks.items()):
-            got, got_world, pid = _recv_hello(sock)
-            if (got, got_world) != (peer, world):
-                raise ProtocolError(f"rank {rank} reached rank {got}/{got_world} at the "
-                                    f"address of rank {peer}/{world}")
-            sock.settimeout(None)
-            with cond:
-                links[peer] = Link(peer, socks.pop(peer), pid)
+        for i, a in enumerate(ranks):
+            for b in ranks[i + 1:]:
+                one, two = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                pending[a].append((b, links[b].pid, one))
+                pending[b].append((a, links[a].pid, two))
+                held += 2
+            # rank a's sockets are all made: send them; the others' when full
+            held -= _send_ends(rank, links[a], pending[a], deadline)
+            if held >= HOLD_LIMIT:
+                for r in ranks[i + 1:]:
+                    held -= _send_ends(rank, links[r], pending[r], deadline)
     finally:
-        for sock in socks.values():  # the connections not yet handed to ``links``
-            sock.close()
+        for ends in pending.values():
+            for _, _, sock in ends:
+                sock.close()
+
+
+def _send_ends(rank: int, link: Link, ends: list[tuple[int, int, socket.socket]],
+               deadline: float) -> int:
+    """Send ``ends`` (peer rank, peer pid, socket) to ``link``'s rank and close them here;
+    how many went."""
+    count = len(ends)
+    while ends:
+        batch = ends[:HAND_BATCH]
+        data = _BATCH.pack(len(batch)) + b"".join(_PAIR.pack(p, pid) for p, pid, _ in batch)
+        fds = [s.fileno() for _, _, s in batch]
+        link.sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            sent = socket.send_fds(link.sock, [data], fds)
+            if sent < len(data):
+                link.sock.sendall(data[sent:])
+        except OSError as exc:
+            raise NetworkError(f"rank {rank} could not hand local rank {link.peer} its "
+                               f"shared-memory connections ({exc}): did it exit?") from exc
+        finally:
+            link.sock.settimeout(None)
+        for _, _, s in batch:
+            s.close()
+        del ends[:len(batch)]
+    return count
+
+
+def _follow(store: Store, rank: int, world: int, leader: int, mine: set[int], secret: bytes,
+            timeout: float, deadline: float) -> dict[int, Link]:
+    """A non-leader: connect to the leader, then take a socket to every other local rank."""
+    name = store.get(f"shm/addr/{leader}")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    links: dict[int, Link] = {}
+    try:
+        sock.settimeout(max(0.1, deadline - time.monotonic()))
+        try:
+            sock.connect("\0" + name.decode())
+        except OSError as exc:
+            raise NetworkError(
+                f"rank {rank} cannot reach rank {leader} through its shared-memory socket "
+                f"({exc}): did rank {leader} exit?") from exc
+        _wire.client_handshake(sock, secret, _PURPOSE, f"local rank {leader}")
+        _send_hello(sock, rank, world)
+        got, got_world, pid = _recv_hello(sock)
+        if (got, got_world) != (leader, world):
+            raise ProtocolError(f"rank {rank} reached rank {got}/{got_world} at the "
+                                f"address of rank {leader}/{world}")
+        links[leader] = Link(leader, sock, pid)
+        _take_ends(rank, leader, sock, mine - {leader}, links, timeout, deadline)
+        sock.settimeout(None)
+        return links
+    except BaseException:
+        for link in links.values():
+            link.sock.close()
+        sock.close()
+        raise
+
+
+def _take_ends(rank: int, leader: int, sock: socket.socket, wanted: set[int],
+               links: dict[int, Link], timeout: float, deadline: float) -> None:
+    """Read the leader's hand-over messages until every rank of ``wanted`` has a socket;
+    no byte past them (the transport's records follow on this socket)."""
+    fds: list[int] = []
+    try:
+        while not wanted <= links.keys():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise NetworkError(
+                    f"rank {rank}: local rank(s) {sorted(wanted - links.keys())} did not "
+                    f"connect through shared memory within {timeout:.0f}s (rank {leader}, "
+                    f"the first rank of this host, hands out the connections once every "
+                    f"local rank reached it)")
+            sock.settimeout(left)
+            try:
+                head, got, _, _ = socket.recv_fds(sock, _BATCH.size, HAND_BATCH + 3)
+                fds += got
+                if head and len(head) < _BATCH.size:
+                    head += _wire.recv_exact(sock, _BATCH.size - len(head))
+            except TimeoutError:
+                continue
+            except OSError as exc:
+                raise NetworkError(f"rank {rank} lost its shared-memory connection to rank "
+                                   f"{leader} during set-up ({exc})") from exc
+            if not head:
+                raise NetworkError(
+                    f"rank {rank}: rank {leader}, the first rank of this host, closed its "
+                    f"shared-memory connection before handing out every local connection "
+                    f"(still missing: rank(s) {sorted(wanted - links.keys())}); it failed "
+                    f"or exited during set-up")
+            (count,) = _BATCH.unpack(head)
+            if not 0 < count <= HAND_BATCH or len(fds) != count:
+                raise ProtocolError(f"rank {leader} handed rank {rank} {len(fds)} sockets "
+                                    f"announced as {count}")
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            body = _wire.recv_exact(sock, count * _PAIR.size)
+            for i in range(count):
+                peer, pid = _PAIR.unpack_from(body, i * _PAIR.size)
+                fd = fds.pop(0)
+                if peer not in wanted or peer in links:
+                    os.close(fd)
+                    raise ProtocolError(f"rank {leader} handed rank {rank} a socket for "
+                                        f"rank {peer}, not one of its local peers "
+                                        f"{sorted(wanted)} still to come")
+                links[peer] = Link(peer, socket.socket(fileno=fd), pid)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _accept_loop(listener: socket.socket, rank: int, world: int, secret: bytes,
@@ -147,7 +259,7 @@ def _accept_loop(listener: socket.socket, rank: int, world: int, secret: bytes,
 
     gate = _gate.Gate(listener, secret, _PURPOSE,
                       lambda sock: _admit(sock, rank, world, higher, links, cond),
-                      name=f"tandem-shm-accept-{rank}")
+                      name=f"tandem-shm-accept-{rank}", inline=True)
     gate.run(deadline, waiting)
 
 

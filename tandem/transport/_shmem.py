@@ -6,9 +6,10 @@ does not limit it. Where ``memfd_create`` is missing or forbidden, or when a
 directory is asked for, the segment is a file created there with ``O_EXCL`` and
 mode 0600 under an unguessable name and unlinked at once; only the file
 descriptor lives on, and it is handed to the peer over an authenticated UNIX
-socket (``SCM_RIGHTS``). Memory is reserved up front (``posix_fallocate``), so a
-full or unwritable ``/dev/shm`` fails here with a clear message instead of a
-``SIGBUS`` on first touch::
+socket (``SCM_RIGHTS``). Memory is reserved (``posix_fallocate``) before it is
+touched, so a full or unwritable ``/dev/shm`` fails with a clear message instead of
+a ``SIGBUS`` on first touch: all of it up front, or (a ring) the first part, the rest
+by its writer as its writes reach it (:func:`reserve_more`)::
 
     fd = create_segment(4 << 20)                  # memfd
     fd = create_segment(4 << 20, "/dev/shm")      # named, 0600, unlinked at once
@@ -30,7 +31,7 @@ import threading
 from tandem._proc import process_alive
 from tandem.errors import NetworkError
 
-__all__ = ["unsupported_reason", "create_segment", "futex_wait", "futex_wake", "fence",
+__all__ = ["unsupported_reason", "create_segment", "reserve_more", "futex_wait", "futex_wake", "fence",
            "address_of", "sweep_stale"]
 
 _SYS_FUTEX = {"x86_64": 202}.get(platform.machine())
@@ -97,24 +98,44 @@ def address_of(buffer: object) -> int:
         del char
 
 
-def _reserve(fd: int, size: int, where: str) -> None:
+def _size(fd: int, size: int) -> None:
+    """Give the segment its length (nothing reserved: a sparse file)."""
     try:
-        os.posix_fallocate(fd, 0, size)
+        os.ftruncate(fd, size)
     except OSError as exc:
         os.close(fd)
+        raise NetworkError(f"cannot size a {size}-byte shared-memory segment: {exc}") from exc
+
+
+def _reserve(fd: int, size: int, where: str) -> None:
+    try:
+        reserve_more(fd, 0, size, where)
+    except NetworkError:
+        os.close(fd)
+        raise
+
+
+def reserve_more(fd: int, offset: int, length: int, where: str = "memory (memfd)") -> None:
+    """Reserve ``length`` bytes of segment ``fd`` from ``offset``: a full ``/dev/shm`` (or
+    a machine short of memory) fails here with a clear message, not a ``SIGBUS`` on touch."""
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as exc:
         hint = ""
         if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT):
             hint = (f"; {where} is full: free space there (df -h {where}), give the container "
                     f"more (docker --shm-size) or use backend='tcp'"
                     if where.startswith("/") else "; the machine is short of memory")
         raise NetworkError(
-            f"cannot reserve {size / 2**20:.1f} MiB of shared memory in {where}: "
+            f"cannot reserve {length / 2**20:.1f} MiB of shared memory in {where}: "
             f"{exc.strerror or exc}{hint}") from exc
 
 
-def create_segment(size: int, directory: str | None = None, label: str = "tandem-ring") -> int:
+def create_segment(size: int, directory: str | None = None, label: str = "tandem-ring",
+                   reserve: int | None = None) -> int:
     """A file descriptor of ``size`` zeroed bytes of shared memory, owned by nobody's name
-    (``label`` only shows in ``/proc/PID/maps``)."""
+    (``label`` only shows in ``/proc/PID/maps``); the first ``reserve`` bytes (all by
+    default) are reserved now, the rest must be (:func:`reserve_more`) before any touch."""
     if directory is None and hasattr(os, "memfd_create"):
         try:
             fd = os.memfd_create(label, os.MFD_CLOEXEC)
@@ -122,7 +143,8 @@ def create_segment(size: int, directory: str | None = None, label: str = "tandem
             if exc.errno not in (errno.ENOSYS, errno.EPERM, errno.EACCES):
                 raise NetworkError(f"memfd_create failed: {exc}") from exc
         else:
-            _reserve(fd, size, "memory (memfd)")
+            _size(fd, size)
+            _reserve(fd, size if reserve is None else min(reserve, size), "memory (memfd)")
             return fd
     where = directory or "/dev/shm"
     path = os.path.join(where, f"{_PREFIX}{os.getpid()}-{secrets.token_hex(16)}")
@@ -133,7 +155,8 @@ def create_segment(size: int, directory: str | None = None, label: str = "tandem
             f"cannot create a shared-memory segment in {where}: {exc.strerror or exc} "
             f"({path}); make {where} writable for this user, or use backend='tcp'") from exc
     os.unlink(path)  # from here on only the descriptor exists: nothing can be left behind
-    _reserve(fd, size, where)
+    _size(fd, size)
+    _reserve(fd, size if reserve is None else min(reserve, size), where)
     return fd
 
 

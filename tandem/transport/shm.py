@@ -54,7 +54,7 @@ from tandem.errors import (ArgumentError, CollectiveTimeoutError, NetworkError, 
 from tandem.store.base import Store
 from tandem.transport._arena import Arena, default_chunk, segment_bytes, CONTROL_BYTES
 from tandem.transport._lend import KEY_BIT, Borrowed, Lender, lend_budget
-from tandem.transport._ring import Ring, init_segment, segment_size
+from tandem.transport._ring import DATA_OFFSET, Ring, init_segment, initial_data, segment_size
 from tandem.transport._shm_peer import HungUp, ShmPeer, frame, unframe
 from tandem.transport._shm_setup import Link, connect_local
 from tandem.transport import forks
@@ -183,19 +183,24 @@ class ShmTransport(BoundedSends, Transport):
         if self._closing:
             raise StateError(f"rank {self.rank} closed its shared-memory transport")
         size = segment_size(self._ring_bytes)
-        fd = create_segment(size, self._shm_dir)
+        # the rest is reserved as writes reach it: a pair that only ever exchanges small
+        # messages (the first barrier across hosts) reserves 64 KiB instead of 1-4 MiB
+        fd = create_segment(size, self._shm_dir,
+                            reserve=DATA_OFFSET + initial_data(self._ring_bytes))
         try:
             mm = mmap.mmap(fd, size)
             init_segment(mm, self._ring_bytes)
-            ring = Ring(mm, self._spin)
-            try:
-                ring.announce(os.getpid())  # where the peer may read us by reference (_cma)
-                self._offer(peer, _RING_KEY, fd, size)
-            except BaseException:
-                ring.close()
-                raise
-        finally:
-            os.close(fd)  # the mappings keep the memory; nothing else refers to it
+        except BaseException:
+            os.close(fd)
+            raise
+        ring = Ring(mm, self._spin, fd, self._shm_dir or "memory (memfd)")  # it owns fd now
+        try:
+            ring.announce(os.getpid())  # where the peer may read us by reference (_cma)
+            self._offer(peer, _RING_KEY, ring.descriptor(), size)
+            ring.handed_over()
+        except BaseException:
+            ring.close()
+            raise
         return ring
 
     def _take_ring(self, peer: ShmPeer, fd: int, size: int) -> None:

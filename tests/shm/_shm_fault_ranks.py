@@ -104,7 +104,9 @@ def exits_normally(rank: int, p: int, backend: str, store: str, fail: bool) -> A
     dist.all_reduce(t)
     dist.barrier()  # through the arena too: no ring between ranks that share memory
     w = world()
-    sockets = [w.store.get(f"tandem/{w.generation}/shm/addr/{r}").decode() for r in range(p)]
+    keys = [f"tandem/{w.generation}/shm/addr/{r}" for r in range(p)]
+    # only a host's first rank listens (it hands every other pair its socket)
+    sockets = [w.store.get(k).decode() for k in keys if w.store.check([k])]
     seen = {"maps": mappings(), "fds": [f for f in open_fds() if "memfd" in f or "shm" in f],
             "sockets": sockets}
     if fail and rank == 1:
@@ -223,3 +225,47 @@ def oversized(rank: int, p: int, store: str) -> Any:
     got = attempt(dist.recv, torch.zeros(4096), src=0)
     time.sleep(3.0)  # stay alive: rank 0 must learn from the closed connection, not our exit
     return {"big": got}
+
+
+def handshakes_at_init(rank: int, p: int, store: str) -> Any:
+    """Count the secret handshakes and thread starts of this rank while joining a one-host
+    job, then use the socket of a pair that made none (ranks 1 and 2: a ring travels on
+    it) and report which local peers this rank holds a socket to."""
+    from tandem import _wire
+
+    count = 0
+    start = _wire.client_handshake_start  # every client handshake begins here
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal count
+        count += 1
+        return start(*args, **kwargs)
+
+    started: list[str] = []
+    thread_start = threading.Thread.start
+
+    def counted_thread(self: threading.Thread) -> None:
+        if threading.current_thread() is threading.main_thread():  # init waits for these
+            started.append(self.name)
+        thread_start(self)
+
+    _wire.client_handshake_start = counted
+    threading.Thread.start = counted_thread  # type: ignore[method-assign]
+    try:
+        dist.init_process_group("shm", init_method=f"file://{store}", rank=rank, world_size=p,
+                                timeout=30)
+    finally:
+        _wire.client_handshake_start = start
+        threading.Thread.start = thread_start  # type: ignore[method-assign]
+    t = world().transport
+    assert isinstance(t, ShmTransport)
+    got = torch.zeros(4)
+    if rank == 1:
+        dist.send(torch.full((4,), 7.0), 2)
+    elif rank == 2:
+        dist.recv(got, 1)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    return {"handshakes": count, "peers": sorted(t._peers), "got": got.tolist(),
+            "sum": total.item(), "threads_started": started}

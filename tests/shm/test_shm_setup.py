@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from _shm_fault_ranks import hosts_differ, idle_waiter_cpu, mismatched, named_gloo, stranger_knocks
+from _shm_fault_ranks import (handshakes_at_init, hosts_differ, idle_waiter_cpu, mismatched,
+                              named_gloo, stranger_knocks)
 from tandem.collectives import backend as backend_module
 from tandem.collectives.backend import BackendOptions, resolve_backend
 from tandem.config import Settings
@@ -92,3 +93,23 @@ def test_mismatched_collectives_over_shm_fail_on_both_ranks_untouched(tmp_path: 
     later = r1["later"]  # the root sent without receiving; it learns at its next call
     assert not later["ok"] and later["type"] in ("CollectiveMismatchError", "StateError"), later
     assert "mismatch" in later["msg"], later
+
+
+@pytest.mark.procs
+def test_one_host_of_six_ranks_makes_five_handshakes_and_a_socket_per_pair(tmp_path: Any
+                                                                          ) -> None:
+    # every rank proves the secret to the host's first rank only, which hands every other
+    # pair a socket of its own: R - 1 handshakes per host, not R (R - 1) / 2 (at 32 ranks,
+    # 496 handshakes took most of start-up)
+    p = 6
+    results = spawn(p, handshakes_at_init, (str(tmp_path / "store"),), init=False, timeout=90)
+    assert [r["handshakes"] for r in results] == [0] + [1] * (p - 1), results
+    for rank, r in enumerate(results):
+        assert r["peers"] == [q for q in range(p) if q != rank], (rank, r)
+        assert r["sum"] == p, (rank, r)
+    assert results[2]["got"] == [7.0] * 4, results[2]  # over the socket rank 0 handed out
+    # init starts two threads on every rank, the first one included (the shm watcher and
+    # the watchdog, which starts its store thread itself): a thread start waits for the
+    # thread to run, 10-30 ms each with 32 ranks on 2 CPUs
+    started = [r["threads_started"] for r in results]
+    assert [len(s) for s in started] == [2] * p, started

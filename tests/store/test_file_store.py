@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,7 @@ import pytest
 
 from tandem.errors import ArgumentError, StateError
 from tandem.store import FileStore
+from tandem.store import file as file_module
 
 CHILD_START = 20.0  # a spawned child imports torch: about 2s idle, more on a busy machine
 
@@ -80,3 +83,26 @@ def test_closed_store_raises_state_error(tmp_path: Path) -> None:
 def test_bad_world_size_raises_argument_error(tmp_path: Path, world_size: Any) -> None:
     with pytest.raises(ArgumentError, match="world_size"):
         FileStore(tmp_path / "store", world_size=world_size)
+
+
+def test_a_waiter_polls_at_least_every_10_ms(tmp_path: Path, monkeypatch: Any) -> None:
+    # a rank waiting for the last one to publish its key oversleeps it by at most one
+    # pause between polls: init waits on the store three times, and 50 ms pauses cost
+    # 30-45 ms of every rank's rendezvous at 32 ranks
+    pauses: list[float] = []
+    sleep = time.sleep
+
+    def recorded(seconds: float) -> None:
+        if threading.current_thread() is threading.main_thread():
+            pauses.append(seconds)
+        sleep(seconds)
+
+    with FileStore(tmp_path / "store", timeout=30) as store:
+        late = threading.Timer(0.3, lambda: FileStore(tmp_path / "store").set("late", b"1"))
+        monkeypatch.setattr(file_module.time, "sleep", recorded)
+        late.start()
+        try:
+            assert store.get("late") == b"1"
+        finally:
+            late.join()
+    assert len(pauses) > 5 and max(pauses) <= 0.010, pauses
