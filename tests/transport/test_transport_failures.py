@@ -186,7 +186,8 @@ def test_a_writer_that_raises_fails_its_send_and_the_connection(
         # through the ring, not by reference (where the writer only writes a descriptor)
         monkeypatch.setattr(shm_peer, "BY_REFERENCE_MIN", 1 << 40)
     waiting = _recv(b, 0, 14, 1)
-    big = memoryview(bytes(4 << 20))  # too large to go inline: the writer thread sends it
+    # too large to go inline: the writer thread sends it
+    big = memoryview(bytes(2 * tcp._INLINE_MAX))
     sent = a.isend(1, Header(Kind.P2P, 14, 1, 0, len(big)), big)
     error = _finished(sent)
     assert isinstance(error, PeerLostError) and "a bug in the writer" in str(error), error
