@@ -80,6 +80,17 @@ def test_only_calls_every_rank_still_remembers_are_compared(tmp_path: Path) -> N
     assert "recorded calls agree" in "\n".join(report(str(tmp_path)))
 
 
+def test_a_dump_written_before_its_rank_learnt_the_job_id_is_kept(tmp_path: Path) -> None:
+    # a mismatch right after init: rank 0 dumps before its watchdog read the job's id
+    dump(tmp_path, 0, [call(1, state="failed", sig="all_reduce float32[4] sum")], 2, world=2,
+         job="", at=T0 + 1)
+    dump(tmp_path, 1, [call(1, state="failed", sig="broadcast float32[4] root=0")], 2, world=2,
+         job="abc", at=T0)
+    text = "\n".join(report(str(tmp_path)))
+    assert "another job" not in text, text
+    assert "called different collectives" in text, text
+
+
 def test_dumps_of_another_job_in_the_directory_are_left_out(tmp_path: Path) -> None:
     dump(tmp_path, 0, [call(0), call(1, state="started")], 2, world=2, job="new", at=T0 + 100)
     dump(tmp_path, 1, [call(0)], 1, world=2, job="old", at=T0 - 1000)

@@ -57,8 +57,11 @@ def load_dumps(directory: str) -> tuple[dict[int, Dump], list[str]]:
             found[int(data["rank"])] = data
     if not found:
         return {}, notes
-    newest = max(found.values(), key=lambda d: d.get("time", 0)).get("job", "")
-    others = [r for r, d in found.items() if d.get("job", "") != newest]
+    # a rank that dumps before it learnt the job's id (set through the store just after
+    # init) writes "": such a dump belongs to any job, and its time alone may leave it out
+    named = [d for d in found.values() if d.get("job", "")] or list(found.values())
+    newest = max(named, key=lambda d: d.get("time", 0)).get("job", "")
+    others = [r for r, d in found.items() if d.get("job", "") not in (newest, "")]
     if others:
         notes.append(f"left out the dumps of {who(others)}: they belong to another job")
     kept = {r: d for r, d in found.items() if r not in others}
