@@ -84,10 +84,13 @@ class Gate:
         """Admit connections until ``close()``, ``deadline``, ``waiting()`` turns false or
         the listener is closed; then drop the connections still pending."""
         sel = selectors.DefaultSelector()
-        self._listener.setblocking(False)
         sel.register(self._wake_r, selectors.EVENT_READ)
         accepting = False
         try:
+            try:
+                self._listener.setblocking(False)
+            except OSError:
+                return  # its owner closed the listener before this thread first ran
             while not self._closed.is_set() and waiting() and self._listener.fileno() >= 0:
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:

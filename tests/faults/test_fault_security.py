@@ -481,3 +481,14 @@ def test_a_store_that_dies_mid_handshake_is_not_called_a_wrong_secret() -> None:
     assert len(failed) == 1 and isinstance(failed[0], StoreError), failed
     assert not isinstance(failed[0], AuthenticationError), failed
     assert "went away" in str(failed[0]) and "secret" not in str(failed[0]), failed
+
+
+def test_a_gate_whose_listener_closed_before_it_ran_ends_quietly() -> None:
+    # the owner may close the listener (a transport falling back) before the gate's
+    # thread first runs: the run ends without raising in that thread
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    gate = _gate.Gate(listener, SECRET, b"test", lambda s: s.close(), name="test")
+    listener.close()
+    gate.run(deadline=time.monotonic() + 5.0)
