@@ -632,9 +632,11 @@ class TcpTransport(BoundedSends, Transport):
         if header is not None and failures.left(rank) is not None:
             slot.finish(header)
             return
-        error = failures.lost(rank) or PeerLostError(
-            f"rank {self.rank} could not send to rank {rank}: {exc}; did it exit or crash?",
-            rank)
+        own = PeerLostError(f"rank {self.rank} could not send to rank {rank}: {exc}; did it "
+                            f"exit or crash?", rank)
+        # a closed connection: why the peer is gone, as the reader found it; else (a bug
+        # writing, no header) this failure is the cause
+        error = (failures.lost(rank) or own) if header is not None else own
         if not self._closing:
             self.mailbox.peer_lost(rank, error)
         slot.finish(None, error)
