@@ -27,7 +27,9 @@ gate), whatever the number of peers. A stopped peer that began a frame and stall
 mid-frame holds the reader (and so the other connections) until its connection closes or
 the waits time out. ``sendmsg`` writes header and payload in one call without copying. A
 connection that closes reports the peer as lost at once; a read or write that fails in
-any other way closes that connection and reports why, so nothing fails silently. Queues
+any other way closes that connection and reports why, so nothing fails silently. A write
+that meets a closed connection is settled once the peer's stream was read to its end (or
+the connect timeout passed): completed unread if the peer said goodbye, else failed. Queues
 are bounded (:mod:`.sendqueue`). ``close`` lets sends already queued (aborts, goodbyes)
 go out for a moment, then ends every thread and closes the listener.
 """
@@ -192,6 +194,11 @@ class TcpTransport(BoundedSends, Transport):
             s.setblocking(False)
         self._ready: set[_Peer] = set()  # peers with frames for the sender; under _io_lock
         self._to_watch: list[_Peer] = []  # new connections for the reader; under _io_lock
+        # sends that met a closed connection before the peer's stream was read to its end,
+        # by rank, and their deadline timers: settled once its fate is known (_settle_unsent)
+        self._unsent: dict[int, list[tuple[Header, Slot, OSError]]] = {}  # under _io_lock
+        self._unsent_timers: dict[int, threading.Timer] = {}  # under _io_lock
+        self._ended: set[int] = set()  # ranks whose every connection was read to its end
         self._sender: threading.Thread | None = None
         self._reader = threading.Thread(target=self._read_loop, daemon=True,
                                         name=f"tandem-read-{rank}")
@@ -454,6 +461,7 @@ class TcpTransport(BoundedSends, Transport):
                     self.mailbox.peer_lost(p.rank, PeerLostError(
                         f"rank {self.rank}'s reader failed ({type(exc).__name__}: {exc}); "
                         f"its connection to rank {p.rank} was closed", p.rank))
+                    self._settle_unsent(p.rank)
 
     def _read_frames(self, peer: _Peer) -> bool:
         """Deliver the frames ``peer`` sent, as long as bytes of one are at hand; False
@@ -488,6 +496,7 @@ class TcpTransport(BoundedSends, Transport):
                 self.mailbox.peer_lost(peer.rank, PeerLostError(
                     f"rank {self.rank} failed reading from rank {peer.rank} "
                     f"({type(exc).__name__}: {exc}); the connection was closed", peer.rank))
+        self._settle_unsent(peer.rank)  # its goodbye, if any, was read: the book says which
         return False
 
     def _closed_one(self, peer: _Peer) -> bool:
@@ -563,20 +572,21 @@ class TcpTransport(BoundedSends, Transport):
             return slot
         # never block the caller: a stopped peer with full buffers must not stall us past
         # the op's deadline, so what the kernel does not take now goes to the sender
+        failed = False
         try:
             _sendall_vec(p.sock, parts, socket.MSG_DONTWAIT)
         except BlockingIOError:
             pass
         except OSError as exc:
-            parts = []
-            self._send_failed(p, slot, exc, header)
+            parts, failed = [], True
+            self._send_failed(p, slot, exc, header)  # settles the slot, maybe later
         with p.cv:
             p.busy = False
             if parts:
                 p.current = (parts, header, slot)  # the rest of a begun frame goes first
             more = bool(parts) or bool(p.queue)
             p.cv.notify_all()
-        if not parts and not slot.done():
+        if not parts and not failed:
             slot.finish(header)
         if more:
             self._hand_to_sender(p)  # the rest, or sends queued while this one went out
@@ -596,17 +606,62 @@ class TcpTransport(BoundedSends, Transport):
 
     def _send_failed(self, p: _Peer, slot: Slot, exc: OSError,
                      header: Header | None = None) -> None:
-        if header is not None and self.mailbox.failures.left(p.rank) is not None:
-            # it said goodbye: nobody reads this, as nobody reads a frame the kernel took
-            # just before its close; the caller's call goes on (a gather's root announcing
-            # itself to a member that finished and left)
+        """A write to ``p`` failed. A closed connection (``header`` given) is settled once
+        the peer's stream was read to its end: its goodbye, if it left, comes before the
+        close, but the reader may not have reached it when the write met the close."""
+        if header is not None and self.mailbox.failures.left(p.rank) is None:
+            with self._io_lock:
+                if p.rank not in self._ended and not self._closing:
+                    self._unsent.setdefault(p.rank, []).append((header, slot, exc))
+                    if p.rank not in self._unsent_timers:
+                        # nothing hangs: a stream not ended by then is taken for a crash
+                        timer = threading.Timer(self._timeout, self._settle_unsent,
+                                                (p.rank, True))
+                        timer.daemon = True
+                        self._unsent_timers[p.rank] = timer
+                        timer.start()
+                    return
+        self._settle(p.rank, slot, exc, header)
+
+    def _settle(self, rank: int, slot: Slot, exc: OSError, header: Header | None) -> None:
+        """Finish a send the connection to ``rank`` did not take: completed if ``rank``
+        said goodbye (nobody reads it, as nobody reads a frame the kernel took just before
+        its close; a gather's root announcing itself to a member that finished and left),
+        else failed as a send to a dead rank."""
+        failures = self.mailbox.failures
+        if header is not None and failures.left(rank) is not None:
             slot.finish(header)
             return
-        error = PeerLostError(f"rank {self.rank} could not send to rank {p.rank}: {exc}; "
-                              f"did it exit or crash?", p.rank)
+        own = PeerLostError(f"rank {self.rank} could not send to rank {rank}: {exc}; did it "
+                            f"exit or crash?", rank)
+        # a closed connection: why the peer is gone, as the reader found it; else (a bug
+        # writing, no header) this failure is the cause
+        error = (failures.lost(rank) or own) if header is not None else own
         if not self._closing:
-            self.mailbox.peer_lost(p.rank, error)
+            self.mailbox.peer_lost(rank, error)
         slot.finish(None, error)
+
+    def _settle_unsent(self, rank: int, timed_out: bool = False) -> None:
+        """``rank``'s stream was read to its end (or, ``timed_out``, was not within the
+        connect timeout): settle the sends that met its closed connection."""
+        with self._io_lock:
+            if not timed_out:
+                self._ended.add(rank)
+            unsent = self._unsent.pop(rank, [])
+            timer = self._unsent_timers.pop(rank, None)
+        if timer is not None and not timed_out:
+            timer.cancel()
+        if timed_out and unsent and not self._closing and self.lost(rank) is None \
+                and self.mailbox.failures.left(rank) is None:
+            self.mailbox.peer_lost(rank, PeerLostError(
+                f"rank {self.rank} could not send to rank {rank} ({unsent[0][2]}), and rank "
+                f"{rank}'s stream did not end within {self._timeout:.0f}s; did it exit, crash "
+                f"or stop?", rank))
+        for header, slot, exc in unsent:
+            if self._closing:
+                slot.finish(None, self.closed_error())
+            else:
+                self._settle(rank, slot, exc, header)
 
     def _send_loop(self) -> None:
         """Write every peer's queued frames on this one thread, never waiting on one peer:
@@ -697,6 +752,10 @@ class TcpTransport(BoundedSends, Transport):
 
     def _stop(self) -> None:
         self._closing = True
+        with self._io_lock:
+            waiting = list(self._unsent)
+        for rank in waiting:  # sends still waiting on a peer's fate fail now
+            self._settle_unsent(rank)
         self.mailbox.close(self.closed_error())
         if self._gate is not None:
             self._gate.close()
