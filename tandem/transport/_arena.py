@@ -16,8 +16,9 @@ and the signalling::
 The areas lie side by side in one segment, which the group's first member creates
 and hands to each other member (``ShmTransport.arena``): members - 1 hand-overs and
 one mapping per member (a segment per member, each handed to every other, took
-64 x 63 hand-overs and mappings to build at 64 ranks). Area layout (member q's at
-byte q x area size)::
+64 x 63 hand-overs and mappings to build at 64 ranks). Only the control areas are
+reserved then; each member reserves its own staging as its calls first need it
+(:class:`Arena`). Area layout (member q's at byte q x area size)::
 
     byte 0            posted   u64   phases this member has published
     byte 8            pid      u64   the member's process id         (direct access,
@@ -73,7 +74,7 @@ import torch
 
 from tandem.errors import ArgumentError
 from tandem.transport import _cma
-from tandem.transport._shmem import address_of, fence, futex_wait, futex_wake
+from tandem.transport._shmem import address_of, fence, futex_wait, futex_wake, reserve_more
 
 __all__ = ["Arena", "MAX_MEMBERS", "CONTROL_BYTES", "segment_bytes", "default_chunk"]
 
@@ -88,6 +89,7 @@ _ENTRY = (CONTROL_BYTES - _CALLS) // _KEPT  # bytes per entry: 1520
 _HOT_S = 5e-6
 _SLEEP_S = 0.1
 _HEADS_KEPT = 64  # (dtype, numel) shapes whose staging heads stay cached
+_PAGE = 4096  # staging is reserved in whole pages
 
 
 def segment_bytes(chunk: int) -> int:
@@ -117,10 +119,19 @@ class Arena:
     holding every member's area, member i's at ``i * len(maps) // len(members)``. ``spin`` is how long a waiter
     polls before it sleeps on the futex (``self.spin`` may be changed per call). Its
     process group unmaps the segments with :meth:`close` when it is destroyed.
+
+    ``fd``: the one segment, of which every control area is reserved but no staging;
+    this member reserves its own staging (both halves alike, doubling, whole pages)
+    before it first hands out views that write it (:meth:`heads`, :meth:`slots`,
+    :meth:`data` of its own index), and closes ``fd`` once all is. A peer reads only
+    what its writer published, so nothing is touched unreserved: a full ``/dev/shm``
+    fails with a clear error, not ``SIGBUS``. A barrier (one byte) then reserves a page
+    per half, not 2 x chunk for every member while the others wait.
     """
 
     def __init__(self, members: Sequence[int], index: int,
-                 maps: Sequence[mmap.mmap] | mmap.mmap, chunk: int, spin: float) -> None:
+                 maps: Sequence[mmap.mmap] | mmap.mmap, chunk: int, spin: float,
+                 fd: int | None = None, where: str = "memory (memfd)") -> None:
         if len(members) > MAX_MEMBERS:
             raise ArgumentError(f"a shared-memory arena holds at most {MAX_MEMBERS} ranks")
         if isinstance(maps, mmap.mmap):  # one segment: (mapping, offset) of each area
@@ -159,6 +170,9 @@ class Arena:
         # members agreed (shm_direct does that in its first call)
         self.direct: bool | None = None
         self._scratch: torch.Tensor | None = None
+        self._fd, self._where = fd, where
+        self._mine = areas[index][1] + CONTROL_BYTES  # offset of my staging in its segment
+        self.reserved = chunk if fd is None else 0  # bytes of each of my halves reserved
 
     # -- lifetime --------------------------------------------------------------------
     def close(self) -> None:
@@ -167,6 +181,9 @@ class Arena:
         Views into the segments are dropped first; a mapping something else still
         views (a staging tensor a caller kept) is left to the garbage collector.
         """
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         self._data = []
         self._views = {}
         self._heads = {}
@@ -183,8 +200,25 @@ class Arena:
         self._segments = []
 
     # -- memory ----------------------------------------------------------------------
+    def _reserve(self, nbytes: int) -> None:
+        """Reserve the first ``nbytes`` (at least double what was) of each of my halves."""
+        if nbytes <= self.reserved:
+            return
+        assert self._fd is not None
+        want = min(self.chunk, -(-max(nbytes, 2 * self.reserved) // _PAGE) * _PAGE)
+        for half in (0, 1):
+            reserve_more(self._fd, self._mine + half * self.chunk + self.reserved,
+                         want - self.reserved, self._where)
+        self.reserved = want
+        if want >= self.chunk:  # all reserved: the descriptor is no longer needed
+            os.close(self._fd)
+            self._fd = None
+
     def data(self, member: int, half: int) -> torch.Tensor:
-        """Member ``member``'s staging half ``half`` as a uint8 tensor of ``chunk`` bytes."""
+        """Member ``member``'s staging half ``half`` as a uint8 tensor of ``chunk`` bytes
+        (my own: reserved whole first)."""
+        if member == self.index and self.reserved < self.chunk:
+            self._reserve(self.chunk)
         return self._data[member][half]
 
     def slots(self, dtype: torch.dtype, per: int) -> list[list[list[torch.Tensor]]]:
@@ -197,6 +231,7 @@ class Arena:
             if step > self.chunk or step <= 0:
                 raise ArgumentError(f"a slot of {step} bytes does not fit a {self.chunk}-byte "
                                     f"staging half")
+            self._reserve(self.chunk // step * step)
             table = [[[self._data[q][h][k * step:(k + 1) * step].view(dtype)
                        for q in range(self.size)] for k in range(self.chunk // step)]
                      for h in (0, 1)]
@@ -214,6 +249,7 @@ class Arena:
             if step > self.chunk or numel < 0:
                 raise ArgumentError(f"{numel} elements of {dtype} do not fit a "
                                     f"{self.chunk}-byte staging half")
+            self._reserve(step)
             if len(self._heads) >= _HEADS_KEPT:
                 self._heads.clear()
             table = [[self._data[q][h][:step].view(dtype) for q in range(self.size)]

@@ -25,7 +25,8 @@ attach, :mod:`~tandem.transport._cma`): one copy instead of two.
 Collectives of a same-host group also get an *arena* (:meth:`ShmTransport.arena`,
 :mod:`~tandem.transport._arena`): its first member creates one segment holding
 every member's staging area and hands it to each other member over the same
-authenticated sockets (members - 1 hand-overs, one mapping each).
+authenticated sockets (members - 1 hand-overs, one mapping each); each member
+reserves its own staging as its calls first write it.
 
 A dead peer: the kernel closes its sockets, a watcher thread sees EOF, and the
 reader reports ``PeerLostError`` once it has drained what the peer wrote before
@@ -58,7 +59,7 @@ from tandem.transport._ring import DATA_OFFSET, Ring, init_segment, initial_data
 from tandem.transport._shm_peer import HungUp, ShmPeer, frame, unframe
 from tandem.transport._shm_setup import Link, connect_local
 from tandem.transport import forks
-from tandem.transport._shmem import create_segment, unsupported_reason
+from tandem.transport._shmem import create_segment, reserve_more, unsupported_reason
 from tandem.transport.base import Poller, Transport, check_header, join_all
 from tandem.transport.mailbox import DEFAULT_PARK_LIMIT, Mailbox
 from tandem.transport.message import Header, Kind, Slot
@@ -193,7 +194,7 @@ class ShmTransport(BoundedSends, Transport):
         except BaseException:
             os.close(fd)
             raise
-        ring = Ring(mm, self._spin, fd, self._shm_dir or "memory (memfd)")  # it owns fd now
+        ring = Ring(mm, self._spin, fd, self._where())  # it owns fd now
         try:
             ring.announce(os.getpid())  # where the peer may read us by reference (_cma)
             self._offer(peer, _RING_KEY, ring.descriptor(), size)
@@ -367,32 +368,43 @@ class ShmTransport(BoundedSends, Transport):
         first, count = members[0], len(members)
         if self.rank == first:
             chunk = chunk or default_chunk(len(self._peers) + 1)
-            size = segment_bytes(chunk) * count
-            fd = create_segment(size, self._shm_dir, "tandem-arena")
+            per = segment_bytes(chunk)
+            # only the control areas now (peers write sleep flags there); each member
+            # reserves its own staging as its calls first need it (Arena): 64 MiB
+            # reserved here while the others waited took most of the first barrier
+            fd = create_segment(per * count, self._shm_dir, "tandem-arena", CONTROL_BYTES)
             try:
-                whole = mmap.mmap(fd, size)
+                for q in range(1, count):
+                    reserve_more(fd, q * per, CONTROL_BYTES, self._where())
+                whole = mmap.mmap(fd, per * count)
                 try:
                     for r in members[1:]:
                         try:
-                            self._offer(self._peers[r], key, fd, size)
+                            self._offer(self._peers[r], key, fd, per * count)
                         except HungUp as exc:  # a member that is gone cannot take part
                             raise self._peers[r].lost("closed") from exc
                 except BaseException:
                     whole.close()
                     raise
-            finally:
+            except BaseException:
                 os.close(fd)
+                raise
         else:
             deadline = time.monotonic() + (timeout or self._connect_timeout)
-            whole = self._accept_offer(first, key, deadline, count * segment_bytes(4096))
+            whole, fd = self._accept_segment(first, key, deadline, count * segment_bytes(4096))
             if len(whole) % count or (len(whole) // count) % mmap.PAGESIZE:
                 size = len(whole)
                 whole.close()
+                os.close(fd)
                 raise NetworkError(f"rank {first} handed over a {size}-byte arena for "
                                    f"{count} ranks: not {count} whole areas of pages")
         per = len(whole) // count
         return Arena(members, members.index(self.rank), whole, (per - CONTROL_BYTES) // 2,
-                     self._spin)
+                     self._spin, fd, self._where())
+
+    def _where(self) -> str:
+        """Where this transport's segments live, for a full-memory error."""
+        return self._shm_dir or "memory (memfd)"
 
     def _offer(self, peer: ShmPeer, key: int, fd: int | None, size: int,
                follow: bytes = b"") -> None:
@@ -421,6 +433,13 @@ class ShmTransport(BoundedSends, Transport):
 
     def _accept_offer(self, peer: int, key: int, deadline: float,
                       smallest: int = segment_bytes(4096)) -> mmap.mmap:
+        mapped, fd = self._accept_segment(peer, key, deadline, smallest)
+        os.close(fd)
+        return mapped
+
+    def _accept_segment(self, peer: int, key: int, deadline: float,
+                        smallest: int) -> tuple[mmap.mmap, int]:
+        """The segment ``peer`` offered under ``key``, mapped, and its descriptor."""
         p = self._peers[peer]
         with self._offer_cv:
             while (peer, key) not in self._offers:
@@ -439,9 +458,10 @@ class ShmTransport(BoundedSends, Transport):
         try:
             if os.fstat(fd).st_size != size or size < smallest:
                 raise NetworkError(f"rank {peer} handed over a bad shared segment ({size} bytes)")
-            return mmap.mmap(fd, size)
-        finally:
+            return mmap.mmap(fd, size), fd
+        except BaseException:
             os.close(fd)
+            raise
 
     def isend(self, peer: int, header: Header, payload: memoryview) -> Slot:
         data = payload if payload.format == "B" and payload.ndim == 1 else payload.cast("B")

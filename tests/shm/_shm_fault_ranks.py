@@ -107,11 +107,15 @@ def exits_normally(rank: int, p: int, backend: str, store: str, fail: bool) -> A
     keys = [f"tandem/{w.generation}/shm/addr/{r}" for r in range(p)]
     # only a host's first rank listens (it hands every other pair its socket)
     sockets = [w.store.get(k).decode() for k in keys if w.store.check([k])]
+    arena = w.default.arena
     seen = {"maps": mappings(), "fds": [f for f in open_fds() if "memfd" in f or "shm" in f],
-            "sockets": sockets}
+            "sockets": sockets,
+            # the arena keeps its descriptor until this rank's staging is all reserved
+            "reserving": arena is not None and arena.reserved < arena.chunk}
     if fail and rank == 1:
         raise RuntimeError("rank 1 fails on purpose")  # exits without destroy_process_group
     dist.destroy_process_group()
+    seen["fds_after"] = [f for f in open_fds() if "memfd" in f or "shm" in f]
     return seen
 
 

@@ -12,13 +12,15 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+import torch
 
 from tandem.errors import NetworkError
 from tandem.store.hash import HashStore
-from tandem.transport._arena import Arena
+from tandem.transport._arena import CONTROL_BYTES, Arena
 from tandem.transport._shmem import create_segment
 from tandem.transport.shm import ShmTransport, unsupported_reason
 
@@ -114,3 +116,77 @@ def test_a_segment_that_does_not_split_into_areas_is_refused(host: list[ShmTrans
         os.close(fd)
     with pytest.raises(NetworkError, match="rank 0 handed over a .*arena for 2 ranks"):
         host[1].arena(11, [0, 1], CHUNK, timeout=30).close()
+
+
+def test_the_first_barrier_reserves_pages_not_every_member_s_staging(
+        host: list[ShmTransport], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The group's first member reserved the whole segment (2 x chunk per member, 64 MiB
+    at 16 ranks) while the others waited: now only the control areas, and each member
+    reserves its own staging as its calls first write it."""
+    chunk = 4 << 20
+    reserved: list[int] = []  # bytes asked of posix_fallocate, call by call
+    fallocate = os.posix_fallocate
+    lock = threading.Lock()
+
+    def counted(fd: int, offset: int, length: int) -> None:
+        with lock:
+            reserved.append(length)
+        fallocate(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", counted)
+    arenas = _on_threads(N, lambda r: host[r].arena(13, list(range(N)), chunk, timeout=30))
+    try:
+        assert all(isinstance(a, Arena) for a in arenas), arenas
+        assert sum(reserved) == N * CONTROL_BYTES, reserved
+
+        def barrier(r: int) -> int:  # the shared-memory all_reduce (MAX) of one byte
+            a = arenas[r]
+            staged = a.heads(torch.uint8, 1)[a.begin_round(lambda: None)]
+            staged[r][0] = r + 1
+            a.post()
+            a.wait_all(a.posted, lambda: None)
+            return max(int(staged[q][0]) for q in range(N))
+
+        assert _on_threads(N, barrier) == [N] * N
+        small = N * (CONTROL_BYTES + 2 * mmap.PAGESIZE)
+        assert sum(reserved) == small, f"{sum(reserved)} bytes reserved, {small} expected"
+        whole = N * (CONTROL_BYTES + 2 * chunk)
+        fd = arenas[1]._fd
+        assert fd is not None and os.fstat(fd).st_blocks * 512 == small
+        for r, a in enumerate(arenas):  # a large call: each reserves the rest of its own
+            a.data(r, 0)[-1] = r
+            assert a._fd is None, "all reserved: the descriptor went"
+        assert sum(reserved) == whole, f"{sum(reserved)} bytes, each once: {whole}"
+    finally:
+        for a in arenas:
+            if isinstance(a, Arena):
+                a.close()
+
+
+@pytest.mark.procs  # mount and umount
+@pytest.mark.procs  # the fixture mounts a tmpfs
+def test_a_full_directory_fails_a_member_s_staging_with_a_clear_error(tiny_tmpfs: Path
+                                                                       ) -> None:
+    """Staging reserved late must still be reserved before any touch: on a tmpfs that
+    holds the control areas and a barrier's pages but not 4 MiB of staging, the large
+    call's reservation says the directory is full (a touch would have been SIGBUS)."""
+    store = HashStore()
+    made = _on_threads(2, lambda r: ShmTransport(r, 2, store, SECRET, ring_bytes=1 << 16,
+                                                 hostname="h", shm_dir=str(tiny_tmpfs)))
+    arenas: list[Any] = []
+    try:
+        assert all(isinstance(t, ShmTransport) for t in made), made
+        arenas = _on_threads(2, lambda r: made[r].arena(3, [0, 1], 4 << 20, timeout=30))
+        assert all(isinstance(a, Arena) for a in arenas), arenas
+        for r, a in enumerate(arenas):  # a barrier's worth fits
+            a.heads(torch.uint8, 1)[0][r][0] = 1
+        with pytest.raises(NetworkError, match="is full") as info:
+            arenas[0].data(0, 0)[-1] = 1  # unreserved, this write would be SIGBUS
+        assert str(tiny_tmpfs) in str(info.value)
+    finally:
+        for a in arenas:
+            if isinstance(a, Arena):
+                a.close()
+        for t in made:
+            if isinstance(t, ShmTransport):
+                t.close()

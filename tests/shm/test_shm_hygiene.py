@@ -85,26 +85,17 @@ def test_rings_are_mapped_without_names_and_no_descriptor_is_leaked(job: Any) ->
             assert (len(rings), len(arenas)) == (0, 1), maps
         else:
             assert all(m.startswith("/dev/shm/tandem-shm-") for m in maps), maps
-        # CPython's mmap keeps a dup of its descriptor: one per mapping, and no other
-        assert sorted(o.value["fds"]) == maps, (o.rank, o.value["fds"], maps)
+        # CPython's mmap keeps a dup of its descriptor: one per mapping, and the arena's
+        # own while its staging is partly reserved (the 12 MB all_reduce read the peers'
+        # memory directly), no other; none once the group is destroyed
+        held = maps[:1] if o.value["reserving"] else []
+        assert sorted(o.value["fds"]) == sorted(maps + held), (o.rank, o.value["fds"], maps)
+        assert o.value["fds_after"] == [], (o.rank, o.value["fds_after"])
 
 
 def test_a_missing_directory_is_named_with_its_cause(tmp_path: Any) -> None:
     with pytest.raises(NetworkError, match=r"no-such-dir.*No such file or directory"):
         _shmem.create_segment(1 << 20, str(tmp_path / "no-such-dir"))
-
-
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Any) -> Any:
-    """A 64 KiB tmpfs (needs root); unmounted afterwards."""
-    where = tmp_path / "tiny"
-    where.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    yield where
-    subprocess.run(["umount", str(where)], check=False)
 
 
 def test_a_full_directory_says_it_is_full(tiny_tmpfs: Any) -> None:
