@@ -62,8 +62,7 @@ _HDR = struct.Struct("!BIQiQHH")
 _HELLO = struct.Struct("!II")
 # sends up to this size go straight into an idle socket from the caller (what the kernel
 # takes at once; the rest goes to the sender): a ring's 512 KiB pieces handed to the
-# sender thread waited 9-23 ms for it at load 20 (4x1, 1 Gbit/s, 16 MB all-reduce: 0.85x
-# and 0.97x gloo at 256 KiB, 1.01x at 4 MiB, the socket buffer asked for between hosts)
+# sender thread waited 9-23 ms for it under load, most of what 4 hosts lost to gloo
 _INLINE_MAX = 4 << 20
 _PURPOSE = b"tandem-transport"
 _IOV_MAX = 1024  # the most buffers one sendmsg takes (Linux)

@@ -9,10 +9,8 @@ host has checked in, then release their host. Only leaders send across hosts. Ea
 message carries the call's signature, so a rank that called something else meets a
 receive of another call and the group fails with a mismatch, as with any message.
 
-Before this, a barrier across hosts was the hierarchical all-reduce of one byte:
-binomial trees within each host (three hops each way with 8 ranks a host, each hop a
-wake-up and a reduction) around recursive doubling. 4 hosts x 8: 10.0 ms per barrier
-against 16.6 ms (gloo 34.7 ms), best of 3 rounds of 60, load ~30.
+One hop each way within a host, where the hierarchical all-reduce of one byte took
+three with 8 ranks a host, each a wake-up and a reduction (4 hosts x 8: 0.6x its time).
 """
 
 from __future__ import annotations

@@ -226,11 +226,8 @@ def _leaders_scatter(o: Op, mine: torch.Tensor, ins: list[torch.Tensor] | None,
 
 # Below this many bytes per call (reduce: the buffer; gather, scatter: the root's whole
 # list; all_to_all: what the rank sending most sends to other hosts) rooted calls and
-# all_to_all across hosts go through the leaders; from it on straight to their peers, as
-# leader routing measured slower at 16 MB (2x8 and 4x8, load 21-38, ms per call, direct
-# -> leaders: gather 14.4 -> 24.3 and 14.4 -> 27.1, scatter 10.6 -> 15.4 and 30.1 ->
-# 37.4, all_to_all 120 -> 791 and 509 -> 1680) and within the noise at 1 MB (all_to_all
-# 43.8 -> 42.6 and 136 -> 84.8); 4 MB lies between, unmeasured.
+# all_to_all across hosts go through the leaders; from it on straight to their peers
+# (at 16 MB the leaders were 1.2-7x slower, at 1 MB even: docs/benchmarks.md#scale-leaders).
 LEADERS_BELOW_BYTES = 4 << 20
 
 
