@@ -75,7 +75,8 @@ def link_chunk(group: ProcessGroup) -> int | None:
     Every rank of the group gets the same answer, as the ring's pieces must agree.
     """
     # pieces a few bandwidth-delay products long keep a delayed link busy; 256 KiB took
-    # 25-40% less CPU than 128 KiB at 1 Gbit/s, 0.2 ms (docs/design.md, "Ring pieces")
+    # 25-40% less CPU than 128 KiB at 1 Gbit/s, 0.2 ms (docs/design.md, "Ring pieces"), and
+    # at 4x1, 1 MB, four 64 KiB pieces per segment lost too (docs/benchmarks.md#shaped-1mb)
     if not spans_hosts(group):
         return None
     settings = group.settings
