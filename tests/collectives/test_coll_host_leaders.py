@@ -21,6 +21,7 @@ from test_coll_dispatch import _Group as _InlineGroup
 from test_coll_dispatch import _Transport as _Inline
 
 from tandem.collectives import api, barriers
+from tandem.collectives.algorithms import select
 from tandem.collectives.group import ProcessGroup
 from tandem.config import Settings
 from tandem.testing import RankFailed, run_threads
@@ -200,3 +201,58 @@ def test_roots_that_disagree_across_hosts_fail_on_every_rank_within_seconds(
         assert f"--- rank {rank} ---" in text, (name, roots, rank, text[-2000:])
         part = text.split(f"--- rank {rank} ---")[1].split("--- rank")[0]
         assert "CollectiveMismatchError" in part or "mismatch" in part, (name, roots, rank, part)
+
+
+# uneven and interleaved hosts: a=[0, 1, 6], b=[2, 3, 4, 7], c=[5] (a host's block is then
+# no run of consecutive ranks, and one host has a single rank)
+ORACLE_HOSTS = list("aabbbcab")
+
+
+def _piece(src: int, dst: int, numel: int) -> torch.Tensor:
+    """What rank ``src`` sends rank ``dst``: distinct per pair, sizes differing, some empty."""
+    k = (numel * (src + 2 * dst)) % (numel + 1)
+    return torch.arange(k, dtype=torch.float64) + 1000 * src + 100_000 * dst
+
+
+@pytest.mark.parametrize("numel", [1, 37, 5000])
+def test_scatter_through_leaders_matches_the_oracle_from_every_root(numel: int) -> None:
+    """Each host's pieces cross in one message and are handed down as views of it: every
+    rank gets its own piece, whichever rank (leader, not, alone on its host) is the root."""
+    p = len(ORACLE_HOSTS)
+
+    def body(g: ProcessGroup) -> list[str]:
+        assert select.select_scatter(g, torch.empty(numel))[0] == "leaders"
+        wrong = []
+        for root in range(p):
+            parts = [torch.arange(numel, dtype=torch.float64) + 1000 * q + root for q in range(p)]
+            out = torch.full((numel,), -1.0, dtype=torch.float64)
+            tandem.scatter(out, parts if g.rank() == root else None, src=root, group=g)
+            if not torch.equal(out, parts[g.rank()]):
+                wrong.append(f"rank {g.rank()} from root {root}: {out[:4].tolist()}")
+        return wrong
+
+    got = run_threads(p, body, timeout=120, op_timeout=60, hosts=ORACLE_HOSTS)
+    assert not [w for ws in got for w in ws], got
+
+
+@pytest.mark.parametrize("numel", [1, 37, 5000])
+def test_all_to_all_through_leaders_matches_the_oracle_with_uneven_splits(numel: int) -> None:
+    p = len(ORACLE_HOSTS)
+
+    def body(g: ProcessGroup) -> list[str]:
+        assert select.select_all_to_all(g)[0] == "leaders"
+        me = g.rank()
+        ins = [_piece(me, d, numel) for d in range(p)]
+        outs = [torch.full_like(_piece(s, me, numel), -1.0) for s in range(p)]
+        tandem.all_to_all(outs, ins, group=g)
+        wrong = [f"rank {me} from {s}" for s in range(p)
+                 if not torch.equal(outs[s], _piece(s, me, numel))]
+        back = [_piece(s, me, numel).numel() for s in range(p)]
+        out = torch.full((sum(back),), -1.0, dtype=torch.float64)
+        tandem.all_to_all_single(out, torch.cat(ins), back, [t.numel() for t in ins], group=g)
+        if not torch.equal(out, torch.cat([_piece(s, me, numel) for s in range(p)])):
+            wrong.append(f"rank {me} all_to_all_single")
+        return wrong
+
+    got = run_threads(p, body, timeout=120, op_timeout=60, hosts=ORACLE_HOSTS)
+    assert not [w for ws in got for w in ws], got

@@ -8,8 +8,12 @@ a host messages go over shared memory (backend ``auto``).
 * **reduce**: a binomial tree within each host onto its leader, a binomial tree among
   the leaders onto the leader of the root's host (``top``), then ``top`` to the root
   when the root is not a leader.
-* **gather**: each rank to its leader, each leader its host's block to ``top``, ``top``
-  everything to the root (when it is not ``top``); **scatter** the same backwards.
+* **gather**: each rank to its leader, each leader its host's pieces to ``top``, ``top``
+  everything to the root (when it is not ``top``), one message per piece, each passed
+  on as it arrives.
+* **scatter**: one message per host: the root sends each other host's pieces, packed
+  in rank order, to that host's leader (through ``top`` when the root is not ``top``),
+  which hands each of its ranks its piece as a view of that message.
 * **all-to-all**: the pieces for ranks of the same host go straight to them; the rest
   go to the sender's leader, which packs one message per destination host (every
   piece from its host to that host, by source then destination rank), sends it to that
@@ -161,51 +165,48 @@ def leaders_gather(o: Op, mine: torch.Tensor, outs: list[torch.Tensor] | None, r
 
 def leaders_scatter(o: Op, recv: torch.Tensor, ins: list[torch.Tensor] | None, root: int,
                     layout: Layout) -> None:
-    """Piece by piece: the root sends its own host's ranks their pieces, and top (its
-    host's leader) each other host's leader the pieces of that host, which each leader
-    passes on as it arrives."""
-    g = o.group
-    me, p = g.group_rank, g.group_size
+    """One message per host: the root sends its own host's ranks their pieces and each
+    other host's pieces, packed in rank order, to that host's leader (through top, its
+    own host's leader, when the root is not top); a leader hands its ranks their pieces
+    as views of what it received."""
+    me = o.group.group_rank
     local = host_of_rank(layout, me)
-    top = host_of_rank(layout, root)[0]
-    leader_of = {r: ranks[0] for ranks in layout for r in ranks}
     home = host_of_rank(layout, root)  # the root's host
-    away = [r for r in _order(layout) if leader_of[r] != top]  # ranks of other hosts
+    top = home[0]
+    away = [ranks for ranks in layout if ranks is not home]
+    n = recv.numel()
     if me == root:
         assert ins is not None
         recv.copy_(ins[me])
         sends = [o.send(r, _DOWN, as_bytes(ins[r])) for r in home if r != me]
-        if me == top:
-            sends += [o.send(leader_of[r], _ACROSS + r, as_bytes(ins[r])) for r in away]
-        else:
-            sends += [o.send(top, _UP + r, as_bytes(ins[r])) for r in away]
+        for h, ranks in enumerate(away):
+            block = torch.cat([ins[r] for r in ranks])
+            sends.append(o.send(ranks[0], _ACROSS, as_bytes(block)) if me == top
+                         else o.send(top, _UP + h, as_bytes(block)))
         o.wait(*sends)
         return
     if local is home:
         if me != top:
             o.wait(o.recv(root, _DOWN, as_bytes(recv)))
             return
-        # top, not the root: its own piece, then each other host's pieces passed on
+        # top, not the root: its own piece, and each other host's block passed on whole
         slots = [o.recv(root, _DOWN, as_bytes(recv))]
-        pieces = [torch.empty_like(recv) for _ in away]
-        recvs = [o.recv(root, _UP + r, as_bytes(t)) for r, t in zip(away, pieces)]
-        for slot, r, t in zip(recvs, away, pieces):
+        blocks = [torch.empty(len(ranks) * n, dtype=recv.dtype) for ranks in away]
+        recvs = [o.recv(root, _UP + h, as_bytes(b)) for h, b in enumerate(blocks)]
+        for slot, ranks, b in zip(recvs, away, blocks):
             o.wait(slot)
-            slots.append(o.send(leader_of[r], _ACROSS + r, as_bytes(t)))
+            slots.append(o.send(ranks[0], _ACROSS, as_bytes(b)))
         o.wait(*slots)
         return
     if me != local[0]:
         o.wait(o.recv(local[0], _DOWN, as_bytes(recv)))
         return
-    # a leader of another host: its own piece, and its ranks' passed on as they arrive
-    others = [r for r in local if r != me]
-    pieces = [torch.empty_like(recv) for _ in others]
-    slots = [o.recv(top, _ACROSS + me, as_bytes(recv))]
-    recvs = [o.recv(top, _ACROSS + r, as_bytes(t)) for r, t in zip(others, pieces)]
-    for slot, r, t in zip(recvs, others, pieces):
-        o.wait(slot)
-        slots.append(o.send(r, _DOWN, as_bytes(t)))
-    o.wait(*slots)
+    # a leader of another host: its host's block, each rank's piece a view of it
+    block = torch.empty(len(local) * n, dtype=recv.dtype)
+    o.wait(o.recv(top, _ACROSS, as_bytes(block)))
+    pieces = block.split(n) if n else [block] * len(local)
+    recv.copy_(pieces[0])
+    o.wait(*[o.send(r, _DOWN, as_bytes(t)) for r, t in zip(local[1:], pieces[1:])])
 
 
 # the all-to-all's table of sizes moves in steps of its own, before the data
