@@ -256,3 +256,29 @@ def test_all_to_all_through_leaders_matches_the_oracle_with_uneven_splits(numel:
 
     got = run_threads(p, body, timeout=120, op_timeout=60, hosts=ORACLE_HOSTS)
     assert not [w for ws in got for w in ws], got
+
+
+def test_a_scatter_leader_hands_down_before_its_ranks_confirm_the_root() -> None:
+    """Rank 3 (host b, not its leader) enters the scatter only once its leader, rank 2,
+    sent it its piece: the leader passes data on first and checks its ranks after, so a
+    rank that is late (descheduled on a busy host) does not hold up its host's data."""
+    handed = threading.Event()
+
+    def body(g: ProcessGroup) -> bool:
+        me = g.rank()
+        if me == 2:
+            send = g.transport.isend
+
+            def watched(to: int, header: Any, view: memoryview) -> Slot:
+                if to == 3 and len(view):
+                    handed.set()
+                return send(to, header, view)
+            g.transport.isend = watched  # type: ignore[method-assign]
+        if me == 3 and not handed.wait(10.0):
+            return False
+        out = torch.empty(4)
+        parts = [torch.full((4,), float(q)) for q in range(4)]
+        tandem.scatter(out, parts if me == 0 else None, src=0, group=g)
+        return torch.equal(out, parts[me])
+
+    assert run_threads(4, body, timeout=60, op_timeout=30, hosts=list("aabb")) == [True] * 4

@@ -67,23 +67,28 @@ def check_tree(layout: Layout, root: int, rank: int) -> tuple[int | None, list[i
     return (root if root != top else None), children
 
 
-def rooted(o: Op, root: int, layout: Layout, body: Callable[[], None]) -> None:
+def rooted(o: Op, root: int, layout: Layout, body: Callable[[], None],
+           down: bool = False) -> None:
     """Run ``body`` inside the root check through the leaders: a leaf confirms at once;
     a leader confirms up once its children did, before its part of ``body`` (a child
     naming another root is then found before the leader waits for its data); the root
-    waits for all at the end."""
+    waits for all at the end. ``down`` (data flows from the root, which sends whatever
+    the check says): a leader passes its host's data on first, then waits for its
+    children and confirms up, so that its ranks need not all run before it forwards."""
     parent, children = check_tree(layout, root, o.group.group_rank)
     empty = memoryview(bytearray(0))
     if parent is not None and not children:
         told = [o.send(parent, ROOT_STEP, empty)]
     else:
         told = [o.recv(c, ROOT_STEP, empty) for c in children]
-        if parent is not None:
+        if parent is not None and not down:
             o.wait(*told)
             o.wait(o.send(parent, ROOT_STEP, empty))
             told = []
     body()
     o.wait(*told)
+    if parent is not None and children and down:
+        o.wait(o.send(parent, ROOT_STEP, empty))
 
 
 def _order(layout: Layout) -> list[int]:

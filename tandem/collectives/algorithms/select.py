@@ -221,7 +221,7 @@ def _leaders_scatter(o: Op, mine: torch.Tensor, ins: list[torch.Tensor] | None,
                      root: int) -> None:
     layout = host_layout(o.group)
     assert layout is not None  # as select_scatter found it
-    rooted(o, root, layout, lambda: leaders_scatter(o, mine, ins, root, layout))
+    rooted(o, root, layout, lambda: leaders_scatter(o, mine, ins, root, layout), down=True)
 
 
 # Below this many bytes per call (reduce: the buffer; gather, scatter: the root's whole
