@@ -153,7 +153,13 @@ def _agree(o: Op, algorithm: str, what: str, row: int, in_sizes: list[int],
         early = {j: o.send(j, 0, as_bytes(ins[j])) for j in range(p)
                  if j != r and ins[j].numel() * ins[j].element_size() <= _EARLY_BYTES}
         o.wait(*recvs, *sends)
-    rows = [t.tolist() for t in table]
+    # checked and counted in torch: at 64 ranks the pairs in Python took ~2 ms a rank
+    full = torch.stack(table)
+    units = full[:, :1]
+    elements = units * full[:, 1:1 + p]  # [a][b]: elements rank a sends rank b
+    if torch.equal(elements, (units * full[:, 1 + p:]).T):
+        return early, elements.tolist()
+    rows = full.tolist()
     for a in range(p):  # every rank finds the same first disagreement
         for b in range(p):
             sent, expected = rows[a][1 + b], rows[b][1 + p + a]
@@ -167,4 +173,4 @@ def _agree(o: Op, algorithm: str, what: str, row: int, in_sizes: list[int],
                 f"{rows[a][1:1 + p]} on rank {ga}) but rank {gb} expects {expected} {unit} from "
                 f"rank {ga} ({out_name}={rows[b][1 + p:]} on rank {gb}){shapes}; "
                 f"{out_name}[i] on each rank must match {in_name}[that rank] on rank i")
-    return early, [[rows[a][0] * rows[a][1 + b] for b in range(p)] for a in range(p)]
+    raise AssertionError("the split tables differ but no pair of ranks disagrees")

@@ -21,6 +21,7 @@ from test_coll_dispatch import _Group as _InlineGroup
 from test_coll_dispatch import _Transport as _Inline
 
 from tandem.collectives import api, barriers
+from tandem.collectives.algorithms import select
 from tandem.collectives.group import ProcessGroup
 from tandem.config import Settings
 from tandem.testing import RankFailed, run_threads
@@ -200,3 +201,84 @@ def test_roots_that_disagree_across_hosts_fail_on_every_rank_within_seconds(
         assert f"--- rank {rank} ---" in text, (name, roots, rank, text[-2000:])
         part = text.split(f"--- rank {rank} ---")[1].split("--- rank")[0]
         assert "CollectiveMismatchError" in part or "mismatch" in part, (name, roots, rank, part)
+
+
+# uneven and interleaved hosts: a=[0, 1, 6], b=[2, 3, 4, 7], c=[5] (a host's block is then
+# no run of consecutive ranks, and one host has a single rank)
+ORACLE_HOSTS = list("aabbbcab")
+
+
+def _piece(src: int, dst: int, numel: int) -> torch.Tensor:
+    """What rank ``src`` sends rank ``dst``: distinct per pair, sizes differing, some empty."""
+    k = (numel * (src + 2 * dst)) % (numel + 1)
+    return torch.arange(k, dtype=torch.float64) + 1000 * src + 100_000 * dst
+
+
+@pytest.mark.parametrize("numel", [1, 37, 5000])
+def test_scatter_through_leaders_matches_the_oracle_from_every_root(numel: int) -> None:
+    """Each host's pieces cross in one message and are handed down as views of it: every
+    rank gets its own piece, whichever rank (leader, not, alone on its host) is the root."""
+    p = len(ORACLE_HOSTS)
+
+    def body(g: ProcessGroup) -> list[str]:
+        assert select.select_scatter(g, torch.empty(numel))[0] == "leaders"
+        wrong = []
+        for root in range(p):
+            parts = [torch.arange(numel, dtype=torch.float64) + 1000 * q + root for q in range(p)]
+            out = torch.full((numel,), -1.0, dtype=torch.float64)
+            tandem.scatter(out, parts if g.rank() == root else None, src=root, group=g)
+            if not torch.equal(out, parts[g.rank()]):
+                wrong.append(f"rank {g.rank()} from root {root}: {out[:4].tolist()}")
+        return wrong
+
+    got = run_threads(p, body, timeout=120, op_timeout=60, hosts=ORACLE_HOSTS)
+    assert not [w for ws in got for w in ws], got
+
+
+@pytest.mark.parametrize("numel", [1, 37, 5000])
+def test_all_to_all_through_leaders_matches_the_oracle_with_uneven_splits(numel: int) -> None:
+    p = len(ORACLE_HOSTS)
+
+    def body(g: ProcessGroup) -> list[str]:
+        assert select.select_all_to_all(g)[0] == "leaders"
+        me = g.rank()
+        ins = [_piece(me, d, numel) for d in range(p)]
+        outs = [torch.full_like(_piece(s, me, numel), -1.0) for s in range(p)]
+        tandem.all_to_all(outs, ins, group=g)
+        wrong = [f"rank {me} from {s}" for s in range(p)
+                 if not torch.equal(outs[s], _piece(s, me, numel))]
+        back = [_piece(s, me, numel).numel() for s in range(p)]
+        out = torch.full((sum(back),), -1.0, dtype=torch.float64)
+        tandem.all_to_all_single(out, torch.cat(ins), back, [t.numel() for t in ins], group=g)
+        if not torch.equal(out, torch.cat([_piece(s, me, numel) for s in range(p)])):
+            wrong.append(f"rank {me} all_to_all_single")
+        return wrong
+
+    got = run_threads(p, body, timeout=120, op_timeout=60, hosts=ORACLE_HOSTS)
+    assert not [w for ws in got for w in ws], got
+
+
+def test_a_scatter_leader_hands_down_before_its_ranks_confirm_the_root() -> None:
+    """Rank 3 (host b, not its leader) enters the scatter only once its leader, rank 2,
+    sent it its piece: the leader passes data on first and checks its ranks after, so a
+    rank that is late (descheduled on a busy host) does not hold up its host's data."""
+    handed = threading.Event()
+
+    def body(g: ProcessGroup) -> bool:
+        me = g.rank()
+        if me == 2:
+            send = g.transport.isend
+
+            def watched(to: int, header: Any, view: memoryview) -> Slot:
+                if to == 3 and len(view):
+                    handed.set()
+                return send(to, header, view)
+            g.transport.isend = watched  # type: ignore[method-assign]
+        if me == 3 and not handed.wait(10.0):
+            return False
+        out = torch.empty(4)
+        parts = [torch.full((4,), float(q)) for q in range(4)]
+        tandem.scatter(out, parts if me == 0 else None, src=0, group=g)
+        return torch.equal(out, parts[me])
+
+    assert run_threads(4, body, timeout=60, op_timeout=30, hosts=list("aabb")) == [True] * 4

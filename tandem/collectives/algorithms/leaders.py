@@ -8,12 +8,16 @@ a host messages go over shared memory (backend ``auto``).
 * **reduce**: a binomial tree within each host onto its leader, a binomial tree among
   the leaders onto the leader of the root's host (``top``), then ``top`` to the root
   when the root is not a leader.
-* **gather**: each rank to its leader, each leader its host's block to ``top``, ``top``
-  everything to the root (when it is not ``top``); **scatter** the same backwards.
-* **all-to-all**: the pieces for ranks of the same host go straight to them; the rest
-  go to the sender's leader, which packs one message per destination host (every
-  piece from its host to that host, by source then destination rank), sends it to that
-  host's leader, which hands each of its ranks one message of the pieces meant for it.
+* **gather**: each rank to its leader, each leader its host's pieces to ``top``, ``top``
+  everything to the root (when it is not ``top``), one message per piece, each passed
+  on as it arrives.
+* **scatter**: one message per host: the root sends each other host's pieces, packed
+  in rank order, to that host's leader (through ``top`` when the root is not ``top``),
+  which hands each of its ranks its piece as a view of that message.
+* **all-to-all**: every rank sends its leader one message of its pieces for all other
+  ranks (same host or not); the leader packs one message per other host (every piece
+  from its host to that host, by source then destination rank) for that host's leader,
+  and hands each of its ranks one message of every piece meant for it.
 
 The root checks of the rooted ones confirm up a two-level tree (:func:`check_tree`):
 each host's ranks to its leader, each leader once its host confirmed, the root once
@@ -63,23 +67,28 @@ def check_tree(layout: Layout, root: int, rank: int) -> tuple[int | None, list[i
     return (root if root != top else None), children
 
 
-def rooted(o: Op, root: int, layout: Layout, body: Callable[[], None]) -> None:
+def rooted(o: Op, root: int, layout: Layout, body: Callable[[], None],
+           down: bool = False) -> None:
     """Run ``body`` inside the root check through the leaders: a leaf confirms at once;
     a leader confirms up once its children did, before its part of ``body`` (a child
     naming another root is then found before the leader waits for its data); the root
-    waits for all at the end."""
+    waits for all at the end. ``down`` (data flows from the root, which sends whatever
+    the check says): a leader passes its host's data on first, then waits for its
+    children and confirms up, so that its ranks need not all run before it forwards."""
     parent, children = check_tree(layout, root, o.group.group_rank)
     empty = memoryview(bytearray(0))
     if parent is not None and not children:
         told = [o.send(parent, ROOT_STEP, empty)]
     else:
         told = [o.recv(c, ROOT_STEP, empty) for c in children]
-        if parent is not None:
+        if parent is not None and not down:
             o.wait(*told)
             o.wait(o.send(parent, ROOT_STEP, empty))
             told = []
     body()
     o.wait(*told)
+    if parent is not None and children and down:
+        o.wait(o.send(parent, ROOT_STEP, empty))
 
 
 def _order(layout: Layout) -> list[int]:
@@ -161,51 +170,48 @@ def leaders_gather(o: Op, mine: torch.Tensor, outs: list[torch.Tensor] | None, r
 
 def leaders_scatter(o: Op, recv: torch.Tensor, ins: list[torch.Tensor] | None, root: int,
                     layout: Layout) -> None:
-    """Piece by piece: the root sends its own host's ranks their pieces, and top (its
-    host's leader) each other host's leader the pieces of that host, which each leader
-    passes on as it arrives."""
-    g = o.group
-    me, p = g.group_rank, g.group_size
+    """One message per host: the root sends its own host's ranks their pieces and each
+    other host's pieces, packed in rank order, to that host's leader (through top, its
+    own host's leader, when the root is not top); a leader hands its ranks their pieces
+    as views of what it received."""
+    me = o.group.group_rank
     local = host_of_rank(layout, me)
-    top = host_of_rank(layout, root)[0]
-    leader_of = {r: ranks[0] for ranks in layout for r in ranks}
     home = host_of_rank(layout, root)  # the root's host
-    away = [r for r in _order(layout) if leader_of[r] != top]  # ranks of other hosts
+    top = home[0]
+    away = [ranks for ranks in layout if ranks is not home]
+    n = recv.numel()
     if me == root:
         assert ins is not None
         recv.copy_(ins[me])
         sends = [o.send(r, _DOWN, as_bytes(ins[r])) for r in home if r != me]
-        if me == top:
-            sends += [o.send(leader_of[r], _ACROSS + r, as_bytes(ins[r])) for r in away]
-        else:
-            sends += [o.send(top, _UP + r, as_bytes(ins[r])) for r in away]
+        for h, ranks in enumerate(away):
+            block = torch.cat([ins[r] for r in ranks])
+            sends.append(o.send(ranks[0], _ACROSS, as_bytes(block)) if me == top
+                         else o.send(top, _UP + h, as_bytes(block)))
         o.wait(*sends)
         return
     if local is home:
         if me != top:
             o.wait(o.recv(root, _DOWN, as_bytes(recv)))
             return
-        # top, not the root: its own piece, then each other host's pieces passed on
+        # top, not the root: its own piece, and each other host's block passed on whole
         slots = [o.recv(root, _DOWN, as_bytes(recv))]
-        pieces = [torch.empty_like(recv) for _ in away]
-        recvs = [o.recv(root, _UP + r, as_bytes(t)) for r, t in zip(away, pieces)]
-        for slot, r, t in zip(recvs, away, pieces):
+        blocks = [torch.empty(len(ranks) * n, dtype=recv.dtype) for ranks in away]
+        recvs = [o.recv(root, _UP + h, as_bytes(b)) for h, b in enumerate(blocks)]
+        for slot, ranks, b in zip(recvs, away, blocks):
             o.wait(slot)
-            slots.append(o.send(leader_of[r], _ACROSS + r, as_bytes(t)))
+            slots.append(o.send(ranks[0], _ACROSS, as_bytes(b)))
         o.wait(*slots)
         return
     if me != local[0]:
         o.wait(o.recv(local[0], _DOWN, as_bytes(recv)))
         return
-    # a leader of another host: its own piece, and its ranks' passed on as they arrive
-    others = [r for r in local if r != me]
-    pieces = [torch.empty_like(recv) for _ in others]
-    slots = [o.recv(top, _ACROSS + me, as_bytes(recv))]
-    recvs = [o.recv(top, _ACROSS + r, as_bytes(t)) for r, t in zip(others, pieces)]
-    for slot, r, t in zip(recvs, others, pieces):
-        o.wait(slot)
-        slots.append(o.send(r, _DOWN, as_bytes(t)))
-    o.wait(*slots)
+    # a leader of another host: its host's block, each rank's piece a view of it
+    block = torch.empty(len(local) * n, dtype=recv.dtype)
+    o.wait(o.recv(top, _ACROSS, as_bytes(block)))
+    pieces = block.split(n) if n else [block] * len(local)
+    recv.copy_(pieces[0])
+    o.wait(*[o.send(r, _DOWN, as_bytes(t)) for r, t in zip(local[1:], pieces[1:])])
 
 
 # the all-to-all's table of sizes moves in steps of its own, before the data
@@ -243,73 +249,59 @@ def leaders_table(o: Op, mine: torch.Tensor, layout: Layout) -> list[torch.Tenso
 def leaders_all_to_all(o: Op, outs: list[torch.Tensor], ins: list[torch.Tensor],
                        counts: list[list[int]], layout: Layout) -> None:
     """``outs[j]`` on rank ``i`` receives ``ins[i]`` of rank ``j``; ``counts[a][b]``: the
-    elements rank ``a`` sends rank ``b`` (every rank's, as the split check agreed)."""
+    elements rank ``a`` sends rank ``b`` (every rank's, as the split check agreed).
+
+    A rank other than its host's leader sends the leader one message (its pieces for
+    every other rank, on its host or not) and gets one back (every other rank's pieces
+    for it): two messages a call instead of two per rank of its host."""
     me = o.group.group_rank
     local = host_of_rank(layout, me)
     leader = local[0]
     dtype = ins[me].dtype
-    others = [r for r in _order(layout) if r not in local]  # ranks on other hosts, in order
-    slots = [o.recv(s, 0, as_bytes(outs[s])) for s in local if s != me]
-    slots += [o.send(d, 0, as_bytes(ins[d])) for d in local if d != me]
+    order = _order(layout)
     outs[me].copy_(ins[me])
-    if not others:
-        o.wait(*slots)
-        return
     if me != leader:
-        # everything for other hosts to the leader; everything from them back from it
-        out_box = torch.cat([ins[d] for d in others])
-        in_box = torch.empty(sum(counts[s][me] for s in others), dtype=dtype)
-        slots.append(o.send(leader, _UP, as_bytes(out_box)))
-        o.wait(o.recv(leader, _DOWN, as_bytes(in_box)), *slots)
-        _split_into(in_box, [outs[s] for s in others])
+        # every piece for another rank up to the leader, in ``order``; theirs back from it
+        peers = [r for r in order if r != me]
+        in_box = torch.empty(sum(counts[s][me] for s in peers), dtype=dtype)
+        got = o.recv(leader, _DOWN, as_bytes(in_box))
+        o.wait(o.send(leader, _UP, as_bytes(torch.cat([ins[d] for d in peers]))), got)
+        _split_into(in_box, [outs[s] for s in peers])
         return
-    # what each rank of this host sends to other hosts, pieces in the order of ``others``
-    boxes = {r: torch.empty(sum(counts[r][d] for d in others), dtype=dtype)
-             for r in local if r != me}
-    boxes[me] = torch.cat([ins[d] for d in others])
-    ups = [o.recv(r, _UP, as_bytes(boxes[r])) for r in local if r != me]
-    offsets = {}
-    for r in local:
-        at = 0
-        for d in others:
-            offsets[(r, d)] = at
-            at += counts[r][d]
-
-    def piece(r: int, d: int) -> torch.Tensor:
-        return boxes[r][offsets[(r, d)]:offsets[(r, d)] + counts[r][d]]
-
+    away = [ranks for ranks in layout if ranks is not local]
     # from each other host: its ranks' pieces for this host's ranks, by source then destination
-    inbound = {}
-    for ranks in layout:
-        if ranks is not local:
-            size = sum(counts[s][d] for s in ranks for d in local)
-            inbound[ranks[0]] = torch.empty(size, dtype=dtype)
-            slots.append(o.recv(ranks[0], _ACROSS, as_bytes(inbound[ranks[0]])))
-    o.wait(*ups)
-    for ranks in layout:
-        if ranks is not local:
-            packed = torch.cat([piece(s, d) for s in local for d in ranks])
-            slots.append(o.send(ranks[0], _ACROSS, as_bytes(packed)))
-    # wait for the other leaders one by one, then hand each rank of this host its pieces
-    views: dict[int, dict[int, torch.Tensor]] = {d: {} for d in local}
-    for ranks in layout:
-        if ranks is local:
-            continue
-        box = inbound[ranks[0]]
-        at = 0
-        for s in ranks:
-            for d in local:
-                views[d][s] = box[at:at + counts[s][d]]
-                at += counts[s][d]
-    o.wait(*slots)
-    downs = []
-    for d in local:
-        if d == me:
-            for s in others:
-                outs[s].copy_(views[d][s])
-        else:
-            downs.append(o.send(d, _DOWN, as_bytes(torch.cat([views[d][s] for s in others]))))
-    o.wait(*downs)
+    inbound = [torch.empty(sum(counts[s][d] for s in ranks for d in local), dtype=dtype)
+               for ranks in away]
+    across = [o.recv(ranks[0], _ACROSS, as_bytes(box)) for ranks, box in zip(away, inbound)]
+    # what each rank of this host sends every other rank, pieces in ``order``
+    boxes = {r: torch.empty(sum(counts[r][d] for d in order if d != r), dtype=dtype)
+             for r in local if r != me}
+    o.wait(*[o.recv(r, _UP, as_bytes(box)) for r, box in boxes.items()])
+    pieces: dict[tuple[int, int], torch.Tensor] = {(me, d): ins[d] for d in order}
+    for r, box in boxes.items():
+        pieces.update(_cut(box, [(r, d) for d in order if d != r], counts))
+    sends = [o.send(ranks[0], _ACROSS, as_bytes(torch.cat([pieces[(s, d)] for s in local
+                                                            for d in ranks])))
+             for ranks in away]
+    for slot, ranks, box in zip(across, away, inbound):
+        o.wait(slot)
+        pieces.update(_cut(box, [(s, d) for s in ranks for d in local], counts))
+    for s in order:
+        if s != me:
+            outs[s].copy_(pieces[(s, me)])
+    sends += [o.send(d, _DOWN, as_bytes(torch.cat([pieces[(s, d)] for s in order if s != d])))
+              for d in local if d != me]
+    o.wait(*sends)
+
+
+def _cut(box: torch.Tensor, pairs: list[tuple[int, int]], counts: list[list[int]]
+         ) -> dict[tuple[int, int], torch.Tensor]:
+    """``box`` read as the pieces of ``pairs`` (source, destination), in that order."""
+    at, out = 0, {}
+    for s, d in pairs:
+        out[(s, d)] = box[at:at + counts[s][d]]
+        at += counts[s][d]
+    return out
 
 
 def _split_into(box: torch.Tensor, outs: list[torch.Tensor]) -> None:

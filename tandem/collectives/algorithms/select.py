@@ -221,7 +221,7 @@ def _leaders_scatter(o: Op, mine: torch.Tensor, ins: list[torch.Tensor] | None,
                      root: int) -> None:
     layout = host_layout(o.group)
     assert layout is not None  # as select_scatter found it
-    rooted(o, root, layout, lambda: leaders_scatter(o, mine, ins, root, layout))
+    rooted(o, root, layout, lambda: leaders_scatter(o, mine, ins, root, layout), down=True)
 
 
 # Below this many bytes per call (reduce: the buffer; gather, scatter: the root's whole
@@ -418,9 +418,8 @@ def _leaders_all_to_all(o: Op, outs: list[torch.Tensor], ins: list[torch.Tensor]
     through the leaders (alltoall.py), so every rank makes the same choice here."""
     layout = host_layout(o.group)
     assert layout is not None and not sent  # as select_all_to_all found it
-    host = {r: h for h, ranks in enumerate(layout) for r in ranks}
-    p = o.group.group_size
-    most = max(sum(n for b, n in enumerate(counts[a]) if host[b] != host[a]) for a in range(p))
+    # a rank's total less what stays on its host (a loop over every pair: ~0.5 ms at 64 ranks)
+    most = max(sum(counts[a]) - sum(counts[a][b] for b in ranks) for ranks in layout for a in ranks)
     if _leaders_pay(most * ins[0].element_size()):
         leaders_all_to_all(o, outs, ins, counts, layout)
     else:
