@@ -39,6 +39,7 @@ import torch
 from tandem.collectives.algorithms._phases import PHASE, Phase, host_layout, host_of_rank
 from tandem.collectives.algorithms.doubling import doubling_all_reduce
 from tandem.collectives.algorithms.ring import ring_all_reduce, ring_pays
+from tandem.collectives.algorithms.shm_spanning import arena_broadcast, host_shares_memory
 from tandem.collectives.algorithms.spanning import broadcast_tree, confirmed_broadcast
 from tandem.collectives.algorithms.streamed import (streamed_all_reduce, streamed_fits,
                                                     two_level_all_reduce)
@@ -113,5 +114,10 @@ def hierarchical_broadcast(op: Op, buf: torch.Tensor, root: int) -> None:
     costs one hop within its host).
     """
     g = op.group
-    parent, children = broadcast_tree(host_layout(g), g.group_size, root, g.group_rank)
+    layout = host_layout(g)
+    if layout is not None and host_shares_memory(g, host_of_rank(layout, g.group_rank)):
+        # within hosts through shared memory: no message, nor reader thread, per rank
+        arena_broadcast(op, buf, root, layout)
+        return
+    parent, children = broadcast_tree(layout, g.group_size, root, g.group_rank)
     confirmed_broadcast(op, buf, parent, children)
