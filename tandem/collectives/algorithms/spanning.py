@@ -14,6 +14,9 @@ completes only when every rank named it. Each confirmation crosses one edge of t
 tree: only leaders confirm across hosts, and a host's leader takes its host's ranks'
 confirmations.
 
+Within a host whose ranks share memory, :mod:`~.shm_spanning` replaces the messages
+between a leader and its host's ranks with the host's own arena.
+
 Ranks that disagree on the root meet a message with another signature: two ranks that
 each believe they are the root, or that name each other, send each other data or a
 confirmation that the other's receives clash with; a rank that names another root
