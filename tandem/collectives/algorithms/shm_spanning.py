@@ -2,7 +2,8 @@
 
 Across hosts the data takes :mod:`~.spanning`'s tree between the hosts' leaders (in
 link-sized pieces, each passed on as it lands) and the root check climbs it as
-messages. Within a host the ranks share an arena of their own
+messages; data that crosses in one piece goes from the root's host's leader straight
+to every other leader, which confirms straight back. Within a host the ranks share an arena of their own
 (:meth:`ProcessGroup.host_arena`): the host's *source* (the root on its own host, the
 leader on the others) stages the data once per round and every other rank of the
 host copies it straight out; the root's host's leader is one of those readers, and
@@ -70,15 +71,21 @@ def arena_broadcast(op: Op, buf: torch.Tensor, root: int, layout: list[list[int]
 
     parent: int | None = None  # whom this rank confirms to by message
     kids: list[int] = []  # the leaders this rank passes the data to
+    pieces = cut(view, link_chunk(g))  # what crosses hosts
     if index == 0:
-        parent, kids = binomial([ranks_[0] for ranks_ in layout], top, me)
+        leaders = [ranks_[0] for ranks_ in layout]
+        if len(pieces) == 1:
+            # one piece: straight to every leader, one hop down and one up where the
+            # tree took log2(hosts) each, and each hop is two wake-ups
+            parent, kids = (None, [q for q in leaders if q != me]) if me == top else (top, [])
+        else:
+            parent, kids = binomial(leaders, top, me)
         if me == top and root != top:
             parent = root  # it read the root's data in the arena
     told: list[Slot] = [op.recv(c, ROOT_STEP, empty) for c in kids]
     if me == root and root != top:
         told.append(op.recv(top, ROOT_STEP, empty))
 
-    pieces = cut(view, link_chunk(g))  # what crosses hosts
     per = arena.chunk
     rounds = [(a, min(a + per, n)) for a in range(0, n, per)] or [(0, 0)]
     base = arena.posted
