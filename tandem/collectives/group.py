@@ -38,6 +38,7 @@ __all__ = ["ProcessGroup", "NonMemberGroup", "Op", "as_bytes", "bounded", "spans
 _COLL = Kind.COLL
 _P2P = Kind.P2P
 
+_HOST_ARENA_KEY = 1 << 61  # a group's per-host arena: its id with this bit, apart from group ids
 _SCRATCH_KEEP = 256 << 20  # larger working buffers are not kept between calls
 _TEXT_KEEP = 1024  # bytes of a signature or call site kept as text; the rest is hashed
 NON_GROUP_MEMBER = -100  # torch's value for "not a member"; a NonMemberGroup equals it
@@ -195,6 +196,9 @@ class ProcessGroup:
         self.shares_memory = (self.group_size > 1 and settings.shm_arena
                               and transport.shares_memory_with(self.ranks))
         self.arena: Arena | None = None
+        # a group spanning hosts: its ranks on this host share staging memory (made by
+        # the first call that uses it, by every rank of the host; see host_arena)
+        self._host_arena: Arena | None = None
         self.compared = -1  # the last call whose previous call was compared (compare_previous)
         # (seq, signature, call site) of the last call compared: the next call's previous one
         self._last_compared: tuple[int, bytes, bytes] | None = None
@@ -398,9 +402,19 @@ class ProcessGroup:
                     f"{site.decode(errors='replace')} but rank {self.ranks[q]} called "
                     f"{theirs[1].decode(errors='replace')} at {theirs[2].decode(errors='replace')}")
 
-    def _make_arena(self, op: Op) -> Arena:
+    def host_arena(self, op: Op, local: Sequence[int]) -> Arena:
+        """The staging memory shared by this host's group ranks ``local`` (lowest first),
+        made on first use, collectively over them, and kept until :meth:`close`."""
+        if self._host_arena is None:
+            self._host_arena = self._make_arena(op, _HOST_ARENA_KEY | self.group_id,
+                                                [self.ranks[i] for i in local])
+        return self._host_arena
+
+    def _make_arena(self, op: Op, key: int | None = None,
+                    members: Sequence[int] | None = None) -> Arena:
         try:
-            return self.transport.arena(self.group_id, self.ranks,
+            return self.transport.arena(self.group_id if key is None else key,
+                                        self.ranks if members is None else members,
                                         self.settings.shm_chunk or None, timeout=self.timeout)
         except CollectiveTimeoutError as exc:
             names = ", ".join(map(str, exc.missing))
@@ -486,9 +500,11 @@ class ProcessGroup:
         self.completions.close()
         if self.recorder.ring:
             self.transport.unfollow_calls(self.group_id, self.recorder.last_completed)
-        if self.arena is not None and idle:  # a call still inside must not see it unmapped
-            self.arena.close()
-            self.arena = None
+        if idle:  # a call still inside must not see them unmapped
+            for arena in (self.arena, self._host_arena):
+                if arena is not None:
+                    arena.close()
+            self.arena = self._host_arena = None
 
     def _warn_unreceived(self) -> None:
         """Log the sends that reached this rank and that no receive took: closing drops

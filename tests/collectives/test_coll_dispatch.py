@@ -91,6 +91,9 @@ class _Transport:
     def host_of(self, rank: int) -> str:
         return "" if self.hosts[rank] == "?" else self.hosts[rank]
 
+    def shares_memory_with(self, ranks: Any) -> bool:
+        return False  # no arena: a host's part of a broadcast goes by messages
+
     def _done(self, peer: int) -> Slot:
         slot = Slot(peer, (0, 0, 0, 0), None, b"")  # type: ignore[arg-type]
         slot.finish(None)

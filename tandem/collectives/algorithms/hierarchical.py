@@ -17,7 +17,8 @@ rank, and it runs over ``log2(hosts)`` rounds instead of ``log2(ranks)``. From
 host, each host first reduces in a ring among its own ranks, so that its leader takes
 in one piece per rank instead of every rank's whole buffer (:func:`two_level_pays`,
 ``streamed.two_level_all_reduce``). A broadcast goes root -> one rank per host -> the
-rest of each host (``spanning.py``).
+rest of each host (``spanning.py``; within a host whose ranks share memory, through
+that host's own arena, ``shm_spanning.py``).
 
 Host identity is ``group.transport.host_of(rank)``; when any rank's host is unknown
 (``""``), or the group is on one host, or every rank is alone on its host, the
@@ -39,6 +40,7 @@ import torch
 from tandem.collectives.algorithms._phases import PHASE, Phase, host_layout, host_of_rank
 from tandem.collectives.algorithms.doubling import doubling_all_reduce
 from tandem.collectives.algorithms.ring import ring_all_reduce, ring_pays
+from tandem.collectives.algorithms.shm_spanning import arena_broadcast, host_shares_memory
 from tandem.collectives.algorithms.spanning import broadcast_tree, confirmed_broadcast
 from tandem.collectives.algorithms.streamed import (streamed_all_reduce, streamed_fits,
                                                     two_level_all_reduce)
@@ -105,13 +107,19 @@ def hierarchical_all_reduce(op: Op, buf: torch.Tensor, redop: ReduceOp) -> None:
 def hierarchical_broadcast(op: Op, buf: torch.Tensor, root: int) -> None:
     """Broadcast flat ``buf`` from group rank ``root``: to its host's leader (its lowest
     rank), among the hosts' leaders, then from each leader to its host's other ranks,
-    each rank confirming to its parent (:mod:`~.spanning`); a binomial tree when the
-    hierarchical path does not apply.
+    each rank confirming to its parent (:mod:`~.spanning`; a host whose ranks share
+    memory does its part in its own arena, :mod:`~.shm_spanning`); a binomial tree when
+    the hierarchical path does not apply.
 
     Only leaders send across hosts, whichever rank the root is, so a host needs
     connections to the other hosts' leaders only (a root that is not its host's leader
     costs one hop within its host).
     """
     g = op.group
-    parent, children = broadcast_tree(host_layout(g), g.group_size, root, g.group_rank)
+    layout = host_layout(g)
+    if layout is not None and host_shares_memory(g, host_of_rank(layout, g.group_rank)):
+        # within hosts through shared memory: no message, nor reader thread, per rank
+        arena_broadcast(op, buf, root, layout)
+        return
+    parent, children = broadcast_tree(layout, g.group_size, root, g.group_rank)
     confirmed_broadcast(op, buf, parent, children)

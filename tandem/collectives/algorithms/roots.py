@@ -17,7 +17,9 @@ hold a message of this call with another signature, and raise in this call.
 
 A broadcast checks its root up its own data tree instead
 (:mod:`~tandem.collectives.algorithms.spanning`): each rank confirms to its parent
-only, so a root waits for its children, not for every rank.
+only, so a root waits for its children, not for every rank; within a host whose ranks
+share memory, by their posts and announcements in the host's arena
+(:mod:`~tandem.collectives.algorithms.shm_spanning`).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ or a host leader then plays its own part in it. The rules, by group:
   all_gather and reduce_scatter the ``ring``.
 * **messages, several hosts, some holding several ranks**: all_reduce ``hierarchical``;
   broadcast ``hierarchical`` (the root to its host's leader, a tree across the
-  leaders, then each leader to its host's ranks, :mod:`~.spanning`); reduce, gather,
+  leaders, then each leader to its host's ranks, :mod:`~.spanning`; within a host whose
+  ranks share memory through its own arena, :mod:`~.shm_spanning`); reduce, gather,
   scatter and all_to_all through the hosts' ``leaders`` below ``LEADERS_BELOW_BYTES``
   (``leaders.py``), so a host keeps connections to the other hosts' leaders only;
   all_gather and reduce_scatter through the hosts' ``leaders`` when each host's ranks
@@ -28,7 +29,8 @@ or a host leader then plays its own part in it. The rules, by group:
 
 Rooted algorithms that move messages check the root with messages of their own
 (:mod:`~tandem.collectives.algorithms.roots`; a broadcast's go up its own tree,
-:mod:`~tandem.collectives.algorithms.spanning`); shared memory checks it in the arena.
+:mod:`~tandem.collectives.algorithms.spanning`); shared memory checks it in the arena
+(a host's own arena, for a broadcast across hosts: :mod:`~.shm_spanning`).
 ``TANDEM_ALGORITHM``, ``group.algorithm_override`` and :func:`register_algorithm`
 apply to all_reduce.
 

@@ -34,19 +34,21 @@ def _arena(op: Op) -> Arena:
     return arena
 
 
-def _mismatch(op: Op, member: int, seq: int, sig: bytes, site: bytes) -> CollectiveMismatchError:
+def _mismatch(op: Op, who: int, seq: int, sig: bytes, site: bytes) -> CollectiveMismatchError:
+    """``who``: the global rank in the other call."""
     g = op.group
     theirs = (f"{sig.decode(errors='replace')} (its call #{seq}, this is #{op.seq})"
               if seq != op.seq else sig.decode(errors="replace"))
     return CollectiveMismatchError(
         f"collective mismatch (group {g.group_id}, sequence {op.seq}): rank "
         f"{g.ranks[g.group_rank]} called {op.sig.decode(errors='replace')} at "
-        f"{op.site.decode(errors='replace')} but rank {g.ranks[member]} called {theirs} at "
+        f"{op.site.decode(errors='replace')} but rank {who} called {theirs} at "
         f"{site.decode(errors='replace')}")
 
 
-def _differs(op: Op, arena: Arena, member: int, strict: bool) -> CollectiveMismatchError | None:
-    """Whether ``member`` is in another call than ``op``.
+def _differs(op: Op, arena: Arena, member: int, strict: bool,
+             ranks: Sequence[int]) -> CollectiveMismatchError | None:
+    """Whether ``member`` (``ranks[member]``) is in another call than ``op``.
 
     ``strict``: the member has posted the phase this rank waited for, so it must have
     announced this very call; if it has not, its phase belongs to another call.
@@ -74,13 +76,15 @@ def _differs(op: Op, arena: Arena, member: int, strict: bool) -> CollectiveMisma
         seq, sig, site = arena.latest(member)
         if seq < 0:
             sig = b"no collective yet"
-    return _mismatch(op, member, seq, sig, site)
+    return _mismatch(op, ranks[member], seq, sig, site)
 
 
-def arena_check(op: Op, arena: Arena) -> Callable[[], None]:
-    """What a rank waiting in shared memory checks before it sleeps and as it wakes."""
+def arena_check(op: Op, arena: Arena, ranks: Sequence[int] | None = None) -> Callable[[], None]:
+    """What a rank waiting in shared memory checks before it sleeps and as it wakes;
+    ``ranks``: the global ranks of the arena's members (default: the group's)."""
     g = op.group
     transport = g.transport
+    members = g.ranks if ranks is None else ranks
 
     def check() -> None:
         failure = transport.aborted(g.group_id)
@@ -92,46 +96,51 @@ def arena_check(op: Op, arena: Arena) -> Callable[[], None]:
                 raise PeerLostError(f"{op.describe()} failed: {lost}", r) from lost
         lagging = [q for q in arena.lagging(arena.target) if q != arena.index]
         for q in lagging:
-            gone = transport.left(g.ranks[q])
+            gone = transport.left(members[q])
             if gone is not None:
-                raise PeerLostError(f"{op.describe()} failed: {gone}", g.ranks[q]) from gone
-            error = _differs(op, arena, q, strict=False)
+                raise PeerLostError(f"{op.describe()} failed: {gone}", members[q]) from gone
+            error = _differs(op, arena, q, False, members)
             if error is not None:
                 raise error
         parked = transport.parked_call(g.group_id, op.seq)
         if parked is not None:
             sender, header = parked
-            member = g.ranks.index(sender) if sender in g.ranks else -1
-            raise _mismatch(op, member, header.seq, header.sig, header.site)
+            raise _mismatch(op, sender, header.seq, header.sig, header.site)
         if time.monotonic() > op.deadline:
-            names = ", ".join(str(g.ranks[q]) for q in lagging)
+            names = ", ".join(str(members[q]) for q in lagging)
             raise CollectiveTimeoutError(
                 f"{op.describe()} timed out: waiting in shared memory on rank(s) {names}",
-                tuple(g.ranks[q] for q in lagging))
+                tuple(members[q] for q in lagging))
 
     return check
 
 
-def verify(op: Op, arena: Arena, members: Sequence[int] | None = None) -> None:
+def verify(op: Op, arena: Arena, members: Sequence[int] | None = None,
+           ranks: Sequence[int] | None = None) -> None:
     """After the call's first wait on ``members`` (default: all): each announced this
     very call, and made the same previous call (a call whose root waits on nobody is
-    checked here, next time)."""
+    checked here, next time). ``ranks``: as for :func:`arena_check`; an arena of some
+    of the group's ranks holds only the calls that use it, so no previous call is
+    compared there."""
     for q in range(arena.size) if members is None else members:
         if q != arena.index:
-            error = _differs(op, arena, q, strict=True)
+            error = _differs(op, arena, q, True, op.group.ranks if ranks is None else ranks)
             if error is not None:
                 raise error
-    # every member that has announced the previous call is compared, not only those
-    # waited on: a root that waits on nobody still sees a previous call that differed
-    op.group.compare_previous(op, range(arena.size))
+    if ranks is None:
+        # every member that has announced the previous call is compared, not only those
+        # waited on: a root that waits on nobody still sees a previous call that differed
+        op.group.compare_previous(op, range(arena.size))
 
 
-def prepare(op: Op) -> tuple[Arena, Callable[[], None]]:
-    """The group's arena set up for this call, and the check its waits run."""
-    arena = _arena(op)
+def prepare(op: Op, arena: Arena | None = None,
+            ranks: Sequence[int] | None = None) -> tuple[Arena, Callable[[], None]]:
+    """The group's arena (or ``arena``, of the global ranks ``ranks``) set up for this
+    call, and the check its waits run."""
+    arena = _arena(op) if arena is None else arena
     # a call queued with async_op=True runs beside the caller's own work (DDP: backward),
     # so its waits leave the CPU almost at once instead of polling
     background = threading.current_thread() is op.group.engine_thread
     arena.spin = BACKGROUND_SPIN_S if background else arena.default_spin
     arena.wait_log = op.phases  # [timeline hook]
-    return arena, arena_check(op, arena)
+    return arena, arena_check(op, arena, ranks)

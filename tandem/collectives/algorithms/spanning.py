@@ -14,6 +14,9 @@ completes only when every rank named it. Each confirmation crosses one edge of t
 tree: only leaders confirm across hosts, and a host's leader takes its host's ranks'
 confirmations.
 
+Within a host whose ranks share memory, :mod:`~.shm_spanning` replaces the messages
+between a leader and its host's ranks with the host's own arena.
+
 Ranks that disagree on the root meet a message with another signature: two ranks that
 each believe they are the root, or that name each other, send each other data or a
 confirmation that the other's receives clash with; a rank that names another root
@@ -34,7 +37,7 @@ from tandem.collectives.algorithms.tree import binomial
 from tandem.collectives.group import Op, as_bytes
 from tandem.transport.base import Slot
 
-__all__ = ["broadcast_tree", "confirmed_broadcast"]
+__all__ = ["broadcast_tree", "confirmed_broadcast", "cut"]
 
 
 def broadcast_tree(layout: list[list[int]] | None, size: int, root: int,
@@ -59,7 +62,7 @@ def broadcast_tree(layout: list[list[int]] | None, size: int, root: int,
 _MAX_PIECES = 8  # as the ring's: more posted messages per call set off long GC passes
 
 
-def _cut(view: memoryview, chunk: int | None) -> list[tuple[int, int]]:
+def cut(view: memoryview, chunk: int | None) -> list[tuple[int, int]]:
     """The byte ranges ``view`` crosses a link in: pieces of ``chunk`` (at most eight),
     or whole when ``chunk`` is None (within a host)."""
     n = len(view)
@@ -84,17 +87,17 @@ def confirmed_broadcast(op: Op, buf: torch.Tensor, parent: int | None,
     host_of, ranks = g.transport.host_of, g.ranks
     mine = host_of(ranks[g.group_rank])
 
-    def cut(peer: int) -> list[tuple[int, int]]:
-        return _cut(view, None if host_of(ranks[peer]) == mine else chunk)
+    def pieces_to(peer: int) -> list[tuple[int, int]]:
+        return cut(view, None if host_of(ranks[peer]) == mine else chunk)
 
     if parent is not None and not children:  # a leaf: it names the root on entering
-        got = [op.recv(parent, i, view[a:b]) for i, (a, b) in enumerate(cut(parent))]
+        got = [op.recv(parent, i, view[a:b]) for i, (a, b) in enumerate(pieces_to(parent))]
         op.wait(*got, op.send(parent, ROOT_STEP, empty))
         return
     told = [op.recv(c, ROOT_STEP, empty) for c in children]
     arriving = [(len(view), None)] if parent is None else [
-        (b, op.recv(parent, i, view[a:b])) for i, (a, b) in enumerate(cut(parent))]
-    plans = [(c, cut(c)) for c in children]
+        (b, op.recv(parent, i, view[a:b])) for i, (a, b) in enumerate(pieces_to(parent))]
+    plans = [(c, pieces_to(c)) for c in children]
     sent: list[Slot] = []
     done = [0] * len(plans)  # pieces sent to each child so far
     for have, slot in arriving:

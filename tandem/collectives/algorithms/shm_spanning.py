@@ -1,0 +1,133 @@
+"""Broadcast across hosts with each host's part in shared memory instead of messages.
+
+Across hosts the data takes :mod:`~.spanning`'s tree between the hosts' leaders (in
+link-sized pieces, each passed on as it lands) and the root check climbs it as
+messages; data that crosses in one piece goes from the root's host's leader straight
+to every other leader, which confirms straight back. Within a host the ranks share an arena of their own
+(:meth:`ProcessGroup.host_arena`): the host's *source* (the root on its own host, the
+leader on the others) stages the data once per round and every other rank of the
+host copies it straight out; the root's host's leader is one of those readers, and
+passes what it read to the other leaders.
+
+Every rank of the host posts once per round of the arena, whatever its part: a reader
+on entering the round (so its first post says it is in this call, whose announcement
+names the root, and that it is done reading the round before the previous one), the
+source once it has staged the round. A source writes round ``t`` into staging half
+``t % 2`` once every rank posted ``t`` times, so nobody still reads round ``t - 2``
+there. A reader waits in the kernel for the source's post, one wake-up, where a
+message woke a reader thread and then the caller, and its confirmation of the root
+took another message to its leader.
+
+The root check: the source waits until every rank of its host has posted round 0 of
+this call and checks their announcements; a leader confirms to its parent (one empty
+message) only once its host has passed that check and its child leaders confirmed to
+it, and the root's host's leader, when it is not the root, confirms to the root. So
+the root completes only when every rank named it, and a rank naming another root
+meets an announcement or a message that clashes with its own in this call, raises,
+and aborts the group on every member.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from tandem.collectives.algorithms._phases import host_of_rank
+from tandem.collectives.algorithms.ring import link_chunk
+from tandem.collectives.algorithms.roots import ROOT_STEP
+from tandem.collectives.algorithms.shm_checks import prepare, verify
+from tandem.collectives.algorithms.spanning import cut
+from tandem.collectives.algorithms.tree import binomial
+from tandem.collectives.group import Op, ProcessGroup, as_bytes
+from tandem.transport.base import Slot
+
+__all__ = ["host_shares_memory", "arena_broadcast"]
+
+
+def host_shares_memory(group: ProcessGroup, local: Sequence[int]) -> bool:
+    """Whether the group ranks ``local`` (one host's) take :func:`arena_broadcast`'s
+    arena: two or more, and able to map each other's memory."""
+    return (len(local) > 1 and group.settings.shm_arena
+            and group.transport.shares_memory_with([group.ranks[i] for i in local]))
+
+
+def arena_broadcast(op: Op, buf: torch.Tensor, root: int, layout: list[list[int]]) -> None:
+    """Broadcast flat ``buf`` from group rank ``root`` as the module doc says; every rank
+    of this rank's host takes this path (:func:`host_shares_memory`)."""
+    g = op.group
+    me = g.group_rank
+    local = host_of_rank(layout, me)
+    ranks = [g.ranks[i] for i in local]
+    arena, check = prepare(op, g.host_arena(op, local), ranks)
+    arena.announce(op.seq, op.sig, op.site)
+    index = local.index(me)
+    src = local.index(root) if root in local else 0
+    top = host_of_rank(layout, root)[0]
+    empty = memoryview(bytearray(0))
+    view = as_bytes(buf)
+    raw = buf.detach().view(torch.uint8)
+    n = len(view)
+
+    parent: int | None = None  # whom this rank confirms to by message
+    kids: list[int] = []  # the leaders this rank passes the data to
+    pieces = cut(view, link_chunk(g))  # what crosses hosts
+    if index == 0:
+        leaders = [ranks_[0] for ranks_ in layout]
+        if len(pieces) == 1:
+            # one piece: straight to every leader, one hop down and one up where the
+            # tree took log2(hosts) each, and each hop is two wake-ups
+            parent, kids = (None, [q for q in leaders if q != me]) if me == top else (top, [])
+        else:
+            parent, kids = binomial(leaders, top, me)
+        if me == top and root != top:
+            parent = root  # it read the root's data in the arena
+    told: list[Slot] = [op.recv(c, ROOT_STEP, empty) for c in kids]
+    if me == root and root != top:
+        told.append(op.recv(top, ROOT_STEP, empty))
+
+    per = arena.chunk
+    rounds = [(a, min(a + per, n)) for a in range(0, n, per)] or [(0, 0)]
+    base = arena.posted
+    sent: list[Slot] = []
+    passed = 0  # pieces passed on to each child leader
+
+    def pass_on(have: int) -> None:
+        nonlocal passed
+        while passed < len(pieces) and pieces[passed][1] <= have:
+            a, b = pieces[passed]
+            sent.extend(op.send(c, passed, view[a:b]) for c in kids)
+            passed += 1
+
+    if index == src:  # the root, or another host's leader: it stages every round
+        arriving: list[tuple[int, Slot | None]] = [(n, None)] if me == root else [
+            (b, op.recv(parent, i, view[a:b])) for i, (a, b) in enumerate(pieces)
+            if parent is not None]
+        staged = 0
+        for have, slot in arriving:
+            if slot is not None:
+                op.wait(slot)
+            pass_on(have)
+            while staged < len(rounds) and rounds[staged][1] <= have:
+                a, b = rounds[staged]
+                t = base + staged
+                arena.wait_all(t, check)  # every rank read round t - 2 from this half
+                arena.heads(torch.uint8, b - a)[t % 2][index].copy_(raw[a:b])
+                arena.post()
+                staged += 1
+        arena.wait_all(base + 1, check)  # every rank of the host is in this call
+        verify(op, arena, ranks=ranks)
+    else:
+        for k, (a, b) in enumerate(rounds):
+            t = base + k
+            arena.post()
+            arena.wait_member(src, t + 1, check)
+            if k == 0:
+                verify(op, arena, [src], ranks)
+            raw[a:b].copy_(arena.data(src, t % 2)[:b - a])
+            pass_on(b)
+    if parent is not None:
+        # for its whole subtree, once its host passed the check and the data is on its way
+        op.wait(*told)
+        told = [op.send(parent, ROOT_STEP, empty)]
+    op.wait(*sent, *told)
