@@ -99,6 +99,18 @@ def _reader(payload: bytes, peer: int) -> Callable[[memoryview], None]:
     return read
 
 
+def _check_chunk(chunk: int | None, members: int) -> None:
+    if chunk:
+        # before the segment is reserved: posix_fallocate of more than the host has
+        # would run it out of memory, and the OOM killer stops other jobs' processes
+        limit = shm_chunk_limit(members)
+        at_most("TANDEM_SHM_CHUNK", chunk, limit,
+                f"{size_text(limit)} for {members} ranks on this host: the two "
+                f"staging halves of all of them together may take a quarter of the "
+                f"{memory_text()}",
+                f"unset it (0 picks 1-4 MiB) or choose a power of two up to {limit}")
+
+
 def default_spin(local_ranks: int) -> float:
     """Seconds a waiter polls before sleeping: long only if every local rank has a CPU.
 
@@ -184,8 +196,7 @@ class ShmTransport(BoundedSends, Transport):
         for peer in self._peers.values():
             self._lend(peer, budget)
             peer.sock.setblocking(False)
-        self._start(self._watch, (), f"tandem-shm-watch-{rank}")
-        if self._premade is not None:
+        if self._premade is not None:  # before the watcher's start, itself a wait for a CPU
             key, _, fd, size = self._premade
             try:
                 for p in local:
@@ -193,6 +204,7 @@ class ShmTransport(BoundedSends, Transport):
             except BaseException:
                 self.close()
                 raise
+        self._start(self._watch, (), f"tandem-shm-watch-{rank}")
         self.send_limit = send_limit
         forks.track(self)
 
@@ -384,6 +396,7 @@ class ShmTransport(BoundedSends, Transport):
         if not self.shares_memory_with(members) or self.rank not in members:
             raise ArgumentError(f"an arena needs ranks that share memory with rank "
                                 f"{self.rank}, got {list(members)}")
+        _check_chunk(chunk, len(members))  # again: the host's memory may have changed
         members = list(members)
         first, count = members[0], len(members)
         premade = self._premade
@@ -433,15 +446,7 @@ class ShmTransport(BoundedSends, Transport):
     def _make_segment(self, members: Sequence[int], chunk: int | None) -> tuple[int, int]:
         """A new arena segment for ``members`` (``chunk`` None: the default): its
         descriptor and size, only the control areas reserved."""
-        if chunk:
-            # before the segment is reserved: posix_fallocate of more than the host has
-            # would run it out of memory, and the OOM killer stops other jobs' processes
-            limit = shm_chunk_limit(len(members))
-            at_most("TANDEM_SHM_CHUNK", chunk, limit,
-                    f"{size_text(limit)} for {len(members)} ranks on this host: the two "
-                    f"staging halves of all of them together may take a quarter of the "
-                    f"{memory_text()}",
-                    f"unset it (0 picks 1-4 MiB) or choose a power of two up to {limit}")
+        _check_chunk(chunk, len(members))
         per = segment_bytes(chunk or default_chunk(self._local_ranks))
         count = len(members)
         # only the control areas now (peers write sleep flags there); each member
