@@ -36,7 +36,7 @@ from tandem.transport.mixed import MixedTransport, exchange_hosts, require_one_h
 from tandem.transport.shm import ShmTransport, unsupported_reason
 from tandem.transport.tcp import TcpTransport
 
-__all__ = ["Backend", "BackendOptions", "resolve_backend"]
+__all__ = ["Backend", "BackendOptions", "DEFAULT_GROUP_ID", "resolve_backend"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,6 +55,8 @@ class BackendOptions:
 
 Factory = Callable[[BackendOptions], Transport]
 
+DEFAULT_GROUP_ID = 0  # the default group's id: on one host its arena is made at init
+
 
 def _tcp(options: BackendOptions, peers: list[int] | None = None,
          hosts: list[str] | None = None, lazy: bool = False) -> TcpTransport:
@@ -65,11 +67,17 @@ def _tcp(options: BackendOptions, peers: list[int] | None = None,
 
 
 def _shm_over(options: BackendOptions, peers: list[int], tcp: Transport | None) -> ShmTransport:
+    settings = options.settings
+    # one host holds the whole job: the default group (id 0) collects through an arena,
+    # which its first rank makes at init (1x32: the first barrier no longer waits for 31
+    # hand-overs to reach their ranks)
+    whole = settings.shm_arena and len(set(peers) | {options.rank}) == options.world_size
     return ShmTransport(options.rank, options.world_size, options.store, options.secret,
                         peers=peers, hostname=options.hostname,
-                        connect_timeout=options.settings.connect_timeout,
-                        max_frame=options.settings.max_frame,
-                        mailbox=None if tcp is None else tcp.mailbox)
+                        connect_timeout=settings.connect_timeout,
+                        max_frame=settings.max_frame,
+                        mailbox=None if tcp is None else tcp.mailbox,
+                        first_arena=(DEFAULT_GROUP_ID, settings.shm_chunk) if whole else None)
 
 
 def _shm(options: BackendOptions) -> Transport:

@@ -16,7 +16,7 @@ import os
 import socket
 
 from tandem import _wire
-from tandem.collectives.backend import Backend, BackendOptions, resolve_backend
+from tandem.collectives.backend import DEFAULT_GROUP_ID, Backend, BackendOptions, resolve_backend
 from tandem.collectives.checks import check_cpu_device, refuse_pg_options
 from tandem.collectives.group import NonMemberGroup, ProcessGroup
 from tandem.collectives.init_method import check_rank, open_store
@@ -135,7 +135,7 @@ def init_process_group(
         _claim(scoped, rank)
         transport = _connect(scoped, rank, world_size, backend_name, settings, master, setup)
         try:
-            default = ProcessGroup(transport, list(range(world_size)), 0,
+            default = ProcessGroup(transport, list(range(world_size)), DEFAULT_GROUP_ID,
                                    group_name or "default", seconds, settings, backend_name)
         except BaseException:
             transport.close()

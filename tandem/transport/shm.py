@@ -26,7 +26,10 @@ Collectives of a same-host group also get an *arena* (:meth:`ShmTransport.arena`
 :mod:`~tandem.transport._arena`): its first member creates one segment holding
 every member's staging area and hands it to each other member over the same
 authenticated sockets (members - 1 hand-overs, one mapping each); each member
-reserves its own staging as its calls first write it.
+reserves its own staging as its calls first write it. When one host holds the whole
+job, the default group's arena is made by the first rank before the others connect
+and handed over right after the connections (``first_arena``): the first collective
+maps it at once instead of waiting for the first rank to arrive and hand it over.
 
 A dead peer: the kernel closes its sockets, a watcher thread sees EOF, and the
 reader reports ``PeerLostError`` once it has drained what the peer wrote before
@@ -96,6 +99,18 @@ def _reader(payload: bytes, peer: int) -> Callable[[memoryview], None]:
     return read
 
 
+def _check_chunk(chunk: int | None, members: int) -> None:
+    if chunk:
+        # before the segment is reserved: posix_fallocate of more than the host has
+        # would run it out of memory, and the OOM killer stops other jobs' processes
+        limit = shm_chunk_limit(members)
+        at_most("TANDEM_SHM_CHUNK", chunk, limit,
+                f"{size_text(limit)} for {members} ranks on this host: the two "
+                f"staging halves of all of them together may take a quarter of the "
+                f"{memory_text()}",
+                f"unset it (0 picks 1-4 MiB) or choose a power of two up to {limit}")
+
+
 def default_spin(local_ranks: int) -> float:
     """Seconds a waiter polls before sleeping: long only if every local rank has a CPU.
 
@@ -120,7 +135,9 @@ class ShmTransport(BoundedSends, Transport):
 
     ``mailbox`` lets a mixed transport share one mailbox between shm and tcp;
     ``ring_bytes`` (a power of two) and ``spin`` (seconds) tune the rings; ``shm_dir``
-    puts segments in a directory (e.g. ``/dev/shm``) instead of anonymous memfds.
+    puts segments in a directory (e.g. ``/dev/shm``) instead of anonymous memfds;
+    ``first_arena`` (group key, chunk; 0: the default) has the first rank make that
+    group's arena over every rank of this transport at init (:meth:`arena`).
     """
 
     def __init__(self, rank: int, world_size: int, store: Store, secret: bytes, *,
@@ -129,7 +146,8 @@ class ShmTransport(BoundedSends, Transport):
                  mailbox: Mailbox | None = None, ring_bytes: int | None = None,
                  spin: float | None = None, shm_dir: str | None = None,
                  park_limit: int = DEFAULT_PARK_LIMIT,
-                 send_limit: int = DEFAULT_SEND_LIMIT) -> None:
+                 send_limit: int = DEFAULT_SEND_LIMIT,
+                 first_arena: tuple[int, int] | None = None) -> None:
         local = sorted(set(range(world_size) if peers is None else peers) - {rank})
         cap = ring_bytes or ring_capacity(len(local))
         if cap < _MIN_RING or cap & (cap - 1):
@@ -158,12 +176,34 @@ class ShmTransport(BoundedSends, Transport):
         # arena segments peers handed us: (peer, key) -> (fd, bytes)
         self._offers: dict[tuple[int, int], tuple[int, int]] = {}
         self._offer_cv = threading.Condition()
-        links = connect_local(store, rank, world_size, local, secret, connect_timeout)
+        # the first rank's arena for group key ``first_arena[0]`` over all of this
+        # transport's ranks, made and handed over at init: (key, members, fd, bytes)
+        self._premade: tuple[int, list[int], int, int] | None = None
+        everyone = sorted(local + [rank])
+        self._local_ranks = len(everyone)
+        if first_arena is not None and local and rank == everyone[0]:
+            # made before the others connect (this rank waits for them anyway), handed
+            # over with the connections: the first collective waits for no hand-over
+            key, chunk = first_arena
+            self._premade = (key, everyone, *self._make_segment(everyone, chunk or None))
+        try:
+            links = connect_local(store, rank, world_size, local, secret, connect_timeout)
+        except BaseException:
+            self._drop_premade()
+            raise
         self._peers = {p: self._peer(links[p]) for p in local}
         budget = lend_budget(len(local))
         for peer in self._peers.values():
             self._lend(peer, budget)
             peer.sock.setblocking(False)
+        if self._premade is not None:  # before the watcher's start, itself a wait for a CPU
+            key, _, fd, size = self._premade
+            try:
+                for p in local:
+                    self._offer(self._peers[p], key, fd, size)
+            except BaseException:
+                self.close()
+                raise
         self._start(self._watch, (), f"tandem-shm-watch-{rank}")
         self.send_limit = send_limit
         forks.track(self)
@@ -350,37 +390,38 @@ class ShmTransport(BoundedSends, Transport):
         Collective over ``members`` (global ranks, all on this host, this rank among
         them); ``key`` (e.g. the group id) tells concurrent calls apart. The area size
         is the first member's choice, so members that computed different defaults
-        still agree.
+        still agree. The arena made at init (``first_arena``) serves the first call
+        with its key and every rank of this transport as members, whatever ``chunk``.
         """
         if not self.shares_memory_with(members) or self.rank not in members:
             raise ArgumentError(f"an arena needs ranks that share memory with rank "
                                 f"{self.rank}, got {list(members)}")
-        if chunk:
-            # before the segment is reserved: posix_fallocate of more than the host has
-            # would run it out of memory, and the OOM killer stops other jobs' processes
-            limit = shm_chunk_limit(len(members))
-            at_most("TANDEM_SHM_CHUNK", chunk, limit,
-                    f"{size_text(limit)} for {len(members)} ranks on this host: the two "
-                    f"staging halves of all of them together may take a quarter of the "
-                    f"{memory_text()}",
-                    f"unset it (0 picks 1-4 MiB) or choose a power of two up to {limit}")
+        _check_chunk(chunk, len(members))  # again: the host's memory may have changed
         members = list(members)
         first, count = members[0], len(members)
-        if self.rank == first:
-            chunk = chunk or default_chunk(len(self._peers) + 1)
-            per = segment_bytes(chunk)
-            # only the control areas now (peers write sleep flags there); each member
-            # reserves its own staging as its calls first need it (Arena): 64 MiB
-            # reserved here while the others waited took most of the first barrier
-            fd = create_segment(per * count, self._shm_dir, "tandem-arena", CONTROL_BYTES)
+        premade = self._premade
+        if premade is not None and premade[0] == key:  # the others take its offer too
+            self._premade = None
+        else:
+            premade = None
+        if premade is not None and premade[1] == members:
+            # handed over at init (its size the first rank's choice then, as always)
+            fd = premade[2]
             try:
-                for q in range(1, count):
-                    reserve_more(fd, q * per, CONTROL_BYTES, self._where())
-                whole = mmap.mmap(fd, per * count)
+                whole = mmap.mmap(fd, premade[3])
+            except BaseException:
+                os.close(fd)
+                raise
+        elif self.rank == first:
+            if premade is not None:  # the key's group is not every rank of this host
+                os.close(premade[2])
+            fd, size = self._make_segment(members, chunk)
+            try:
+                whole = mmap.mmap(fd, size)
                 try:
                     for r in members[1:]:
                         try:
-                            self._offer(self._peers[r], key, fd, per * count)
+                            self._offer(self._peers[r], key, fd, size)
                         except HungUp as exc:  # a member that is gone cannot take part
                             raise self._peers[r].lost("closed") from exc
                 except BaseException:
@@ -401,6 +442,29 @@ class ShmTransport(BoundedSends, Transport):
         per = len(whole) // count
         return Arena(members, members.index(self.rank), whole, (per - CONTROL_BYTES) // 2,
                      self._spin, fd, self._where())
+
+    def _make_segment(self, members: Sequence[int], chunk: int | None) -> tuple[int, int]:
+        """A new arena segment for ``members`` (``chunk`` None: the default): its
+        descriptor and size, only the control areas reserved."""
+        _check_chunk(chunk, len(members))
+        per = segment_bytes(chunk or default_chunk(self._local_ranks))
+        count = len(members)
+        # only the control areas now (peers write sleep flags there); each member
+        # reserves its own staging as its calls first need it (Arena): 64 MiB
+        # reserved here while the others waited took most of the first barrier
+        fd = create_segment(per * count, self._shm_dir, "tandem-arena", CONTROL_BYTES)
+        try:
+            for q in range(1, count):
+                reserve_more(fd, q * per, CONTROL_BYTES, self._where())
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, per * count
+
+    def _drop_premade(self) -> None:
+        premade, self._premade = self._premade, None
+        if premade is not None:
+            os.close(premade[2])
 
     def _where(self) -> str:
         """Where this transport's segments live, for a full-memory error."""
@@ -545,6 +609,7 @@ class ShmTransport(BoundedSends, Transport):
                 for ring in (p._in, p._out):
                     if ring is not None:
                         ring.close()
+        self._drop_premade()
         with self._offer_cv:  # segments offered for arenas this rank never made
             for fd, _ in self._offers.values():
                 os.close(fd)

@@ -18,6 +18,8 @@ from typing import Any, Iterator
 import pytest
 import torch
 
+from tandem.collectives.backend import DEFAULT_GROUP_ID
+from tandem.config import Settings
 from tandem.errors import NetworkError
 from tandem.store.hash import HashStore
 from tandem.transport._arena import CONTROL_BYTES, Arena
@@ -190,3 +192,97 @@ def test_a_full_directory_fails_a_member_s_staging_with_a_clear_error(tiny_tmpfs
         for t in made:
             if isinstance(t, ShmTransport):
                 t.close()
+
+
+def _whole_host(store: HashStore, shm_arena: bool = True) -> list[Any]:
+    """N transports as ``init_process_group`` makes them when one host holds the job."""
+    from tandem.collectives.backend import BackendOptions, _shm_over
+    settings = Settings(shm_arena=shm_arena)
+    return _on_threads(N, lambda r: _shm_over(BackendOptions(
+        store=store, rank=r, world_size=N, host="127.0.0.1", hostname="h", secret=SECRET,
+        settings=settings), [q for q in range(N) if q != r], None))
+
+
+def test_the_default_group_s_arena_is_handed_over_at_init(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One host, the whole job: the first rank makes the default group's arena before
+    the others connect and hands it over with the connections, so the first collective
+    makes no hand-over and no member waits for the first one to arrive (at 32 ranks on
+    2 CPUs the 31 hand-overs at the first barrier, each received by a watcher thread
+    that then woke the caller, ended up to 0.28 s after the last rank's init)."""
+    offers: list[tuple[int, int]] = []
+    real = ShmTransport._offer
+
+    def counted(self: ShmTransport, peer: Any, key: int, *rest: Any) -> None:
+        if key == DEFAULT_GROUP_ID:
+            offers.append((self.rank, peer.rank))
+        real(self, peer, key, *rest)
+
+    monkeypatch.setattr(ShmTransport, "_offer", counted)
+    made = _whole_host(HashStore())
+    arenas: list[Any] = []
+    try:
+        assert all(isinstance(t, ShmTransport) for t in made), made
+        assert sorted(offers) == [(0, q) for q in range(1, N)], offers  # at init
+        offers.clear()
+        # the other members map it while the first one has not called anything yet
+        # (before: each waited for the first member's hand-over, here in vain)
+        late = _on_threads(N - 1, lambda i: made[i + 1].arena(DEFAULT_GROUP_ID,
+                                                                list(range(N)), None, timeout=2))
+        assert all(isinstance(a, Arena) for a in late), late
+        arenas = [made[0].arena(DEFAULT_GROUP_ID, list(range(N)), None, timeout=2)] + late
+        assert offers == [], f"hand-overs at the first call: {offers}"
+        assert len({a.chunk for a in arenas}) == 1 and [a.index for a in arenas] == list(range(N))
+
+        def barrier(r: int) -> int:  # the shared-memory all_reduce (MAX) of one byte
+            a = arenas[r]
+            staged = a.heads(torch.uint8, 1)[a.begin_round(lambda: None)]
+            staged[r][0] = r + 1
+            a.post()
+            a.wait_all(a.posted, lambda: None)
+            return max(int(staged[q][0]) for q in range(N))
+
+        assert _on_threads(N, barrier) == [N] * N
+        # another group's arena, even the first rank's first one, still comes by hand-over
+        pair = _on_threads(2, lambda r: made[r].arena(7, [0, 1], CHUNK, timeout=30))
+        assert all(isinstance(a, Arena) for a in pair), pair
+        arenas += pair
+    finally:
+        for a in arenas:
+            if isinstance(a, Arena):
+                a.close()
+        for t in made:
+            if isinstance(t, ShmTransport):
+                t.close()
+
+
+def test_a_subgroup_first_leaves_the_default_group_s_arena_to_it() -> None:
+    """A subgroup's arena made before the default group's does not take the one handed
+    over at init; a job that never collects closes it."""
+    fds = len(os.listdir("/proc/self/fd"))
+    made = _whole_host(HashStore())
+    arenas: list[Any] = []
+    try:
+        assert all(isinstance(t, ShmTransport) for t in made), made
+        arenas = _on_threads(2, lambda r: made[r].arena(3, [0, 1], CHUNK, timeout=30))
+        arenas += _on_threads(N, lambda r: made[r].arena(DEFAULT_GROUP_ID, list(range(N)),
+                                                          None, timeout=30))
+        assert all(isinstance(a, Arena) for a in arenas), arenas
+        assert arenas[0].chunk == CHUNK and arenas[2].chunk != CHUNK
+        arenas[2].data(0, 0)[:1].fill_(9)
+        assert all(int(a.data(0, 0)[0]) == 9 for a in arenas[2:])
+    finally:
+        for a in arenas:
+            if isinstance(a, Arena):
+                a.close()
+        for t in made:
+            if isinstance(t, ShmTransport):
+                t.close()
+    unused = _whole_host(HashStore())
+    for t in unused:
+        t.close()
+    off = _whole_host(HashStore(), shm_arena=False)  # no arena: none made at init
+    assert all(t._premade is None for t in off)
+    for t in off:
+        t.close()
+    assert len(os.listdir("/proc/self/fd")) == fds, "an arena's descriptor was left open"
