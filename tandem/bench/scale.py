@@ -10,8 +10,12 @@ Run as root (network namespaces), big layouts inside a memory cgroup::
     python -m tandem.bench scale --failures               # failure handling at 8x8
 
 How it measures. A layout ``HxR`` is ``H`` simulated hosts (``tandem.testing.netns``,
-links shaped as ``--link`` says) with ``R`` ranks each; every rank is one process that
-imports torch, then, in order:
+links shaped as ``--link`` says) with ``R`` ranks each. Each host has one process that
+imports torch, ``torch.distributed`` and tandem and forks that host's ``R`` rank
+processes (:mod:`tandem.bench._host_zygote`), so the ranks share torch's pages as
+tandemrun's warm workers do (64 processes each importing torch peaked at 13.5 GB, so
+the 16 MB sizes did not fit at 8x8 in 14 GB). tandem and gloo run in the same rank
+processes. Every rank, in order:
 
 * start-up: all ranks meet at a file barrier, then ``tandem.init_process_group("auto")``
   and a first ``barrier``; again at a file barrier, then ``init_process_group("gloo")``
@@ -22,13 +26,19 @@ imports torch, then, in order:
 * resources per rank: ``/proc/self`` (:mod:`tandem.bench._resources`) before tandem's
   init, after it (plus a 1 MB all_reduce, so buffers made on first use count), after
   gloo's the same way: RSS and PSS grown, descriptors, threads, shared-memory mappings
-  added. TCP connections are counted at the end, after every collective (connections
+  added. Both libraries' modules are imported before the first snapshot (in the
+  zygote), so neither's figure holds its imports; pages of the zygote's that a library's
+  init writes to are copied into the rank and count in that library's PSS, as they
+  would in a warm-started job. TCP connections are counted at the end, after every collective (connections
   made on first use count): gloo's are those its init opened, tandem's the rest;
   "same host" connections join two ranks of one host, "across" ones join hosts, and
   per host = the sum over its ranks;
 * collectives: all_reduce, all_gather, broadcast, reduce_scatter and barrier at each size
   (``tandem.bench.collectives``: checked once, then rounds alternating between tandem
-  and gloo; a round's time is its slowest rank's, the row keeps the best round).
+  and gloo; a round's time is its slowest rank's, the row keeps the best round); after
+  each (op, size), untimed, the heap's free memory goes back to the kernel
+  (``malloc_trim``), or what glibc keeps of one op's 16 MB temporaries adds up over the
+  ops (64 ranks ran out of 14 GB in the fourth op);
   all_gather's size is its output (each rank gives size / world), so 16 MB at 64 ranks
   stays in memory; so are gather's and scatter's (``--ops`` adds reduce, gather,
   scatter and all_to_all, rooted ones at root 0); the others' size is each rank's input
@@ -92,7 +102,7 @@ MORE_OPS = ("reduce", "gather", "scatter", "all_to_all")
 DEFAULT_SIZES = "4K,1M,16M"
 _OP_TIMEOUT_S = 600.0
 _BARRIER_TIMEOUT_S = 600.0
-_MEASURES = ("rss_kb", "pss_kb", "fds", "threads", "shm_maps")
+_MEASURES = ("rss_kb", "pss_kb", "own_rss_kb", "own_pss_kb", "fds", "threads", "shm_maps")
 
 
 def parse_scale_layouts(text: str) -> list[Layout]:
@@ -140,6 +150,19 @@ def _start(lib: Any, backend: str, store: str, rank: int, world: int) -> dict[st
     return {"start": start, "init": ready, "barrier": barrier}
 
 
+def _give_back() -> None:
+    """Return the heap's free memory to the kernel between ops (untimed, both libraries):
+    glibc keeps freed 16 MB blocks, 54-170 MB per 2x8 rank after a 16 MB reduce_scatter."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to give back this way
+        pass
+
+
 def _waiting(lib: Any, rank: int, wait_s: float) -> float:
     """CPU seconds this rank spent per second of waiting for a late rank 0 in a barrier."""
     lib.barrier()
@@ -181,6 +204,7 @@ def _scale_rank(rank: int, world: int, workdir: str, ops: Sequence[str], sizes: 
                 got = _measure_one(tandem, gloo, "auto", "barrier" if op == "barrier" else op,
                                    per_rank, rank, world, rounds, round_s, ("tandem", "gloo"))
                 times.append({"op": op, "size": size, "times": got["times"]})
+                _give_back()
         out["times"] = times
         end = snapshot()
         gloo_local = after_gloo.local_tcp - after_tandem.local_tcp
@@ -296,6 +320,7 @@ def _summary(layout: Layout, per_rank: Sequence[dict[str, Any]], rounds: int
         rows = [r["resources"][lib] for r in per_rank]
         res[lib] = {k: max(x[k] for x in rows) for k in (*_MEASURES, "local_tcp", "remote_tcp")}
         res[lib]["pss_mean_kb"] = statistics.mean(x["pss_kb"] for x in rows)
+        res[lib]["own_pss_mean_kb"] = statistics.mean(x["own_pss_kb"] for x in rows)
         per_host = [sum(rows[h * layout.ranks_per_host + i]["remote_tcp"]
                         for i in range(layout.ranks_per_host)) for h in range(layout.hosts)]
         res[lib]["remote_tcp_per_host"] = max(per_host)
@@ -312,19 +337,23 @@ def _summary(layout: Layout, per_rank: Sequence[dict[str, Any]], rounds: int
 
 def run_layout(layout: Layout, link: Any, ops: Sequence[str], sizes: Sequence[int],
                rounds: int, round_s: float, wait_s: float, launch_rounds: int,
-               timeout: float) -> dict[str, Any]:
+               timeout: float, cold: bool = False) -> dict[str, Any]:
     """Every figure of one layout (launch first, outside the lab, for one-host layouts)."""
+    from tandem.bench._resources import memory_cgroup, reset_cgroup_peak
     from tandem.testing.netns import netns_lab
 
     launch = (_launch(layout.world_size, launch_rounds, timeout)
               if layout.hosts == 1 and launch_rounds > 0 else None)
+    reset_cgroup_peak()  # the layout's own peak, in a cgroup made for the run
     with tempfile.TemporaryDirectory(prefix="tandem-bench-scale-") as tmp:
         with netns_lab(layout.hosts, Path(tmp), link) as lab:
             hosts = Hosts(lab, layout)
             per_rank = hosts.run(_scale_rank, (str(lab.workdir), list(ops), list(sizes), rounds,
-                                               round_s, wait_s), timeout=timeout)
+                                               round_s, wait_s), timeout=timeout, zygote=not cold)
     summary = _summary(layout, per_rank, rounds)
     summary["launch"] = launch
+    cgroup = memory_cgroup()
+    summary["memory"] = cgroup.describe() if cgroup else ""
     return summary
 
 
@@ -576,6 +605,11 @@ def format_failures(results: Sequence[dict[str, Any]], stall_s: float) -> str:
                                      "summary lines", "named (first survivor / agent)"], rows)])
 
 
+def _own(res: dict[str, float], key: str) -> float:
+    """A library's own memory (``own_*``: no code pages); runs before it had totals only."""
+    return res.get(f"own_{key}", res[key])
+
+
 def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b else "-"
 
@@ -602,13 +636,13 @@ def format_tables(results: Sequence[dict[str, Any]]) -> str:
     res = []
     for r in results:
         t, g = r["resources"]["tandem"], r["resources"]["gloo"]
-        res.append([r["layout"], f"{t['rss_kb'] / 1024:.1f} / {g['rss_kb'] / 1024:.1f}",
-                    f"{t['pss_kb'] / 1024:.1f} / {g['pss_kb'] / 1024:.1f}",
-                    f"{t['pss_mean_kb'] / 1024:.1f} / {g['pss_mean_kb'] / 1024:.1f}",
+        res.append([r["layout"], *(f"{_own(t, k) / 1024:.1f} / {_own(g, k) / 1024:.1f}"
+                                   for k in ("rss_kb", "pss_kb", "pss_mean_kb")),
                     f"{t['fds']} / {g['fds']}", f"{t['threads']} / {g['threads']}",
                     f"{t['shm_maps']} / {g['shm_maps']}"])
-    out += ["", "Resources per rank, the most any rank added (tandem / gloo; PSS mean: "
-            "averaged over ranks)", "",
+    out += ["", "Resources per rank, the most any rank added (tandem / gloo; RSS and PSS: "
+            "anonymous and shared memory, code pages left out; PSS mean: averaged over "
+            "ranks)", "",
             _md(["layout", "RSS MB", "PSS MB", "PSS mean MB", "fds", "threads", "shm mappings"],
                 res)]
     conn = []
@@ -654,8 +688,8 @@ def plot(results: Sequence[dict[str, Any]], path: Path) -> None:
     panels: list[tuple[str, list[tuple[str, list[float]]]]] = [
         ("init + first barrier, s", [(lib, [r["start"][lib]["barrier"] for r in rs])
                                      for lib in ("tandem", "gloo")]),
-        ("PSS added per rank, MB", [(lib, [r["resources"][lib]["pss_kb"] / 1024 for r in rs])
-                                    for lib in ("tandem", "gloo")]),
+        ("PSS added per rank, MB", [(lib, [_own(r["resources"][lib], "pss_kb") / 1024
+                                           for r in rs]) for lib in ("tandem", "gloo")]),
         ("fds added per rank", [(lib, [r["resources"][lib]["fds"] for r in rs])
                                 for lib in ("tandem", "gloo")]),
         ("threads added per rank", [(lib, [r["resources"][lib]["threads"] for r in rs])
@@ -787,6 +821,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--op-timeout", type=float, default=30.0,
                         help="with --failures: the collectives' deadline in the stall and skip "
                              "scenarios (default 30 s)")
+    parser.add_argument("--cold", action="store_true",
+                        help="every rank a new interpreter importing torch itself, as before "
+                             "the per-host zygotes (for comparison; 8x8 needs ~14 GB then)")
     parser.add_argument("--smoke", action="store_true",
                         help=f"layouts {SMOKE_LAYOUTS}, 4 KB, one short round: a quick check")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -828,9 +865,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for layout in layouts:
                 t = time.monotonic()
                 results.append(run_layout(layout, link, ops, sizes, rounds, round_s, wait_s,
-                                          args.launch_rounds, args.timeout))
+                                          args.launch_rounds, args.timeout, args.cold))
                 print(f"{layout}: {time.monotonic() - t:.0f} s, load average "
-                      f"{os.getloadavg()[0]:.0f}", flush=True)
+                      f"{os.getloadavg()[0]:.0f}; {results[-1]['memory']}", flush=True)
         except Unavailable as exc:
             print(f"simulated hosts are unavailable here: {exc}")
             return 1

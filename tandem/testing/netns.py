@@ -73,8 +73,10 @@ class LabError(RuntimeError):
 class RankRun:
     rank: int
     host: int
-    returncode: int | None  # None: killed at the deadline
+    returncode: int | None  # None: killed at the deadline; negative: the signal that killed it
     log: str
+    pid: int = 0
+    ended: float | None = None  # wall clock time its end was seen (None: killed by the lab)
 
     @property
     def ok(self) -> bool:
@@ -269,8 +271,11 @@ class NetnsLab:
             self._procs.append(proc)
             procs.append(proc)
         deadline = time.monotonic() + timeout
+        ended: list[float | None] = [None] * len(procs)
         while True:
             codes = [p.poll() for p in procs]
+            now = time.time()
+            ended = [e if e is not None or c is None else now for e, c in zip(ended, codes)]
             if all(c is not None for c in codes) or time.monotonic() >= deadline:
                 break
             if any(c not in (None, 0) for c in codes):
@@ -281,7 +286,8 @@ class NetnsLab:
         self._kill(procs)
         self.check()
         return [RankRun(r, placement[r], codes[r],
-                        (self.workdir / f"rank{r}.log").read_text(errors="replace"))
+                        (self.workdir / f"rank{r}.log").read_text(errors="replace"),
+                        procs[r].pid, ended[r])
                 for r in range(len(procs))]
 
     @staticmethod
