@@ -38,6 +38,7 @@ import dataclasses
 import json
 import os
 import random
+import resource
 import secrets
 import select
 import shutil
@@ -50,6 +51,7 @@ from typing import Callable, Iterator, Sequence
 
 from tandem.testing.links import LinkShape
 from tandem._proc import process_alive
+from tandem._words import counted
 
 __all__ = ["Unavailable", "LabError", "NetnsLab", "RankRun", "netns_lab", "unavailable_reason",
            "PREFIX"]
@@ -59,6 +61,7 @@ PREFIX = "tandem-lab-"
 # secret included): each run passes its own
 _SCRUB = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 _HELPER_START_S = 20.0
+_STACKS_S = 10.0  # for ranks sent SIGABRT at the deadline to write their stacks and exit
 
 
 class Unavailable(Exception):
@@ -75,10 +78,18 @@ class RankRun:
     host: int
     returncode: int | None  # None: killed at the deadline
     log: str
+    # for a rank killed at the deadline: what it was doing (state, CPU it had, load);
+    # the stacks of its threads then end its log
+    killed: str = ""
 
     @property
     def ok(self) -> bool:
         return self.returncode == 0
+
+    def report(self, tail: int = 6000) -> str:
+        """How the rank ended and the end of its log, for a failing test's message."""
+        how = f"exit {self.returncode}" if self.returncode is not None else self.killed
+        return f"--- rank {self.rank} on host {self.host}: {how} ---\n{self.log[-tail:]}"
 
 
 def unavailable_reason() -> str:
@@ -116,6 +127,22 @@ def _remove_stale() -> None:
                 with contextlib.suppress(ProcessLookupError, ValueError):
                     os.kill(int(left), signal.SIGKILL)
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
+
+
+def _process_state(pid: int) -> str:
+    """What process ``pid`` is doing, from /proc: program, state, kernel wait, CPU used."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        wchan = Path(f"/proc/{pid}/wchan").read_text().strip()
+    except OSError:
+        return "already gone"
+    comm = stat[stat.index("(") + 1:stat.rindex(")")]
+    fields = stat[stat.rindex(")") + 2:].split()  # state is field 3 of proc(5)
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    threads = int(fields[17])
+    wait = f" in {wchan}" if wchan not in ("", "0") else ""
+    return (f"{comm} state {fields[0]}{wait}, {counted(threads, 'thread')}, "
+            f"{cpu:.1f} s of CPU")
 
 
 def _read_line(proc: subprocess.Popen[bytes], deadline: float, what: str) -> str:
@@ -259,6 +286,9 @@ class NetnsLab:
         """
         base = {k: v for k, v in os.environ.items()
                 if k not in _SCRUB and not k.startswith("TANDEM_")}
+        # a rank still running at the deadline is sent SIGABRT first: Python then writes
+        # every thread's stack to its log, which says where it was stuck
+        base["PYTHONFAULTHANDLER"] = "1"
         procs = []
         for rank, host in enumerate(placement):
             with open(self.workdir / f"rank{rank}.log", "wb") as log:
@@ -268,7 +298,8 @@ class NetnsLab:
                                         env={**base, **env(rank)}, start_new_session=True)
             self._procs.append(proc)
             procs.append(proc)
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         while True:
             codes = [p.poll() for p in procs]
             if all(c is not None for c in codes) or time.monotonic() >= deadline:
@@ -278,11 +309,32 @@ class NetnsLab:
             if any(h.poll() is not None for h in self._helpers):
                 break  # reported by check() below, after the ranks are stopped
             time.sleep(0.05)
+        killed = self._stop_with_stacks(procs, time.monotonic() - started)
         self._kill(procs)
         self.check()
         return [RankRun(r, placement[r], codes[r],
-                        (self.workdir / f"rank{r}.log").read_text(errors="replace"))
+                        (self.workdir / f"rank{r}.log").read_text(errors="replace"),
+                        killed.get(r, ""))
                 for r in range(len(procs))]
+
+    @staticmethod
+    def _stop_with_stacks(procs: Sequence[subprocess.Popen[bytes]],
+                          ran: float) -> dict[int, str]:
+        """Describe each rank still running and make it write its stacks (SIGABRT);
+        return the descriptions by rank."""
+        load = "/".join(f"{x:.0f}" for x in os.getloadavg())
+        out = {r: f"killed after {ran:.1f} s: {_process_state(p.pid)}, load {load}"
+               for r, p in enumerate(procs) if p.poll() is None}
+        for r in out:
+            with contextlib.suppress(ProcessLookupError, OSError):
+                # no core file of a rank in the test's directory
+                resource.prlimit(procs[r].pid, resource.RLIMIT_CORE, (0, 0))
+                os.kill(procs[r].pid, signal.SIGABRT)
+        deadline = time.monotonic() + _STACKS_S  # writing stacks takes milliseconds
+        for r in out:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                procs[r].wait(max(0.0, deadline - time.monotonic()))
+        return out
 
     @staticmethod
     def _kill(procs: Sequence[subprocess.Popen[bytes]]) -> None:
