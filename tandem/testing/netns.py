@@ -33,12 +33,16 @@ Needs root and iproute2; :class:`Unavailable` says why not, for a skip message.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import ctypes
 import dataclasses
+import faulthandler
 import json
 import os
 import random
 import resource
+import runpy
 import secrets
 import select
 import shutil
@@ -47,8 +51,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
+from tandem.testing import _mp
 from tandem.testing.links import LinkShape
 from tandem._proc import process_alive
 from tandem._words import counted
@@ -173,7 +178,7 @@ class NetnsLab:
         subnet = random.randrange(256)
         self.addrs = [f"10.77.{subnet}.{h + 1}" for h in range(hosts)]
         self._made: list[str] = []
-        self._procs: list[subprocess.Popen[bytes]] = []
+        self._procs: list[Any] = []  # subprocess.Popen or _Forked
         self._helpers: list[subprocess.Popen[bytes]] = []
 
     def setup(self) -> None:
@@ -276,9 +281,14 @@ class NetnsLab:
     # -- running ranks ---------------------------------------------------------------
     def run(self, program: Sequence[str], placement: Sequence[int],
             args: Callable[[int], list[str]], env: Callable[[int], dict[str, str]],
-            timeout: float, grace: float = 5.0) -> list[RankRun]:
+            timeout: float, grace: float = 5.0, preloaded: bool = False) -> list[RankRun]:
         """Run ``python PROGRAM ARGS(rank)`` once per rank, rank ``r`` on host
         ``placement[r]``; wait for all. ``PROGRAM`` is e.g. ``[script]`` or ``["-m", mod]``.
+
+        ``preloaded``: each rank is forked from :mod:`tandem.testing`'s process server,
+        which has imported torch and tandem, and enters its host's namespace itself,
+        instead of starting a fresh ``python`` there (whose import of torch was most of
+        the CPU a short run needs: ~2 s a rank).
 
         Ranks still running ``timeout`` seconds after the start, or ``grace`` seconds
         after another rank failed, are killed (returncode None). Raises
@@ -289,13 +299,18 @@ class NetnsLab:
         # a rank still running at the deadline is sent SIGABRT first: Python then writes
         # every thread's stack to its log, which says where it was stuck
         base["PYTHONFAULTHANDLER"] = "1"
-        procs = []
+        procs: list[Any] = []
         for rank, host in enumerate(placement):
-            with open(self.workdir / f"rank{rank}.log", "wb") as log:
-                proc = subprocess.Popen([*self._exec(host), *program, *args(rank)],
-                                        stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, cwd=self.workdir,
-                                        env={**base, **env(rank)}, start_new_session=True)
+            log_path = self.workdir / f"rank{rank}.log"
+            if preloaded:
+                proc: Any = _Forked(self.names[host], [*program, *args(rank)],
+                                    {**base, **env(rank)}, self.workdir, log_path)
+            else:
+                with open(log_path, "wb") as log:
+                    proc = subprocess.Popen([*self._exec(host), *program, *args(rank)],
+                                            stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, cwd=self.workdir,
+                                            env={**base, **env(rank)}, start_new_session=True)
             self._procs.append(proc)
             procs.append(proc)
         started = time.monotonic()
@@ -318,7 +333,7 @@ class NetnsLab:
                 for r in range(len(procs))]
 
     @staticmethod
-    def _stop_with_stacks(procs: Sequence[subprocess.Popen[bytes]],
+    def _stop_with_stacks(procs: Sequence[Any],
                           ran: float) -> dict[int, str]:
         """Describe each rank still running and make it write its stacks (SIGABRT);
         return the descriptions by rank."""
@@ -337,12 +352,14 @@ class NetnsLab:
         return out
 
     @staticmethod
-    def _kill(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    def _kill(procs: Sequence[Any]) -> None:
         """SIGKILL each process still running, with anything it started."""
         for p in procs:
             if p.poll() is None:  # not reaped yet, so the pid (= its group id) is still ours
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):  # a fork not yet in its group
+                    os.kill(p.pid, signal.SIGKILL)
         for p in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(10)
@@ -375,6 +392,65 @@ class NetnsLab:
             for ns in reversed(self._made):
                 subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
             self._made.clear()
+
+
+class _Forked:
+    """A rank forked from tandem.testing's preloaded process server, with the part of
+    ``subprocess.Popen``'s interface that :meth:`NetnsLab.run` uses."""
+
+    stdout = stderr = None
+
+    def __init__(self, netns: str, argv: list[str], env: dict[str, str], cwd: Path,
+                 log: Path) -> None:
+        self._process = _mp().Process(target=_forked_rank,
+                                      args=(netns, argv, env, str(cwd), str(log)))
+        self._process.start()
+        self.pid: int = self._process.pid
+
+    def poll(self) -> int | None:
+        code: int | None = self._process.exitcode
+        return code
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        code = self._process.exitcode
+        if code is None:
+            raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout or 0.0)
+        return int(code)
+
+
+_CLONE_NEWNET = 0x40000000
+
+
+def _forked_rank(netns: str, argv: list[str], env: dict[str, str], cwd: str,
+                 log: str) -> None:
+    """In a forked rank: enter host ``netns`` and run ``python *argv`` as that would."""
+    os.setsid()  # its own group, as a started rank: killed with what it starts
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(f"/run/netns/{netns}") as ns:
+        if libc.setns(ns.fileno(), _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {netns}")
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    faulthandler.enable()  # what PYTHONFAULTHANDLER does for a started interpreter
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        elif argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+        else:
+            sys.argv = list(argv)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
+    finally:
+        atexit._run_exitfuncs()  # a fork ends with os._exit; an interpreter runs these
 
 
 @contextlib.contextmanager

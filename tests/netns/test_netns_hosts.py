@@ -89,8 +89,10 @@ def _launch(spec: Spec, workdir: Path, init_only: bool = False, host_ids: bool =
                     out["TANDEM_BIND_ADDR"] = "0.0.0.0"
                 return out
 
+            # preloaded: a fresh interpreter per rank spent ~2 s of CPU importing torch;
+            # at load 100 a rank got 2.5 s of CPU in 50 s and was killed still importing
             return lab.run([str(RANK_SCRIPT)], spec.placement, args, env, timeout=50,
-                           grace=grace)
+                           grace=grace, preloaded=True)
     except Unavailable as exc:
         pytest.skip(f"network namespaces are unavailable: {exc}")
 
@@ -335,13 +337,15 @@ sys.exit(3)
 """
 
 
-def test_a_rank_killed_at_the_deadline_reports_what_it_was_doing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("preloaded", [False, True])
+def test_a_rank_killed_at_the_deadline_reports_what_it_was_doing(tmp_path: Path,
+                                                                 preloaded: bool) -> None:
     # rank 1 fails once rank 0 waits, so rank 0 is killed after the grace period: the run
     # says it was a sleeping python using little CPU, and its log ends with its stack
     try:
         with netns_lab(2, tmp_path) as lab:
             runs = lab.run(["-c", _STUCK], [0, 1], lambda r: [str(r), str(tmp_path)],
-                           lambda r: {}, timeout=120, grace=0.0)
+                           lambda r: {}, timeout=120, grace=0.0, preloaded=preloaded)
     except Unavailable as exc:
         pytest.skip(f"network namespaces are unavailable: {exc}")
     assert runs[1].returncode == 3, runs[1].report()
