@@ -13,9 +13,11 @@ Each simulated host is a network namespace with one veth (``eth0``, address
 Every interface is created directly inside a namespace of this lab, never in the
 caller's own, so the machine's real interfaces are not touched; the subnet
 ``10.77.X.0/24`` is drawn at random per lab (labs are isolated from each other in any
-case: each has its own switch). A rank runs as ``ip netns exec HOST python PROGRAM``,
+case: each has its own switch). A rank runs as ``ip netns exec HOST python PROGRAM``
+(or, ``preloaded``, forked with torch imported and moved into HOST with ``setns``),
 its output in ``workdir/rank<R>.log``; processes share the file system, so a FileStore
-in ``workdir`` is a rendezvous every host reaches.
+in ``workdir`` is a rendezvous every host reaches. A rank still running at its
+deadline is sent SIGABRT first, so its log ends with its threads' stacks.
 
 A :class:`~tandem.testing.links.LinkShape` shapes every host's link (see there): a
 ``tbf`` on both ends of its veth for the rate, and a delay process
