@@ -13,9 +13,11 @@ Each simulated host is a network namespace with one veth (``eth0``, address
 Every interface is created directly inside a namespace of this lab, never in the
 caller's own, so the machine's real interfaces are not touched; the subnet
 ``10.77.X.0/24`` is drawn at random per lab (labs are isolated from each other in any
-case: each has its own switch). A rank runs as ``ip netns exec HOST python PROGRAM``,
+case: each has its own switch). A rank runs as ``ip netns exec HOST python PROGRAM``
+(or, ``preloaded``, forked with torch imported and moved into HOST with ``setns``),
 its output in ``workdir/rank<R>.log``; processes share the file system, so a FileStore
-in ``workdir`` is a rendezvous every host reaches.
+in ``workdir`` is a rendezvous every host reaches. A rank still running at its
+deadline is sent SIGABRT first, so its log ends with its threads' stacks.
 
 A :class:`~tandem.testing.links.LinkShape` shapes every host's link (see there): a
 ``tbf`` on both ends of its veth for the rate, and a delay process
@@ -33,11 +35,16 @@ Needs root and iproute2; :class:`Unavailable` says why not, for a skip message.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import ctypes
 import dataclasses
+import faulthandler
 import json
 import os
 import random
+import resource
+import runpy
 import secrets
 import select
 import shutil
@@ -46,10 +53,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
+from tandem.testing import _mp
 from tandem.testing.links import LinkShape
 from tandem._proc import process_alive
+from tandem._words import counted
 
 __all__ = ["Unavailable", "LabError", "NetnsLab", "RankRun", "netns_lab", "unavailable_reason",
            "PREFIX"]
@@ -59,6 +68,7 @@ PREFIX = "tandem-lab-"
 # secret included): each run passes its own
 _SCRUB = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 _HELPER_START_S = 20.0
+_STACKS_S = 10.0  # for ranks sent SIGABRT at the deadline to write their stacks and exit
 
 
 class Unavailable(Exception):
@@ -77,10 +87,18 @@ class RankRun:
     log: str
     pid: int = 0
     ended: float | None = None  # wall clock time its end was seen (None: killed by the lab)
+    # for a rank killed at the deadline: what it was doing (state, CPU it had, load);
+    # the stacks of its threads then end its log
+    killed: str = ""
 
     @property
     def ok(self) -> bool:
         return self.returncode == 0
+
+    def report(self, tail: int = 6000) -> str:
+        """How the rank ended and the end of its log, for a failing test's message."""
+        how = f"exit {self.returncode}" if self.returncode is not None else self.killed
+        return f"--- rank {self.rank} on host {self.host}: {how} ---\n{self.log[-tail:]}"
 
 
 def unavailable_reason() -> str:
@@ -120,6 +138,22 @@ def _remove_stale() -> None:
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
 
 
+def _process_state(pid: int) -> str:
+    """What process ``pid`` is doing, from /proc: program, state, kernel wait, CPU used."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        wchan = Path(f"/proc/{pid}/wchan").read_text().strip()
+    except OSError:
+        return "already gone"
+    comm = stat[stat.index("(") + 1:stat.rindex(")")]
+    fields = stat[stat.rindex(")") + 2:].split()  # state is field 3 of proc(5)
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    threads = int(fields[17])
+    wait = f" in {wchan}" if wchan not in ("", "0") else ""
+    return (f"{comm} state {fields[0]}{wait}, {counted(threads, 'thread')}, "
+            f"{cpu:.1f} s of CPU")
+
+
 def _read_line(proc: subprocess.Popen[bytes], deadline: float, what: str) -> str:
     """The first line ``proc`` prints, within ``deadline`` (a monotonic time)."""
     assert proc.stdout is not None
@@ -148,7 +182,7 @@ class NetnsLab:
         subnet = random.randrange(256)
         self.addrs = [f"10.77.{subnet}.{h + 1}" for h in range(hosts)]
         self._made: list[str] = []
-        self._procs: list[subprocess.Popen[bytes]] = []
+        self._procs: list[Any] = []  # subprocess.Popen or _Forked
         self._helpers: list[subprocess.Popen[bytes]] = []
 
     def setup(self) -> None:
@@ -251,9 +285,14 @@ class NetnsLab:
     # -- running ranks ---------------------------------------------------------------
     def run(self, program: Sequence[str], placement: Sequence[int],
             args: Callable[[int], list[str]], env: Callable[[int], dict[str, str]],
-            timeout: float, grace: float = 5.0) -> list[RankRun]:
+            timeout: float, grace: float = 5.0, preloaded: bool = False) -> list[RankRun]:
         """Run ``python PROGRAM ARGS(rank)`` once per rank, rank ``r`` on host
         ``placement[r]``; wait for all. ``PROGRAM`` is e.g. ``[script]`` or ``["-m", mod]``.
+
+        ``preloaded``: each rank is forked from :mod:`tandem.testing`'s process server,
+        which has imported torch and tandem, and enters its host's namespace itself,
+        instead of starting a fresh ``python`` there (whose import of torch was most of
+        the CPU a short run needs: ~2 s a rank).
 
         Ranks still running ``timeout`` seconds after the start, or ``grace`` seconds
         after another rank failed, are killed (returncode None). Raises
@@ -261,16 +300,25 @@ class NetnsLab:
         """
         base = {k: v for k, v in os.environ.items()
                 if k not in _SCRUB and not k.startswith("TANDEM_")}
-        procs = []
+        # a rank still running at the deadline is sent SIGABRT first: Python then writes
+        # every thread's stack to its log, which says where it was stuck
+        base["PYTHONFAULTHANDLER"] = "1"
+        procs: list[Any] = []
         for rank, host in enumerate(placement):
-            with open(self.workdir / f"rank{rank}.log", "wb") as log:
-                proc = subprocess.Popen([*self._exec(host), *program, *args(rank)],
-                                        stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, cwd=self.workdir,
-                                        env={**base, **env(rank)}, start_new_session=True)
+            log_path = self.workdir / f"rank{rank}.log"
+            if preloaded:
+                proc: Any = _Forked(self.names[host], [*program, *args(rank)],
+                                    {**base, **env(rank)}, self.workdir, log_path)
+            else:
+                with open(log_path, "wb") as log:
+                    proc = subprocess.Popen([*self._exec(host), *program, *args(rank)],
+                                            stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, cwd=self.workdir,
+                                            env={**base, **env(rank)}, start_new_session=True)
             self._procs.append(proc)
             procs.append(proc)
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         ended: list[float | None] = [None] * len(procs)
         while True:
             codes = [p.poll() for p in procs]
@@ -283,20 +331,42 @@ class NetnsLab:
             if any(h.poll() is not None for h in self._helpers):
                 break  # reported by check() below, after the ranks are stopped
             time.sleep(0.05)
+        killed = self._stop_with_stacks(procs, time.monotonic() - started)
         self._kill(procs)
         self.check()
         return [RankRun(r, placement[r], codes[r],
                         (self.workdir / f"rank{r}.log").read_text(errors="replace"),
-                        procs[r].pid, ended[r])
+                        procs[r].pid, ended[r], killed.get(r, ""))
                 for r in range(len(procs))]
 
     @staticmethod
-    def _kill(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    def _stop_with_stacks(procs: Sequence[Any],
+                          ran: float) -> dict[int, str]:
+        """Describe each rank still running and make it write its stacks (SIGABRT);
+        return the descriptions by rank."""
+        load = "/".join(f"{x:.0f}" for x in os.getloadavg())
+        out = {r: f"killed after {ran:.1f} s: {_process_state(p.pid)}, load {load}"
+               for r, p in enumerate(procs) if p.poll() is None}
+        for r in out:
+            with contextlib.suppress(ProcessLookupError, OSError):
+                # no core file of a rank in the test's directory
+                resource.prlimit(procs[r].pid, resource.RLIMIT_CORE, (0, 0))
+                os.kill(procs[r].pid, signal.SIGABRT)
+        deadline = time.monotonic() + _STACKS_S  # writing stacks takes milliseconds
+        for r in out:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                procs[r].wait(max(0.0, deadline - time.monotonic()))
+        return out
+
+    @staticmethod
+    def _kill(procs: Sequence[Any]) -> None:
         """SIGKILL each process still running, with anything it started."""
         for p in procs:
             if p.poll() is None:  # not reaped yet, so the pid (= its group id) is still ours
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):  # a fork not yet in its group
+                    os.kill(p.pid, signal.SIGKILL)
         for p in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(10)
@@ -329,6 +399,65 @@ class NetnsLab:
             for ns in reversed(self._made):
                 subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
             self._made.clear()
+
+
+class _Forked:
+    """A rank forked from tandem.testing's preloaded process server, with the part of
+    ``subprocess.Popen``'s interface that :meth:`NetnsLab.run` uses."""
+
+    stdout = stderr = None
+
+    def __init__(self, netns: str, argv: list[str], env: dict[str, str], cwd: Path,
+                 log: Path) -> None:
+        self._process = _mp().Process(target=_forked_rank,
+                                      args=(netns, argv, env, str(cwd), str(log)))
+        self._process.start()
+        self.pid: int = self._process.pid
+
+    def poll(self) -> int | None:
+        code: int | None = self._process.exitcode
+        return code
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        code = self._process.exitcode
+        if code is None:
+            raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout or 0.0)
+        return int(code)
+
+
+_CLONE_NEWNET = 0x40000000
+
+
+def _forked_rank(netns: str, argv: list[str], env: dict[str, str], cwd: str,
+                 log: str) -> None:
+    """In a forked rank: enter host ``netns`` and run ``python *argv`` as that would."""
+    os.setsid()  # its own group, as a started rank: killed with what it starts
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(f"/run/netns/{netns}") as ns:
+        if libc.setns(ns.fileno(), _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {netns}")
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    faulthandler.enable()  # what PYTHONFAULTHANDLER does for a started interpreter
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        elif argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+        else:
+            sys.argv = list(argv)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
+    finally:
+        atexit._run_exitfuncs()  # a fork ends with os._exit; an interpreter runs these
 
 
 @contextlib.contextmanager

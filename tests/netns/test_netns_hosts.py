@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -38,7 +39,9 @@ from tandem._proc import process_alive
 from tandem.testing.netns import PREFIX, RankRun, Unavailable, netns_lab, unavailable_reason
 from _netns_rank import expected_for
 
-pytestmark = [pytest.mark.procs, pytest.mark.timeout(90)]
+# 150: the first run of a process also starts tandem.testing's process server (imports
+# torch once for all its ranks), which took over 90 s at load 60
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(150)]
 
 RANK_SCRIPT = Path(__file__).with_name("_netns_rank.py")
 
@@ -88,15 +91,16 @@ def _launch(spec: Spec, workdir: Path, init_only: bool = False, host_ids: bool =
                     out["TANDEM_BIND_ADDR"] = "0.0.0.0"
                 return out
 
+            # preloaded: a fresh interpreter per rank spent ~2 s of CPU importing torch;
+            # at load 100 a rank got 2.5 s of CPU in 50 s and was killed still importing
             return lab.run([str(RANK_SCRIPT)], spec.placement, args, env, timeout=50,
-                           grace=grace)
+                           grace=grace, preloaded=True)
     except Unavailable as exc:
         pytest.skip(f"network namespaces are unavailable: {exc}")
 
 
 def _report(runs: list[RankRun]) -> str:
-    return "\n".join(f"--- rank {r.rank} on host {r.host}: exit {r.returncode} ---\n"
-                     f"{r.log[-3000:]}" for r in runs if not r.ok)
+    return "\n".join(r.report() for r in runs if not r.ok)
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +166,7 @@ def test_ranks_listening_on_every_interface_are_reached_across_hosts(tmp_path: P
     # (which the other host would dial as itself)
     runs = _launch(Spec("tcp", [0, 1], "tcp"), tmp_path, init_only=True, bind_any=True)
     for r in runs:
-        assert r.ok, f"rank {r.rank}:\n{r.log[-3000:]}"
+        assert r.ok, r.report()
 
 
 def test_without_host_ids_namespaces_are_still_told_apart(tmp_path: Path) -> None:
@@ -170,7 +174,7 @@ def test_without_host_ids_namespaces_are_still_told_apart(tmp_path: Path) -> Non
     # apart, so auto goes over tcp between them (shared-memory sockets do not cross)
     runs = _launch(Spec("auto", [0, 1], "file"), tmp_path, init_only=True, host_ids=False)
     for r in runs:
-        assert r.ok, f"rank {r.rank}:\n{r.log[-3000:]}"
+        assert r.ok, r.report()
 
 
 def test_lab_leaves_nothing_behind(tmp_path: Path) -> None:
@@ -316,3 +320,40 @@ def test_a_lab_killed_outright_takes_its_delay_processes_with_it(tmp_path: Path)
                 os.kill(p, signal.SIGKILL)
         for ns in _namespaces_of(holder.pid):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+_STUCK = """
+import sys, threading, time
+from pathlib import Path
+rank, workdir = int(sys.argv[1]), Path(sys.argv[2])
+def wait_here_forever():
+    threading.Event().wait()
+if rank == 0:
+    print("ready", flush=True)
+    wait_here_forever()
+deadline = time.monotonic() + 60
+while "ready" not in (workdir / "rank0.log").read_text():  # rank 0 is in its wait
+    assert time.monotonic() < deadline, "rank 0 never started"
+    time.sleep(0.05)
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("preloaded", [False, True])
+def test_a_rank_killed_at_the_deadline_reports_what_it_was_doing(tmp_path: Path,
+                                                                 preloaded: bool) -> None:
+    # rank 1 fails once rank 0 waits, so rank 0 is killed after the grace period: the run
+    # says it was a sleeping python using little CPU, and its log ends with its stack
+    try:
+        with netns_lab(2, tmp_path) as lab:
+            runs = lab.run(["-c", _STUCK], [0, 1], lambda r: [str(r), str(tmp_path)],
+                           lambda r: {}, timeout=120, grace=0.0, preloaded=preloaded)
+    except Unavailable as exc:
+        pytest.skip(f"network namespaces are unavailable: {exc}")
+    assert runs[1].returncode == 3, runs[1].report()
+    stuck = runs[0]
+    assert stuck.returncode is None, stuck.report()
+    assert re.fullmatch(r"killed after \d+\.\d s: python\S* state S( in \S+)?, 1 thread, "
+                        r"\d+\.\d s of CPU, load \d+/\d+/\d+", stuck.killed), stuck.killed
+    assert "wait_here_forever" in stuck.log, stuck.report()
+    assert stuck.report().startswith(f"--- rank 0 on host 0: {stuck.killed} ---"), stuck.report()
