@@ -55,7 +55,8 @@ from tandem.config import Settings
 TWO_LEVEL_RANKS = 3
 TWO_LEVEL_THRESHOLDS = 16
 
-__all__ = ["host_layout", "hierarchical_all_reduce", "two_level_pays", "hierarchical_broadcast"]
+__all__ = ["host_layout", "hierarchical_all_reduce", "two_level_pays", "two_level_fits",
+           "hierarchical_broadcast"]
 
 
 def flat_all_reduce(settings: Settings, size: int,
@@ -66,9 +67,14 @@ def flat_all_reduce(settings: Settings, size: int,
 
 def two_level_pays(settings: Settings, layout: list[list[int]], buf: torch.Tensor) -> bool:
     """Whether an all-reduce of ``buf`` over ``layout`` takes :func:`two_level_all_reduce`."""
+    return two_level_fits(settings, layout, buf.numel(), buf.numel() * buf.element_size())
+
+
+def two_level_fits(settings: Settings, layout: list[list[int]], numel: int, nbytes: int) -> bool:
+    """Whether a reduction of ``numel`` elements (``nbytes``) over ``layout`` reduces
+    within each host in a ring first (all_reduce and reduce_scatter alike)."""
     busiest = max(len(ranks) for ranks in layout)
-    nbytes = buf.numel() * buf.element_size()
-    return (busiest >= TWO_LEVEL_RANKS and buf.numel() >= busiest * len(layout)
+    return (busiest >= TWO_LEVEL_RANKS and numel >= busiest * len(layout)
             and nbytes >= TWO_LEVEL_THRESHOLDS * settings.ring_threshold)
 
 

@@ -22,7 +22,8 @@ or a host leader then plays its own part in it. The rules, by group:
   (``leaders.py``), so a host keeps connections to the other hosts' leaders only;
   all_gather and reduce_scatter through the hosts' ``leaders`` when each host's ranks
   are consecutive (and, for a reduction, the leaders' receive areas fit), else the
-  ``ring``.
+  ``ring``; a large reduce_scatter on such hosts ``two_level`` (a ring within each host,
+  then the leaders), by all_reduce's two-level rule.
 * **barrier**: ``doubling``; ``hierarchical`` on several hosts some holding several ranks
   (check in with each host's leader, the leaders meet, release: ``leaders_barrier``).
 * **otherwise**: gather and scatter ``direct``, all_to_all ``pairwise``.
@@ -53,7 +54,7 @@ from tandem.collectives.algorithms.flat import Flat
 from tandem.collectives.algorithms.leaders import (leaders_all_to_all, leaders_gather,
                                                    leaders_reduce, leaders_scatter, rooted)
 from tandem.collectives.algorithms.hierarchical import (hierarchical_all_reduce,
-                                                        hierarchical_broadcast)
+                                                        hierarchical_broadcast, two_level_fits)
 from tandem.collectives.algorithms.leaders_barrier import leaders_barrier
 from tandem.collectives.algorithms.naive import naive_all_reduce
 from tandem.collectives.algorithms.ring import (Bounds, even_bounds, link_chunk, ring,
@@ -64,7 +65,8 @@ from tandem.collectives.algorithms.shm import shm_all_reduce, shm_all_reduce_man
 from tandem.collectives.algorithms.shm_gather import shm_all_gather, shm_reduce_scatter
 from tandem.collectives.algorithms.shm_rooted import shm_broadcast, shm_reduce
 from tandem.collectives.algorithms.streamed import (host_blocks, leaders_all_gather,
-                                                    leaders_reduce_scatter, streamed_fits)
+                                                    leaders_reduce_scatter, streamed_fits,
+                                                    two_level_reduce_scatter)
 from tandem.collectives.algorithms.tree import tree_reduce
 from tandem.collectives.checks import any_shared
 from tandem.collectives.group import Op, ProcessGroup
@@ -388,8 +390,17 @@ def _leaders_reduce_scatter(o: Op, flat: torch.Tensor, bounds: Bounds, redop: Re
     leaders_reduce_scatter(o, flat, bounds, redop, layout, blocks)
 
 
+def _two_level_reduce_scatter(o: Op, flat: torch.Tensor, bounds: Bounds,
+                              redop: ReduceOp) -> None:
+    layout = host_layout(o.group)
+    blocks = host_blocks(layout, bounds)
+    assert layout is not None and blocks is not None  # as select_reduce_scatter found them
+    two_level_reduce_scatter(o, flat, bounds, redop, layout, blocks)
+
+
 _PACKED_RING = _packed(_ring_reduce_scatter)
 _PACKED_LEADERS = _packed(_leaders_reduce_scatter)
+_PACKED_TWO_LEVEL = _packed(_two_level_reduce_scatter)
 
 
 def select_reduce_scatter(group: ProcessGroup, sizes: list[int],
@@ -402,6 +413,11 @@ def select_reduce_scatter(group: ProcessGroup, sizes: list[int],
     layout = host_layout(group)
     if layout is None or host_blocks(layout, segment_bounds(sizes)) is None:
         return "ring", _PACKED_RING
+    numel = sum(sizes)
+    if two_level_fits(group.settings, layout, numel, numel * dtype.itemsize):
+        # a ring within each host first: at 2 hosts x 8, 16 MB, each leader otherwise
+        # set aside 7 x 16 MB per call and reduced them alone
+        return "two_level", _PACKED_TWO_LEVEL
     if not streamed_fits(layout, sum(sizes) * dtype.itemsize):
         return "ring", _PACKED_RING
     return "leaders", _PACKED_LEADERS

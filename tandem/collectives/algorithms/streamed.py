@@ -12,7 +12,9 @@ overlap chunk by chunk.
 * all-reduce: every rank sends its whole buffer up; the leader reduces it into its
   own, chunk by chunk; everyone gets the whole result back;
 * reduce-scatter: the same going up; each rank gets back only its own piece, which
-  lies in its host's block;
+  lies in its host's block; from the two-level size on (``hierarchical.two_level_fits``)
+  each host reduces in a ring among its own ranks first and each rank sends up only its
+  reduced share (:func:`two_level_reduce_scatter`), as the two-level all-reduce does;
 * all-gather: each rank sends its own piece up, into place; everyone gets the whole
   result back.
 
@@ -40,7 +42,7 @@ from tandem.collectives.reduce_op import ReduceOp, combine, finish
 from tandem.transport.base import Slot
 
 __all__ = ["streamed_all_reduce", "two_level_all_reduce", "streamed_fits", "host_blocks", "leaders_all_gather",
-           "leaders_reduce_scatter"]
+           "leaders_reduce_scatter", "two_level_reduce_scatter"]
 
 # the most memory a leader sets aside for its host's other ranks' contributions
 _STREAM_SCRATCH = 1 << 30
@@ -188,6 +190,20 @@ def streamed_all_reduce(op: Op, buf: torch.Tensor, redop: ReduceOp,
 _SCATTER, _GATHER = 3 * PHASE, 4 * PHASE
 
 
+def _reduce_within_host(op: Op, buf: torch.Tensor, layout: list[list[int]],
+                        inner: ReduceOp) -> dict[int, Range]:
+    """Ring reduce-scatter of flat ``buf`` among this rank's host; returns each group
+    rank's piece (an even share of its host's), which that rank now holds reduced."""
+    n = buf.numel()
+    local = host_of_rank(layout, op.group.group_rank)
+    own: dict[int, Range] = {}
+    for ranks in layout:
+        own.update(zip(ranks, even_bounds(n, len(ranks))))
+    if len(local) > 1:
+        ring(Phase(op, local, _SCATTER), buf, even_bounds(n, len(local)), inner, True, False)
+    return own
+
+
 def two_level_all_reduce(op: Op, buf: torch.Tensor, redop: ReduceOp,
                          layout: list[list[int]]) -> None:
     """All-reduce flat ``buf`` in place: a ring reduce-scatter within each host, each
@@ -200,16 +216,11 @@ def two_level_all_reduce(op: Op, buf: torch.Tensor, redop: ReduceOp,
     alone: at 2 hosts x 8 ranks, 16 MB, the leader waited 257 of its 368 ms for its
     host's pieces, with 7 x 16 MB to take in, reduce and hand back by itself.
     """
-    g = op.group
     n = buf.numel()
-    local = host_of_rank(layout, g.group_rank)
+    local = host_of_rank(layout, op.group.group_rank)
     inner, divide = _sum_for(redop)
-    own: dict[int, Range] = {}  # each group rank's piece of the within-host phases
-    for ranks in layout:
-        own.update(zip(ranks, even_bounds(n, len(ranks))))
+    own = _reduce_within_host(op, buf, layout, inner)
     mine = even_bounds(n, len(local))
-    if len(local) > 1:
-        ring(Phase(op, local, _SCATTER), buf, mine, inner, True, False)
     _through_leaders(op, buf, layout, even_bounds(n, len(layout)), inner, divide, True,
                      lambda m: own[m], lambda m: [own[m]], reduce_up=False)
     if len(local) > 1:
@@ -245,3 +256,19 @@ def leaders_reduce_scatter(op: Op, flat: torch.Tensor, bounds: Bounds, redop: Re
     inner, divide = _sum_for(redop)
     _through_leaders(op, flat, layout, blocks, inner, divide, False, lambda m: everything,
                      lambda m: [bounds[m]])
+
+
+def two_level_reduce_scatter(op: Op, flat: torch.Tensor, bounds: Bounds, redop: ReduceOp,
+                             layout: list[list[int]], blocks: Bounds) -> None:
+    """Reduce-scatter in place: a ring reduce-scatter within each host, each rank's reduced
+    piece copied up to its leader, the leaders' ring reduce-scatter over the hosts'
+    ``blocks``, each rank's own piece handed back once final.
+
+    A leader takes in one piece per rank (copied into place) instead of one whole buffer
+    per other rank of its host to reduce by itself: no receive areas beyond the rings'
+    scratch, and the host's reductions spread over all its ranks.
+    """
+    inner, divide = _sum_for(redop)
+    own = _reduce_within_host(op, flat, layout, inner)
+    _through_leaders(op, flat, layout, blocks, inner, divide, False, lambda m: own[m],
+                     lambda m: [bounds[m]], reduce_up=False)
