@@ -107,3 +107,18 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def watch_collective_sends(transport: Any, note: Callable[[int, Any, memoryview], None]) -> None:
+    """From now on, call ``note(peer, header, payload)`` for every collective message
+    ``transport`` sends (point-to-point and control messages are not collective ones)."""
+    from tandem.transport.message import Kind
+
+    plain = transport.isend
+
+    def isend(peer: int, header: Any, payload: memoryview) -> Any:
+        if header.kind == Kind.COLL:
+            note(peer, header, payload)
+        return plain(peer, header, payload)
+
+    transport.isend = isend

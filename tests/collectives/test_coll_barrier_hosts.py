@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
 
 import pytest
 import torch
@@ -13,7 +12,8 @@ import torch
 import tandem
 from tandem.collectives.group import ProcessGroup
 from tandem.testing import RankFailed, run_threads
-from tandem.transport.message import Kind
+
+from _coll_util import watch_collective_sends
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -51,16 +51,8 @@ def test_each_rank_talks_to_its_leader_and_only_leaders_cross_hosts() -> None:
     hosts = list("aaaabbbbcccc")
 
     def body(group: ProcessGroup) -> list[int]:
-        transport = group.transport
-        plain = transport.isend
         peers: list[int] = []
-
-        def isend(peer: int, header: Any, payload: memoryview) -> Any:
-            if header.kind == Kind.COLL:
-                peers.append(peer)
-            return plain(peer, header, payload)
-
-        transport.isend = isend  # type: ignore[method-assign]
+        watch_collective_sends(group.transport, lambda peer, _h, _p: peers.append(peer))
         tandem.barrier(group=group)
         return peers
 

@@ -23,6 +23,8 @@ import torch
 import tandem
 from tandem.testing import launch
 
+from _coll_util import watch_collective_sends
+
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(300)]
 
 LAYOUTS = {"2x8": "a" * 8 + "b" * 8, "4x4": "aaaabbbbccccdddd",
@@ -101,20 +103,12 @@ def test_broadcast_through_host_arenas_matches_the_root_and_gloo(layout: str,
 def _messages(rank: int, p: int, hosts: str, store: str, roots: list[int]) -> list[list[int]]:
     """The ranks this rank sent a collective message to, in each broadcast from ``roots``."""
     from tandem.collectives.world import world
-    from tandem.transport.message import Kind
 
     _join(rank, p, hosts, store, False)
     try:
-        transport = world().default.transport
-        plain = transport.isend
         sent: list[int] = []
-
-        def isend(peer: int, header: Any, payload: memoryview) -> Any:
-            if header.kind == Kind.COLL:
-                sent.append(peer)
-            return plain(peer, header, payload)
-
-        transport.isend = isend  # type: ignore[method-assign]
+        watch_collective_sends(world().default.transport,
+                               lambda peer, _h, _p: sent.append(peer))
         out = []
         for root in roots:
             tandem.broadcast(torch.ones(1 << 16), src=root)  # 256 KiB

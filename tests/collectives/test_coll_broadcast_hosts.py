@@ -4,15 +4,14 @@ root check carried up the data's own tree."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
 import tandem
 from tandem.collectives.group import ProcessGroup
 from tandem.testing import RankFailed, run_threads
-from tandem.transport.message import Kind
+
+from _coll_util import watch_collective_sends
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -64,16 +63,9 @@ def _messages(hosts: list[str], root: int, numel: int = 8) -> list[tuple[int, in
     """(sender, receiver) of every message of one broadcast of ``numel`` floats."""
 
     def body(group: ProcessGroup) -> list[tuple[int, int]]:
-        transport = group.transport
-        plain = transport.isend
+        me = group.transport.rank
         sent: list[tuple[int, int]] = []
-
-        def isend(peer: int, header: Any, payload: memoryview) -> Any:
-            if header.kind == Kind.COLL:
-                sent.append((transport.rank, peer))
-            return plain(peer, header, payload)
-
-        transport.isend = isend  # type: ignore[method-assign]
+        watch_collective_sends(group.transport, lambda peer, _h, _p: sent.append((me, peer)))
         tandem.broadcast(torch.ones(numel), src=root, group=group)
         return sent
 

@@ -51,6 +51,16 @@ def _on_threads(n: int, work: Any) -> list[Any]:
         t.join(60)
     return out
 
+def _barrier(arenas: list[Any], r: int) -> int:
+    """The shared-memory all_reduce (MAX) of one byte, as rank ``r``: every rank gets N."""
+    a = arenas[r]
+    staged = a.heads(torch.uint8, 1)[a.begin_round(lambda: None)]
+    staged[r][0] = r + 1
+    a.post()
+    a.wait_all(a.posted, lambda: None)
+    return max(int(staged[q][0]) for q in range(len(arenas)))
+
+
 
 @pytest.fixture
 def host() -> Iterator[list[ShmTransport]]:
@@ -141,15 +151,7 @@ def test_the_first_barrier_reserves_pages_not_every_member_s_staging(
         assert all(isinstance(a, Arena) for a in arenas), arenas
         assert sum(reserved) == N * CONTROL_BYTES, reserved
 
-        def barrier(r: int) -> int:  # the shared-memory all_reduce (MAX) of one byte
-            a = arenas[r]
-            staged = a.heads(torch.uint8, 1)[a.begin_round(lambda: None)]
-            staged[r][0] = r + 1
-            a.post()
-            a.wait_all(a.posted, lambda: None)
-            return max(int(staged[q][0]) for q in range(N))
-
-        assert _on_threads(N, barrier) == [N] * N
+        assert _on_threads(N, lambda r: _barrier(arenas, r)) == [N] * N
         small = N * (CONTROL_BYTES + 2 * mmap.PAGESIZE)
         assert sum(reserved) == small, f"{sum(reserved)} bytes reserved, {small} expected"
         whole = N * (CONTROL_BYTES + 2 * chunk)
@@ -234,15 +236,7 @@ def test_the_default_group_s_arena_is_handed_over_at_init(
         assert offers == [], f"hand-overs at the first call: {offers}"
         assert len({a.chunk for a in arenas}) == 1 and [a.index for a in arenas] == list(range(N))
 
-        def barrier(r: int) -> int:  # the shared-memory all_reduce (MAX) of one byte
-            a = arenas[r]
-            staged = a.heads(torch.uint8, 1)[a.begin_round(lambda: None)]
-            staged[r][0] = r + 1
-            a.post()
-            a.wait_all(a.posted, lambda: None)
-            return max(int(staged[q][0]) for q in range(N))
-
-        assert _on_threads(N, barrier) == [N] * N
+        assert _on_threads(N, lambda r: _barrier(arenas, r)) == [N] * N
         # another group's arena, even the first rank's first one, still comes by hand-over
         pair = _on_threads(2, lambda r: made[r].arena(7, [0, 1], CHUNK, timeout=30))
         assert all(isinstance(a, Arena) for a in pair), pair
