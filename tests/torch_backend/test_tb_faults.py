@@ -189,7 +189,10 @@ def _unreceived_send(rank: int, world: int, store_dir: str) -> list[str]:
     init(rank, world, store_dir)
     if rank == 0:
         dist.isend(torch.ones(6), 1, tag=3).wait()  # 24 bytes rank 1 never receives
-    dist.barrier()  # after the send, on the same link: it has arrived
+        dist.send(torch.ones(1), 1, tag=4)
+    else:
+        dist.recv(torch.empty(1), 0, tag=4)  # sent later on the same link: tag 3 has arrived
+    dist.barrier()
     dist.destroy_process_group()
     return logged.messages()
 
