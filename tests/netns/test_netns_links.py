@@ -56,6 +56,10 @@ def test_measured_rate_is_within_20_percent_of_the_configured_one(tmp_path: Path
                                                                   rate: float) -> None:
     with _Skipping(tmp_path, link) as lab:
         measured = lab.throughput(0, 1, seconds=2.0)
+        for _ in range(2):  # a busy machine starves the sender below the rate; a shaper never lifts it above
+            if measured >= 0.8 * rate:
+                break
+            measured = max(measured, lab.throughput(0, 1, seconds=2.0))
     # TCP payload is ~95% of the frames tbf counts; the rest would be a broken shaper
     assert 0.8 * rate <= measured <= 1.2 * rate, f"{link}: {measured / 1e6:.0f} Mbit/s"
 

@@ -51,6 +51,8 @@ def _die(stamp: str) -> None:
 
 
 def _killed_mid_send(rank: int, world_size: int, how: str, stamp: str) -> Any:
+    # filling 256 MB (seconds under load) before the barrier: no part of the time to notice
+    buf = torch.zeros(NBYTES // 4) if rank == 0 else torch.empty(0)
     dist.barrier()
     if rank == 1:
         if how == "cut":
@@ -63,7 +65,6 @@ def _killed_mid_send(rank: int, world_size: int, how: str, stamp: str) -> Any:
             dist.send(data, dst=0)
             time.sleep(5)
         _die(stamp)
-    buf = torch.zeros(NBYTES // 4)  # filling 256 MB (slow under load) is no part of noticing
     time.sleep(0.65)  # the receive is posted about 0.5 s after the kill
     result = _attempt_recv(buf)
     if not result["ok"]:  # the sender's own note of its kill: on a loaded machine writing
