@@ -41,6 +41,7 @@ def arrive_and_stage(op: Op, arena: Arena, view: memoryview, raw: torch.Tensor,
     staged: list[bool] = [False]
     confirmation: list[Slot | None] = [None]
     failure: list[BaseException | None] = [None]
+    linked = op.group.transport.connected(op.group.ranks[parent])
 
     def arrived(slot: Slot) -> None:
         if not once.acquire(blocking=False):
@@ -49,8 +50,9 @@ def arrive_and_stage(op: Op, arena: Arena, view: memoryview, raw: torch.Tensor,
             if slot.error is None and not arena.lagging(base):
                 # nobody still reads the half this round overwrites (round base - 2)
                 arena.heads(torch.uint8, n)[base % 2][index].copy_(raw)
-                # every other rank of the host posted this call's first phase, naming it
-                if arena.lagging(base + 1) == [index] and all(
+                # every other rank of the host posted this call's first phase, naming
+                # it; and the link is up (a first connection would hold this thread)
+                if arena.lagging(base + 1) == [index] and linked and all(
                         arena.holds(q, op.seq, op.sig) for q in range(arena.size) if q != index):
                     # before the post: its wake-ups may take this CPU away
                     confirmation[0] = op.send(parent, ROOT_STEP, memoryview(bytearray(0)))
