@@ -19,6 +19,7 @@ import hashlib
 import logging
 import threading
 import time
+import weakref
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -101,6 +102,22 @@ def as_bytes(t: torch.Tensor) -> memoryview:
 def spans_hosts(group: "ProcessGroup") -> bool:
     """Whether ``group``'s ranks are on two or more hosts, every rank's host known (a
     group or a phase's view of one: anything with ``transport`` and ``ranks``)."""
+    # asked on every call across hosts and O(group size) (3 us at 16 ranks): kept per
+    # group, as a rank's host never changes once the group exists
+    try:
+        return _SPANS[group]
+    except KeyError:
+        pass
+    except TypeError:  # not weakly referable: worked out each time
+        return _spans(group)
+    spans = _SPANS[group] = _spans(group)
+    return spans
+
+
+_SPANS: weakref.WeakKeyDictionary[object, bool] = weakref.WeakKeyDictionary()
+
+
+def _spans(group: "ProcessGroup") -> bool:
     host_of = group.transport.host_of
     hosts = {host_of(rank) for rank in group.ranks}
     return len(hosts) > 1 and "" not in hosts

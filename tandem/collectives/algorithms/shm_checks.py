@@ -90,10 +90,11 @@ def arena_check(op: Op, arena: Arena, ranks: Sequence[int] | None = None) -> Cal
         failure = transport.aborted(g.group_id)
         if failure is not None:
             raise failure
-        for r in g.ranks:
-            lost = transport.lost(r)
-            if lost is not None:
-                raise PeerLostError(f"{op.describe()} failed: {lost}", r) from lost
+        if transport.lost_peers():  # a scan of the group per wait: 64 ranks cost 64 lookups
+            for r in g.ranks:
+                lost = transport.lost(r)
+                if lost is not None:
+                    raise PeerLostError(f"{op.describe()} failed: {lost}", r) from lost
         lagging = [q for q in arena.lagging(arena.target) if q != arena.index]
         for q in lagging:
             gone = transport.left(members[q])

@@ -37,6 +37,7 @@ from tandem.collectives.algorithms._phases import host_of_rank
 from tandem.collectives.algorithms.ring import link_chunk
 from tandem.collectives.algorithms.roots import ROOT_STEP
 from tandem.collectives.algorithms.shm_checks import prepare, verify
+from tandem.collectives.algorithms.shm_arrival import arrive_and_stage
 from tandem.collectives.algorithms.spanning import cut
 from tandem.collectives.algorithms.tree import binomial
 from tandem.collectives.group import Op, ProcessGroup, as_bytes
@@ -99,11 +100,22 @@ def arena_broadcast(op: Op, buf: torch.Tensor, root: int, layout: list[list[int]
             sent.extend(op.send(c, passed, view[a:b]) for c in kids)
             passed += 1
 
+    staged = 0  # rounds staged
+    confirmed = False  # this rank's confirmation went out
+    received = me == root
+    if index == src and me != root and parent is not None and not kids \
+            and len(pieces) == 1 and len(rounds) == 1:
+        # another host's leader taking one piece: the reader thread that receives it
+        # stages it, and confirms when the host is all in, in the same wake-up
+        done, confirmation = arrive_and_stage(op, arena, view, raw, parent)
+        received = True
+        staged = int(done)
+        if confirmation is not None:
+            told, confirmed = [confirmation], True
     if index == src:  # the root, or another host's leader: it stages every round
-        arriving: list[tuple[int, Slot | None]] = [(n, None)] if me == root else [
+        arriving: list[tuple[int, Slot | None]] = [(n, None)] if received else [
             (b, op.recv(parent, i, view[a:b])) for i, (a, b) in enumerate(pieces)
             if parent is not None]
-        staged = 0
         for have, slot in arriving:
             if slot is not None:
                 op.wait(slot)
@@ -115,8 +127,9 @@ def arena_broadcast(op: Op, buf: torch.Tensor, root: int, layout: list[list[int]
                 arena.heads(torch.uint8, b - a)[t % 2][index].copy_(raw[a:b])
                 arena.post()
                 staged += 1
-        arena.wait_all(base + 1, check)  # every rank of the host is in this call
-        verify(op, arena, ranks=ranks)
+        if not confirmed:
+            arena.wait_all(base + 1, check)  # every rank of the host is in this call
+            verify(op, arena, ranks=ranks)
     else:
         for k, (a, b) in enumerate(rounds):
             t = base + k
@@ -126,7 +139,7 @@ def arena_broadcast(op: Op, buf: torch.Tensor, root: int, layout: list[list[int]
                 verify(op, arena, [src], ranks)
             raw[a:b].copy_(arena.data(src, t % 2)[:b - a])
             pass_on(b)
-    if parent is not None:
+    if parent is not None and not confirmed:
         # for its whole subtree, once its host passed the check and the data is on its way
         op.wait(*told)
         told = [op.send(parent, ROOT_STEP, empty)]
