@@ -130,3 +130,27 @@ def test_a_rank_keeps_under_two_messages_and_makes_nothing_after_the_first_call(
         assert calls[1] <= nbytes // 16, f"rank {rank} made {calls[1]} B on its second call"
         assert kept <= 2 * nbytes, f"rank {rank} keeps {kept} B"
     assert all(chose == "two_level" for *_, chose in results), [r[3] for r in results]
+
+
+def test_the_ring_reduces_from_its_source_without_reading_what_the_buffer_held() -> None:
+    """``ring(..., src=x)``: ``x`` left as it was, the buffer's old bytes (NaN here) never
+    read, each rank's segment the oracle's; the two-level reduce copies no input first."""
+    from tandem.collectives.algorithms.ring import even_bounds, ring
+
+    p, n = 3, 1001
+    bounds = even_bounds(n, p)
+
+    def body(group: ProcessGroup) -> tuple[torch.Tensor, bool]:
+        x = rank_input("SUM", torch.float64, n, group.rank())
+        kept = x.clone()
+        buf = torch.full((n,), float("nan"), dtype=torch.float64)
+        op = group.new_op("reduce_scatter", "ring from src", "test")
+        group.run(op, lambda o: ring(o, buf, bounds, tandem.ReduceOp.SUM, True, False, src=x),
+                  False)
+        return buf, same_bits(x, kept)
+
+    total = reduce_locally("SUM", [rank_input("SUM", torch.float64, n, r) for r in range(p)])
+    for rank, (buf, unchanged) in enumerate(run_threads(p, body, settings=SMALL)):
+        a, b = bounds[rank]
+        assert unchanged, f"rank {rank}: its source was written into"
+        assert_equal(buf[a:b], total[a:b], f"rank {rank}: its segment")

@@ -196,10 +196,12 @@ _SCATTER, _GATHER = 3 * PHASE, 4 * PHASE
 
 
 def _reduce_within_host(op: Op, buf: torch.Tensor, layout: list[list[int]],
-                        inner: ReduceOp, head: int = 0) -> dict[int, Range]:
+                        inner: ReduceOp, head: int = 0,
+                        src: torch.Tensor | None = None) -> dict[int, Range]:
     """Ring reduce-scatter of flat ``buf`` among this rank's host; returns each group
     rank's piece (an even share of its host's), which that rank now holds reduced.
-    ``head``: bytes at the start of the group's scratch that the ring leaves alone."""
+    ``head``: bytes at the start of the group's scratch that the ring leaves alone;
+    ``src``: this rank's input, when not ``buf`` (see :func:`ring`)."""
     n = buf.numel()
     local = host_of_rank(layout, op.group.group_rank)
     own: dict[int, Range] = {}
@@ -207,7 +209,9 @@ def _reduce_within_host(op: Op, buf: torch.Tensor, layout: list[list[int]],
         own.update(zip(ranks, even_bounds(n, len(ranks))))
     if len(local) > 1:
         ring(Phase(op, local, _SCATTER, head), buf, even_bounds(n, len(local)), inner, True,
-             False)
+             False, src=src)
+    elif src is not None and src is not buf:
+        buf.copy_(src)
     return own
 
 
@@ -295,8 +299,8 @@ def two_level_reduce(op: Op, buf: torch.Tensor, root: int, redop: ReduceOp,
 
     Every link carries about the message once (a binomial tree over all ranks sends it
     whole log2(ranks) times in a row), only leaders cross hosts, and every rank of a host
-    shares its reductions. A rank other than the root works on a copy of its input at
-    the head of the group's scratch, the rings' scratch after it: under twice the message.
+    shares its reductions. A rank other than the root reduces into the head of the
+    group's scratch, the rings' scratch after it: under twice the message.
     """
     g = op.group
     me = g.group_rank
@@ -316,11 +320,10 @@ def two_level_reduce(op: Op, buf: torch.Tensor, root: int, redop: ReduceOp,
     if me == local[0]:
         rings = max(rings, (len(leaders) - 1) * -(-n // len(leaders)))
     space = g.scratch(head + rings * size, torch.uint8)  # sized once, for both rings
-    acc = buf
-    if me != root:  # the rings write into what they reduce: never the caller's tensor
-        acc = space[:n * size].view(buf.dtype)
-        acc.copy_(buf)
-    own = _reduce_within_host(op, acc, layout, inner, head)
+    # the rings write into what they reduce, never a non-root caller's tensor; the host's
+    # ring reads the input and writes its reductions there, with no copy of it first
+    acc = buf if me == root else space[:n * size].view(buf.dtype)
+    own = _reduce_within_host(op, acc, layout, inner, head, src=buf)
     whole = as_bytes(acc)
 
     def part(i: int) -> memoryview:
