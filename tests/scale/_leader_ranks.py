@@ -10,6 +10,7 @@ import torch
 
 import tandem as dist
 from tandem.bench._scale_failures import enter_host
+from tandem.collectives.algorithms import select
 from tandem.collectives.world import world as the_world
 
 DTYPES = [torch.float32, torch.float64, torch.int64]
@@ -187,7 +188,10 @@ def battery(rank: int, world: int, store: str, names: Sequence[str], addrs: Sequ
                        ("reduce_scatter", reduce_scatter), ("objects", objects)]:
         step(name, body)
         dist.barrier()
-    # from select.LEADERS_BELOW_BYTES on these go straight to their peers (measured faster)
+    # from select.LEADERS_BELOW_BYTES on these go straight to their peers (measured faster),
+    # and a reduce runs in two levels (streamed.two_level_reduce): lowered here so that
+    # the large reduce takes that path at these sizes too
+    select.LEADERS_BELOW_BYTES = 64 << 10
     step("large", lambda: [f(large) for f in (reduce, gather, scatter, all_to_all,
                                               all_to_all_single)])
     dist.barrier()

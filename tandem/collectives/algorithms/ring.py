@@ -97,7 +97,8 @@ def ring_pieces(settings: Settings, bounds: Bounds, itemsize: int,
 
 def ring(op: Op, buf: torch.Tensor, bounds: Bounds, redop: ReduceOp | None,
          reduce_scatter: bool, all_gather: bool, ready: Hook | None = None,
-         done: Hook | None = None, chunk_bytes: int | None = None) -> None:
+         done: Hook | None = None, chunk_bytes: int | None = None,
+         src: torch.Tensor | None = None) -> None:
     """Run the reduce-scatter and/or all-gather phase on flat ``buf`` in place.
 
     ``ready(a, b)`` is called for every chunk (see :func:`ring_pieces`) before this
@@ -106,10 +107,16 @@ def ring(op: Op, buf: torch.Tensor, bounds: Bounds, redop: ReduceOp | None,
     all-gather, right after it went out; every chunk the all-gather brings), so a
     caller can produce the input and consume the output chunk by chunk while the
     ring runs. ``chunk_bytes`` overrides ``settings.chunk_bytes`` (see :func:`link_chunk`).
+    ``src`` (a reduce-scatter): this rank's contribution, read and left unchanged, where
+    ``buf``'s prior bytes are then never read: each chunk is reduced from ``src`` into
+    ``buf``, with no copy of ``src`` first.
     """
     g = op.group
     p, r = g.group_size, g.group_rank
+    own = buf if src is None or not reduce_scatter else src
     if p == 1:
+        if own is not buf:
+            buf.copy_(own)
         if ready is not None:
             ready(0, buf.numel())
         if reduce_scatter:
@@ -136,6 +143,7 @@ def ring(op: Op, buf: torch.Tensor, bounds: Bounds, redop: ReduceOp | None,
     # showed up in profiles
     size = buf.element_size()
     whole = as_bytes(buf)
+    first = whole if own is buf else as_bytes(own)  # what step 0 sends
     scratch_bytes = [as_bytes(t) for t in scratch]
 
     def post(t: int) -> list:
@@ -154,7 +162,7 @@ def ring(op: Op, buf: torch.Tensor, bounds: Bounds, redop: ReduceOp | None,
     for c, (a, b) in enumerate(pieces[steps[0][1]]):
         if ready is not None:
             ready(a, b)
-        sends.append(op.send(nxt, c, whole[a * size:b * size]))
+        sends.append(op.send(nxt, c, first[a * size:b * size]))
         if done is not None and not reduce_scatter:  # an all-gather's own segment
             done(a, b)
     last_reduce = p - 2 if reduce_scatter else -1
@@ -167,7 +175,7 @@ def ring(op: Op, buf: torch.Tensor, bounds: Bounds, redop: ReduceOp | None,
                 if ready is not None:
                     ready(a, b)
                 mine = buf[a:b]
-                combine(redop, scratch[t][a - base:b - base], mine, mine)  # type: ignore[arg-type]
+                combine(redop, scratch[t][a - base:b - base], own[a:b], mine)  # type: ignore[arg-type]
                 if t == last_reduce:
                     finish(redop, mine, p)  # type: ignore[arg-type]
             if done is not None and (t == last_reduce or not reducing):

@@ -42,7 +42,7 @@ from tandem.collectives.reduce_op import ReduceOp, combine, finish
 from tandem.transport.base import Slot
 
 __all__ = ["streamed_all_reduce", "two_level_all_reduce", "streamed_fits", "host_blocks", "leaders_all_gather",
-           "leaders_reduce_scatter", "two_level_reduce_scatter"]
+           "leaders_reduce_scatter", "two_level_reduce_scatter", "two_level_reduce"]
 
 # the most memory a leader sets aside for its host's other ranks' contributions
 _STREAM_SCRATCH = 1 << 30
@@ -84,7 +84,8 @@ def _first_read(segments: list[list[Range]],
 def _through_leaders(op: Op, buf: torch.Tensor, layout: list[list[int]], blocks: Bounds,
                      redop: ReduceOp | None, divide: ReduceOp | None, gather: bool,
                      up: Callable[[int], Range], down: Callable[[int], list[Range]],
-                     reduce_up: bool = True) -> None:
+                     reduce_up: bool = True, head: int = 0,
+                     onward: Callable[[int, int], None] | None = None) -> None:
     """The leaders ring over ``blocks`` (one per host, in leader order) on flat ``buf``.
 
     Group rank ``m`` hands its leader ``buf[up(m)]`` (reduced into the leader's
@@ -93,7 +94,9 @@ def _through_leaders(op: Op, buf: torch.Tensor, layout: list[list[int]], blocks:
     ``down(m)``. ``gather``: the ring's all-gather phase runs (every leader ends with
     every block); ``divide``: AVG's division by the group size, on the chunks a
     leader finishes. ``reduce_up=False``: the ranges sent up are disjoint and are copied
-    into place; ``redop`` then serves the leaders' ring alone.
+    into place; ``redop`` then serves the leaders' ring alone. ``head``: bytes at the
+    start of the group's scratch that stay the caller's. ``onward(a, b)``: called on a
+    leader for each chunk of its own block once final, after it was handed down.
     """
     g = op.group
     me = g.group_rank
@@ -124,7 +127,7 @@ def _through_leaders(op: Op, buf: torch.Tensor, layout: list[list[int]], blocks:
         lift.wait(*[lift.send(0, i, whole[a * size:b * size]) for i, (a, b) in ups], *back)
         return
     others = local[1:]
-    reserved = 0
+    reserved = head
     inbox = torch.empty(0, dtype=buf.dtype)
     lifted = redop if reduce_up else None  # what combines the pieces sent up
     if lifted is not None:  # one receive area per other rank, then the ring's scratch
@@ -134,10 +137,10 @@ def _through_leaders(op: Op, buf: torch.Tensor, layout: list[list[int]], blocks:
             # leader does not keep that much more than its host's other ranks
             inbox = torch.empty(len(others) * n, dtype=buf.dtype)
         else:
-            reserved = -(-areas // 64) * 64
+            reserved = head + -(-areas // 64) * 64
             longest = max(b - a for a, b in blocks)
             g.scratch(reserved + longest * size * (len(leaders) - 1), torch.uint8)  # sized once
-            inbox = g.scratch(reserved, torch.uint8)[:areas].view(buf.dtype)
+            inbox = g.scratch(reserved, torch.uint8)[head:head + areas].view(buf.dtype)
     into = as_bytes(inbox) if lifted is not None else whole
     arrivals: list[list[tuple[int, Slot, Range]]] = [[] for _ in pieces]
     for j, m in enumerate(others):
@@ -164,6 +167,8 @@ def _through_leaders(op: Op, buf: torch.Tensor, layout: list[list[int]], blocks:
                 part = _inter((a, b), rng)
                 if part:
                     sends.append(drop.send(j, 2 * i + k, whole[part[0] * size:part[1] * size]))
+        if onward is not None:
+            onward(a, b)
 
     ring(Phase(op, leaders, PHASE, reserved), buf, blocks, redop, redop is not None, gather,
          ready, done, chunk)
@@ -191,16 +196,22 @@ _SCATTER, _GATHER = 3 * PHASE, 4 * PHASE
 
 
 def _reduce_within_host(op: Op, buf: torch.Tensor, layout: list[list[int]],
-                        inner: ReduceOp) -> dict[int, Range]:
+                        inner: ReduceOp, head: int = 0,
+                        src: torch.Tensor | None = None) -> dict[int, Range]:
     """Ring reduce-scatter of flat ``buf`` among this rank's host; returns each group
-    rank's piece (an even share of its host's), which that rank now holds reduced."""
+    rank's piece (an even share of its host's), which that rank now holds reduced.
+    ``head``: bytes at the start of the group's scratch that the ring leaves alone;
+    ``src``: this rank's input, when not ``buf`` (see :func:`ring`)."""
     n = buf.numel()
     local = host_of_rank(layout, op.group.group_rank)
     own: dict[int, Range] = {}
     for ranks in layout:
         own.update(zip(ranks, even_bounds(n, len(ranks))))
     if len(local) > 1:
-        ring(Phase(op, local, _SCATTER), buf, even_bounds(n, len(local)), inner, True, False)
+        ring(Phase(op, local, _SCATTER, head), buf, even_bounds(n, len(local)), inner, True,
+             False, src=src)
+    elif src is not None and src is not buf:
+        buf.copy_(src)
     return own
 
 
@@ -272,3 +283,72 @@ def two_level_reduce_scatter(op: Op, flat: torch.Tensor, bounds: Bounds, redop: 
     own = _reduce_within_host(op, flat, layout, inner)
     _through_leaders(op, flat, layout, blocks, inner, divide, False, lambda m: own[m],
                      lambda m: [bounds[m]], reduce_up=False)
+
+
+# step ranges of the two-level reduce: each leader's final block to the root's host's
+# leader, and that leader's result to the root
+_TO_TOP, _TO_ROOT = 5 * PHASE, 6 * PHASE
+
+
+def two_level_reduce(op: Op, buf: torch.Tensor, root: int, redop: ReduceOp,
+                     layout: list[list[int]]) -> None:
+    """Reduce flat ``buf`` onto group rank ``root`` (other ranks' ``buf`` unchanged): a ring
+    reduce-scatter within each host, each rank's reduced piece up to its leader, the
+    leaders' ring reduce-scatter over one block per host, each leader's final block, chunk
+    by chunk, to the leader of the root's host (``top``), and from it to the root.
+
+    Every link carries about the message once (a binomial tree over all ranks sends it
+    whole log2(ranks) times in a row), only leaders cross hosts, and every rank of a host
+    shares its reductions. A rank other than the root reduces into the head of the
+    group's scratch, the rings' scratch after it: under twice the message.
+    """
+    g = op.group
+    me = g.group_rank
+    n, size = buf.numel(), buf.element_size()
+    local = host_of_rank(layout, me)
+    leaders = [ranks[0] for ranks in layout]
+    top = host_of_rank(layout, root)[0]
+    inner, divide = _sum_for(redop)
+    blocks = even_bounds(n, len(layout))
+    # the leaders' ring cuts its blocks as _through_leaders does; piece i's owner: owners[i]
+    segments = ring_pieces(g.settings, blocks, size, link_chunk(g))
+    pieces = [piece for segment in segments for piece in segment]
+    owners = [leaders[h] for h, segment in enumerate(segments) for _ in segment]
+    index = {piece: i for i, piece in enumerate(pieces)}
+    head = 0 if me == root else -(-n * size // 64) * 64
+    rings = (len(local) - 1) * -(-n // len(local))
+    if me == local[0]:
+        rings = max(rings, (len(leaders) - 1) * -(-n // len(leaders)))
+    space = g.scratch(head + rings * size, torch.uint8)  # sized once, for both rings
+    # the rings write into what they reduce, never a non-root caller's tensor; the host's
+    # ring reads the input and writes its reductions there, with no copy of it first
+    acc = buf if me == root else space[:n * size].view(buf.dtype)
+    own = _reduce_within_host(op, acc, layout, inner, head, src=buf)
+    whole = as_bytes(acc)
+
+    def part(i: int) -> memoryview:
+        a, b = pieces[i]
+        return whole[a * size:b * size]
+
+    takes: list[tuple[int, Slot]] = []
+    if me == root and me != top:
+        takes = [(i, op.recv(top, _TO_ROOT + i, part(i))) for i in range(len(pieces))]
+    elif me == top:  # the other leaders' blocks, into place
+        takes = [(i, op.recv(owner, _TO_TOP + i, part(i)))
+                 for i, owner in enumerate(owners) if owner != me]
+    sends: list[Slot] = []
+
+    def onward(a: int, b: int) -> None:
+        i = index[(a, b)]
+        if me != top:
+            sends.append(op.send(top, _TO_TOP + i, part(i)))
+        elif root != top:
+            sends.append(op.send(root, _TO_ROOT + i, part(i)))
+
+    _through_leaders(op, acc, layout, blocks, inner, divide, False, lambda m: own[m],
+                     lambda m: [], reduce_up=False, head=head, onward=onward)
+    if me == top and root != top:  # pass each block on as it arrives
+        for i, slot in takes:
+            op.wait(slot)
+            sends.append(op.send(root, _TO_ROOT + i, part(i)))
+    op.wait(*[slot for _, slot in takes], *sends)
