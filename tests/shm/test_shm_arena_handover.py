@@ -196,22 +196,25 @@ def test_a_full_directory_fails_a_member_s_staging_with_a_clear_error(tiny_tmpfs
                 t.close()
 
 
-def _whole_host(store: HashStore, shm_arena: bool = True) -> list[Any]:
-    """N transports as ``init_process_group`` makes them when one host holds the job."""
+def _whole_host(store: HashStore, shm_arena: bool = True, n: int = N) -> list[Any]:
+    """n transports as ``init_process_group`` makes them when one host holds the job."""
     from tandem.collectives.backend import BackendOptions, _shm_over
     settings = Settings(shm_arena=shm_arena)
-    return _on_threads(N, lambda r: _shm_over(BackendOptions(
-        store=store, rank=r, world_size=N, host="127.0.0.1", hostname="h", secret=SECRET,
-        settings=settings), [q for q in range(N) if q != r], None))
+    return _on_threads(n, lambda r: _shm_over(BackendOptions(
+        store=store, rank=r, world_size=n, host="127.0.0.1", hostname="h", secret=SECRET,
+        settings=settings), [q for q in range(n) if q != r], None))
 
 
-def test_the_default_group_s_arena_is_handed_over_at_init(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("n", [2, N])  # 2: the member gets no socket, only the arena
+def test_the_default_group_s_arena_comes_with_the_connections(
+        monkeypatch: pytest.MonkeyPatch, n: int) -> None:
     """One host, the whole job: the first rank makes the default group's arena before
-    the others connect and hands it over with the connections, so the first collective
-    makes no hand-over and no member waits for the first one to arrive (at 32 ranks on
-    2 CPUs the 31 hand-overs at the first barrier, each received by a watcher thread
-    that then woke the caller, ended up to 0.28 s after the last rank's init)."""
+    the others connect and sends it in the same message as each rank's sockets, so every
+    member holds it when init returns: the first collective makes no hand-over, waits
+    neither for the first rank nor for a watcher thread (at 32 ranks on 2 CPUs a
+    hand-over taken by each member's watcher thread, which then woke the caller, ended
+    the first barrier 0.30-0.51 s after the last rank's init). The watcher threads are
+    held here until the members have mapped it."""
     offers: list[tuple[int, int]] = []
     real = ShmTransport._offer
 
@@ -220,28 +223,36 @@ def test_the_default_group_s_arena_is_handed_over_at_init(
             offers.append((self.rank, peer.rank))
         real(self, peer, key, *rest)
 
+    held = threading.Event()
+    watch = ShmTransport._watch
+
+    def late_watch(self: ShmTransport) -> None:
+        held.wait(60)
+        watch(self)
+
     monkeypatch.setattr(ShmTransport, "_offer", counted)
-    made = _whole_host(HashStore())
+    monkeypatch.setattr(ShmTransport, "_watch", late_watch)
+    made = _whole_host(HashStore(), n=n)
     arenas: list[Any] = []
     try:
         assert all(isinstance(t, ShmTransport) for t in made), made
-        assert sorted(offers) == [(0, q) for q in range(1, N)], offers  # at init
-        offers.clear()
         # the other members map it while the first one has not called anything yet
-        # (before: each waited for the first member's hand-over, here in vain)
-        late = _on_threads(N - 1, lambda i: made[i + 1].arena(DEFAULT_GROUP_ID,
-                                                                list(range(N)), None, timeout=2))
+        # and no watcher thread has run (before: each waited for a record on its
+        # socket that its watcher thread took, here in vain)
+        late = _on_threads(n - 1, lambda i: made[i + 1].arena(DEFAULT_GROUP_ID,
+                                                                list(range(n)), None, timeout=2))
         assert all(isinstance(a, Arena) for a in late), late
-        arenas = [made[0].arena(DEFAULT_GROUP_ID, list(range(N)), None, timeout=2)] + late
-        assert offers == [], f"hand-overs at the first call: {offers}"
-        assert len({a.chunk for a in arenas}) == 1 and [a.index for a in arenas] == list(range(N))
-
-        assert _on_threads(N, lambda r: _barrier(arenas, r)) == [N] * N
+        arenas = [made[0].arena(DEFAULT_GROUP_ID, list(range(n)), None, timeout=2)] + late
+        assert offers == [], f"hand-over records on the sockets: {offers}"
+        assert len({a.chunk for a in arenas}) == 1 and [a.index for a in arenas] == list(range(n))
+        held.set()
+        assert _on_threads(n, lambda r: _barrier(arenas, r)) == [n] * n
         # another group's arena, even the first rank's first one, still comes by hand-over
         pair = _on_threads(2, lambda r: made[r].arena(7, [0, 1], CHUNK, timeout=30))
         assert all(isinstance(a, Arena) for a in pair), pair
         arenas += pair
     finally:
+        held.set()
         for a in arenas:
             if isinstance(a, Arena):
                 a.close()
