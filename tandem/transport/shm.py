@@ -28,8 +28,8 @@ every member's staging area and hands it to each other member over the same
 authenticated sockets (members - 1 hand-overs, one mapping each); each member
 reserves its own staging as its calls first write it. When one host holds the whole
 job, the default group's arena is made by the first rank before the others connect
-and handed over right after the connections (``first_arena``): the first collective
-maps it at once instead of waiting for the first rank to arrive and hand it over.
+and sent with each rank's sockets (``first_arena``): the first collective maps it at
+once instead of waiting for the first rank to arrive and hand it over.
 
 A dead peer: the kernel closes its sockets, a watcher thread sees EOF, and the
 reader reports ``PeerLostError`` once it has drained what the peer wrote before
