@@ -189,20 +189,27 @@ class ShmTransport(BoundedSends, Transport):
             key, chunk = first_arena
             gift = Segment(key, *self._make_segment(everyone, chunk or None))
             self._premade = (key, everyone, gift.fd, gift.size)
+        # started before the connections, which it waits for: Thread.start waits for the
+        # new thread to get a CPU (13-100 ms at 16 ranks on 2 CPUs), here while this rank
+        # waits for the others anyway
+        self._connected = threading.Event()
+        self._start(self._watch, (), f"tandem-shm-watch-{rank}")
         try:
             links, got = connect_local(store, rank, world_size, local, secret,
                                        connect_timeout, gift)
+            if got is not None:  # the first rank's, for the same group over the same ranks
+                self._premade = (got.key, everyone, got.fd, got.size)
+            self._peers = {p: self._peer(links[p]) for p in local}
+            budget = lend_budget(len(local))
+            for peer in self._peers.values():
+                self._lend(peer, budget)
+                peer.sock.setblocking(False)
         except BaseException:
+            self._closing = True  # the watcher leaves without looking
+            self._connected.set()
             self._drop_premade()
             raise
-        if got is not None:  # the first rank's, for the same group over the same ranks
-            self._premade = (got.key, everyone, got.fd, got.size)
-        self._peers = {p: self._peer(links[p]) for p in local}
-        budget = lend_budget(len(local))
-        for peer in self._peers.values():
-            self._lend(peer, budget)
-            peer.sock.setblocking(False)
-        self._start(self._watch, (), f"tandem-shm-watch-{rank}")
+        self._connected.set()
         self.send_limit = send_limit
         forks.track(self)
 
@@ -292,6 +299,9 @@ class ShmTransport(BoundedSends, Transport):
     def _watch(self) -> None:
         """Notice peers dying (the kernel closes their end of the socket) and take the
         arena segments they hand over (:meth:`arena`)."""
+        self._connected.wait(self._connect_timeout + 5.0)  # set however set-up ends
+        if self._closing or not self._connected.is_set():
+            return
         sel = selectors.DefaultSelector()
         pending: dict[int, tuple[bytearray, list[int]]] = {}
         for p in self._peers.values():
