@@ -28,7 +28,7 @@ from typing import Any, Callable, Hashable
 from tandem.collectives.dump import snapshot, write_dump
 from tandem.collectives.group import ProcessGroup
 from tandem.collectives.timeline import Timeline
-from tandem.collectives.watchdog import LOGGER, Watchdog
+from tandem.collectives.watchdog import LOGGER, EarlyThread, Watchdog
 from tandem.config import Settings
 from tandem.errors import StateError
 from tandem.store.base import Store
@@ -44,7 +44,8 @@ class Monitor:
     """See the module docstring. ``groups()`` lists the process's groups right now."""
 
     def __init__(self, rank: int, world_size: int, settings: Settings, transport: Transport,
-                 store: Store | None, groups: Callable[[], list[ProcessGroup]]) -> None:
+                 store: Store | None, groups: Callable[[], list[ProcessGroup]],
+                 early: EarlyThread | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.trace_dir = os.path.abspath(settings.trace_dir)
@@ -60,7 +61,9 @@ class Monitor:
         self.watchdog: Watchdog | None = None
         if settings.flight_recorder > 0:
             self.watchdog = Watchdog(rank, world_size, groups, transport, store,
-                                     settings.stall_warn, self.dump)
+                                     settings.stall_warn, self.dump, early)
+        elif early is not None:
+            early.cancel()
         self._previous: Any = None
         self._closed = False
         self._installed = self._install_signal() if settings.flight_recorder > 0 else False

@@ -21,6 +21,7 @@ from tandem.collectives.checks import check_cpu_device, refuse_pg_options
 from tandem.collectives.group import NonMemberGroup, ProcessGroup
 from tandem.collectives.init_method import check_rank, open_store
 from tandem.collectives.process_monitor import Monitor
+from tandem.collectives.watchdog import EarlyThread
 from tandem.config import Settings, load_secret, load_settings, timeout_seconds
 from tandem.errors import (ArgumentError, NetworkError, StateError, StoreTimeoutError, TandemError,
                            TimeoutError)
@@ -115,6 +116,22 @@ def init_process_group(
     refuse_pg_options("init_process_group", pg_options)
     check_cpu_device("init_process_group", "device_id", device_id)
     setup = min(settings.connect_timeout, seconds)
+    # the watchdog's thread starts now, its start (a wait for a CPU) overlapping the
+    # wait for the other ranks; it is handed its work at the end of init
+    early = EarlyThread("tandem-watchdog", setup + 5.0) if settings.flight_recorder > 0 else None
+    try:
+        _init(backend_name, init_method, seconds, world_size, rank, store, group_name,
+              settings, setup, early)
+    except BaseException:
+        if early is not None:
+            early.cancel()
+        raise
+
+
+def _init(backend_name: str, init_method: str | None, seconds: float, world_size: int,
+          rank: int, store: Store | None, group_name: str, settings: Settings, setup: float,
+          early: EarlyThread | None) -> None:
+    global _world
     master: str | None = None
     owns_store = store is None
     if store is None:
@@ -149,7 +166,7 @@ def init_process_group(
                    scoped)
     # [observability hook] stall warnings, flight-recorder dumps, timeline (process_monitor.py)
     _world.monitor = Monitor(rank, world_size, settings, transport,
-                             PrefixStore("watch", scoped), _world.process_groups)
+                             PrefixStore("watch", scoped), _world.process_groups, early)
     _world.monitor.adopt(default)
     atexit.unregister(tell_failures_at_exit)  # registered once however often ranks re-init
     atexit.register(tell_failures_at_exit)

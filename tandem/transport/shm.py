@@ -28,8 +28,8 @@ every member's staging area and hands it to each other member over the same
 authenticated sockets (members - 1 hand-overs, one mapping each); each member
 reserves its own staging as its calls first write it. When one host holds the whole
 job, the default group's arena is made by the first rank before the others connect
-and handed over right after the connections (``first_arena``): the first collective
-maps it at once instead of waiting for the first rank to arrive and hand it over.
+and sent with each rank's sockets (``first_arena``): the first collective maps it at
+once instead of waiting for the first rank to arrive and hand it over.
 
 A dead peer: the kernel closes its sockets, a watcher thread sees EOF, and the
 reader reports ``PeerLostError`` once it has drained what the peer wrote before
@@ -60,7 +60,7 @@ from tandem.transport._arena import Arena, default_chunk, segment_bytes, CONTROL
 from tandem.transport._lend import KEY_BIT, Borrowed, Lender, lend_budget
 from tandem.transport._ring import DATA_OFFSET, Ring, init_segment, initial_data, segment_size
 from tandem.transport._shm_peer import HungUp, ShmPeer, frame, unframe
-from tandem.transport._shm_setup import Link, connect_local
+from tandem.transport._shm_setup import Link, Segment, connect_local
 from tandem.transport import forks
 from tandem.transport._shmem import create_segment, reserve_more, unsupported_reason
 from tandem.transport.base import Poller, Transport, check_header, join_all
@@ -181,30 +181,35 @@ class ShmTransport(BoundedSends, Transport):
         self._premade: tuple[int, list[int], int, int] | None = None
         everyone = sorted(local + [rank])
         self._local_ranks = len(everyone)
+        gift: Segment | None = None
         if first_arena is not None and local and rank == everyone[0]:
             # made before the others connect (this rank waits for them anyway), handed
-            # over with the connections: the first collective waits for no hand-over
+            # over in the same message as each rank's sockets: the first collective
+            # waits for no hand-over, nor for a watcher thread to take one
             key, chunk = first_arena
-            self._premade = (key, everyone, *self._make_segment(everyone, chunk or None))
+            gift = Segment(key, *self._make_segment(everyone, chunk or None))
+            self._premade = (key, everyone, gift.fd, gift.size)
+        # started before the connections, which it waits for: Thread.start waits for the
+        # new thread to get a CPU (13-100 ms at 16 ranks on 2 CPUs), here while this rank
+        # waits for the others anyway
+        self._connected = threading.Event()
+        self._start(self._watch, (), f"tandem-shm-watch-{rank}")
         try:
-            links = connect_local(store, rank, world_size, local, secret, connect_timeout)
+            links, got = connect_local(store, rank, world_size, local, secret,
+                                       connect_timeout, gift)
+            if got is not None:  # the first rank's, for the same group over the same ranks
+                self._premade = (got.key, everyone, got.fd, got.size)
+            self._peers = {p: self._peer(links[p]) for p in local}
+            budget = lend_budget(len(local))
+            for peer in self._peers.values():
+                self._lend(peer, budget)
+                peer.sock.setblocking(False)
         except BaseException:
+            self._closing = True  # the watcher leaves without looking
+            self._connected.set()
             self._drop_premade()
             raise
-        self._peers = {p: self._peer(links[p]) for p in local}
-        budget = lend_budget(len(local))
-        for peer in self._peers.values():
-            self._lend(peer, budget)
-            peer.sock.setblocking(False)
-        if self._premade is not None:  # before the watcher's start, itself a wait for a CPU
-            key, _, fd, size = self._premade
-            try:
-                for p in local:
-                    self._offer(self._peers[p], key, fd, size)
-            except BaseException:
-                self.close()
-                raise
-        self._start(self._watch, (), f"tandem-shm-watch-{rank}")
+        self._connected.set()
         self.send_limit = send_limit
         forks.track(self)
 
@@ -294,6 +299,9 @@ class ShmTransport(BoundedSends, Transport):
     def _watch(self) -> None:
         """Notice peers dying (the kernel closes their end of the socket) and take the
         arena segments they hand over (:meth:`arena`)."""
+        self._connected.wait(self._connect_timeout + 5.0)  # set however set-up ends
+        if self._closing or not self._connected.is_set():
+            return
         sel = selectors.DefaultSelector()
         pending: dict[int, tuple[bytearray, list[int]]] = {}
         for p in self._peers.values():
@@ -400,21 +408,28 @@ class ShmTransport(BoundedSends, Transport):
         members = list(members)
         first, count = members[0], len(members)
         premade = self._premade
-        if premade is not None and premade[0] == key:  # the others take its offer too
+        if premade is not None and premade[0] == key:  # one call with its key uses it
             self._premade = None
+            if premade[1] != members:  # the key's group is not every rank of this host
+                os.close(premade[2])
+                premade = None
         else:
             premade = None
-        if premade is not None and premade[1] == members:
-            # handed over at init (its size the first rank's choice then, as always)
+        if premade is not None:
+            # made or handed over at init (its size the first rank's choice, as always)
             fd = premade[2]
             try:
+                if self.rank != first and (os.fstat(fd).st_size != premade[3]
+                                           or premade[3] < count * segment_bytes(4096)):
+                    raise NetworkError(f"rank {first} handed over a bad shared segment "
+                                       f"({premade[3]} bytes) at init")
                 whole = mmap.mmap(fd, premade[3])
             except BaseException:
                 os.close(fd)
                 raise
+            if self.rank != first:
+                self._check_split(first, whole, fd, count)
         elif self.rank == first:
-            if premade is not None:  # the key's group is not every rank of this host
-                os.close(premade[2])
             fd, size = self._make_segment(members, chunk)
             try:
                 whole = mmap.mmap(fd, size)
@@ -433,15 +448,20 @@ class ShmTransport(BoundedSends, Transport):
         else:
             deadline = time.monotonic() + (timeout or self._connect_timeout)
             whole, fd = self._accept_segment(first, key, deadline, count * segment_bytes(4096))
-            if len(whole) % count or (len(whole) // count) % mmap.PAGESIZE:
-                size = len(whole)
-                whole.close()
-                os.close(fd)
-                raise NetworkError(f"rank {first} handed over a {size}-byte arena for "
-                                   f"{count} ranks: not {count} whole areas of pages")
+            self._check_split(first, whole, fd, count)
         per = len(whole) // count
         return Arena(members, members.index(self.rank), whole, (per - CONTROL_BYTES) // 2,
                      self._spin, fd, self._where())
+
+    @staticmethod
+    def _check_split(first: int, whole: mmap.mmap, fd: int, count: int) -> None:
+        """Refuse (closing both) a segment that is not ``count`` whole areas of pages."""
+        if len(whole) % count or (len(whole) // count) % mmap.PAGESIZE:
+            size = len(whole)
+            whole.close()
+            os.close(fd)
+            raise NetworkError(f"rank {first} handed over a {size}-byte arena for "
+                               f"{count} ranks: not {count} whole areas of pages")
 
     def _make_segment(self, members: Sequence[int], chunk: int | None) -> tuple[int, int]:
         """A new arena segment for ``members`` (``chunk`` None: the default): its

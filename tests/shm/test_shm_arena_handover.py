@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 import pytest
 import torch
+from _shm_threads import on_threads
 
 from tandem.collectives.backend import DEFAULT_GROUP_ID
 from tandem.config import Settings
@@ -34,22 +35,6 @@ N = 4
 CHUNK = 1 << 16
 
 
-def _on_threads(n: int, work: Any) -> list[Any]:
-    """``work(rank)`` for ranks 0..n-1, each on its own thread; the results (or errors)."""
-    out: list[Any] = [None] * n
-
-    def run(rank: int) -> None:
-        try:
-            out[rank] = work(rank)
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            out[rank] = exc
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return out
 
 def _barrier(arenas: list[Any], r: int) -> int:
     """The shared-memory all_reduce (MAX) of one byte, as rank ``r``: every rank gets N."""
@@ -65,7 +50,7 @@ def _barrier(arenas: list[Any], r: int) -> int:
 @pytest.fixture
 def host() -> Iterator[list[ShmTransport]]:
     store = HashStore()
-    made = _on_threads(N, lambda r: ShmTransport(r, N, store, SECRET, ring_bytes=1 << 16,
+    made = on_threads(N, lambda r: ShmTransport(r, N, store, SECRET, ring_bytes=1 << 16,
                                                  hostname="h"))
     assert all(isinstance(t, ShmTransport) for t in made), made
     yield made
@@ -89,7 +74,7 @@ def test_the_arena_is_one_segment_handed_over_members_minus_one_times(
 
         monkeypatch.setattr(t, "_offer", counted)
     before = _arena_mappings()
-    arenas = _on_threads(N, lambda r: host[r].arena(5, list(range(N)), CHUNK, timeout=30))
+    arenas = on_threads(N, lambda r: host[r].arena(5, list(range(N)), CHUNK, timeout=30))
     try:
         assert all(isinstance(a, Arena) for a in arenas), arenas
         assert sorted(offers) == [(0, q) for q in range(1, N)], offers  # a segment each: 12
@@ -108,7 +93,7 @@ def test_the_arena_is_one_segment_handed_over_members_minus_one_times(
 
 def test_a_subgroup_s_arena_comes_from_its_first_member(host: list[ShmTransport]) -> None:
     members = [3, 1]  # group order: rank 3 is the group's first member
-    made = _on_threads(2, lambda i: host[members[i]].arena(9, members, CHUNK, timeout=30))
+    made = on_threads(2, lambda i: host[members[i]].arena(9, members, CHUNK, timeout=30))
     try:
         assert all(isinstance(a, Arena) for a in made), made
         made[0].data(0, 0)[:2].fill_(7)
@@ -146,12 +131,12 @@ def test_the_first_barrier_reserves_pages_not_every_member_s_staging(
         fallocate(fd, offset, length)
 
     monkeypatch.setattr(os, "posix_fallocate", counted)
-    arenas = _on_threads(N, lambda r: host[r].arena(13, list(range(N)), chunk, timeout=30))
+    arenas = on_threads(N, lambda r: host[r].arena(13, list(range(N)), chunk, timeout=30))
     try:
         assert all(isinstance(a, Arena) for a in arenas), arenas
         assert sum(reserved) == N * CONTROL_BYTES, reserved
 
-        assert _on_threads(N, lambda r: _barrier(arenas, r)) == [N] * N
+        assert on_threads(N, lambda r: _barrier(arenas, r)) == [N] * N
         small = N * (CONTROL_BYTES + 2 * mmap.PAGESIZE)
         assert sum(reserved) == small, f"{sum(reserved)} bytes reserved, {small} expected"
         whole = N * (CONTROL_BYTES + 2 * chunk)
@@ -175,12 +160,12 @@ def test_a_full_directory_fails_a_member_s_staging_with_a_clear_error(tiny_tmpfs
     holds the control areas and a barrier's pages but not 4 MiB of staging, the large
     call's reservation says the directory is full (a touch would have been SIGBUS)."""
     store = HashStore()
-    made = _on_threads(2, lambda r: ShmTransport(r, 2, store, SECRET, ring_bytes=1 << 16,
+    made = on_threads(2, lambda r: ShmTransport(r, 2, store, SECRET, ring_bytes=1 << 16,
                                                  hostname="h", shm_dir=str(tiny_tmpfs)))
     arenas: list[Any] = []
     try:
         assert all(isinstance(t, ShmTransport) for t in made), made
-        arenas = _on_threads(2, lambda r: made[r].arena(3, [0, 1], 4 << 20, timeout=30))
+        arenas = on_threads(2, lambda r: made[r].arena(3, [0, 1], 4 << 20, timeout=30))
         assert all(isinstance(a, Arena) for a in arenas), arenas
         for r, a in enumerate(arenas):  # a barrier's worth fits
             a.heads(torch.uint8, 1)[0][r][0] = 1
@@ -196,22 +181,25 @@ def test_a_full_directory_fails_a_member_s_staging_with_a_clear_error(tiny_tmpfs
                 t.close()
 
 
-def _whole_host(store: HashStore, shm_arena: bool = True) -> list[Any]:
-    """N transports as ``init_process_group`` makes them when one host holds the job."""
+def _whole_host(store: HashStore, shm_arena: bool = True, n: int = N) -> list[Any]:
+    """n transports as ``init_process_group`` makes them when one host holds the job."""
     from tandem.collectives.backend import BackendOptions, _shm_over
     settings = Settings(shm_arena=shm_arena)
-    return _on_threads(N, lambda r: _shm_over(BackendOptions(
-        store=store, rank=r, world_size=N, host="127.0.0.1", hostname="h", secret=SECRET,
-        settings=settings), [q for q in range(N) if q != r], None))
+    return on_threads(n, lambda r: _shm_over(BackendOptions(
+        store=store, rank=r, world_size=n, host="127.0.0.1", hostname="h", secret=SECRET,
+        settings=settings), [q for q in range(n) if q != r], None))
 
 
-def test_the_default_group_s_arena_is_handed_over_at_init(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("n", [2, N])  # 2: the member gets no socket, only the arena
+def test_the_default_group_s_arena_comes_with_the_connections(
+        monkeypatch: pytest.MonkeyPatch, n: int) -> None:
     """One host, the whole job: the first rank makes the default group's arena before
-    the others connect and hands it over with the connections, so the first collective
-    makes no hand-over and no member waits for the first one to arrive (at 32 ranks on
-    2 CPUs the 31 hand-overs at the first barrier, each received by a watcher thread
-    that then woke the caller, ended up to 0.28 s after the last rank's init)."""
+    the others connect and sends it in the same message as each rank's sockets, so every
+    member holds it when init returns: the first collective makes no hand-over, waits
+    neither for the first rank nor for a watcher thread (at 32 ranks on 2 CPUs a
+    hand-over taken by each member's watcher thread, which then woke the caller, ended
+    the first barrier 0.30-0.51 s after the last rank's init). The watcher threads are
+    held here until the members have mapped it."""
     offers: list[tuple[int, int]] = []
     real = ShmTransport._offer
 
@@ -220,28 +208,36 @@ def test_the_default_group_s_arena_is_handed_over_at_init(
             offers.append((self.rank, peer.rank))
         real(self, peer, key, *rest)
 
+    held = threading.Event()
+    watch = ShmTransport._watch
+
+    def late_watch(self: ShmTransport) -> None:
+        held.wait(60)
+        watch(self)
+
     monkeypatch.setattr(ShmTransport, "_offer", counted)
-    made = _whole_host(HashStore())
+    monkeypatch.setattr(ShmTransport, "_watch", late_watch)
+    made = _whole_host(HashStore(), n=n)
     arenas: list[Any] = []
     try:
         assert all(isinstance(t, ShmTransport) for t in made), made
-        assert sorted(offers) == [(0, q) for q in range(1, N)], offers  # at init
-        offers.clear()
         # the other members map it while the first one has not called anything yet
-        # (before: each waited for the first member's hand-over, here in vain)
-        late = _on_threads(N - 1, lambda i: made[i + 1].arena(DEFAULT_GROUP_ID,
-                                                                list(range(N)), None, timeout=2))
+        # and no watcher thread has run (before: each waited for a record on its
+        # socket that its watcher thread took, here in vain)
+        late = on_threads(n - 1, lambda i: made[i + 1].arena(DEFAULT_GROUP_ID,
+                                                                list(range(n)), None, timeout=2))
         assert all(isinstance(a, Arena) for a in late), late
-        arenas = [made[0].arena(DEFAULT_GROUP_ID, list(range(N)), None, timeout=2)] + late
-        assert offers == [], f"hand-overs at the first call: {offers}"
-        assert len({a.chunk for a in arenas}) == 1 and [a.index for a in arenas] == list(range(N))
-
-        assert _on_threads(N, lambda r: _barrier(arenas, r)) == [N] * N
+        arenas = [made[0].arena(DEFAULT_GROUP_ID, list(range(n)), None, timeout=2)] + late
+        assert offers == [], f"hand-over records on the sockets: {offers}"
+        assert len({a.chunk for a in arenas}) == 1 and [a.index for a in arenas] == list(range(n))
+        held.set()
+        assert on_threads(n, lambda r: _barrier(arenas, r)) == [n] * n
         # another group's arena, even the first rank's first one, still comes by hand-over
-        pair = _on_threads(2, lambda r: made[r].arena(7, [0, 1], CHUNK, timeout=30))
+        pair = on_threads(2, lambda r: made[r].arena(7, [0, 1], CHUNK, timeout=30))
         assert all(isinstance(a, Arena) for a in pair), pair
         arenas += pair
     finally:
+        held.set()
         for a in arenas:
             if isinstance(a, Arena):
                 a.close()
@@ -258,8 +254,8 @@ def test_a_subgroup_first_leaves_the_default_group_s_arena_to_it() -> None:
     arenas: list[Any] = []
     try:
         assert all(isinstance(t, ShmTransport) for t in made), made
-        arenas = _on_threads(2, lambda r: made[r].arena(3, [0, 1], CHUNK, timeout=30))
-        arenas += _on_threads(N, lambda r: made[r].arena(DEFAULT_GROUP_ID, list(range(N)),
+        arenas = on_threads(2, lambda r: made[r].arena(3, [0, 1], CHUNK, timeout=30))
+        arenas += on_threads(N, lambda r: made[r].arena(DEFAULT_GROUP_ID, list(range(N)),
                                                           None, timeout=30))
         assert all(isinstance(a, Arena) for a in arenas), arenas
         assert arenas[0].chunk == CHUNK and arenas[2].chunk != CHUNK
