@@ -10,7 +10,6 @@ default group, so both see identical data.
 from __future__ import annotations
 
 import datetime
-import os
 import socket
 import time
 import traceback
@@ -19,7 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from tandem.testing import Outcome, launch, wait_until
+from tandem.testing import Outcome, launch
 
 
 def env() -> dict[str, str]:
@@ -44,16 +43,6 @@ def run(world: int, fn: Callable[..., Any], store_dir: Any, *args: Any,
         timeout: float = 120.0) -> list[Outcome]:
     """Run ``fn(rank, world, store_dir, *args)`` on ``world`` ranks; outcomes per rank."""
     return launch(world, fn, (str(store_dir), *args), timeout=timeout, init=False, env=env())
-
-
-def stay_until_reported(store_dir: str, rank: int, ranks: list[int],
-                        timeout: float = 60.0) -> None:
-    """Note that ``rank`` has its result, then wait until each of ``ranks`` noted its own:
-    a rank that left before would show a peer still in its call a departure instead of
-    the failure under test."""
-    open(os.path.join(store_dir, f"reported.{rank}"), "w").close()
-    wait_until(lambda: all(os.path.exists(os.path.join(store_dir, f"reported.{r}"))
-                           for r in ranks), f"ranks {ranks} to have their results", timeout)
 
 
 def values(outcomes: list[Outcome]) -> list[Any]:

@@ -30,7 +30,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _tb_util import attempt, init, run, stay_until_reported, values
+from _tb_util import attempt, init, run, values
+from tandem.testing import stay_until_reported
 from tandem.testing.logs import capture_logs, capture_stall_reports
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]
