@@ -34,7 +34,8 @@ from typing import Any, Callable, Sequence
 
 from tandem._proc import process_stopped
 
-__all__ = ["spawn", "launch", "Outcome", "run_threads", "RankFailed", "wait_until"]
+__all__ = ["spawn", "launch", "Outcome", "run_threads", "RankFailed", "wait_until",
+           "stay_until_reported"]
 
 
 class RankFailed(AssertionError):
@@ -232,6 +233,19 @@ def wait_until(done: Callable[[], bool], what: str, timeout: float = 60.0) -> No
         if time.monotonic() > deadline:
             raise AssertionError(f"waited {timeout:g}s for {what}")
         tick.wait(0.005)
+
+
+def stay_until_reported(directory: str, rank: int, ranks: Sequence[int],
+                        timeout: float = 60.0) -> None:
+    """In a rank with its result: note it in ``directory`` (shared by the ranks), then
+    wait until each of ``ranks`` noted its own. A rank that left earlier would show a
+    peer still in its call a departure instead of the failure that peer should report."""
+    def noted(r: int) -> str:
+        return os.path.join(directory, f"reported.{r}")
+
+    open(noted(rank), "w").close()
+    wait_until(lambda: all(os.path.exists(noted(r)) for r in ranks),
+               f"ranks {list(ranks)} to have their results", timeout)
 
 
 def run_threads(world_size: int, fn: Callable[..., Any], args: Sequence[Any] = (), *,

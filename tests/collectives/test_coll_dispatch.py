@@ -142,6 +142,22 @@ def _arg(value: Any) -> Any:
     return "?"
 
 
+_HOLDERS: dict[int, list[tuple[Any, str, Any]]] = {}
+
+
+def _holders() -> list[tuple[Any, str, Any]]:
+    """(module, name, leaf) wherever tandem.collectives holds a leaf; scanned again only
+    once a module was imported since (a scan per call was most of the table's time)."""
+    if len(sys.modules) not in _HOLDERS:
+        leaves = {id(fn) for fn in LEAVES}
+        _HOLDERS.clear()
+        _HOLDERS[len(sys.modules)] = [
+            (module, attr, value) for name, module in list(sys.modules.items())
+            if name.startswith("tandem.collectives") and module is not None
+            for attr, value in list(vars(module).items()) if id(value) in leaves]
+    return _HOLDERS[len(sys.modules)]
+
+
 @contextlib.contextmanager
 def _recording(calls: list[str]) -> Iterator[None]:
     """Replace every leaf wherever tandem.collectives holds it by one that records."""
@@ -157,14 +173,9 @@ def _recording(calls: list[str]) -> Iterator[None]:
                 return {}, [[0] * op.group.group_size] * op.group.group_size
             return _EMPTY.get(_name)
         wrappers[id(fn)] = record
-    saved: list[tuple[Any, str, Any]] = []
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("tandem.collectives") or module is None:
-            continue
-        for attr, value in list(vars(module).items()):
-            if id(value) in wrappers:
-                saved.append((module, attr, value))
-                setattr(module, attr, wrappers[id(value)])
+    saved = _holders()
+    for module, attr, value in saved:
+        setattr(module, attr, wrappers[id(value)])
     registry = dict(algo.ALL_REDUCE)
     for key, value in registry.items():
         if id(value) in wrappers:
@@ -181,8 +192,8 @@ def _recording(calls: list[str]) -> Iterator[None]:
 def _calls(g: _Group, n: int, root: int) -> dict[str, Callable[[], Any]]:
     """Each collective and variant, called on ``g`` with ``n`` elements per rank."""
     p, r = g.group_size, g.group_rank
-    x = lambda k=n: torch.ones(k)  # noqa: E731
-    one = torch.zeros(n * p)
+    x = lambda k=n: torch.empty(k)  # noqa: E731 - the values choose nothing
+    one = torch.empty(n * p)
     views = list(one.split(n)) if n else [torch.zeros(0) for _ in range(p)]
     return {
         "broadcast": lambda: api.broadcast(x(), group_src=root, group=g),

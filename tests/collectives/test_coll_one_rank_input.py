@@ -152,9 +152,12 @@ def _unreceived(rank: int, world_size: int) -> list[str]:
         tandem.isend(torch.ones(4), 1, tag=5).wait()  # 16 bytes nobody receives
         for _ in range(2):
             tandem.isend(torch.ones(2, dtype=torch.float64), 1, tag=7).wait()
+        tandem.send(torch.ones(1), 1, tag=9)
     elif rank == 1:
         tandem.recv(torch.empty(2, dtype=torch.float64), 0, tag=7)  # one of the two
-    tandem.barrier()  # after the sends, on the same links: they have arrived
+        # sent last on the same link (a barrier may run in shared memory, off the links)
+        tandem.recv(torch.empty(1), 0, tag=9)
+    tandem.barrier()
     tandem.destroy_process_group()
     return logged.messages()
 

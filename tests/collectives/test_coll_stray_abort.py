@@ -9,6 +9,7 @@ must learn of the clash at once instead of waiting out the whole operation timeo
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -26,24 +27,28 @@ LATE, NAMED = 4, 5
 OP_TIMEOUT = 60.0
 
 
-def _body(group: Any) -> tuple[str, float]:
+def _body(group: Any, named_done: threading.Event) -> tuple[str, float]:
     rank = group.rank()
-    if rank == LATE:
-        time.sleep(0.5)  # rank 5 has completed by now: 4's message to it is a stray
+    if rank == LATE:  # only once rank 5 completed is 4's message to it a stray
+        assert named_done.wait(OP_TIMEOUT), "rank 5's broadcast never completed"
     start = time.monotonic()
     try:
         tandem.broadcast(torch.full((4,), float(rank)), src=NAMED if rank == LATE else 0,
                          group=group)
     except TandemError as exc:
         return type(exc).__name__, time.monotonic() - start
+    finally:
+        if rank == NAMED:
+            named_done.set()
     return "returned", time.monotonic() - start
 
 
 @pytest.mark.parametrize("attempt", range(3))
 def test_the_root_learns_of_a_stray_clash_at_once(attempt: int) -> None:
-    out = run_threads(len(HOSTS), _body, hosts=HOSTS, timeout=OP_TIMEOUT + 30,
-                      op_timeout=OP_TIMEOUT)
+    out = run_threads(len(HOSTS), _body, (threading.Event(),), hosts=HOSTS,
+                      timeout=OP_TIMEOUT + 30, op_timeout=OP_TIMEOUT)
     what, took = out[0]
     assert what == "CollectiveMismatchError", out
     assert took < 10, f"the root took {took:.1f} s to learn of the clash: {out}"
+    assert out[NAMED][0] == "returned", out  # it agreed with rank 0, before rank 4 called
     assert out[LATE][0] == "CollectiveMismatchError", out

@@ -6,6 +6,7 @@ naming the dead rank within a few seconds of the kill.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -15,7 +16,7 @@ import torch
 
 import tandem as dist
 from _fault_helpers import attempt, kill_self_at, read_stamp, values
-from tandem.testing import launch
+from tandem.testing import launch, stay_until_reported
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(90)]
 
@@ -47,7 +48,8 @@ def _killed_during_all_reduce(rank: int, world_size: int, mode: str, stamp: str)
 
     failure = attempt(loop)
     later = attempt(dist.all_reduce, torch.ones(4))  # the group is aborted: fails at once
-    time.sleep(0.5)  # stay up, so the other survivor's error is about rank 2, not about us
+    # stay up, so the other survivor's error is about rank 2, not about us
+    stay_until_reported(os.path.dirname(stamp), rank, [0, 1])
     return {"failure": failure, "later": later, "done": done}
 
 
@@ -97,10 +99,11 @@ def _blocked_when_a_peer_dies(rank: int, world_size: int, stamp: str) -> Any:
         kill_self_at(stamp)
     if rank == 0:
         result = attempt(dist.recv, t, src=2, group=pair)  # waits on the rank that dies
-        time.sleep(0.5)  # stay up: rank 1 must learn about rank 2, not about us leaving
-        return result
-    # rank 1 waits on rank 0 (alive, but never joins the all_reduce) while rank 2 dies
-    return attempt(dist.all_reduce, t)
+    else:  # rank 1 waits on rank 0 (alive, never in the all_reduce) while rank 2 dies
+        result = attempt(dist.all_reduce, t)
+    # rank 0 stays up: rank 1 must learn about rank 2, not about rank 0 leaving
+    stay_until_reported(os.path.dirname(stamp), rank, [0, 1])
+    return result
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ import tandem as dist
 from tandem.collectives.backend import Backend
 from tandem.collectives.world import world
 from tandem.errors import TandemError
+from tandem.testing import stay_until_reported
 from tandem.transport.mixed import host_key
 from tandem.transport.shm import ShmTransport
 
@@ -93,7 +94,8 @@ def kill_during_all_reduce(rank: int, p: int, backend: str, store: str, stamp: s
 
     failure = attempt(loop)
     later = attempt(dist.all_reduce, torch.ones(4))
-    time.sleep(0.5)  # stay up, so the other survivor's error is about rank 2
+    # stay up, so the other survivors' errors are about rank 2
+    stay_until_reported(os.path.dirname(stamp), rank, [r for r in range(p) if r != 2])
     return {"failure": failure, "later": later, "maps": mappings()}
 
 

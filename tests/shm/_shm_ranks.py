@@ -9,6 +9,7 @@ any order, so the expected digests are computed in the test process
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from typing import Any
@@ -23,8 +24,13 @@ SMALL = 1000
 ALGORITHMS = ("ring", "doubling", "naive")
 
 
+@functools.lru_cache(maxsize=4)
+def _ramp(n: int) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.float32) * 7
+
+
 def inp(seed: int, n: int) -> torch.Tensor:
-    return (torch.arange(n, dtype=torch.float32) * 7 + seed) % 23
+    return (_ramp(n) + seed) % 23  # a new tensor: the cached ramp is never written
 
 
 def digest(t: torch.Tensor | list[torch.Tensor]) -> str:
@@ -79,14 +85,18 @@ def _ops(rank: int, p: int) -> dict[str, Any]:
     return out
 
 
+@functools.lru_cache(maxsize=8)
 def expected(p: int, shares_memory: bool = False) -> dict[str, str]:
-    """What every rank of ``p`` must compute, from the inputs alone."""
+    """What every rank of ``p`` must compute, from the inputs alone; once per group size,
+    for every rank's check (each sums several 12 MB inputs)."""
     out: dict[str, str] = {}
+    for n in (1, SMALL, BIG):
+        summed = digest(torch.stack([inp(r, n) for r in range(p)]).sum(0))
+        for algo in ALGORITHMS + (("shm",) if shares_memory else ()):
+            out[f"all_reduce/{algo}/{n}"] = summed
+    most = digest(torch.stack([inp(r, SMALL) for r in range(p)]).amax(0))
     for algo in ALGORITHMS + (("shm",) if shares_memory else ()):
-        for n in (1, SMALL, BIG):
-            out[f"all_reduce/{algo}/{n}"] = digest(torch.stack([inp(r, n) for r in range(p)]).sum(0))
-        out[f"all_reduce_max/{algo}"] = digest(
-            torch.stack([inp(r, SMALL) for r in range(p)]).amax(0))
+        out[f"all_reduce_max/{algo}"] = most
     for n in (SMALL, BIG):
         out[f"broadcast/{n}"] = digest(inp(100, n))
         out[f"all_gather/{n}"] = digest([inp(r + 200, n) for r in range(p)])
@@ -94,7 +104,7 @@ def expected(p: int, shares_memory: bool = False) -> dict[str, str]:
 
 
 def expected_for(rank: int, p: int, shares_memory: bool = False) -> dict[str, str]:
-    out = expected(p, shares_memory)
+    out = dict(expected(p, shares_memory))  # a copy: the cached one stays as it is
     prv = (rank - 1) % p
     for n in (SMALL, BIG):
         out[f"reduce_scatter/{n}"] = digest(torch.stack([inp(s * p + rank, n) for s in range(p)]).sum(0))

@@ -31,6 +31,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _tb_util import attempt, init, run, values
+from tandem.testing import stay_until_reported
 from tandem.testing.logs import capture_logs, capture_stall_reports
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]
@@ -67,7 +68,7 @@ def _extra_all_reduce(rank: int, world: int, store_dir: str) -> dict[str, Any]:
 
     result = attempt(training)
     result["later"] = attempt(dist.all_reduce, torch.ones(1))
-    time.sleep(0.5)  # stay up until the peer has reported too
+    stay_until_reported(store_dir, rank, list(range(world)))
     return result
 
 
@@ -100,7 +101,7 @@ def _killed_mid_training(rank: int, world: int, store_dir: str, stamp: str) -> d
             _step(ddp, step)
 
     result = attempt(training)
-    time.sleep(0.5)
+    stay_until_reported(store_dir, rank, [0, 1])  # rank 2 was killed
     return result
 
 
