@@ -29,7 +29,7 @@ from tandem.transport.failures import ABORT_CODES, decode_error, encode_error
 from tandem.transport.mailbox import Mailbox
 from tandem.transport.message import (SIG_MAX, Flag, Handler, Header, Key, Kind, Reader, Slot,
                                       reader_of)
-from tandem.transport.wait import wait_all
+from tandem.transport.wait import blame, wait_all
 
 if TYPE_CHECKING:
     from tandem.transport._arena import Arena
@@ -164,6 +164,25 @@ class Transport(abc.ABC):
     def left(self, peer: int) -> PeerLostError | None:
         """Why ``peer``, which closed its process group on purpose, can send no more."""
         return self.mailbox.failures.left(peer)
+
+    def blame(self, group: int, lost: TandemError, deadline: float) -> TandemError:
+        """What a wait on ``group`` that found ``lost`` (a peer died or left) raises: the
+        group's abort if its news comes within a grace, else ``lost`` (see ``wait``)."""
+        return blame(self.mailbox.failures, group, lost, deadline)
+
+    def check_group(self, group: int, ranks: Sequence[int], deadline: float,
+                    describe: Callable[[], str]) -> None:
+        """Raise if ``group`` failed here (its abort) or one of ``ranks`` died (the first
+        noticed, unless the group's abort comes in :meth:`blame`'s grace)."""
+        failure = self.aborted(group)
+        if failure is not None:
+            raise failure
+        lost = self.mailbox.failures.first_lost(ranks)
+        if lost is not None:
+            cause = self.blame(group, lost, deadline)
+            if cause is not lost:
+                raise cause
+            raise PeerLostError(f"{describe()} failed: {lost}", lost.rank) from lost
 
     def finished(self, group: int, seq: int, sig: bytes, site: bytes,
                  recorded: bool = False) -> None:
