@@ -297,8 +297,10 @@ class Transport(abc.ABC):
         return False
 
     def arena(self, key: int, members: Sequence[int], chunk: int | None = None,
-              timeout: float | None = None) -> "Arena":
-        """Shared staging memory with ``members`` (collective over them); shm only."""
+              timeout: float | None = None,
+              check: Callable[[], None] | None = None) -> "Arena":
+        """Shared staging memory with ``members`` (collective over them); shm only.
+        ``check()``, run while waiting for the first member's hand-over, may raise."""
         raise StateError(f"the {type(self).__name__} cannot share memory between ranks")
 
     # -- helpers for implementations ---------------------------------------------------------
