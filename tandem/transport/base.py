@@ -40,6 +40,9 @@ __all__ = ["Kind", "Header", "Slot", "Mailbox", "Transport", "check_size", "chec
 
 _TELL_S = 1.0  # how long close() lets abort messages already on their way go out
 _FLUSH_S = 1.0  # how long close() lets queued sends (aborts, goodbyes) go out
+# the same when a group failed here: a goodbye cut off makes peers blame this rank's exit
+# for the failure; a flush waits only while sends are queued, so this costs nothing else
+_FLUSH_FAILED_S = 5.0
 
 
 class Poller(Protocol):
@@ -261,7 +264,8 @@ class Transport(abc.ABC):
         links = list(links)
         self._finish_telling()
         self.say_goodbye([link.rank for link in links])
-        end = time.monotonic() + _FLUSH_S
+        failed = bool(self.mailbox.failures.reasons())
+        end = time.monotonic() + (_FLUSH_FAILED_S if failed else _FLUSH_S)
         for link in links:
             link.flush(end)
 

@@ -117,3 +117,32 @@ def test_an_arena_wait_still_names_a_peer_that_died_without_news() -> None:
     _lost(t, 2)
     with pytest.raises(PeerLostError, match="rank 2 closed"):
         check()
+
+
+class _Link:
+    """A connection whose queued sends ``flush`` is asked to wait for."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.given = 0.0
+
+    def flush(self, deadline: float) -> None:
+        self.given = deadline - time.monotonic()
+
+
+def test_a_rank_whose_group_failed_gives_its_news_longer_to_go_out_as_it_leaves() -> None:
+    # its abort and goodbye cut off under load, peers would blame its exit instead
+    hub = LoopbackHub(2)
+    t = hub.transports[0]
+    t.mailbox.abort_group(GROUP, CollectiveMismatchError("collective mismatch"))
+    link = _Link(1)
+    t._take_leave([link])  # type: ignore[list-item]
+    assert link.given > 4.0, link.given
+
+
+def test_a_rank_leaving_a_healthy_job_waits_for_its_sends_briefly() -> None:
+    hub = LoopbackHub(2)
+    t = hub.transports[0]
+    link = _Link(1)
+    t._take_leave([link])  # type: ignore[list-item]
+    assert 0.0 < link.given <= 1.0, link.given
