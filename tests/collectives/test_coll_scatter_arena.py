@@ -148,7 +148,7 @@ def test_within_a_host_a_scatter_sends_no_message_but_the_leaders_confirmation()
         assert across == {(0, 4), (4, 0)}, (root, sorted(across))
 
 
-def _disagree(rank: int, p: int, hosts: str, store: str, case: str) -> float:
+def _disagree(rank: int, p: int, hosts: str, store: str, case: str, warm: bool) -> float:
     _join(rank, p, hosts, store, False)
     try:
         src = {"each-its-own": rank,
@@ -156,9 +156,8 @@ def _disagree(rank: int, p: int, hosts: str, store: str, case: str) -> float:
                "one-host-disagrees": 6 if hosts[rank] == "c" else 0,
                "one-rank-disagrees": 2 if rank == 1 else 0,
                "a-reader-names-itself": rank if rank == 4 else 3}[case]
-        # one agreed call first: the host arenas exist (their making waits out a deadline,
-        # not an abort, so a disagreement in the first call is found late)
-        tandem.scatter(torch.zeros(4), [torch.zeros(4)] * p if rank == 0 else None, src=0)
+        if warm:  # the host arenas exist; else the disagreement meets their making
+            tandem.scatter(torch.zeros(4), [torch.zeros(4)] * p if rank == 0 else None, src=0)
         start = time.monotonic()
         try:
             tandem.scatter(torch.zeros(4), [torch.full((4,), float(d)) for d in range(p)]
@@ -182,11 +181,13 @@ def _all_failed(rank: int, p: int, store: str) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.parametrize("warm", [True, False], ids=["later-call", "first-call"])
 @pytest.mark.parametrize("case", ["each-its-own", "two-camps", "one-host-disagrees",
                                   "one-rank-disagrees", "a-reader-names-itself"])
-def test_roots_that_disagree_fail_in_the_call_on_every_rank(case: str, tmp_path: Any) -> None:
+def test_roots_that_disagree_fail_in_the_call_on_every_rank(case: str, warm: bool,
+                                                            tmp_path: Any) -> None:
     hosts = "aaabbbcc"
-    outcomes = launch(len(hosts), _disagree, (hosts, str(tmp_path), case), init=False,
+    outcomes = launch(len(hosts), _disagree, (hosts, str(tmp_path), case, warm), init=False,
                       timeout=OP_TIMEOUT + 60)
     assert all(not o.ok for o in outcomes), [(o.rank, o.ok, o.value) for o in outcomes]
     assert all("CollectiveMismatchError" in o.error or "aborted" in o.error
