@@ -430,9 +430,13 @@ class ProcessGroup:
     def _make_arena(self, op: Op, key: int | None = None,
                     members: Sequence[int] | None = None) -> Arena:
         try:
-            return self.transport.arena(self.group_id if key is None else key,
-                                        self.ranks if members is None else members,
-                                        self.settings.shm_chunk or None, timeout=self.timeout)
+            # an abort of the group or a member's death ends the wait for the hand-over
+            return self.transport.arena(
+                self.group_id if key is None else key,
+                self.ranks if members is None else members, self.settings.shm_chunk or None,
+                timeout=self.timeout,
+                check=lambda: self.transport.check_group(self.group_id, self.ranks,
+                                                         op.deadline, op.describe))
         except CollectiveTimeoutError as exc:
             names = ", ".join(map(str, exc.missing))
             raise CollectiveTimeoutError(f"{op.describe()} timed out waiting in shared memory "

@@ -29,7 +29,7 @@ from tandem.transport.failures import ABORT_CODES, decode_error, encode_error
 from tandem.transport.mailbox import Mailbox
 from tandem.transport.message import (SIG_MAX, Flag, Handler, Header, Key, Kind, Reader, Slot,
                                       reader_of)
-from tandem.transport.wait import wait_all
+from tandem.transport.wait import blame, wait_all
 
 if TYPE_CHECKING:
     from tandem.transport._arena import Arena
@@ -40,6 +40,9 @@ __all__ = ["Kind", "Header", "Slot", "Mailbox", "Transport", "check_size", "chec
 
 _TELL_S = 1.0  # how long close() lets abort messages already on their way go out
 _FLUSH_S = 1.0  # how long close() lets queued sends (aborts, goodbyes) go out
+# the same when a group failed here: a goodbye cut off makes peers blame this rank's exit
+# for the failure; a flush waits only while sends are queued, so this costs nothing else
+_FLUSH_FAILED_S = 5.0
 
 
 class Poller(Protocol):
@@ -165,6 +168,25 @@ class Transport(abc.ABC):
         """Why ``peer``, which closed its process group on purpose, can send no more."""
         return self.mailbox.failures.left(peer)
 
+    def blame(self, group: int, lost: TandemError, deadline: float) -> TandemError:
+        """What a wait on ``group`` that found ``lost`` (a peer died or left) raises: the
+        group's abort if its news comes within a grace, else ``lost`` (see ``wait``)."""
+        return blame(self.mailbox.failures, group, lost, deadline)
+
+    def check_group(self, group: int, ranks: Sequence[int], deadline: float,
+                    describe: Callable[[], str]) -> None:
+        """Raise if ``group`` failed here (its abort) or one of ``ranks`` died (the first
+        noticed, unless the group's abort comes in :meth:`blame`'s grace)."""
+        failure = self.aborted(group)
+        if failure is not None:
+            raise failure
+        lost = self.mailbox.failures.first_lost(ranks)
+        if lost is not None:
+            cause = self.blame(group, lost, deadline)
+            if cause is not lost:
+                raise cause
+            raise PeerLostError(f"{describe()} failed: {lost}", lost.rank) from lost
+
     def finished(self, group: int, seq: int, sig: bytes, site: bytes,
                  recorded: bool = False) -> None:
         """This rank completed call ``seq`` of ``group``; later messages for it are strays.
@@ -242,7 +264,8 @@ class Transport(abc.ABC):
         links = list(links)
         self._finish_telling()
         self.say_goodbye([link.rank for link in links])
-        end = time.monotonic() + _FLUSH_S
+        failed = bool(self.mailbox.failures.reasons())
+        end = time.monotonic() + (_FLUSH_FAILED_S if failed else _FLUSH_S)
         for link in links:
             link.flush(end)
 
@@ -278,8 +301,10 @@ class Transport(abc.ABC):
         return False
 
     def arena(self, key: int, members: Sequence[int], chunk: int | None = None,
-              timeout: float | None = None) -> "Arena":
-        """Shared staging memory with ``members`` (collective over them); shm only."""
+              timeout: float | None = None,
+              check: Callable[[], None] | None = None) -> "Arena":
+        """Shared staging memory with ``members`` (collective over them); shm only.
+        ``check()``, run while waiting for the first member's hand-over, may raise."""
         raise StateError(f"the {type(self).__name__} cannot share memory between ranks")
 
     # -- helpers for implementations ---------------------------------------------------------

@@ -114,7 +114,7 @@ class Failures:
         """Why ``peer`` is gone if it died (a goodbye first makes it ``left``), else None."""
         return self._dead.get(peer)
 
-    def first_lost(self, peers: tuple[int, ...] | list[int]) -> PeerLostError | None:
+    def first_lost(self, peers: Iterable[int]) -> PeerLostError | None:
         """The earliest noticed death among ``peers``: the cause, not a later consequence."""
         if not self._dead:
             return None

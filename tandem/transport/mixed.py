@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Sequence
+from typing import Callable, Sequence
 
 from tandem.errors import ArgumentError, PeerLostError, TandemError
 from tandem.transport._arena import Arena
@@ -267,8 +267,9 @@ class MixedTransport(Transport):
         return self.shm.shares_memory_with(ranks)
 
     def arena(self, key: int, members: Sequence[int], chunk: int | None = None,
-              timeout: float | None = None) -> Arena:
-        return self.shm.arena(key, members, chunk, timeout)
+              timeout: float | None = None,
+              check: Callable[[], None] | None = None) -> Arena:
+        return self.shm.arena(key, members, chunk, timeout, check)
 
     def close(self) -> None:
         self._finish_telling()  # aborts this transport started reach their queues first

@@ -71,6 +71,7 @@ from tandem.transport.sendqueue import DEFAULT_SEND_LIMIT, BoundedSends, SendQue
 __all__ = ["ShmTransport", "ring_capacity", "default_spin", "unsupported_reason"]
 
 _JOIN_S = 2.0  # how long close() waits for this transport's threads to end
+_CHECK_S = 0.1  # how often a wait for an arena hand-over runs its caller's check
 
 _MIN_RING = 4096
 _OFFER = struct.Struct("<QQ")  # a segment handed over the socket: key, bytes
@@ -391,7 +392,8 @@ class ShmTransport(BoundedSends, Transport):
         return all(self.reaches(r) for r in ranks)
 
     def arena(self, key: int, members: Sequence[int], chunk: int | None = None,
-              timeout: float | None = None) -> Arena:
+              timeout: float | None = None,
+              check: Callable[[], None] | None = None) -> Arena:
         """Map the staging areas of ``members``: one segment, made by the first member
         and handed to each other one (members - 1 hand-overs, one mapping each).
 
@@ -447,7 +449,8 @@ class ShmTransport(BoundedSends, Transport):
                 raise
         else:
             deadline = time.monotonic() + (timeout or self._connect_timeout)
-            whole, fd = self._accept_segment(first, key, deadline, count * segment_bytes(4096))
+            whole, fd = self._accept_segment(first, key, deadline, count * segment_bytes(4096),
+                                             check)
             self._check_split(first, whole, fd, count)
         per = len(whole) // count
         return Arena(members, members.index(self.rank), whole, (per - CONTROL_BYTES) // 2,
@@ -521,12 +524,17 @@ class ShmTransport(BoundedSends, Transport):
         os.close(fd)
         return mapped
 
-    def _accept_segment(self, peer: int, key: int, deadline: float,
-                        smallest: int) -> tuple[mmap.mmap, int]:
-        """The segment ``peer`` offered under ``key``, mapped, and its descriptor."""
+    def _accept_segment(self, peer: int, key: int, deadline: float, smallest: int,
+                        check: Callable[[], None] | None = None) -> tuple[mmap.mmap, int]:
+        """The segment ``peer`` offered under ``key``, mapped, and its descriptor;
+        ``check()`` (run between waits, outside the lock the watcher takes to deliver
+        news) may raise: a group abort or a member's death ends the wait at once."""
         p = self._peers[peer]
-        with self._offer_cv:
-            while (peer, key) not in self._offers:
+        while True:
+            with self._offer_cv:
+                if (peer, key) in self._offers:
+                    fd, size = self._offers.pop((peer, key))
+                    break
                 if self._closing:
                     raise StateError(f"rank {self.rank} closed its shared-memory transport")
                 if p.eof:
@@ -537,8 +545,9 @@ class ShmTransport(BoundedSends, Transport):
                         f"rank {peer} did not hand rank {self.rank} its shared-memory arena "
                         f"segment (key {key}) in time: did it call the same collective?",
                         (peer,))
-                self._offer_cv.wait(min(left, 0.5))
-            fd, size = self._offers.pop((peer, key))
+                self._offer_cv.wait(min(left, 0.5 if check is None else _CHECK_S))
+            if check is not None:
+                check()
         try:
             if os.fstat(fd).st_size != size or size < smallest:
                 raise NetworkError(f"rank {peer} handed over a bad shared segment ({size} bytes)")

@@ -13,7 +13,8 @@ a host messages go over shared memory (backend ``auto``).
   on as it arrives.
 * **scatter**: one message per host: the root sends each other host's pieces, packed
   in rank order, to that host's leader (through ``top`` when the root is not ``top``),
-  which hands each of its ranks its piece as a view of that message.
+  which hands each of its ranks its piece as a view of that message (through the
+  host's arena instead when its ranks share memory, :func:`~.shm_spanning.arena_scatter`).
 * **all-to-all**: every rank sends its leader one message of its pieces for all other
   ranks (same host or not); the leader packs one message per other host (every piece
   from its host to that host, by source then destination rank) for that host's leader,
@@ -38,13 +39,14 @@ from tandem.collectives.reduce_op import ReduceOp, finish
 from tandem.transport.base import Slot
 
 __all__ = ["leaders_reduce", "leaders_gather", "leaders_scatter", "leaders_all_to_all",
-           "rooted", "check_tree"]
+           "rooted", "check_tree", "BLOCK_STEP"]
 
 Layout = list[list[int]]
 
 # steps of their own: the within-host and across-leaders trees of a reduce use 0 and PHASE
 _UP = 2 * PHASE  # a rank to its leader, or top to the root
 _ACROSS = 3 * PHASE  # leader to leader
+BLOCK_STEP = _ACROSS  # a scatter's block to another host's leader (shm_spanning's too)
 _DOWN = 4 * PHASE  # a leader to its ranks
 
 

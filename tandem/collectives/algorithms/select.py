@@ -47,7 +47,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from tandem.collectives.algorithms._phases import host_layout
+from tandem.collectives.algorithms._phases import host_layout, host_of_rank
 from tandem.collectives.algorithms.direct import (direct_gather, direct_scatter,
                                                   pairwise_all_to_all)
 from tandem.collectives.algorithms.doubling import doubling_all_reduce
@@ -65,6 +65,7 @@ from tandem.collectives.algorithms.roots import announce_root, confirm_root
 from tandem.collectives.algorithms.shm import shm_all_reduce, shm_all_reduce_many
 from tandem.collectives.algorithms.shm_gather import shm_all_gather, shm_reduce_scatter
 from tandem.collectives.algorithms.shm_rooted import shm_broadcast, shm_reduce
+from tandem.collectives.algorithms.shm_spanning import arena_scatter, host_shares_memory
 from tandem.collectives.algorithms.streamed import (host_blocks, leaders_all_gather,
                                                     leaders_reduce_scatter, streamed_fits,
                                                     two_level_reduce, two_level_reduce_scatter)
@@ -239,6 +240,10 @@ def _leaders_scatter(o: Op, mine: torch.Tensor, ins: list[torch.Tensor] | None,
                      root: int) -> None:
     layout = host_layout(o.group)
     assert layout is not None  # as select_scatter found it
+    if host_shares_memory(o.group, host_of_rank(layout, o.group.group_rank)):
+        # the hand-down within the host through its arena: no message, nor wake-up, per rank
+        arena_scatter(o, mine, ins, root, layout)
+        return
     rooted(o, root, layout, lambda: leaders_scatter(o, mine, ins, root, layout), down=True)
 
 

@@ -79,6 +79,15 @@ def _differs(op: Op, arena: Arena, member: int, strict: bool,
     return _mismatch(op, ranks[member], seq, sig, site)
 
 
+def _blame(op: Op, rank: int, lost: PeerLostError) -> None:
+    """Raise for ``rank``, found gone: the group's abort if its news comes in the grace
+    (a rank that raised told why before it left), else the loss."""
+    cause = op.group.transport.blame(op.group.group_id, lost, op.deadline)
+    if cause is not lost:
+        raise cause
+    raise PeerLostError(f"{op.describe()} failed: {lost}", rank) from lost
+
+
 def arena_check(op: Op, arena: Arena, ranks: Sequence[int] | None = None) -> Callable[[], None]:
     """What a rank waiting in shared memory checks before it sleeps and as it wakes;
     ``ranks``: the global ranks of the arena's members (default: the group's)."""
@@ -87,19 +96,12 @@ def arena_check(op: Op, arena: Arena, ranks: Sequence[int] | None = None) -> Cal
     members = g.ranks if ranks is None else ranks
 
     def check() -> None:
-        failure = transport.aborted(g.group_id)
-        if failure is not None:
-            raise failure
-        if transport.lost_peers():  # a scan of the group per wait: 64 ranks cost 64 lookups
-            for r in g.ranks:
-                lost = transport.lost(r)
-                if lost is not None:
-                    raise PeerLostError(f"{op.describe()} failed: {lost}", r) from lost
+        transport.check_group(g.group_id, g.ranks, op.deadline, op.describe)
         lagging = [q for q in arena.lagging(arena.target) if q != arena.index]
         for q in lagging:
             gone = transport.left(members[q])
             if gone is not None:
-                raise PeerLostError(f"{op.describe()} failed: {gone}", members[q]) from gone
+                _blame(op, members[q], gone)
             error = _differs(op, arena, q, False, members)
             if error is not None:
                 raise error

@@ -1,4 +1,5 @@
-"""Broadcast across hosts with each host's part in shared memory instead of messages.
+"""Broadcast and scatter across hosts with each host's part in shared memory instead of
+messages (scatter: :func:`arena_scatter`).
 
 Across hosts the data takes :mod:`~.spanning`'s tree between the hosts' leaders (in
 link-sized pieces, each passed on as it lands) and the root check climbs it as
@@ -34,6 +35,7 @@ from typing import Sequence
 import torch
 
 from tandem.collectives.algorithms._phases import host_of_rank
+from tandem.collectives.algorithms.leaders import BLOCK_STEP
 from tandem.collectives.algorithms.ring import link_chunk
 from tandem.collectives.algorithms.roots import ROOT_STEP
 from tandem.collectives.algorithms.shm_checks import prepare, verify
@@ -43,7 +45,7 @@ from tandem.collectives.algorithms.tree import binomial
 from tandem.collectives.group import Op, ProcessGroup, as_bytes
 from tandem.transport.base import Slot
 
-__all__ = ["host_shares_memory", "arena_broadcast"]
+__all__ = ["host_shares_memory", "arena_broadcast", "arena_scatter"]
 
 
 def host_shares_memory(group: ProcessGroup, local: Sequence[int]) -> bool:
@@ -144,3 +146,104 @@ def arena_broadcast(op: Op, buf: torch.Tensor, root: int, layout: list[list[int]
         op.wait(*told)
         told = [op.send(parent, ROOT_STEP, empty)]
     op.wait(*sent, *told)
+
+
+def arena_scatter(op: Op, recv: torch.Tensor, ins: list[torch.Tensor] | None, root: int,
+                  layout: list[list[int]]) -> None:
+    """Scatter to flat ``recv`` from group rank ``root`` (``ins``: its flat pieces) with
+    each host's hand-down in its arena: the host's source (the root on its host, the
+    leader elsewhere, having received its host's block in one message) stages the
+    host's pieces in rank order and each rank copies its own out. On the root's host,
+    when the root is not its leader (top), the root stages every other host's block
+    after them, and top reads those out and passes each on whole to its host's leader.
+    The root check goes as :func:`arena_broadcast`'s: the source checks its host's
+    announcements, another host's leader then confirms to top, and top, once all did,
+    to the root; hosts of one rank take :func:`~.leaders.leaders_scatter` beside."""
+    g = op.group
+    me = g.group_rank
+    local = host_of_rank(layout, me)
+    ranks = [g.ranks[i] for i in local]
+    arena, check = prepare(op, g.host_arena(op, local), ranks)
+    arena.announce(op.seq, op.sig, op.site)
+    index = local.index(me)
+    home = host_of_rank(layout, root)
+    top = home[0]
+    away = [h for h in layout if h is not home]
+    src = local.index(root) if local is home else 0
+    w = recv.numel() * recv.element_size()  # bytes per rank
+    mine = recv.detach().view(torch.uint8)
+    carry = local is home and root != top  # the other hosts' blocks go through this arena
+    n = w * (len(local) + (sum(len(h) for h in away) if carry else 0))
+    empty = memoryview(bytearray(0))
+    told: list[Slot] = ([op.recv(h[0], ROOT_STEP, empty) for h in away] if me == top
+                        else [op.recv(top, ROOT_STEP, empty)] if me == root else [])
+    sent: list[Slot] = []
+    per = arena.chunk
+    rounds = [(a, min(a + per, n)) for a in range(0, n, per)] or [(0, 0)]
+    base = arena.posted
+
+    if index == src:
+        if me == root:
+            assert ins is not None
+            if me == top:  # each other host's block straight to its leader
+                sent = [op.send(h[0], BLOCK_STEP, as_bytes(torch.cat([ins[r] for r in h])))
+                        for h in away]
+            staged = [ins[r].view(torch.uint8) for r in local]
+            if carry:
+                staged += [ins[r].view(torch.uint8) for h in away for r in h]
+        else:
+            block = torch.empty(n, dtype=torch.uint8)
+            op.wait(op.recv(top, BLOCK_STEP, as_bytes(block)))
+            staged = [block]
+        for k, (a, b) in enumerate(rounds):
+            t = base + k
+            arena.wait_all(t, check)  # every rank read round t - 2 from this half
+            _copy_range(staged, a, b, arena.heads(torch.uint8, b - a)[t % 2][index])
+            arena.post()
+        _copy_range(staged, index * w, (index + 1) * w, mine)
+        arena.wait_all(base + 1, check)  # every rank of the host is in this call
+        verify(op, arena, ranks=ranks)
+        if me != root:
+            told = [op.send(top, ROOT_STEP, empty)]  # its host named the root
+    else:
+        # top, when the root is not: the other hosts' blocks, each passed on once read
+        out = [(index * w, mine)]
+        off = len(local) * w  # where the other hosts' blocks start
+        blocks: list[tuple[int, int, int]] = []  # each block's bytes and its leader
+        if me == top and carry:
+            rest = torch.empty(n - off, dtype=torch.uint8)
+            out.append((off, rest))
+            at = 0
+            for h in away:
+                blocks.append((at, at + len(h) * w, h[0]))
+                at += len(h) * w
+        passed = 0
+        for k, (a, b) in enumerate(rounds):
+            t = base + k
+            arena.post()
+            arena.wait_member(src, t + 1, check)
+            if k == 0:
+                verify(op, arena, [src], ranks)
+            data = arena.data(src, t % 2)
+            for at, dst in out:
+                lo, hi = max(a, at), min(b, at + dst.numel())
+                if lo < hi:
+                    dst[lo - at:hi - at].copy_(data[lo - a:hi - a])
+            while passed < len(blocks) and off + blocks[passed][1] <= b:
+                lo, hi, leader = blocks[passed]
+                sent.append(op.send(leader, BLOCK_STEP, as_bytes(rest[lo:hi])))
+                passed += 1
+        if me == top and carry:
+            op.wait(*told)  # every other host named the root
+            told = [op.send(root, ROOT_STEP, empty)]
+    op.wait(*sent, *told)
+
+
+def _copy_range(parts: list[torch.Tensor], a: int, b: int, dst: torch.Tensor) -> None:
+    """Bytes ``a:b`` of ``parts`` (flat uint8) laid end to end, into ``dst``."""
+    at = 0
+    for t in parts:
+        lo, hi = max(a, at), min(b, at + t.numel())
+        if lo < hi:
+            dst[lo - a:hi - a].copy_(t[lo - at:hi - at])
+        at += t.numel()

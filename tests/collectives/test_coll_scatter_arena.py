@@ -1,0 +1,200 @@
+"""Scatter across hosts whose ranks share memory (``shm_spanning.arena_scatter``): real
+processes, hosts told apart by ``TANDEM_HOST_ID``, so each host's hand-down goes through
+its own arena instead of one message per rank.
+
+Each call must give every rank its piece of the root's list (the naive oracle) and
+gloo's result on the same inputs, for roots that are and are not their host's leader,
+sizes of one round and of several (small staging halves), and hosts of one rank, whose
+part goes by messages beside the others' arenas. Ranks that disagree on the root must
+fail in the call, well before the deadline, with a mismatch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import tandem
+from tandem.testing import launch
+
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(300)]
+
+LAYOUTS = {"2x8": "a" * 8 + "b" * 8, "4x4": "aaaabbbbccccdddd",
+           "uneven": "aaabbbbbbc", "interleaved": "abababab"}
+OP_TIMEOUT = 60.0  # a disagreement found only by the deadline takes this long
+
+
+def _piece(call: int, root: int, dst: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    return ((torch.arange(n, dtype=torch.int64) * 7 + call * 100 + root * 10 + dst) % 251
+            ).to(dtype)
+
+
+def _join(rank: int, p: int, hosts: str, store: str, gloo: bool) -> None:
+    os.environ["TANDEM_HOST_ID"] = f"host-{hosts[rank]}"
+    tandem.init_process_group("auto", init_method=f"file://{store}/tandem", rank=rank,
+                              world_size=p, timeout=OP_TIMEOUT)
+    if gloo:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"file://{store}/gloo", rank=rank,
+                                world_size=p, timeout=datetime.timedelta(seconds=OP_TIMEOUT))
+
+
+def _leave(gloo: bool) -> None:
+    tandem.destroy_process_group()
+    if gloo:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def _oracle_run(rank: int, p: int, hosts: str, store: str,
+                calls: list[tuple[int, int, str]]) -> list[str]:
+    """Every call's scatter through tandem and gloo; what differed, by call."""
+    import torch.distributed as dist
+
+    _join(rank, p, hosts, store, True)
+    try:
+        wrong = []
+        for call, (n, root, dtype_name) in enumerate(calls):
+            dtype = getattr(torch, dtype_name)
+            pieces = [_piece(call, root, d, n, dtype) for d in range(p)]
+            ours = torch.zeros(n, dtype=dtype)
+            theirs = torch.zeros(n, dtype=dtype)
+            tandem.scatter(ours, [t.clone() for t in pieces] if rank == root else None,
+                           src=root)
+            dist.scatter(theirs, [t.clone() for t in pieces] if rank == root else None,
+                         src=root)
+            if not torch.equal(ours, pieces[rank]):
+                wrong.append(f"call {call} (n={n}, root={root}, {dtype_name}): not its piece")
+            if not torch.equal(ours, theirs):
+                wrong.append(f"call {call} (n={n}, root={root}, {dtype_name}): not gloo's")
+        return wrong
+    finally:
+        _leave(True)
+
+
+def _calls(p: int) -> list[tuple[int, int, str]]:
+    # roots: a leader, the last rank, ranks inside hosts; 20,001 floats a rank fill
+    # several rounds of the small staging halves below, and split pieces across them
+    return [(1, 0, "float32"), (1024, p - 1, "float32"), (1024, 1, "int64"),
+            (20_001, 3, "float32"), (0, 2, "float32"), (5, p - 2, "bool"),
+            (20_001, 5, "float32"), (9_001, 0, "float64"), (17, 1, "uint8")]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_scatter_through_host_arenas_matches_the_pieces_and_gloo(layout: str,
+                                                                 tmp_path: Any) -> None:
+    hosts = LAYOUTS[layout]
+    p = len(hosts)
+    env = {"TANDEM_SHM_CHUNK": "65536"}  # staging halves of 64 KiB: many rounds per call
+    outcomes = launch(p, _oracle_run, (hosts, str(tmp_path), _calls(p)), init=False,
+                      timeout=250, env=env)
+    bad = {o.rank: (o.value if o.ok else o.error[-2000:]) for o in outcomes
+           if not o.ok or o.value}
+    assert not bad, bad
+
+
+def _messages(rank: int, p: int, hosts: str, store: str, roots: list[int]) -> list[list[int]]:
+    """The ranks this rank sent a collective message to, in each scatter from ``roots``."""
+    from tandem.collectives.world import world
+    from tandem.transport.message import Kind
+
+    _join(rank, p, hosts, store, False)
+    try:
+        transport = world().default.transport
+        plain = transport.isend
+        sent: list[int] = []
+
+        def isend(peer: int, header: Any, payload: memoryview) -> Any:
+            if header.kind == Kind.COLL:
+                sent.append(peer)
+            return plain(peer, header, payload)
+
+        transport.isend = isend  # type: ignore[method-assign]
+        out = []
+        for root in roots:
+            tandem.scatter(torch.zeros(1 << 12),  # 16 KiB a rank
+                           [torch.full((1 << 12,), float(d)) for d in range(p)]
+                           if rank == root else None, src=root)
+            out.append(sorted(set(sent)))
+            sent.clear()
+        return out
+    finally:
+        _leave(False)
+
+
+def test_within_a_host_a_scatter_sends_no_message_but_the_leaders_confirmation() -> None:
+    hosts = "aaaabbbb"
+    roots = [0, 2, 5, 4]  # leaders and not
+    with tempfile.TemporaryDirectory(prefix="tandem-test-") as tmp:
+        outcomes = launch(8, _messages, (hosts, tmp, roots), init=False, timeout=120)
+    assert all(o.ok for o in outcomes), [o.error[-2000:] for o in outcomes if not o.ok]
+    for k, root in enumerate(roots):
+        top = hosts.index(hosts[root])
+        within = {(r, q) for r, o in enumerate(outcomes) for q in o.value[k]
+                  if hosts[q] == hosts[r]}
+        # the root's host's leader confirms every other host to a root that is not a
+        # leader; the pieces and every other rank's confirmation go through the arena
+        assert within == ({(top, root)} if root != top else set()), (root, sorted(within))
+        across = {(r, q) for r, o in enumerate(outcomes) for q in o.value[k]
+                  if hosts[q] != hosts[r]}
+        assert across == {(0, 4), (4, 0)}, (root, sorted(across))
+
+
+def _disagree(rank: int, p: int, hosts: str, store: str, case: str) -> float:
+    _join(rank, p, hosts, store, False)
+    try:
+        src = {"each-its-own": rank,
+               "two-camps": 0 if rank < 4 else 4,
+               "one-host-disagrees": 6 if hosts[rank] == "c" else 0,
+               "one-rank-disagrees": 2 if rank == 1 else 0,
+               "a-reader-names-itself": rank if rank == 4 else 3}[case]
+        # one agreed call first: the host arenas exist (a disagreement in the call that
+        # makes them can leave a rank waiting for its host's arena until the deadline)
+        tandem.scatter(torch.zeros(4), [torch.zeros(4)] * p if rank == 0 else None, src=0)
+        start = time.monotonic()
+        try:
+            tandem.scatter(torch.zeros(4), [torch.full((4,), float(d)) for d in range(p)]
+                           if rank == src else None, src=src)
+            tandem.barrier()  # a rank whose own call completed fails here
+        finally:
+            took = time.monotonic() - start
+            _all_failed(rank, p, store)
+        return took
+    finally:
+        _leave(False)
+
+
+def _all_failed(rank: int, p: int, store: str) -> None:
+    """Stay until every rank has its outcome: a rank whose own call completed then
+    learns of the abort in its barrier, not of a peer's exit."""
+    open(os.path.join(store, f"out-{rank}"), "w").close()
+    deadline = time.monotonic() + OP_TIMEOUT
+    while time.monotonic() < deadline and not all(
+            os.path.exists(os.path.join(store, f"out-{r}")) for r in range(p)):
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("case", ["each-its-own", "two-camps", "one-host-disagrees",
+                                  "one-rank-disagrees", "a-reader-names-itself"])
+def test_roots_that_disagree_fail_in_the_call_on_every_rank(case: str, tmp_path: Any) -> None:
+    hosts = "aaabbbcc"
+    outcomes = launch(len(hosts), _disagree, (hosts, str(tmp_path), case), init=False,
+                      timeout=OP_TIMEOUT + 60)
+    assert all(not o.ok for o in outcomes), [(o.rank, o.ok, o.value) for o in outcomes]
+    # every rank names the cause (only the ranks that do not are shown)
+    assert all("CollectiveMismatchError" in o.error or "aborted" in o.error
+               for o in outcomes), [(o.rank, o.error[-800:]) for o in outcomes
+                                    if "CollectiveMismatchError" not in o.error
+                                    and "aborted" not in o.error]
+    assert any("CollectiveMismatchError" in o.error for o in outcomes)
+    # found in the call, not by the deadline
+    assert not any("CollectiveTimeoutError" in o.error for o in outcomes), \
+        [o.error[-800:] for o in outcomes if "CollectiveTimeoutError" in o.error]
