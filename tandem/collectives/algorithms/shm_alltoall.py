@@ -76,7 +76,9 @@ def arena_all_to_all(op: Op, outs: list[torch.Tensor], ins: list[torch.Tensor],
     ranks = [g.ranks[i] for i in local]
     # other hosts' ranks may send this call's messages while this rank waits here
     arena, check = prepare(op, g.host_arena(op, local), ranks, messages=True)
-    if _up(p * n * 8) > arena.chunk:
+    # every rank's row at 0 of its half; the leader's half holds the whole table after it
+    row_bytes, table_bytes = _up(n * 8), _up(p * n * 8)
+    if row_bytes + table_bytes > arena.chunk:
         return False
     arena.announce(op.seq, op.sig, op.site)
     index, leader = local.index(me), local[0]
@@ -84,21 +86,24 @@ def arena_all_to_all(op: Op, outs: list[torch.Tensor], ins: list[torch.Tensor],
     at = {r: i * n for i, r in enumerate(order)}  # each rank's row in the table
     away = [h for h in layout if h is not local]
     size = ins[me].element_size()
-    row_bytes, table_bytes = _up(n * 8), _up(p * n * 8)
     base, chunk = arena.posted, arena.chunk
 
     def targets(s: int) -> list[int]:
         """Whose pieces rank ``s`` of this host stages in round 0, in that order."""
         return [d for d in (local if s == leader else order) if d != s]
 
+    def start(s: int) -> int:
+        """Where rank ``s``'s pieces start in its half."""
+        return row_bytes + (table_bytes if s == leader else 0)
+
     # round 0: the table row and, when they fit, the pieces
     arena.wait_all(base, check)  # every member is done reading round base - 2
     staged = sum(ins[d].numel() for d in targets(me)) * size
-    fits = row_bytes + staged <= chunk
-    own = _mine(arena, base % 2, row_bytes + staged if fits else n * 8)
+    fits = start(me) + staged <= chunk
+    own = _mine(arena, base % 2, start(me) + (staged if fits else 0))
     own[:n * 8].copy_(_raw(mine))
     if fits:
-        end = row_bytes
+        end = start(me)
         for d in targets(me):
             piece = _raw(ins[d])
             own[end:end + piece.numel()].copy_(piece)
@@ -120,26 +125,24 @@ def arena_all_to_all(op: Op, outs: list[torch.Tensor], ins: list[torch.Tensor],
             slots += [op.recv(h[0], TABLE_STEP, as_bytes(full[a:b])),
                       op.send(h[0], TABLE_STEP, as_bytes(full[first:last]))]
         op.wait(*slots)
+        # for the host's ranks, who read it once round 1 is posted, whatever comes next
+        own[row_bytes:row_bytes + p * n * 8].copy_(_raw(full))
         try:
             counts = check_table(rows)
         except CollectiveMismatchError:
-            # the host's ranks raise the same error from the same table
-            _mine(arena, (base + 1) % 2, p * n * 8).copy_(_raw(full))
-            arena.post()
+            arena.post()  # the host's ranks raise the same error from the same table
             raise
     else:
-        arena.wait_member(0, base + 2, check)  # the leader staged round 1
+        arena.wait_member(0, base + 2, check)  # the leader posted the table
         verify(op, arena, ranks=ranks)
-        _raw(full).copy_(arena.data(0, (base + 1) % 2)[:p * n * 8])
+        _raw(full).copy_(arena.data(0, base % 2)[row_bytes:row_bytes + p * n * 8])
         counts = check_table(rows)
 
-    offsets = {s: _offsets(targets(s), counts[s], size, row_bytes) for s in local}
-    together = all(row_bytes + sum(counts[s][d] for d in targets(s)) * size <= chunk
+    offsets = {s: _offsets(targets(s), counts[s], size, start(s)) for s in local}
+    together = all(start(s) + sum(counts[s][d] for d in targets(s)) * size <= chunk
                    for s in local)
     if not leaders_pay(counts) or not together:
-        if me == leader:
-            _mine(arena, (base + 1) % 2, p * n * 8).copy_(_raw(full))
-        arena.post()  # round 1: the table alone
+        arena.post()  # round 1: nothing staged, the table read
         if leaders_pay(counts):
             leaders_all_to_all(op, outs, ins, counts, layout)
         else:
@@ -164,9 +167,7 @@ def arena_all_to_all(op: Op, outs: list[torch.Tensor], ins: list[torch.Tensor],
                 stream[(s, d)] = k
                 k += counts[s][d] * size
         spans.append((a, k))
-    first_round = chunk - table_bytes  # stream bytes in round 1
-    rounds = [(0, min(k, first_round))] + [
-        (a, min(a + chunk, k)) for a in range(first_round, k, chunk)]
+    rounds = [(a, min(a + chunk, k)) for a in range(0, k, chunk)] or [(0, 0)]
     outs[me].copy_(ins[me])
 
     if me != leader:
@@ -178,47 +179,48 @@ def arena_all_to_all(op: Op, outs: list[torch.Tensor], ins: list[torch.Tensor],
             t = base + 1 + i
             if i:
                 arena.wait_member(0, t + 1, check)
-            skip = table_bytes if i == 0 else 0
-            data = arena.data(0, t % 2)[skip:skip + hi - lo]
+            data = arena.data(0, t % 2)[:hi - lo]
             for h in away:
                 for s in h:
                     _overlap(stream[(s, me)], _raw(outs[s]), lo, data)
             arena.post()  # done reading round t - 1
         return True
 
-    # the leader: each other host's block from the staged rows, sent whole
-    sends = [op.send(h[0], BLOCK_STEP, as_bytes(torch.cat([staged_piece(s, d) for s in local
-                                                            for d in h])))
+    # the leader: each other host's block sent straight from the staged rows
+    sends = [op.sendv(h[0], BLOCK_STEP, [as_bytes(staged_piece(s, d)) for s in local
+                                          for d in h])
              for h in away]
     for s in local:
         if s != me:
             _raw(outs[s]).copy_(staged_piece(s, me))
-    one = _mine(arena, (base + 1) % 2, table_bytes + rounds[0][1])
-    one[:p * n * 8].copy_(_raw(full))
+    one = _mine(arena, (base + 1) % 2, rounds[0][1])
+    # a block wholly in round 1 lands in the arena; the others wait in scratch memory
+    spill = sum(b - a for a, b in spans if b > chunk)
+    scratch = arena.scratch(spill) if spill else one
     boxes: list[tuple[int, torch.Tensor, bool]] = []  # (start, block, staged already)
     got: list[Slot] = []
+    used = 0
     for h, (a, b) in zip(away, spans):
-        # a block wholly in round 1 lands in the arena; the others wait in a buffer
-        there = b <= first_round
-        box = (one[table_bytes + a:table_bytes + b] if there
-               else torch.empty(b - a, dtype=torch.uint8))
+        there = b <= chunk
+        box = one[a:b] if there else scratch[used:used + b - a]
+        used += 0 if there else b - a
         boxes.append((a, box, there))
         got.append(op.recv(h[0], BLOCK_STEP, as_bytes(box)))
-    op.wait(*got)
+    # the rows stay put until every send is out: their ranks may not overwrite them before
+    op.wait(*got, *sends)
     for i, (lo, hi) in enumerate(rounds):
         t = base + 1 + i
         if i:
             arena.wait_all(t, check)  # every member is done reading round t - 2
-        dst = one[table_bytes:table_bytes + hi - lo] if i == 0 else _mine(arena, t % 2, hi - lo)
+        dst = one if i == 0 else _mine(arena, t % 2, hi - lo)
         for a, box, there in boxes:
             if not there:
-                _into(a, box, lo, dst)
+                _into(a, box, lo, dst[:hi - lo])
         arena.post()
         if i == 0:  # its own column, before round 3 overwrites round 1's half
             for h, (a, box, _) in zip(away, boxes):
                 for s in h:
                     _overlap(stream[(s, me)], _raw(outs[s]), a, box)
-    op.wait(*sends)
     return True
 
 
