@@ -12,17 +12,19 @@ pieces by source then destination), so hosts of either kind mix. A call is 1 + k
 * round 0: every rank stages its row of the split table and, when it fits the staging
   half, its pieces for the other ranks (by destination, hosts in layout order; the
   leader only those for its own host) and posts;
-* the leader, once its host posted, exchanges its host's table block with the other
-  leaders and checks the whole table; then packs each other host's block straight from
-  the staged rows and its own input, sends it, copies its own column out of its host's
-  rows, and stages the table and the blocks it received in rounds 1..k (what fits round
-  1 is received straight into the arena);
-* every other rank reads the table in round 1 and checks it alike (the same error on
-  every rank), then copies its column out of its host's rows and out of each round the
-  leader stages: one kernel wait a round, no message.
+* the leader, once its host posted, swaps its host's table rows with the other leaders
+  and writes the whole table after its own row; once it checked the table it sends each
+  other host's block straight from the staged rows and its own input (one ``sendmsg``
+  of the pieces), copies its own column out of its host's rows, and receives the other
+  hosts' blocks straight into the arena for round 1: into its other half, then into
+  what round 0 left free of its own half; a block that fits neither waits in scratch
+  memory and follows in rounds 2..k, a staging half each;
+* every other rank reads the table the leader wrote and checks it alike (the same error
+  on every rank), then copies its column out of its host's rows and out of each round
+  the leader posts: one kernel wait a round, no message.
 
-Every rank posts once a round: the leader when it staged it, the others once they read
-the round before. A half is written for round t only when every member has posted t
+Every rank posts once a round: the leader when it staged it, the others once they
+have read the rounds before it. A half is written for round t only when every member has posted t
 times, the arena's rule (:class:`~tandem.transport.Arena`). When some row of the host
 does not fit a staging half, the data goes by messages after the table
 (:func:`~.leaders.leaders_all_to_all`); when some rank sends other hosts too much,
@@ -156,18 +158,32 @@ def arena_all_to_all(op: Op, outs: list[torch.Tensor], ins: list[torch.Tensor],
         k = offsets[s][d]
         return arena.data(local.index(s), base % 2)[k:k + counts[s][d] * size]
 
-    # the blocks from the other hosts, one after another: pieces by source then destination
-    stream: dict[tuple[int, int], int] = {}
-    spans: list[tuple[int, int]] = []
-    k = 0
+    # the other hosts' blocks (pieces by source then destination) land in round 1: in
+    # the leader's round-1 half, then in what its round-0 half leaves free after its
+    # row, the table and its pieces (nobody reads there in this call); a block that fits
+    # neither waits in scratch memory and follows in rounds of a staging half
+    inner: dict[tuple[int, int], int] = {}  # a piece's offset in its block
+    sizes = []
     for h in away:
-        a = k
+        k = 0
         for s in h:
             for d in local:
-                stream[(s, d)] = k
+                inner[(s, d)] = k
                 k += counts[s][d] * size
-        spans.append((a, k))
-    rounds = [(a, min(a + chunk, k)) for a in range(0, k, chunk)] or [(0, 0)]
+        sizes.append(k)
+    free = _up(start(leader) + sum(counts[leader][d] for d in targets(leader)) * size)
+    room = {(base + 1) % 2: 0, base % 2: free}  # half: its first free byte
+    place: list[tuple[int, int]] = []  # (half, offset), or (-1, offset in the spill)
+    spill = 0
+    for nb in sizes:
+        half = next((f for f, used in room.items() if used + nb <= chunk), -1)
+        if half < 0:
+            place.append((-1, spill))
+            spill += nb
+        else:
+            place.append((half, room[half]))
+            room[half] += nb
+    rounds = [(a, min(a + chunk, spill)) for a in range(0, spill, chunk)]
     outs[me].copy_(ins[me])
 
     if me != leader:
@@ -175,14 +191,22 @@ def arena_all_to_all(op: Op, outs: list[torch.Tensor], ins: list[torch.Tensor],
         for s in local:
             if s != me:
                 _raw(outs[s]).copy_(staged_piece(s, me))
-        for i, (lo, hi) in enumerate(rounds):
-            t = base + 1 + i
-            if i:
-                arena.wait_member(0, t + 1, check)
-            data = arena.data(0, t % 2)[:hi - lo]
-            for h in away:
+        arena.wait_member(0, base + 2, check)  # (waited for the table already)
+        for h, (half, at0) in zip(away, place):
+            if half >= 0:
+                data = arena.data(0, half)
                 for s in h:
-                    _overlap(stream[(s, me)], _raw(outs[s]), lo, data)
+                    k = at0 + inner[(s, me)]
+                    _raw(outs[s]).copy_(data[k:k + counts[s][me] * size])
+        arena.post()  # done reading round 1 and round 0
+        for i, (lo, hi) in enumerate(rounds):
+            t = base + 2 + i
+            arena.wait_member(0, t + 1, check)
+            data = arena.data(0, t % 2)[:hi - lo]
+            for h, (half, at0) in zip(away, place):
+                if half < 0:
+                    for s in h:
+                        _overlap(at0 + inner[(s, me)], _raw(outs[s]), lo, data)
             arena.post()  # done reading round t - 1
         return True
 
@@ -193,34 +217,26 @@ def arena_all_to_all(op: Op, outs: list[torch.Tensor], ins: list[torch.Tensor],
     for s in local:
         if s != me:
             _raw(outs[s]).copy_(staged_piece(s, me))
-    one = _mine(arena, (base + 1) % 2, rounds[0][1])
-    # a block wholly in round 1 lands in the arena; the others wait in scratch memory
-    spill = sum(b - a for a, b in spans if b > chunk)
-    scratch = arena.scratch(spill) if spill else one
-    boxes: list[tuple[int, torch.Tensor, bool]] = []  # (start, block, staged already)
-    got: list[Slot] = []
-    used = 0
-    for h, (a, b) in zip(away, spans):
-        there = b <= chunk
-        box = one[a:b] if there else scratch[used:used + b - a]
-        used += 0 if there else b - a
-        boxes.append((a, box, there))
-        got.append(op.recv(h[0], BLOCK_STEP, as_bytes(box)))
+    halves = {f: _mine(arena, f, used) for f, used in room.items()}
+    scratch = arena.scratch(spill) if spill else halves[base % 2]
+    boxes = [halves[half][at0:at0 + nb] if half >= 0 else scratch[at0:at0 + nb]
+             for (half, at0), nb in zip(place, sizes)]
+    got = [op.recv(h[0], BLOCK_STEP, as_bytes(box)) for h, box in zip(away, boxes)]
     # the rows stay put until every send is out: their ranks may not overwrite them before
     op.wait(*got, *sends)
+    arena.post()  # round 1
+    for h, box in zip(away, boxes):  # its own column, before a later round overwrites it
+        for s in h:
+            k = inner[(s, me)]
+            _raw(outs[s]).copy_(box[k:k + counts[s][me] * size])
     for i, (lo, hi) in enumerate(rounds):
-        t = base + 1 + i
-        if i:
-            arena.wait_all(t, check)  # every member is done reading round t - 2
-        dst = one if i == 0 else _mine(arena, t % 2, hi - lo)
-        for a, box, there in boxes:
-            if not there:
-                _into(a, box, lo, dst[:hi - lo])
+        t = base + 2 + i
+        arena.wait_all(t, check)  # every member is done reading round t - 2
+        dst = _mine(arena, t % 2, hi - lo)
+        for (half, at0), box in zip(place, boxes):
+            if half < 0:
+                _into(at0, box, lo, dst)
         arena.post()
-        if i == 0:  # its own column, before round 3 overwrites round 1's half
-            for h, (a, box, _) in zip(away, boxes):
-                for s in h:
-                    _overlap(stream[(s, me)], _raw(outs[s]), a, box)
     return True
 
 
