@@ -210,9 +210,17 @@ def arena_all_to_all(op: Op, outs: list[torch.Tensor], ins: list[torch.Tensor],
             arena.post()  # done reading round t - 1
         return True
 
+    def staged_block(s: int, h: list[int]) -> list[memoryview]:
+        """Rank ``s``'s pieces for host ``h``: one view where they lie together (another
+        rank's staged row holds them in a row: a view cost 3.6 us, 64 pieces a block at 8x8)."""
+        if s == me:
+            return [as_bytes(ins[d]) for d in h]
+        k = offsets[s][h[0]]
+        nb = sum(counts[s][d] for d in h) * size
+        return [as_bytes(arena.data(local.index(s), base % 2)[k:k + nb])]
+
     # the leader: each other host's block sent straight from the staged rows
-    sends = [op.sendv(h[0], BLOCK_STEP, [as_bytes(staged_piece(s, d)) for s in local
-                                          for d in h])
+    sends = [op.sendv(h[0], BLOCK_STEP, [v for s in local for v in staged_block(s, h)])
              for h in away]
     for s in local:
         if s != me:
