@@ -8,11 +8,13 @@ one rank (whose part goes by messages beside the others' arenas); with staging h
 small enough that the received blocks take several rounds and some rows do not fit
 (those hosts then move their data by messages); and above ``LEADERS_BELOW_BYTES``,
 where every rank sends straight to its peers. Splits that disagree fail on every rank
-with the same error.
+with the same error; a rank killed mid-loop (a leader or not) is named by every
+survivor within seconds, not at the deadline.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 from typing import Any
 
@@ -165,3 +167,46 @@ def test_splits_that_disagree_raise_the_same_error_on_every_rank(layout: str,
     assert len(texts) == 1, texts
     text = texts.pop()
     assert "rank 2 sends rank 5 2 elements" in text and "expects 3" in text, text
+
+
+NOTICED_WITHIN = 5.0  # seconds from a kill to every survivor's error; far below OP_TIMEOUT
+
+
+def _killed(rank: int, p: int, hosts: str, store: str, victim: int) -> dict[str, Any]:
+    import signal
+    import time
+
+    join_on_host(rank, p, hosts, store, False, OP_TIMEOUT)
+    ins = [torch.ones(1 << 12) for _ in range(p)]
+    outs = [torch.empty(1 << 12) for _ in range(p)]
+    tandem.all_to_all(outs, ins)  # the arenas exist before anyone dies
+    tandem.barrier()
+    if rank == victim:
+        with open(f"{store}/killed", "w") as f:
+            f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        for _ in range(100_000):
+            tandem.all_to_all(outs, ins)
+    except Exception as exc:  # what each survivor reports, and when
+        failure = {"type": type(exc).__name__, "msg": str(exc), "at": time.time()}
+    else:
+        failure = {"type": None, "msg": "100000 calls with a dead peer", "at": time.time()}
+    time.sleep(0.5)  # stay up: the other survivors' errors are about the victim, not us
+    return failure
+
+
+@pytest.mark.parametrize("victim", [5, 4])  # a rank of host b, then its leader
+def test_a_killed_rank_is_named_by_every_survivor_within_seconds(victim: int,
+                                                                 tmp_path: Any) -> None:
+    hosts = LAYOUTS["even"]
+    outcomes = launch(len(hosts), _killed, (hosts, str(tmp_path), victim), init=False,
+                      timeout=OP_TIMEOUT + 30)
+    killed_at = float((tmp_path / "killed").read_text())
+    survivors = {o.rank: o for o in outcomes if o.rank != victim}
+    assert all(o.ok for o in survivors.values()), \
+        {r: o.error[-1500:] for r, o in survivors.items() if not o.ok}
+    for rank, o in survivors.items():
+        failure = o.value
+        assert failure["type"] is not None and f"rank {victim}" in failure["msg"], (rank, failure)
+        assert failure["at"] - killed_at < NOTICED_WITHIN, (rank, failure)
