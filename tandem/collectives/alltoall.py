@@ -26,6 +26,7 @@ from tandem.collectives import algorithms as algo
 from tandem.collectives import api
 from tandem.collectives.algorithms.flat import Flat
 from tandem.collectives.algorithms.leaders import leaders_table
+from tandem.collectives.algorithms.select import AllToAll, all_to_all_in_host_arena
 from tandem.collectives.checks import (crossed, int_list, output_arg, shares_memory,
                                        tensor_arg, tensors_arg)
 from tandem.collectives.group import Op, as_bytes
@@ -61,9 +62,9 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
 
     def body(o: Op) -> None:
         flat_ins = [t.view(-1) for t in ins]
-        early, counts = _agree(o, name, "all_to_all", 1, in_sizes, out_sizes, "elements",
-                               "input_tensor_list numels", "output_tensor_list numels", flat_ins)
-        fn(o, [f.flat for f in outs], flat_ins, early, counts)
+        _exchange(o, name, fn, "all_to_all", 1, in_sizes, out_sizes, "elements",
+                  "input_tensor_list numels", "output_tensor_list numels",
+                  [f.flat for f in outs], flat_ins)
         for f in outs:
             f.done()
 
@@ -114,9 +115,9 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
 
     def body(o: Op) -> None:
         ins = pieces(src.view(-1), in_sizes, row_in)
-        early, counts = _agree(o, name, "all_to_all_single", row_in, in_sizes, out_sizes,
-                               "rows", "input_split_sizes", "output_split_sizes", ins)
-        fn(o, pieces(out.flat, out_sizes, row_out), ins, early, counts)
+        _exchange(o, name, fn, "all_to_all_single", row_in, in_sizes, out_sizes, "rows",
+                  "input_split_sizes", "output_split_sizes", pieces(out.flat, out_sizes, row_out),
+                  ins)
         out.done()
 
     return api._launch(g, "all_to_all_single", api._sig("all_to_all_single", None, dtype=input.dtype),
@@ -141,7 +142,7 @@ def _agree(o: Op, algorithm: str, what: str, row: int, in_sizes: list[int],
     "leaders") the splits go as their data does, and no piece goes early."""
     g = o.group
     p, r = g.group_size, g.group_rank
-    mine = torch.tensor([row, *in_sizes, *out_sizes], dtype=torch.int64)
+    mine = _row(row, in_sizes, out_sizes)
     layout = algo.host_layout(g) if algorithm == "leaders" else None
     early: dict[int, Slot] = {}
     if layout is not None:
@@ -153,12 +154,26 @@ def _agree(o: Op, algorithm: str, what: str, row: int, in_sizes: list[int],
         early = {j: o.send(j, 0, as_bytes(ins[j])) for j in range(p)
                  if j != r and ins[j].numel() * ins[j].element_size() <= _EARLY_BYTES}
         o.wait(*recvs, *sends)
+    return early, _check(o, table, what, unit, in_name, out_name)
+
+
+def _row(row: int, in_sizes: list[int], out_sizes: list[int]) -> torch.Tensor:
+    """This rank's row of the split table."""
+    return torch.tensor([row, *in_sizes, *out_sizes], dtype=torch.int64)
+
+
+def _check(o: Op, table: list[torch.Tensor], what: str, unit: str, in_name: str,
+           out_name: str) -> list[list[int]]:
+    """The elements each rank sends each rank, from every rank's row (by group rank);
+    raises the same error on every rank when two ranks disagree."""
+    g = o.group
+    p = g.group_size
     # checked and counted in torch: at 64 ranks the pairs in Python took ~2 ms a rank
     full = torch.stack(table)
     units = full[:, :1]
     elements = units * full[:, 1:1 + p]  # [a][b]: elements rank a sends rank b
     if torch.equal(elements, (units * full[:, 1 + p:]).T):
-        return early, elements.tolist()
+        return elements.tolist()
     rows = full.tolist()
     for a in range(p):  # every rank finds the same first disagreement
         for b in range(p):
@@ -174,3 +189,17 @@ def _agree(o: Op, algorithm: str, what: str, row: int, in_sizes: list[int],
                 f"rank {ga} ({out_name}={rows[b][1 + p:]} on rank {gb}){shapes}; "
                 f"{out_name}[i] on each rank must match {in_name}[that rank] on rank i")
     raise AssertionError("the split tables differ but no pair of ranks disagrees")
+
+
+def _exchange(o: Op, algorithm: str, fn: AllToAll, what: str, row: int,
+              in_sizes: list[int], out_sizes: list[int], unit: str, in_name: str,
+              out_name: str, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
+    """The split check, then the data: through the host's arena where this rank's host
+    takes it (the table goes with the data there), else by messages."""
+    if algorithm == "leaders" and all_to_all_in_host_arena(
+            o, outs, ins, _row(row, in_sizes, out_sizes),
+            lambda table: _check(o, table, what, unit, in_name, out_name)):
+        return
+    early, counts = _agree(o, algorithm, what, row, in_sizes, out_sizes, unit, in_name,
+                           out_name, ins)
+    fn(o, outs, ins, early, counts)

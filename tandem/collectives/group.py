@@ -152,6 +152,13 @@ class Op(Call):
         header = Header(_COLL, g.group_id, self.seq, step, len(view), self.sig, self.site)
         return g.transport.isend(g.ranks[to], header, view)
 
+    def sendv(self, to: int, step: int, views: Sequence[memoryview]) -> Slot:
+        """One message of ``views`` laid end to end, sent without joining them first."""
+        g = self.group
+        header = Header(_COLL, g.group_id, self.seq, step, sum(len(v) for v in views),
+                        self.sig, self.site)
+        return g.transport.isendv(g.ranks[to], header, views)
+
     def recv(self, frm: int, step: int, view: memoryview) -> Slot:
         g = self.group
         return g.transport.irecv(g.ranks[frm], _COLL, g.group_id, self.seq, step, view,

@@ -122,3 +122,32 @@ def watch_collective_sends(transport: Any, note: Callable[[int, Any, memoryview]
         return plain(peer, header, payload)
 
     transport.isend = isend
+
+
+def join_on_host(rank: int, p: int, hosts: str, store: str, gloo: bool, timeout: float) -> None:
+    """Start tandem's default group (and gloo's when ``gloo``) in a child of ``launch``
+    whose host is ``hosts[rank]`` (``TANDEM_HOST_ID``), through FileStores in ``store``."""
+    import datetime
+    import os
+
+    import tandem
+
+    os.environ["TANDEM_HOST_ID"] = f"host-{hosts[rank]}"
+    tandem.init_process_group("auto", init_method=f"file://{store}/tandem", rank=rank,
+                              world_size=p, timeout=timeout)
+    if gloo:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"file://{store}/gloo", rank=rank,
+                                world_size=p, timeout=datetime.timedelta(seconds=timeout))
+
+
+def leave_hosts(gloo: bool) -> None:
+    """End what :func:`join_on_host` started."""
+    import tandem
+
+    tandem.destroy_process_group()
+    if gloo:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()

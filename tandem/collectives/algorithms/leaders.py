@@ -18,7 +18,8 @@ a host messages go over shared memory (backend ``auto``).
 * **all-to-all**: every rank sends its leader one message of its pieces for all other
   ranks (same host or not); the leader packs one message per other host (every piece
   from its host to that host, by source then destination rank) for that host's leader,
-  and hands each of its ranks one message of every piece meant for it.
+  and hands each of its ranks one message of every piece meant for it (through the
+  host's arena instead when its ranks share memory, :func:`~.shm_alltoall.arena_all_to_all`).
 
 The root checks of the rooted ones confirm up a two-level tree (:func:`check_tree`):
 each host's ranks to its leader, each leader once its host confirmed, the root once
@@ -39,14 +40,15 @@ from tandem.collectives.reduce_op import ReduceOp, finish
 from tandem.transport.base import Slot
 
 __all__ = ["leaders_reduce", "leaders_gather", "leaders_scatter", "leaders_all_to_all",
-           "rooted", "check_tree", "BLOCK_STEP"]
+           "leaders_table", "rooted", "check_tree", "BLOCK_STEP", "TABLE_STEP"]
 
 Layout = list[list[int]]
 
 # steps of their own: the within-host and across-leaders trees of a reduce use 0 and PHASE
 _UP = 2 * PHASE  # a rank to its leader, or top to the root
 _ACROSS = 3 * PHASE  # leader to leader
-BLOCK_STEP = _ACROSS  # a scatter's block to another host's leader (shm_spanning's too)
+# a scatter's or all-to-all's block to another host's leader (shm_spanning's, shm_alltoall's too)
+BLOCK_STEP = _ACROSS
 _DOWN = 4 * PHASE  # a leader to its ranks
 
 
@@ -218,6 +220,7 @@ def leaders_scatter(o: Op, recv: torch.Tensor, ins: list[torch.Tensor] | None, r
 
 # the all-to-all's table of sizes moves in steps of its own, before the data
 _T_UP, _T_ACROSS, _T_DOWN = 5 * PHASE, 6 * PHASE, 7 * PHASE
+TABLE_STEP = _T_ACROSS  # a host's rows of the table to another host's leader (shm_alltoall's too)
 
 
 def leaders_table(o: Op, mine: torch.Tensor, layout: Layout) -> list[torch.Tensor]:

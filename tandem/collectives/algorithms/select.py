@@ -19,9 +19,12 @@ or a host leader then plays its own part in it. The rules, by group:
   leaders, then each leader to its host's ranks, :mod:`~.spanning`; within a host whose
   ranks share memory through its own arena, :mod:`~.shm_spanning`); reduce, gather,
   scatter and all_to_all through the hosts' ``leaders`` below ``LEADERS_BELOW_BYTES``
-  (``leaders.py``), so a host keeps connections to the other hosts' leaders only; from
-  it on a reduce ``two_level`` (rings within each host and among the leaders,
-  ``streamed.two_level_reduce``), the others straight to their peers; all_gather and reduce_scatter through the hosts' ``leaders`` when each host's ranks
+  (``leaders.py``), so a host keeps connections to the other hosts' leaders only
+  (all_to_all's within a host whose ranks share memory through its arena,
+  :mod:`~.shm_alltoall`, the split table too); from it on a reduce ``two_level``
+  (rings within each host and among the leaders, ``streamed.two_level_reduce``), the
+  others straight to their peers; all_gather and reduce_scatter through the hosts'
+  ``leaders`` when each host's ranks
   are consecutive (and, for a reduction, the leaders' receive areas fit), else the
   ``ring``; a large reduce_scatter on such hosts ``two_level`` (a ring within each host,
   then the leaders), by all_reduce's two-level rule.
@@ -64,6 +67,7 @@ from tandem.collectives.algorithms.ring import (Bounds, even_bounds, link_chunk,
 from tandem.collectives.algorithms.roots import announce_root, confirm_root
 from tandem.collectives.algorithms.shm import shm_all_reduce, shm_all_reduce_many
 from tandem.collectives.algorithms.shm_gather import shm_all_gather, shm_reduce_scatter
+from tandem.collectives.algorithms.shm_alltoall import arena_all_to_all
 from tandem.collectives.algorithms.shm_rooted import shm_broadcast, shm_reduce
 from tandem.collectives.algorithms.shm_spanning import arena_scatter, host_shares_memory
 from tandem.collectives.algorithms.streamed import (host_blocks, leaders_all_gather,
@@ -80,7 +84,7 @@ __all__ = [
     "ALL_REDUCE", "register_algorithm", "select_all_reduce", "select_all_reduce_coalesced",
     "select_broadcast", "select_reduce", "select_all_gather", "select_all_gather_into_tensor",
     "select_gather", "select_scatter", "select_reduce_scatter", "select_all_to_all",
-    "select_barrier",
+    "all_to_all_in_host_arena", "select_barrier",
 ]
 
 # the shape of each collective's algorithms (``Op`` first; buffers flat unless noted)
@@ -449,18 +453,40 @@ def _pairwise(o: Op, outs: list[torch.Tensor], ins: list[torch.Tensor],
     pairwise_all_to_all(o, outs, ins, sent)
 
 
+def _most_across(counts: list[list[int]], layout: list[list[int]]) -> int:
+    """What the rank sending other hosts most sends them, in elements: a rank's total less
+    what stays on its host (a loop over every pair: ~0.5 ms at 64 ranks)."""
+    return max(sum(counts[a]) - sum(counts[a][b] for b in ranks) for ranks in layout for a in ranks)
+
+
 def _leaders_all_to_all(o: Op, outs: list[torch.Tensor], ins: list[torch.Tensor],
                         sent: dict[int, Slot], counts: list[list[int]]) -> None:
     """Through the leaders unless some rank sends other hosts too much: ``counts`` came
     through the leaders (alltoall.py), so every rank makes the same choice here."""
     layout = host_layout(o.group)
     assert layout is not None and not sent  # as select_all_to_all found it
-    # a rank's total less what stays on its host (a loop over every pair: ~0.5 ms at 64 ranks)
-    most = max(sum(counts[a]) - sum(counts[a][b] for b in ranks) for ranks in layout for a in ranks)
-    if _leaders_pay(most * ins[0].element_size()):
+    if _leaders_pay(_most_across(counts, layout) * ins[0].element_size()):
         leaders_all_to_all(o, outs, ins, counts, layout)
     else:
         pairwise_all_to_all(o, outs, ins, {})
+
+
+def all_to_all_in_host_arena(o: Op, outs: list[torch.Tensor], ins: list[torch.Tensor],
+                             mine: torch.Tensor,
+                             check_table: Callable[[list[torch.Tensor]], list[list[int]]]
+                             ) -> bool:
+    """The "leaders" all_to_all, split table included, with this rank's host's part in
+    its arena (:func:`~.shm_alltoall.arena_all_to_all`) when the host's ranks share
+    memory; False, nothing moved, when they do not (the caller exchanges the table
+    through the leaders' messages and runs :func:`_leaders_all_to_all`)."""
+    layout = host_layout(o.group)
+    assert layout is not None  # as select_all_to_all found it
+    if not host_shares_memory(o.group, host_of_rank(layout, o.group.group_rank)):
+        return False
+    size = ins[0].element_size()
+    return arena_all_to_all(o, outs, ins, mine, check_table,
+                            lambda counts: _leaders_pay(_most_across(counts, layout) * size),
+                            layout)
 
 
 def select_all_to_all(group: ProcessGroup) -> tuple[str, AllToAll]:

@@ -88,9 +88,12 @@ def _blame(op: Op, rank: int, lost: PeerLostError) -> None:
     raise PeerLostError(f"{op.describe()} failed: {lost}", rank) from lost
 
 
-def arena_check(op: Op, arena: Arena, ranks: Sequence[int] | None = None) -> Callable[[], None]:
+def arena_check(op: Op, arena: Arena, ranks: Sequence[int] | None = None,
+                messages: bool = False) -> Callable[[], None]:
     """What a rank waiting in shared memory checks before it sleeps and as it wakes;
-    ``ranks``: the global ranks of the arena's members (default: the group's)."""
+    ``ranks``: the global ranks of the arena's members (default: the group's);
+    ``messages``: the call moves messages too, so one of this call with its signature
+    that waits unreceived is its own, not a peer's other call."""
     g = op.group
     transport = g.transport
     members = g.ranks if ranks is None else ranks
@@ -106,7 +109,7 @@ def arena_check(op: Op, arena: Arena, ranks: Sequence[int] | None = None) -> Cal
             if error is not None:
                 raise error
         parked = transport.parked_call(g.group_id, op.seq)
-        if parked is not None:
+        if parked is not None and not (messages and parked[1].sig == op.sig):
             sender, header = parked
             raise _mismatch(op, sender, header.seq, header.sig, header.site)
         if time.monotonic() > op.deadline:
@@ -136,14 +139,14 @@ def verify(op: Op, arena: Arena, members: Sequence[int] | None = None,
         op.group.compare_previous(op, range(arena.size))
 
 
-def prepare(op: Op, arena: Arena | None = None,
-            ranks: Sequence[int] | None = None) -> tuple[Arena, Callable[[], None]]:
+def prepare(op: Op, arena: Arena | None = None, ranks: Sequence[int] | None = None,
+            messages: bool = False) -> tuple[Arena, Callable[[], None]]:
     """The group's arena (or ``arena``, of the global ranks ``ranks``) set up for this
-    call, and the check its waits run."""
+    call, and the check its waits run (``messages``: as for :func:`arena_check`)."""
     arena = _arena(op) if arena is None else arena
     # a call queued with async_op=True runs beside the caller's own work (DDP: backward),
     # so its waits leave the CPU almost at once instead of polling
     background = threading.current_thread() is op.group.engine_thread
     arena.spin = BACKGROUND_SPIN_S if background else arena.default_spin
     arena.wait_log = op.phases  # [timeline hook]
-    return arena, arena_check(op, arena, ranks)
+    return arena, arena_check(op, arena, ranks, messages)
