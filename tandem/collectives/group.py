@@ -223,6 +223,7 @@ class ProcessGroup:
         # a group spanning hosts: its ranks on this host share staging memory (made by
         # the first call that uses it, by every rank of the host; see host_arena)
         self._host_arena: Arena | None = None
+        self._abort_passed = False  # this rank passed the group's abort to its host mates
         self.compared = -1  # the last call whose previous call was compared (compare_previous)
         # (seq, signature, call site) of the last call compared: the next call's previous one
         self._last_compared: tuple[int, bytes, bytes] | None = None
@@ -265,6 +266,7 @@ class ProcessGroup:
         """
         failure = self.transport.aborted(self.group_id)
         if failure is not None:
+            self._pass_on_abort(failure)
             raise StateError(f"process group '{self.group_name}' was aborted earlier: "
                              f"{failure}") from failure
         if not async_op:
@@ -452,8 +454,22 @@ class ProcessGroup:
     def abort(self, error: TandemError) -> None:
         """Fail this group here and on every member, with ``error``."""
         if self.transport.aborted(self.group_id) is error:
-            return  # we learnt it from a peer's abort: everyone has been told already
+            # learnt from a peer's abort: its host mates may not have been told
+            self._pass_on_abort(error)
+            return
         self.transport.abort(self.group_id, self.ranks, error)
+
+    def _pass_on_abort(self, error: TandemError) -> None:
+        """Tell this rank's same-host members, once, of the group's abort it learnt from a
+        peer: a mate waiting for this rank's arena hand-over, or in an arena with it,
+        learns at once whatever path the news took (a relay may not have reached it)."""
+        if self._abort_passed or self._closed:  # destroyed here: nothing for the mates
+            return
+        self._abort_passed = True
+        me = self.transport.rank
+        mates = [r for r in self.ranks if r != me and self.transport.shares_memory_with([r])]
+        if mates:
+            self.transport.abort(self.group_id, mates, error)
 
     def scratch(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Working memory for one collective, reused by the next one on this group.

@@ -22,7 +22,7 @@ import torch
 import tandem
 from tandem.testing import launch
 
-from _coll_util import watch_collective_sends
+from _coll_util import stay_until_all_failed, watch_collective_sends
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(300)]
 
@@ -136,7 +136,7 @@ def test_within_a_host_a_broadcast_sends_no_message_but_the_leaders_confirmation
         assert across == {(0, 4), (4, 0)}, (root, sorted(across))
 
 
-def _disagree(rank: int, p: int, hosts: str, store: str, case: str) -> float:
+def _disagree(rank: int, p: int, hosts: str, store: str, case: str, warm: bool) -> float:
     _join(rank, p, hosts, store, False)
     try:
         src = {"each-its-own": rank,
@@ -144,22 +144,27 @@ def _disagree(rank: int, p: int, hosts: str, store: str, case: str) -> float:
                "one-host-disagrees": 6 if hosts[rank] == "c" else 0,
                "one-rank-disagrees": 2 if rank == 1 else 0,
                "a-reader-names-itself": rank if rank == 4 else 3}[case]
+        if warm:  # the host arenas exist; else the disagreement meets their making
+            tandem.broadcast(torch.zeros(4), src=0)
         start = time.monotonic()
         try:
             tandem.broadcast(torch.full((4,), float(rank)), src=src)
             tandem.barrier()  # a rank whose own call completed fails here
         finally:
             took = time.monotonic() - start
+            stay_until_all_failed(rank, p, store, OP_TIMEOUT)
         return took
     finally:
         _leave(False)
 
 
+@pytest.mark.parametrize("warm", [True, False], ids=["later-call", "first-call"])
 @pytest.mark.parametrize("case", ["each-its-own", "two-camps", "one-host-disagrees",
                                   "one-rank-disagrees", "a-reader-names-itself"])
-def test_roots_that_disagree_fail_in_the_call_on_every_rank(case: str, tmp_path: Any) -> None:
+def test_roots_that_disagree_fail_in_the_call_on_every_rank(case: str, warm: bool,
+                                                            tmp_path: Any) -> None:
     hosts = "aaabbbcc"
-    outcomes = launch(len(hosts), _disagree, (hosts, str(tmp_path), case), init=False,
+    outcomes = launch(len(hosts), _disagree, (hosts, str(tmp_path), case, warm), init=False,
                       timeout=OP_TIMEOUT + 60)
     assert all(not o.ok for o in outcomes), [(o.rank, o.ok, o.value) for o in outcomes]
     # every rank names the cause: a peer that raised the mismatch and left is never blamed

@@ -6,6 +6,10 @@ a rank died: it fails in the call, within seconds, naming the cause. Real proces
 hosts told apart by ``TANDEM_HOST_ID``: on host b, rank 3 (the arena's maker) stays
 out of the call, so rank 4 waits for its hand-over, while rank 5 aborts the group or
 dies.
+
+A rank that learnt of the group's abort when its host mates did not (a relay that
+missed them) tells them itself as its call fails: waiting for its hand-over, or for its
+post in their arena, they fail in the call with that news.
 """
 
 from __future__ import annotations
@@ -82,3 +86,57 @@ def test_a_rank_waiting_for_its_hosts_arena_fails_when_the_group_does(case: str,
         assert "PeerLostError" in waiter.error and "rank 5" in waiter.error, \
             waiter.error[-1500:]
     assert "timed out" not in waiter.error, waiter.error[-1500:]
+
+
+NEWS = "the news that reached rank 0 but not its host mates"
+
+
+def _told_alone(rank: int, p: int, store: str, collective: str, warm: bool) -> None:
+    os.environ["TANDEM_HOST_ID"] = f"host-{HOSTS[rank]}"
+    tandem.init_process_group("auto", init_method=f"file://{store}/tandem", rank=rank,
+                              world_size=p, timeout=OP_TIMEOUT)
+    try:
+        from tandem.collectives.world import default_group
+        from tandem.errors import CollectiveMismatchError
+
+        def call() -> None:
+            if collective == "broadcast":
+                tandem.broadcast(torch.zeros(4), src=0)
+            else:
+                tandem.scatter(torch.zeros(4), [torch.zeros(4)] * p if rank == 0 else None,
+                               src=0)
+
+        if warm:  # the host arenas exist: rank 1 then waits in one, not for its hand-over
+            call()
+            tandem.barrier()
+        g = default_group()
+        if rank not in (1, 2):
+            # the group's abort as it arrives: every rank but rank 0's host mates has it
+            # (a relay that did not reach them), so only rank 0 can tell them
+            g.transport.mailbox.abort_group(g.group_id, CollectiveMismatchError(NEWS))
+        _mark(store, f"told-{rank}")
+        _wait_for(store, [f"told-{r}" for r in range(p)])
+        try:
+            call()
+        finally:
+            # stay until every rank has its outcome: a rank leaving tells its failed
+            # groups' news on the way out, which would hide a mate never told before
+            _mark(store, f"out-{rank}")
+            _wait_for(store, [f"out-{r}" for r in range(p)])
+    finally:
+        tandem.destroy_process_group()
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["first-call", "later-call"])
+@pytest.mark.parametrize("collective", ["broadcast", "scatter"])
+def test_a_rank_that_learnt_of_the_abort_tells_its_host_mates(collective: str, warm: bool,
+                                                              tmp_path: Any) -> None:
+    outcomes = launch(len(HOSTS), _told_alone, (str(tmp_path), collective, warm), init=False,
+                      timeout=OP_TIMEOUT + 60)
+    assert not any(o.ok for o in outcomes), [o.rank for o in outcomes if o.ok]
+    # rank 0's mates wait for its hand-over (first call) or its post in their arena:
+    # they learn of the abort from rank 0 in the call, not at the deadline
+    for o in outcomes[1:3]:
+        assert NEWS in o.error, (o.rank, o.error[-1500:])
+        assert "CollectiveTimeoutError" not in o.error and "timed out" not in o.error, \
+            (o.rank, o.error[-1500:])

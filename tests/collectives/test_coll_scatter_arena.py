@@ -23,6 +23,8 @@ import torch
 import tandem
 from tandem.testing import launch
 
+from _coll_util import stay_until_all_failed
+
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(300)]
 
 LAYOUTS = {"2x8": "a" * 8 + "b" * 8, "4x4": "aaaabbbbccccdddd",
@@ -148,7 +150,7 @@ def test_within_a_host_a_scatter_sends_no_message_but_the_leaders_confirmation()
         assert across == {(0, 4), (4, 0)}, (root, sorted(across))
 
 
-def _disagree(rank: int, p: int, hosts: str, store: str, case: str) -> float:
+def _disagree(rank: int, p: int, hosts: str, store: str, case: str, warm: bool) -> float:
     _join(rank, p, hosts, store, False)
     try:
         src = {"each-its-own": rank,
@@ -156,9 +158,8 @@ def _disagree(rank: int, p: int, hosts: str, store: str, case: str) -> float:
                "one-host-disagrees": 6 if hosts[rank] == "c" else 0,
                "one-rank-disagrees": 2 if rank == 1 else 0,
                "a-reader-names-itself": rank if rank == 4 else 3}[case]
-        # one agreed call first: the host arenas exist (a disagreement in the call that
-        # makes them can leave a rank waiting for its host's arena until the deadline)
-        tandem.scatter(torch.zeros(4), [torch.zeros(4)] * p if rank == 0 else None, src=0)
+        if warm:  # the host arenas exist; else the disagreement meets their making
+            tandem.scatter(torch.zeros(4), [torch.zeros(4)] * p if rank == 0 else None, src=0)
         start = time.monotonic()
         try:
             tandem.scatter(torch.zeros(4), [torch.full((4,), float(d)) for d in range(p)]
@@ -166,27 +167,19 @@ def _disagree(rank: int, p: int, hosts: str, store: str, case: str) -> float:
             tandem.barrier()  # a rank whose own call completed fails here
         finally:
             took = time.monotonic() - start
-            _all_failed(rank, p, store)
+            stay_until_all_failed(rank, p, store, OP_TIMEOUT)
         return took
     finally:
         _leave(False)
 
 
-def _all_failed(rank: int, p: int, store: str) -> None:
-    """Stay until every rank has its outcome: a rank whose own call completed then
-    learns of the abort in its barrier, not of a peer's exit."""
-    open(os.path.join(store, f"out-{rank}"), "w").close()
-    deadline = time.monotonic() + OP_TIMEOUT
-    while time.monotonic() < deadline and not all(
-            os.path.exists(os.path.join(store, f"out-{r}")) for r in range(p)):
-        time.sleep(0.05)
-
-
+@pytest.mark.parametrize("warm", [True, False], ids=["later-call", "first-call"])
 @pytest.mark.parametrize("case", ["each-its-own", "two-camps", "one-host-disagrees",
                                   "one-rank-disagrees", "a-reader-names-itself"])
-def test_roots_that_disagree_fail_in_the_call_on_every_rank(case: str, tmp_path: Any) -> None:
+def test_roots_that_disagree_fail_in_the_call_on_every_rank(case: str, warm: bool,
+                                                            tmp_path: Any) -> None:
     hosts = "aaabbbcc"
-    outcomes = launch(len(hosts), _disagree, (hosts, str(tmp_path), case), init=False,
+    outcomes = launch(len(hosts), _disagree, (hosts, str(tmp_path), case, warm), init=False,
                       timeout=OP_TIMEOUT + 60)
     assert all(not o.ok for o in outcomes), [(o.rank, o.ok, o.value) for o in outcomes]
     # every rank names the cause (only the ranks that do not are shown)
