@@ -92,3 +92,33 @@ def test_a_rank_in_another_collective_is_a_mismatch(odd: int, tmp_path: Any) -> 
     named = [o for o in outcomes if "CollectiveMismatchError" in o.error]
     assert named, [o.error[-800:] for o in outcomes]
     assert time.monotonic() - start < OP_TIMEOUT, "found only by the deadline"
+
+
+def _killed(rank: int, p: int, store: str, victim: int) -> str:
+    _init(rank, store)
+    if rank == victim:
+        time.sleep(1.0)  # the others are waiting in the barrier by then, or soon
+        os.kill(os.getpid(), 9)
+    try:
+        tandem.barrier()
+    except Exception as exc:  # noqa: BLE001 - the survivor's account is the result
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        tandem.destroy_process_group()
+    return "passed"
+
+
+@pytest.mark.parametrize("victim", [1, 3], ids=["non-leader", "leader"])
+def test_a_killed_rank_fails_every_survivor_s_barrier_naming_it(victim: int,
+                                                                 tmp_path: Any) -> None:
+    """Survivors asleep in their host's arena (on the victim's host and on the other) and
+    leaders waiting for each other all fail, naming the victim, well before the deadline."""
+    start = time.monotonic()
+    outcomes = launch(len(HOSTS), _killed, (str(tmp_path), victim), init=False,
+                      timeout=OP_TIMEOUT + 60)
+    for o in outcomes:
+        if o.rank == victim:
+            continue
+        assert o.ok and o.value != "passed", (o.rank, o.value, o.error[-800:])
+        assert f"rank {victim}" in o.value and "timed out" not in o.value, (o.rank, o.value)
+    assert time.monotonic() - start < OP_TIMEOUT, "found only by the deadline"
