@@ -37,7 +37,6 @@ from tandem.collectives.algorithms.roots import ROOT_STEP
 from tandem.collectives.algorithms.tree import tree_reduce
 from tandem.collectives.group import Op, as_bytes
 from tandem.collectives.reduce_op import ReduceOp, finish
-from tandem.transport.base import Slot
 
 __all__ = ["leaders_reduce", "leaders_gather", "leaders_scatter", "leaders_all_to_all",
            "leaders_table", "rooted", "check_tree", "BLOCK_STEP", "TABLE_STEP"]

@@ -83,7 +83,7 @@ def arena_all_to_all(op: Op, outs: list[torch.Tensor], ins: list[torch.Tensor],
     if row_bytes + table_bytes > arena.chunk:
         return False
     arena.announce(op.seq, op.sig, op.site)
-    index, leader = local.index(me), local[0]
+    leader = local[0]
     order = [r for h in layout for r in h]
     at = {r: i * n for i, r in enumerate(order)}  # each rank's row in the table
     away = [h for h in layout if h is not local]
