@@ -38,7 +38,7 @@ from tandem.collectives.algorithms._phases import host_of_rank
 from tandem.collectives.algorithms.flat import copy_overlap
 from tandem.collectives.algorithms.leaders import BLOCK_STEP
 from tandem.collectives.algorithms.ring import link_chunk
-from tandem.collectives.algorithms.roots import ROOT_STEP
+from tandem.collectives.algorithms.roots import ROOT_STEP, confirm_up
 from tandem.collectives.algorithms.shm_checks import prepare, verify
 from tandem.collectives.algorithms.shm_arrival import arrive_and_stage
 from tandem.collectives.algorithms.spanning import cut
@@ -144,8 +144,7 @@ def arena_broadcast(op: Op, buf: torch.Tensor, root: int, layout: list[list[int]
             pass_on(b)
     if parent is not None and not confirmed:
         # for its whole subtree, once its host passed the check and the data is on its way
-        op.wait(*told)
-        told = [op.send(parent, ROOT_STEP, empty)]
+        told = confirm_up(op, parent, told)
     op.wait(*sent, *told)
 
 
@@ -233,8 +232,7 @@ def arena_scatter(op: Op, recv: torch.Tensor, ins: list[torch.Tensor] | None, ro
                 sent.append(op.send(leader, BLOCK_STEP, as_bytes(rest[lo:hi])))
                 passed += 1
         if me == top and carry:
-            op.wait(*told)  # every other host named the root
-            told = [op.send(root, ROOT_STEP, empty)]
+            told = confirm_up(op, root, told)  # every other host named the root
     op.wait(*sent, *told)
 
 
