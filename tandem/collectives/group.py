@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import torch
 import torch.autograd.profiler as _torch_profiler
@@ -34,7 +34,8 @@ from tandem.collectives.recorder import Call, Recorder, clock, payload_bytes
 from tandem.collectives.work import Completions, Work
 from tandem.transport import Arena, Header, Kind, Slot, Transport
 
-__all__ = ["ProcessGroup", "NonMemberGroup", "Op", "as_bytes", "bounded", "spans_hosts"]
+__all__ = ["ProcessGroup", "NonMemberGroup", "Op", "as_bytes", "bounded", "spans_hosts",
+           "kept_per_group"]
 
 # enum members as module constants: looking one up on its class costs ~10x a global
 _COLL = Kind.COLL
@@ -104,17 +105,25 @@ def spans_hosts(group: "ProcessGroup") -> bool:
     group or a phase's view of one: anything with ``transport`` and ``ranks``)."""
     # asked on every call across hosts and O(group size) (3 us at 16 ranks): kept per
     # group, as a rank's host never changes once the group exists
-    try:
-        return _SPANS[group]
-    except KeyError:
-        pass
-    except TypeError:  # not weakly referable: worked out each time
-        return _spans(group)
-    spans = _SPANS[group] = _spans(group)
-    return spans
+    return kept_per_group(_SPANS, group, _spans)
 
 
 _SPANS: weakref.WeakKeyDictionary[object, bool] = weakref.WeakKeyDictionary()
+_Answer = TypeVar("_Answer")
+
+
+def kept_per_group(cache: "weakref.WeakKeyDictionary[object, _Answer]", group: Any,
+                   work: Callable[[Any], _Answer]) -> _Answer:
+    """``work(group)``, kept in ``cache`` for as long as ``group`` (or the one-call view
+    of one) lives; worked out each time for a group that cannot be weakly referenced."""
+    try:
+        return cache[group]
+    except KeyError:
+        pass
+    except TypeError:
+        return work(group)
+    answer = cache[group] = work(group)
+    return answer
 
 
 def _spans(group: "ProcessGroup") -> bool:
