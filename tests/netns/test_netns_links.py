@@ -70,10 +70,10 @@ def test_pings_take_twice_the_configured_delay(tmp_path: Path, link: str, one_wa
     with _Skipping(tmp_path, link) as lab:
         rtts = [r for r in lab.ping(0, 1, count=30) if r is not None]
     assert len(rtts) == 30, "pings were lost on a link without loss"
-    # never faster than the two delays; the delay process wakes within a fraction of
-    # a millisecond even on a busy machine, so the median stays close
+    # never faster than the two delays; slower by up to 3 ms when netem's timers wait for a
+    # busy CPU (1.4 ms seen at load 20), while a wrong unit is 10x off
     assert min(rtts) >= 2 * one_way, f"{link}: fastest round trip {min(rtts) * 1e3:.3f} ms"
-    assert statistics.median(rtts) <= 2 * one_way + 1e-3, \
+    assert statistics.median(rtts) <= 2 * one_way + 3e-3, \
         f"{link}: median round trip {statistics.median(rtts) * 1e3:.3f} ms"
 
 
