@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import torch
 import torch.autograd.profiler as _torch_profiler
@@ -29,17 +29,18 @@ from tandem._words import in_order
 from tandem.config import Settings
 from tandem.errors import (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError,
                            StateError, TandemError)
+from tandem.collectives.backend import HOST_ARENA_KEY
 from tandem.collectives.recorder import Call, Recorder, clock, payload_bytes
 from tandem.collectives.work import Completions, Work
 from tandem.transport import Arena, Header, Kind, Slot, Transport
 
-__all__ = ["ProcessGroup", "NonMemberGroup", "Op", "as_bytes", "bounded", "spans_hosts"]
+__all__ = ["ProcessGroup", "NonMemberGroup", "Op", "as_bytes", "bounded", "spans_hosts",
+           "kept_per_group"]
 
 # enum members as module constants: looking one up on its class costs ~10x a global
 _COLL = Kind.COLL
 _P2P = Kind.P2P
 
-_HOST_ARENA_KEY = 1 << 61  # a group's per-host arena: its id with this bit, apart from group ids
 _SCRATCH_KEEP = 256 << 20  # larger working buffers are not kept between calls
 _TEXT_KEEP = 1024  # bytes of a signature or call site kept as text; the rest is hashed
 NON_GROUP_MEMBER = -100  # torch's value for "not a member"; a NonMemberGroup equals it
@@ -104,17 +105,25 @@ def spans_hosts(group: "ProcessGroup") -> bool:
     group or a phase's view of one: anything with ``transport`` and ``ranks``)."""
     # asked on every call across hosts and O(group size) (3 us at 16 ranks): kept per
     # group, as a rank's host never changes once the group exists
-    try:
-        return _SPANS[group]
-    except KeyError:
-        pass
-    except TypeError:  # not weakly referable: worked out each time
-        return _spans(group)
-    spans = _SPANS[group] = _spans(group)
-    return spans
+    return kept_per_group(_SPANS, group, _spans)
 
 
 _SPANS: weakref.WeakKeyDictionary[object, bool] = weakref.WeakKeyDictionary()
+_Answer = TypeVar("_Answer")
+
+
+def kept_per_group(cache: "weakref.WeakKeyDictionary[object, _Answer]", group: Any,
+                   work: Callable[[Any], _Answer]) -> _Answer:
+    """``work(group)``, kept in ``cache`` for as long as ``group`` (or the one-call view
+    of one) lives; worked out each time for a group that cannot be weakly referenced."""
+    try:
+        return cache[group]
+    except KeyError:
+        pass
+    except TypeError:
+        return work(group)
+    answer = cache[group] = work(group)
+    return answer
 
 
 def _spans(group: "ProcessGroup") -> bool:
@@ -432,7 +441,7 @@ class ProcessGroup:
         """The staging memory shared by this host's group ranks ``local`` (lowest first),
         made on first use, collectively over them, and kept until :meth:`close`."""
         if self._host_arena is None:
-            self._host_arena = self._make_arena(op, _HOST_ARENA_KEY | self.group_id,
+            self._host_arena = self._make_arena(op, HOST_ARENA_KEY | self.group_id,
                                                 [self.ranks[i] for i in local])
         return self._host_arena
 

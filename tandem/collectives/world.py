@@ -107,7 +107,6 @@ def init_process_group(
     ``TANDEM_CONNECT_TIMEOUT`` (60 s), or ``timeout`` if that is shorter. ``device_id``
     may be None or the CPU; ``pg_options`` must be None.
     """
-    global _world
     if _world is not None:
         raise StateError("tandem is already initialised; call destroy_process_group() first")
     settings = load_settings()

@@ -22,14 +22,14 @@ from __future__ import annotations
 import abc
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, NoReturn, Protocol, Sequence
 
 from tandem.errors import ArgumentError, PeerLostError, ProtocolError, StateError, TandemError
 from tandem.transport.failures import ABORT_CODES, decode_error, encode_error
 from tandem.transport.mailbox import Mailbox
 from tandem.transport.message import (SIG_MAX, Flag, Handler, Header, Key, Kind, Reader, Slot,
                                       reader_of)
-from tandem.transport.wait import blame, wait_all
+from tandem.transport.wait import raise_lost, wait_all
 
 if TYPE_CHECKING:
     from tandem.transport._arena import Arena
@@ -168,10 +168,11 @@ class Transport(abc.ABC):
         """Why ``peer``, which closed its process group on purpose, can send no more."""
         return self.mailbox.failures.left(peer)
 
-    def blame(self, group: int, lost: TandemError, deadline: float) -> TandemError:
-        """What a wait on ``group`` that found ``lost`` (a peer died or left) raises: the
-        group's abort if its news comes within a grace, else ``lost`` (see ``wait``)."""
-        return blame(self.mailbox.failures, group, lost, deadline)
+    def raise_lost(self, group: int, lost: PeerLostError, rank: int, deadline: float,
+                   describe: Callable[[], str]) -> NoReturn:
+        """Raise for ``rank``, found gone (``lost``: it died or left) by a wait on ``group``:
+        the group's abort if its news comes within a grace, else the loss (see ``wait``)."""
+        raise_lost(self.mailbox.failures, group, lost, rank, deadline, describe)
 
     def check_group(self, group: int, ranks: Sequence[int], deadline: float,
                     describe: Callable[[], str]) -> None:
@@ -182,10 +183,7 @@ class Transport(abc.ABC):
             raise failure
         lost = self.mailbox.failures.first_lost(ranks)
         if lost is not None:
-            cause = self.blame(group, lost, deadline)
-            if cause is not lost:
-                raise cause
-            raise PeerLostError(f"{describe()} failed: {lost}", lost.rank) from lost
+            self.raise_lost(group, lost, lost.rank, deadline, describe)
 
     def finished(self, group: int, seq: int, sig: bytes, site: bytes,
                  recorded: bool = False) -> None:
@@ -211,9 +209,11 @@ class Transport(abc.ABC):
         receive took (for point-to-point messages, the step is the tag)."""
         return self.mailbox.unreceived(kind, group)
 
-    def parked_call(self, group: int, seq: int) -> tuple[int, Header] | None:
-        """(sender, header) of an unreceived message of call ``seq`` on ``group``, or None."""
-        return self.mailbox.parked_call(group, seq)
+    def parked_call(self, group: int, seq: int,
+                    besides: bytes | None = None) -> tuple[int, Header] | None:
+        """(sender, header) of an unreceived message of call ``seq`` on ``group`` whose
+        signature is not ``besides``, or None."""
+        return self.mailbox.parked_call(group, seq, besides)
 
     # -- failing -------------------------------------------------------------------------
     def abort(self, group: int, peers: Iterable[int], error: TandemError) -> None:

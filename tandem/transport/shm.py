@@ -420,16 +420,14 @@ class ShmTransport(BoundedSends, Transport):
         if premade is not None:
             # made or handed over at init (its size the first rank's choice, as always)
             fd = premade[2]
-            try:
-                if self.rank != first and (os.fstat(fd).st_size != premade[3]
-                                           or premade[3] < count * segment_bytes(4096)):
-                    raise NetworkError(f"rank {first} handed over a bad shared segment "
-                                       f"({premade[3]} bytes) at init")
-                whole = mmap.mmap(fd, premade[3])
-            except BaseException:
-                os.close(fd)
-                raise
-            if self.rank != first:
+            if self.rank == first:
+                try:
+                    whole = mmap.mmap(fd, premade[3])
+                except BaseException:
+                    os.close(fd)
+                    raise
+            else:
+                whole = self._map_handed(first, fd, premade[3], count * segment_bytes(4096))
                 self._check_split(first, whole, fd, count)
         elif self.rank == first:
             fd, size = self._make_segment(members, chunk)
@@ -548,10 +546,16 @@ class ShmTransport(BoundedSends, Transport):
                 self._offer_cv.wait(min(left, 0.5 if check is None else _CHECK_S))
             if check is not None:
                 check()
+        return self._map_handed(peer, fd, size, smallest), fd
+
+    @staticmethod
+    def _map_handed(peer: int, fd: int, size: int, smallest: int) -> mmap.mmap:
+        """Map the segment ``peer`` handed over as ``size`` bytes, or refuse it (closing
+        ``fd``) when it is not that size or is under ``smallest`` bytes."""
         try:
             if os.fstat(fd).st_size != size or size < smallest:
                 raise NetworkError(f"rank {peer} handed over a bad shared segment ({size} bytes)")
-            return mmap.mmap(fd, size), fd
+            return mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)
             raise

@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NoReturn
 
 from tandem.errors import CollectiveTimeoutError, PeerLostError, TandemError
 from tandem.transport.failures import Failures
 from tandem.transport.mailbox import Mailbox
 from tandem.transport.message import Slot
 
-__all__ = ["wait_all", "blame", "TIMEOUT_GRACE", "LOST_GRACE"]
+__all__ = ["wait_all", "blame", "raise_lost", "TIMEOUT_GRACE", "LOST_GRACE"]
 
 # how long a rank that timed out listens for its peers' reports before raising
 TIMEOUT_GRACE = 0.5
@@ -58,6 +58,16 @@ def blame(failures: Failures, group: int, lost: TandemError, deadline: float) ->
         time.sleep(0.01)
 
 
+def raise_lost(failures: Failures, group: int, lost: PeerLostError, rank: int,
+               deadline: float, describe: Callable[[], str]) -> NoReturn:
+    """Raise for ``rank``, found gone (``lost``) by a wait on ``group``: the group's abort
+    if :func:`blame` finds it, else the loss, naming the call."""
+    cause = blame(failures, group, lost, deadline)
+    if cause is not lost:
+        raise cause
+    raise PeerLostError(f"{describe()} failed: {lost}", rank) from lost
+
+
 def wait_all(slots: Iterable[Slot], deadline: float, describe: Callable[[], str],
              mailbox: Mailbox, group_peers: Iterable[int] = ()) -> None:
     """Wait for every slot of one operation; ``group_peers`` are watched for death."""
@@ -78,11 +88,10 @@ def wait_all(slots: Iterable[Slot], deadline: float, describe: Callable[[], str]
             continue
         lost = mailbox.failures.first_lost(peers)
         if lost is not None:
-            cause = blame(mailbox.failures, slot.key[2], lost, deadline)
-            _cancel(pending, mailbox)
-            if cause is not lost:
-                raise cause
-            raise PeerLostError(f"{describe()} failed: {lost}", lost.rank) from lost
+            try:
+                raise_lost(mailbox.failures, slot.key[2], lost, lost.rank, deadline, describe)
+            finally:  # after the grace, before the error leaves
+                _cancel(pending, mailbox)
 
 
 def _cancel(slots: Iterable[Slot], mailbox: Mailbox) -> None:

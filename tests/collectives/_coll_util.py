@@ -151,18 +151,3 @@ def leave_hosts(gloo: bool) -> None:
         import torch.distributed as dist
 
         dist.destroy_process_group()
-
-
-def stay_until_all_failed(rank: int, p: int, store: str, timeout: float) -> None:
-    """In a child of ``launch`` whose call failed: mark it in ``store``, then stay (at
-    most ``timeout``) until all ``p`` ranks have their outcome. A rank leaving tells its
-    failed groups' news on the way out, which would hide a rank never told before, and
-    a rank whose own call completed then learns of the abort in its barrier."""
-    import os
-    import time
-
-    open(os.path.join(store, f"out-{rank}"), "w").close()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not all(
-            os.path.exists(os.path.join(store, f"out-{r}")) for r in range(p)):
-        time.sleep(0.05)

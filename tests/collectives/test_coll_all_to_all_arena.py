@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import tandem
-from tandem.testing import launch
+from tandem.testing import launch, stay_until_reported
 from _coll_util import join_on_host, leave_hosts, watch_collective_sends
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(300)]
@@ -192,7 +192,8 @@ def _killed(rank: int, p: int, hosts: str, store: str, victim: int) -> dict[str,
         failure = {"type": type(exc).__name__, "msg": str(exc), "at": time.time()}
     else:
         failure = {"type": None, "msg": "100000 calls with a dead peer", "at": time.time()}
-    time.sleep(0.5)  # stay up: the other survivors' errors are about the victim, not us
+    # stay up: the other survivors' errors are about the victim, not us
+    stay_until_reported(store, rank, [r for r in range(p) if r != victim])
     return failure
 
 

@@ -20,10 +20,9 @@ from tandem.collectives import algorithms as algo
 from tandem.collectives.group import ProcessGroup
 from tandem.config import Settings
 from tandem.testing import run_threads
-from tandem.transport.base import Kind
 
 from _coll_util import (DTYPES, OPS, assert_equal, op_defined, rank_input, reduce_locally,
-                        same_bits, short)
+                        same_bits, short, watch_collective_sends)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -125,14 +124,14 @@ def test_streamed_all_reduce_moves_a_large_buffer_within_a_host_in_the_rings_chu
     hosts = list("aabb")
 
     def body(group: ProcessGroup) -> list[tuple[int, int]]:
-        transport, plain, seen = group.transport, group.transport.isend, []
+        seen: list[tuple[int, int]] = []
+        me = group.transport.rank
 
-        def isend(peer: int, header: Any, payload: memoryview) -> Any:
-            if header.kind == Kind.COLL and hosts[peer] == hosts[transport.rank]:
+        def note(peer: int, _header: Any, payload: memoryview) -> None:
+            if hosts[peer] == hosts[me]:
                 seen.append((peer, len(payload)))
-            return plain(peer, header, payload)
 
-        transport.isend = isend  # type: ignore[method-assign]
+        watch_collective_sends(group.transport, note)
         tandem.all_reduce(torch.ones(1 << 18), group=group)
         return seen
 
@@ -152,15 +151,13 @@ def test_a_leader_takes_in_under_three_buffers_from_its_host_not_one_per_rank(ho
     numel = 1 << 16
 
     def body(group: ProcessGroup) -> tuple[int, torch.Tensor]:
-        transport, plain, taken = group.transport, group.transport.isend, [0]
+        taken, me = [0], group.transport.rank
 
-        def isend(peer: int, header: Any, payload: memoryview) -> Any:
-            if header.kind == Kind.COLL and hosts[peer] == hosts[transport.rank] and \
-                    hosts.index(hosts[peer]) == peer:  # to its host's leader
+        def note(peer: int, _header: Any, payload: memoryview) -> None:
+            if hosts[peer] == hosts[me] and hosts.index(hosts[peer]) == peer:  # its leader
                 taken[0] += len(payload)
-            return plain(peer, header, payload)
 
-        transport.isend = isend  # type: ignore[method-assign]
+        watch_collective_sends(group.transport, note)
         x = rank_input("SUM", torch.float32, numel, group.rank())
         tandem.all_reduce(x, group=group)
         return taken[0], x
@@ -287,16 +284,14 @@ def _cross_host_senders(hosts: list[str], call: Callable[[ProcessGroup], None]) 
     """The ranks that sent collective data to another host while ``call`` ran."""
 
     def body(group: ProcessGroup) -> set[int]:
-        transport = group.transport
-        plain = transport.isend
         senders: set[int] = set()
+        me = group.transport.rank
 
-        def isend(peer: int, header: Any, payload: memoryview) -> Any:
-            if header.kind == Kind.COLL and hosts[peer] != hosts[transport.rank]:
-                senders.add(transport.rank)
-            return plain(peer, header, payload)
+        def note(peer: int, _header: Any, _payload: memoryview) -> None:
+            if hosts[peer] != hosts[me]:
+                senders.add(me)
 
-        transport.isend = isend  # type: ignore[method-assign]
+        watch_collective_sends(group.transport, note)
         call(group)
         return senders
 

@@ -15,14 +15,13 @@ post in their arena, they fail in the call with that news.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import pytest
 import torch
 
 import tandem
-from tandem.testing import launch
+from tandem.testing import launch, wait_until
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(300)]
 
@@ -34,40 +33,56 @@ def _mark(store: str, name: str) -> None:
     open(os.path.join(store, name), "w").close()
 
 
-def _wait_for(store: str, names: list[str]) -> None:
-    deadline = time.monotonic() + OP_TIMEOUT
-    while time.monotonic() < deadline and not all(
-            os.path.exists(os.path.join(store, n)) for n in names):
-        time.sleep(0.05)
+def _wait_for(store: str, name: str) -> None:
+    wait_until(lambda: os.path.exists(os.path.join(store, name)), name, OP_TIMEOUT)
 
 
-def _run(rank: int, p: int, store: str, case: str) -> float:
+def _note_the_wait(store: str) -> None:
+    """From now on, mark ``waiting-4`` in ``store`` once this rank's wait for a host
+    arena's hand-over runs its check (the first time it found no hand-over)."""
+    from tandem.collectives.world import default_group
+
+    transport = default_group().transport
+    plain = transport.arena
+
+    def arena(key: int, members: Any, chunk: Any = None, timeout: Any = None,
+              check: Any = None) -> Any:
+        def noted() -> None:
+            _mark(store, "waiting-4")
+            if check is not None:
+                check()
+        return plain(key, members, chunk, timeout, noted)
+
+    transport.arena = arena  # type: ignore[method-assign]
+
+
+def _run(rank: int, p: int, store: str, case: str) -> None:
     os.environ["TANDEM_HOST_ID"] = f"host-{HOSTS[rank]}"
     tandem.init_process_group("auto", init_method=f"file://{store}/tandem", rank=rank,
                               world_size=p, timeout=OP_TIMEOUT)
+    # the default group's host arenas are made at init: another group's come by hand-over
+    group = tandem.new_group(list(range(p)))
     try:
         if rank == 3:  # the maker stays away until rank 4 has its outcome
-            _wait_for(store, ["out-4"])
+            _wait_for(store, "out-4")
             raise RuntimeError("rank 3 stayed out")
         if rank == 5:
-            _wait_for(store, ["in-4"])
-            time.sleep(1.0)  # rank 4 is waiting for the hand-over by now
+            _wait_for(store, "waiting-4")  # rank 4 is waiting for the hand-over
             if case == "death":
                 os._exit(3)
-            from tandem.collectives.world import default_group
+            from tandem.collectives.group import ProcessGroup
             from tandem.errors import StateError
 
-            default_group().abort(StateError("rank 5 gave up"))
+            assert isinstance(group, ProcessGroup)
+            group.abort(StateError("rank 5 gave up"))
             raise RuntimeError("rank 5 aborted the group")
         if rank == 4:
-            _mark(store, "in-4")
-        start = time.monotonic()
+            _note_the_wait(store)
         try:
-            tandem.broadcast(torch.zeros(4), src=0)
+            tandem.broadcast(torch.zeros(4), src=0, group=group)
         finally:
             if rank == 4:
                 _mark(store, "out-4")
-        return time.monotonic() - start
     finally:
         tandem.destroy_process_group()
 

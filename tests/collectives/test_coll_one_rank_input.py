@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import tandem
-from tandem.errors import CollectiveMismatchError
 from tandem.testing import run_threads
 from tandem.testing.logs import capture_logs
 

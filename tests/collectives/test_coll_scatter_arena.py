@@ -11,19 +11,16 @@ fail in the call, well before the deadline, with a mismatch.
 
 from __future__ import annotations
 
-import datetime
-import os
 import tempfile
-import time
 from typing import Any
 
 import pytest
 import torch
 
 import tandem
-from tandem.testing import launch
+from tandem.testing import launch, stay_until_reported
 
-from _coll_util import stay_until_all_failed
+from _coll_util import join_on_host, leave_hosts, watch_collective_sends
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(300)]
 
@@ -37,31 +34,12 @@ def _piece(call: int, root: int, dst: int, n: int, dtype: torch.dtype) -> torch.
             ).to(dtype)
 
 
-def _join(rank: int, p: int, hosts: str, store: str, gloo: bool) -> None:
-    os.environ["TANDEM_HOST_ID"] = f"host-{hosts[rank]}"
-    tandem.init_process_group("auto", init_method=f"file://{store}/tandem", rank=rank,
-                              world_size=p, timeout=OP_TIMEOUT)
-    if gloo:
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo", init_method=f"file://{store}/gloo", rank=rank,
-                                world_size=p, timeout=datetime.timedelta(seconds=OP_TIMEOUT))
-
-
-def _leave(gloo: bool) -> None:
-    tandem.destroy_process_group()
-    if gloo:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
-
-
 def _oracle_run(rank: int, p: int, hosts: str, store: str,
                 calls: list[tuple[int, int, str]]) -> list[str]:
     """Every call's scatter through tandem and gloo; what differed, by call."""
     import torch.distributed as dist
 
-    _join(rank, p, hosts, store, True)
+    join_on_host(rank, p, hosts, store, True, OP_TIMEOUT)
     try:
         wrong = []
         for call, (n, root, dtype_name) in enumerate(calls):
@@ -79,7 +57,7 @@ def _oracle_run(rank: int, p: int, hosts: str, store: str,
                 wrong.append(f"call {call} (n={n}, root={root}, {dtype_name}): not gloo's")
         return wrong
     finally:
-        _leave(True)
+        leave_hosts(True)
 
 
 def _calls(p: int) -> list[tuple[int, int, str]]:
@@ -106,20 +84,12 @@ def test_scatter_through_host_arenas_matches_the_pieces_and_gloo(layout: str,
 def _messages(rank: int, p: int, hosts: str, store: str, roots: list[int]) -> list[list[int]]:
     """The ranks this rank sent a collective message to, in each scatter from ``roots``."""
     from tandem.collectives.world import world
-    from tandem.transport.message import Kind
 
-    _join(rank, p, hosts, store, False)
+    join_on_host(rank, p, hosts, store, False, OP_TIMEOUT)
     try:
-        transport = world().default.transport
-        plain = transport.isend
         sent: list[int] = []
-
-        def isend(peer: int, header: Any, payload: memoryview) -> Any:
-            if header.kind == Kind.COLL:
-                sent.append(peer)
-            return plain(peer, header, payload)
-
-        transport.isend = isend  # type: ignore[method-assign]
+        watch_collective_sends(world().default.transport,
+                               lambda peer, _h, _p: sent.append(peer))
         out = []
         for root in roots:
             tandem.scatter(torch.zeros(1 << 12),  # 16 KiB a rank
@@ -129,7 +99,7 @@ def _messages(rank: int, p: int, hosts: str, store: str, roots: list[int]) -> li
             sent.clear()
         return out
     finally:
-        _leave(False)
+        leave_hosts(False)
 
 
 def test_within_a_host_a_scatter_sends_no_message_but_the_leaders_confirmation() -> None:
@@ -150,8 +120,8 @@ def test_within_a_host_a_scatter_sends_no_message_but_the_leaders_confirmation()
         assert across == {(0, 4), (4, 0)}, (root, sorted(across))
 
 
-def _disagree(rank: int, p: int, hosts: str, store: str, case: str, warm: bool) -> float:
-    _join(rank, p, hosts, store, False)
+def _disagree(rank: int, p: int, hosts: str, store: str, case: str, warm: bool) -> None:
+    join_on_host(rank, p, hosts, store, False, OP_TIMEOUT)
     try:
         src = {"each-its-own": rank,
                "two-camps": 0 if rank < 4 else 4,
@@ -160,17 +130,16 @@ def _disagree(rank: int, p: int, hosts: str, store: str, case: str, warm: bool) 
                "a-reader-names-itself": rank if rank == 4 else 3}[case]
         if warm:  # the host arenas exist; else the disagreement meets their making
             tandem.scatter(torch.zeros(4), [torch.zeros(4)] * p if rank == 0 else None, src=0)
-        start = time.monotonic()
         try:
             tandem.scatter(torch.zeros(4), [torch.full((4,), float(d)) for d in range(p)]
                            if rank == src else None, src=src)
             tandem.barrier()  # a rank whose own call completed fails here
         finally:
-            took = time.monotonic() - start
-            stay_until_all_failed(rank, p, store, OP_TIMEOUT)
-        return took
+            # a rank whose own call completed learns of the abort in its barrier, not of
+            # a peer's exit
+            stay_until_reported(store, rank, range(p))
     finally:
-        _leave(False)
+        leave_hosts(False)
 
 
 @pytest.mark.parametrize("warm", [True, False], ids=["later-call", "first-call"])

@@ -19,9 +19,9 @@ from tandem.collectives.algorithms._phases import PHASE
 from tandem.collectives.group import Op, ProcessGroup
 from tandem.config import Settings
 from tandem.testing import run_threads
-from tandem.transport.base import Kind, Slot
+from tandem.transport.base import Slot
 
-from _coll_util import assert_equal, rank_input, reduce_locally
+from _coll_util import assert_equal, rank_input, reduce_locally, watch_collective_sends
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -105,14 +105,9 @@ def _traffic(hosts: list[str], call: Callable[[ProcessGroup], None],
     """Per rank: (peer, bytes) of every collective message it sent while ``call`` ran."""
 
     def body(group: ProcessGroup) -> list[tuple[int, int]]:
-        transport, plain, seen = group.transport, group.transport.isend, []
-
-        def isend(peer: int, header: Any, payload: memoryview) -> Any:
-            if header.kind == Kind.COLL:
-                seen.append((peer, len(payload)))
-            return plain(peer, header, payload)
-
-        transport.isend = isend  # type: ignore[method-assign]
+        seen: list[tuple[int, int]] = []
+        watch_collective_sends(group.transport,
+                               lambda peer, _h, payload: seen.append((peer, len(payload))))
         call(group)
         return seen
 
@@ -197,15 +192,13 @@ def test_ranks_send_pieces_up_in_the_order_their_leader_reads_them(
     monkeypatch.setattr(Op, "wait", wait)
 
     def body(group: ProcessGroup) -> torch.Tensor:
-        transport, plain = group.transport, group.transport.isend
         me = group.rank()
 
-        def isend(peer: int, header: Any, payload: memoryview) -> Any:
-            if header.kind == Kind.COLL and header.step < PHASE and peer == leader[me] != me:
+        def note(peer: int, header: Any, _payload: memoryview) -> None:
+            if header.step < PHASE and peer == leader[me] != me:
                 sent[me].append(header.step)
-            return plain(peer, header, payload)
 
-        transport.isend = isend  # type: ignore[method-assign]
+        watch_collective_sends(group.transport, note)
         x = torch.full((n,), float(me + 1))
         tandem.all_reduce(x, group=group)
         return x

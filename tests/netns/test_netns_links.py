@@ -52,7 +52,7 @@ def test_link_shapes_parse_in_tc_units() -> None:
 
 @pytest.mark.procs
 @pytest.mark.parametrize("link, rate", [("200mbit", 200e6), ("1gbit", 1e9), ("1gbit:1ms", 1e9)])
-def test_measured_rate_is_within_20_percent_of_the_configured_one(tmp_path: Path, link: str,
+def test_measured_rate_is_near_the_configured_one(tmp_path: Path, link: str,
                                                                   rate: float) -> None:
     with _Skipping(tmp_path, link) as lab:
         measured = lab.throughput(0, 1, seconds=2.0)
@@ -60,8 +60,8 @@ def test_measured_rate_is_within_20_percent_of_the_configured_one(tmp_path: Path
             if measured >= 0.8 * rate:
                 break
             measured = max(measured, lab.throughput(0, 1, seconds=2.0))
-    # TCP payload is ~95% of the frames tbf counts; the rest would be a broken shaper
-    assert 0.8 * rate <= measured <= 1.2 * rate, f"{link}: {measured / 1e6:.0f} Mbit/s"
+    # TCP payload is ~95% of what tbf counts; a loaded machine starves the sender, a wrong unit is 8-10x off
+    assert 0.6 * rate <= measured <= 1.2 * rate, f"{link}: {measured / 1e6:.0f} Mbit/s"
 
 
 @pytest.mark.procs
@@ -70,10 +70,10 @@ def test_pings_take_twice_the_configured_delay(tmp_path: Path, link: str, one_wa
     with _Skipping(tmp_path, link) as lab:
         rtts = [r for r in lab.ping(0, 1, count=30) if r is not None]
     assert len(rtts) == 30, "pings were lost on a link without loss"
-    # never faster than the two delays; the delay process wakes within a fraction of
-    # a millisecond even on a busy machine, so the median stays close
+    # never faster than the two delays; slower by up to 3 ms when netem's timers wait for a
+    # busy CPU (1.4 ms seen at load 20), while a wrong unit is 10x off
     assert min(rtts) >= 2 * one_way, f"{link}: fastest round trip {min(rtts) * 1e3:.3f} ms"
-    assert statistics.median(rtts) <= 2 * one_way + 1e-3, \
+    assert statistics.median(rtts) <= 2 * one_way + 3e-3, \
         f"{link}: median round trip {statistics.median(rtts) * 1e3:.3f} ms"
 
 

@@ -50,7 +50,7 @@ def test_a_message_wait_reports_the_abort_that_follows_a_peers_exit() -> None:
     news = _abort_later(t, 0.2)
     with pytest.raises(CollectiveMismatchError, match="root=2"):
         _wait_on_rank_1(t)
-    news.join()
+    news.join(10)
 
 
 def test_a_message_wait_still_names_a_peer_that_died_without_news() -> None:
@@ -97,7 +97,7 @@ def test_an_arena_wait_reports_the_abort_that_follows_a_peers_exit() -> None:
     news = _abort_later(t, 0.2)
     with pytest.raises(CollectiveMismatchError, match="root=2"):
         check()
-    news.join()
+    news.join(10)
 
 
 def test_an_arena_wait_reports_the_abort_that_follows_a_peers_goodbye() -> None:
@@ -108,7 +108,7 @@ def test_an_arena_wait_reports_the_abort_that_follows_a_peers_goodbye() -> None:
     news = _abort_later(t, 0.2)
     with pytest.raises(CollectiveMismatchError, match="root=2"):
         check()
-    news.join()
+    news.join(10)
 
 
 def test_an_arena_wait_still_names_a_peer_that_died_without_news() -> None:

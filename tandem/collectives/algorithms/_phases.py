@@ -13,7 +13,7 @@ from typing import cast
 
 import torch
 
-from tandem.collectives.group import Op, ProcessGroup
+from tandem.collectives.group import Op, ProcessGroup, kept_per_group
 from tandem.transport.base import Slot
 
 __all__ = ["PHASE", "Phase", "host_layout", "host_of_rank"]
@@ -33,14 +33,7 @@ def host_layout(group: ProcessGroup) -> list[list[int]] | None:
     """
     # asked once or twice per call on every rank, and O(group size) to work out (4 us at
     # 16 ranks): kept per group, since a rank's host never changes once the group exists
-    try:
-        return _LAYOUTS[group]
-    except KeyError:
-        pass
-    except TypeError:  # a group that cannot be weakly referenced: worked out each time
-        return _layout(group)
-    layout = _LAYOUTS[group] = _layout(group)
-    return layout
+    return kept_per_group(_LAYOUTS, group, _layout)
 
 
 # each group's layout, for as long as the group (or the one-call view of one) lives

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Flat"]
+__all__ = ["Flat", "copy_overlap"]
 
 
 class Flat:
@@ -28,3 +28,11 @@ class Flat:
         if self.copied:
             with torch.no_grad():
                 self.orig.copy_(self.flat.view(self.orig.shape))
+
+
+def copy_overlap(dst: torch.Tensor, dst_at: int, src: torch.Tensor, src_at: int) -> None:
+    """Copy the elements ``dst`` and ``src`` share when each is a stretch of one stream,
+    from ``dst_at`` and ``src_at`` on (a staged round and a piece, either way round)."""
+    a, b = max(dst_at, src_at), min(dst_at + dst.numel(), src_at + src.numel())
+    if a < b:
+        dst[a - dst_at:b - dst_at].copy_(src[a - src_at:b - src_at])

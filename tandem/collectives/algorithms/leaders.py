@@ -33,11 +33,10 @@ from typing import Callable
 import torch
 
 from tandem.collectives.algorithms._phases import PHASE, Phase, host_of_rank
-from tandem.collectives.algorithms.roots import ROOT_STEP
+from tandem.collectives.algorithms.roots import ROOT_STEP, confirm_up
 from tandem.collectives.algorithms.tree import tree_reduce
 from tandem.collectives.group import Op, as_bytes
 from tandem.collectives.reduce_op import ReduceOp, finish
-from tandem.transport.base import Slot
 
 __all__ = ["leaders_reduce", "leaders_gather", "leaders_scatter", "leaders_all_to_all",
            "leaders_table", "rooted", "check_tree", "BLOCK_STEP", "TABLE_STEP"]
@@ -86,13 +85,12 @@ def rooted(o: Op, root: int, layout: Layout, body: Callable[[], None],
     else:
         told = [o.recv(c, ROOT_STEP, empty) for c in children]
         if parent is not None and not down:
-            o.wait(*told)
-            o.wait(o.send(parent, ROOT_STEP, empty))
+            o.wait(*confirm_up(o, parent, told))
             told = []
     body()
-    o.wait(*told)
     if parent is not None and children and down:
-        o.wait(o.send(parent, ROOT_STEP, empty))
+        told = confirm_up(o, parent, told)
+    o.wait(*told)
 
 
 def _order(layout: Layout) -> list[int]:

@@ -28,7 +28,7 @@ from tandem.collectives.group import Op
 from tandem.errors import CollectiveMismatchError
 from tandem.transport.base import Slot
 
-__all__ = ["ROOT_STEP", "announce_root", "confirm_root"]
+__all__ = ["ROOT_STEP", "announce_root", "confirm_root", "confirm_up"]
 
 ROOT_STEP = 2 ** 31 - 1  # beyond the steps of any algorithm
 
@@ -62,3 +62,10 @@ def confirm_root(o: Op, root: int) -> list[Slot]:
     if g.group_rank == root:
         return [o.recv(i, ROOT_STEP, empty) for i in range(g.group_size) if i != root]
     return [o.send(root, ROOT_STEP, empty)]
+
+
+def confirm_up(o: Op, parent: int, told: list[Slot]) -> list[Slot]:
+    """A rank's step up a confirmation tree: once the confirmations ``told`` came (its
+    whole subtree named the root), its own to ``parent``; the slot to wait for."""
+    o.wait(*told)
+    return [o.send(parent, ROOT_STEP, memoryview(bytearray(0)))]

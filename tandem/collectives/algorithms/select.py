@@ -20,14 +20,16 @@ or a host leader then plays its own part in it. The rules, by group:
   ranks share memory through its own arena, :mod:`~.shm_spanning`); reduce, gather,
   scatter and all_to_all through the hosts' ``leaders`` below ``LEADERS_BELOW_BYTES``
   (``leaders.py``), so a host keeps connections to the other hosts' leaders only
-  (all_to_all's within a host whose ranks share memory through its arena,
-  :mod:`~.shm_alltoall`, the split table too); from it on a reduce ``two_level``
-  (rings within each host and among the leaders, ``streamed.two_level_reduce``), the
-  others straight to their peers; all_gather and reduce_scatter through the hosts'
-  ``leaders`` when each host's ranks
-  are consecutive (and, for a reduction, the leaders' receive areas fit), else the
-  ``ring``; a large reduce_scatter on such hosts ``two_level`` (a ring within each host,
-  then the leaders), by all_reduce's two-level rule.
+  (within a host whose ranks share memory, scatter's hand-down through its arena,
+  :func:`~.shm_spanning.arena_scatter`, and all_to_all's part, split table too,
+  :mod:`~.shm_alltoall`); from it on a reduce ``two_level`` (rings within each host and
+  among the leaders, ``streamed.two_level_reduce``; the ``tree`` when the buffer holds
+  fewer elements than the largest host's ranks times the hosts), gather and scatter
+  ``direct``, all_to_all ``pairwise``; all_gather and reduce_scatter through the hosts'
+  ``leaders`` when each host's ranks are consecutive (and, for a reduction, the leaders'
+  receive areas fit), else the ``ring``; a large reduce_scatter on such hosts
+  ``two_level`` (a ring within each host, then the leaders), by all_reduce's two-level
+  rule.
 * **barrier**: ``doubling``; ``hierarchical`` on several hosts some holding several ranks
   (check in with each host's leader, the leaders meet, release: ``leaders_barrier``).
 * **otherwise**: gather and scatter ``direct``, all_to_all ``pairwise``.

@@ -39,6 +39,7 @@ import torch
 
 from tandem.collectives.algorithms._phases import host_of_rank
 from tandem.collectives.algorithms.direct import pairwise_all_to_all
+from tandem.collectives.algorithms.flat import copy_overlap
 from tandem.collectives.algorithms.leaders import BLOCK_STEP, TABLE_STEP, leaders_all_to_all
 from tandem.collectives.algorithms.shm_checks import prepare, verify
 from tandem.collectives.group import Op, as_bytes
@@ -83,7 +84,7 @@ def arena_all_to_all(op: Op, outs: list[torch.Tensor], ins: list[torch.Tensor],
     if row_bytes + table_bytes > arena.chunk:
         return False
     arena.announce(op.seq, op.sig, op.site)
-    index, leader = local.index(me), local[0]
+    leader = local[0]
     order = [r for h in layout for r in h]
     at = {r: i * n for i, r in enumerate(order)}  # each rank's row in the table
     away = [h for h in layout if h is not local]
@@ -206,7 +207,7 @@ def arena_all_to_all(op: Op, outs: list[torch.Tensor], ins: list[torch.Tensor],
             for h, (half, at0) in zip(away, place):
                 if half < 0:
                     for s in h:
-                        _overlap(at0 + inner[(s, me)], _raw(outs[s]), lo, data)
+                        copy_overlap(_raw(outs[s]), at0 + inner[(s, me)], data, lo)
             arena.post()  # done reading round t - 1
         return True
 
@@ -243,7 +244,7 @@ def arena_all_to_all(op: Op, outs: list[torch.Tensor], ins: list[torch.Tensor],
         dst = _mine(arena, t % 2, hi - lo)
         for (half, at0), box in zip(place, boxes):
             if half < 0:
-                _into(at0, box, lo, dst)
+                copy_overlap(dst, lo, box, at0)
         arena.post()
     return True
 
@@ -260,19 +261,3 @@ def _offsets(targets: list[int], counts: list[int], size: int, start: int) -> di
         out[d] = k
         k += counts[d] * size
     return out
-
-
-def _overlap(at: int, dst: torch.Tensor, lo: int, src: torch.Tensor) -> None:
-    """The bytes of ``dst`` (a piece at ``at`` of a stream) that lie in ``src`` (the
-    stream's bytes from ``lo`` on), copied into ``dst``."""
-    a, b = max(at, lo), min(at + dst.numel(), lo + src.numel())
-    if a < b:
-        dst[a - at:b - at].copy_(src[a - lo:b - lo])
-
-
-def _into(at: int, box: torch.Tensor, lo: int, dst: torch.Tensor) -> None:
-    """The bytes of ``box`` (at ``at`` of a stream) that fall in ``dst`` (the stream
-    from ``lo`` on), copied there."""
-    a, b = max(at, lo), min(at + box.numel(), lo + dst.numel())
-    if a < b:
-        dst[a - lo:b - lo].copy_(box[a - at:b - at])

@@ -20,7 +20,7 @@ import time
 from typing import Callable, Sequence
 
 from tandem.collectives.group import Op
-from tandem.errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError
+from tandem.errors import CollectiveMismatchError, CollectiveTimeoutError
 from tandem.transport import Arena
 
 __all__ = ["prepare", "arena_check", "verify", "BACKGROUND_SPIN_S"]
@@ -79,15 +79,6 @@ def _differs(op: Op, arena: Arena, member: int, strict: bool,
     return _mismatch(op, ranks[member], seq, sig, site)
 
 
-def _blame(op: Op, rank: int, lost: PeerLostError) -> None:
-    """Raise for ``rank``, found gone: the group's abort if its news comes in the grace
-    (a rank that raised told why before it left), else the loss."""
-    cause = op.group.transport.blame(op.group.group_id, lost, op.deadline)
-    if cause is not lost:
-        raise cause
-    raise PeerLostError(f"{op.describe()} failed: {lost}", rank) from lost
-
-
 def arena_check(op: Op, arena: Arena, ranks: Sequence[int] | None = None,
                 messages: bool = False) -> Callable[[], None]:
     """What a rank waiting in shared memory checks before it sleeps and as it wakes;
@@ -104,12 +95,12 @@ def arena_check(op: Op, arena: Arena, ranks: Sequence[int] | None = None,
         for q in lagging:
             gone = transport.left(members[q])
             if gone is not None:
-                _blame(op, members[q], gone)
+                transport.raise_lost(g.group_id, gone, members[q], op.deadline, op.describe)
             error = _differs(op, arena, q, False, members)
             if error is not None:
                 raise error
-        parked = transport.parked_call(g.group_id, op.seq)
-        if parked is not None and not (messages and parked[1].sig == op.sig):
+        parked = transport.parked_call(g.group_id, op.seq, op.sig if messages else None)
+        if parked is not None:
             sender, header = parked
             raise _mismatch(op, sender, header.seq, header.sig, header.site)
         if time.monotonic() > op.deadline:

@@ -35,9 +35,10 @@ from typing import Sequence
 import torch
 
 from tandem.collectives.algorithms._phases import host_of_rank
+from tandem.collectives.algorithms.flat import copy_overlap
 from tandem.collectives.algorithms.leaders import BLOCK_STEP
 from tandem.collectives.algorithms.ring import link_chunk
-from tandem.collectives.algorithms.roots import ROOT_STEP
+from tandem.collectives.algorithms.roots import ROOT_STEP, confirm_up
 from tandem.collectives.algorithms.shm_checks import prepare, verify
 from tandem.collectives.algorithms.shm_arrival import arrive_and_stage
 from tandem.collectives.algorithms.spanning import cut
@@ -143,8 +144,7 @@ def arena_broadcast(op: Op, buf: torch.Tensor, root: int, layout: list[list[int]
             pass_on(b)
     if parent is not None and not confirmed:
         # for its whole subtree, once its host passed the check and the data is on its way
-        op.wait(*told)
-        told = [op.send(parent, ROOT_STEP, empty)]
+        told = confirm_up(op, parent, told)
     op.wait(*sent, *told)
 
 
@@ -198,9 +198,9 @@ def arena_scatter(op: Op, recv: torch.Tensor, ins: list[torch.Tensor] | None, ro
         for k, (a, b) in enumerate(rounds):
             t = base + k
             arena.wait_all(t, check)  # every rank read round t - 2 from this half
-            _copy_range(staged, a, b, arena.heads(torch.uint8, b - a)[t % 2][index])
+            _copy_range(staged, a, arena.heads(torch.uint8, b - a)[t % 2][index])
             arena.post()
-        _copy_range(staged, index * w, (index + 1) * w, mine)
+        _copy_range(staged, index * w, mine)
         arena.wait_all(base + 1, check)  # every rank of the host is in this call
         verify(op, arena, ranks=ranks)
         if me != root:
@@ -224,26 +224,21 @@ def arena_scatter(op: Op, recv: torch.Tensor, ins: list[torch.Tensor] | None, ro
             arena.wait_member(src, t + 1, check)
             if k == 0:
                 verify(op, arena, [src], ranks)
-            data = arena.data(src, t % 2)
+            data = arena.data(src, t % 2)[:b - a]
             for at, dst in out:
-                lo, hi = max(a, at), min(b, at + dst.numel())
-                if lo < hi:
-                    dst[lo - at:hi - at].copy_(data[lo - a:hi - a])
+                copy_overlap(dst, at, data, a)
             while passed < len(blocks) and off + blocks[passed][1] <= b:
                 lo, hi, leader = blocks[passed]
                 sent.append(op.send(leader, BLOCK_STEP, as_bytes(rest[lo:hi])))
                 passed += 1
         if me == top and carry:
-            op.wait(*told)  # every other host named the root
-            told = [op.send(root, ROOT_STEP, empty)]
+            told = confirm_up(op, root, told)  # every other host named the root
     op.wait(*sent, *told)
 
 
-def _copy_range(parts: list[torch.Tensor], a: int, b: int, dst: torch.Tensor) -> None:
-    """Bytes ``a:b`` of ``parts`` (flat uint8) laid end to end, into ``dst``."""
+def _copy_range(parts: list[torch.Tensor], a: int, dst: torch.Tensor) -> None:
+    """Bytes ``a`` on of ``parts`` (flat uint8) laid end to end, as many as ``dst`` holds."""
     at = 0
     for t in parts:
-        lo, hi = max(a, at), min(b, at + t.numel())
-        if lo < hi:
-            dst[lo - a:hi - a].copy_(t[lo - at:hi - at])
+        copy_overlap(dst, a, t, at)
         at += t.numel()

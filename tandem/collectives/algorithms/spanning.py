@@ -32,7 +32,7 @@ import torch
 
 from tandem.collectives.algorithms._phases import host_of_rank
 from tandem.collectives.algorithms.ring import link_chunk
-from tandem.collectives.algorithms.roots import ROOT_STEP
+from tandem.collectives.algorithms.roots import ROOT_STEP, confirm_up
 from tandem.collectives.algorithms.tree import binomial
 from tandem.collectives.group import Op, as_bytes
 from tandem.transport.base import Slot
@@ -110,6 +110,5 @@ def confirmed_broadcast(op: Op, buf: torch.Tensor, parent: int | None,
                 done[k] += 1
     if parent is not None:
         # for its whole subtree, once the data is on its way down
-        op.wait(*told)
-        told = [op.send(parent, ROOT_STEP, empty)]
+        told = confirm_up(op, parent, told)
     op.wait(*sent, *told)

@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from tandem.collectives.algorithms._phases import PHASE, Phase, host_layout, host_of_rank
+from tandem.collectives.algorithms._phases import PHASE, Phase, host_of_rank
 from tandem.collectives.algorithms.ring import Bounds, even_bounds, link_chunk, ring, ring_pieces
 from tandem.collectives.group import Op, as_bytes
 from tandem.collectives.reduce_op import ReduceOp, combine, finish
