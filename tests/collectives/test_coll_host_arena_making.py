@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import tandem
-from tandem.testing import launch, wait_until
+from tandem.testing import launch, stay_until_reported, wait_until
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(300)]
 
@@ -130,14 +130,14 @@ def _told_alone(rank: int, p: int, store: str, collective: str, warm: bool) -> N
             # (a relay that did not reach them), so only rank 0 can tell them
             g.transport.mailbox.abort_group(g.group_id, CollectiveMismatchError(NEWS))
         _mark(store, f"told-{rank}")
-        _wait_for(store, [f"told-{r}" for r in range(p)])
+        for r in range(p):
+            _wait_for(store, f"told-{r}")
         try:
             call()
         finally:
             # stay until every rank has its outcome: a rank leaving tells its failed
             # groups' news on the way out, which would hide a mate never told before
-            _mark(store, f"out-{rank}")
-            _wait_for(store, [f"out-{r}" for r in range(p)])
+            stay_until_reported(store, rank, range(p))
     finally:
         tandem.destroy_process_group()
 
