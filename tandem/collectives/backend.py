@@ -56,6 +56,7 @@ class BackendOptions:
 Factory = Callable[[BackendOptions], Transport]
 
 DEFAULT_GROUP_ID = 0  # the default group's id: on one host its arena is made at init
+HOST_ARENA_KEY = 1 << 61  # a group's per-host arena: its id with this bit, apart from group ids
 
 
 def _tcp(options: BackendOptions, peers: list[int] | None = None,
@@ -68,16 +69,20 @@ def _tcp(options: BackendOptions, peers: list[int] | None = None,
 
 def _shm_over(options: BackendOptions, peers: list[int], tcp: Transport | None) -> ShmTransport:
     settings = options.settings
-    # one host holds the whole job: the default group (id 0) collects through an arena,
-    # which its first rank makes at init (1x32: the first barrier no longer waits for 31
-    # hand-overs to reach their ranks)
-    whole = settings.shm_arena and len(set(peers) | {options.rank}) == options.world_size
+    everyone = set(peers) | {options.rank}
+    # the default group's arena over this host's ranks is made by their first rank at
+    # init and rides with the sockets: the whole group's when one host holds the job
+    # (1x32: the first barrier no longer waits for 31 hand-overs), else the group's
+    # arena for this host, through which its ranks check in with their leader (2x8:
+    # the first barrier no longer makes rings nor starts reader threads within a host)
+    key = DEFAULT_GROUP_ID if len(everyone) == options.world_size else (
+        HOST_ARENA_KEY | DEFAULT_GROUP_ID)
     return ShmTransport(options.rank, options.world_size, options.store, options.secret,
                         peers=peers, hostname=options.hostname,
                         connect_timeout=settings.connect_timeout,
                         max_frame=settings.max_frame,
                         mailbox=None if tcp is None else tcp.mailbox,
-                        first_arena=(DEFAULT_GROUP_ID, settings.shm_chunk) if whole else None)
+                        first_arena=(key, settings.shm_chunk) if settings.shm_arena else None)
 
 
 def _shm(options: BackendOptions) -> Transport:

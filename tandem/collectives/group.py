@@ -29,6 +29,7 @@ from tandem._words import in_order
 from tandem.config import Settings
 from tandem.errors import (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError,
                            StateError, TandemError)
+from tandem.collectives.backend import HOST_ARENA_KEY
 from tandem.collectives.recorder import Call, Recorder, clock, payload_bytes
 from tandem.collectives.work import Completions, Work
 from tandem.transport import Arena, Header, Kind, Slot, Transport
@@ -40,7 +41,6 @@ __all__ = ["ProcessGroup", "NonMemberGroup", "Op", "as_bytes", "bounded", "spans
 _COLL = Kind.COLL
 _P2P = Kind.P2P
 
-_HOST_ARENA_KEY = 1 << 61  # a group's per-host arena: its id with this bit, apart from group ids
 _SCRATCH_KEEP = 256 << 20  # larger working buffers are not kept between calls
 _TEXT_KEEP = 1024  # bytes of a signature or call site kept as text; the rest is hashed
 NON_GROUP_MEMBER = -100  # torch's value for "not a member"; a NonMemberGroup equals it
@@ -441,7 +441,7 @@ class ProcessGroup:
         """The staging memory shared by this host's group ranks ``local`` (lowest first),
         made on first use, collectively over them, and kept until :meth:`close`."""
         if self._host_arena is None:
-            self._host_arena = self._make_arena(op, _HOST_ARENA_KEY | self.group_id,
+            self._host_arena = self._make_arena(op, HOST_ARENA_KEY | self.group_id,
                                                 [self.ranks[i] for i in local])
         return self._host_arena
 

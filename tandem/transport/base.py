@@ -209,9 +209,11 @@ class Transport(abc.ABC):
         receive took (for point-to-point messages, the step is the tag)."""
         return self.mailbox.unreceived(kind, group)
 
-    def parked_call(self, group: int, seq: int) -> tuple[int, Header] | None:
-        """(sender, header) of an unreceived message of call ``seq`` on ``group``, or None."""
-        return self.mailbox.parked_call(group, seq)
+    def parked_call(self, group: int, seq: int,
+                    besides: bytes | None = None) -> tuple[int, Header] | None:
+        """(sender, header) of an unreceived message of call ``seq`` on ``group`` whose
+        signature is not ``besides``, or None."""
+        return self.mailbox.parked_call(group, seq, besides)
 
     # -- failing -------------------------------------------------------------------------
     def abort(self, group: int, peers: Iterable[int], error: TandemError) -> None:

@@ -232,13 +232,16 @@ class Mailbox:
             return [(k[0], k[4], s.nbytes) for k, s in self._parked.items()
                     if k[1] == kind and k[2] == group]
 
-    def parked_call(self, group: int, seq: int) -> tuple[int, Header] | None:
+    def parked_call(self, group: int, seq: int,
+                    besides: bytes | None = None) -> tuple[int, Header] | None:
         """A collective message of call ``seq`` on ``group`` that nobody has received yet
         (sender, header). A call that moves no messages uses it to spot a peer whose call
-        of the same number does."""
+        of the same number does; one that moves some passes its signature as
+        ``besides``, so that its own early messages do not hide another call's."""
         with self._lock:
             for k, parked in self._parked.items():
-                if k[1] == _COLL and k[2] == group and k[3] == seq and parked.header:
+                if (k[1] == _COLL and k[2] == group and k[3] == seq and parked.header
+                        and parked.header.sig != besides):
                     return k[0], parked.header
         return None
 

@@ -60,6 +60,8 @@ def _run(rank: int, p: int, store: str, case: str) -> None:
     os.environ["TANDEM_HOST_ID"] = f"host-{HOSTS[rank]}"
     tandem.init_process_group("auto", init_method=f"file://{store}/tandem", rank=rank,
                               world_size=p, timeout=OP_TIMEOUT)
+    # the default group's host arenas are made at init: another group's come by hand-over
+    group = tandem.new_group(list(range(p)))
     try:
         if rank == 3:  # the maker stays away until rank 4 has its outcome
             _wait_for(store, "out-4")
@@ -68,15 +70,16 @@ def _run(rank: int, p: int, store: str, case: str) -> None:
             _wait_for(store, "waiting-4")  # rank 4 is waiting for the hand-over
             if case == "death":
                 os._exit(3)
-            from tandem.collectives.world import default_group
+            from tandem.collectives.group import ProcessGroup
             from tandem.errors import StateError
 
-            default_group().abort(StateError("rank 5 gave up"))
+            assert isinstance(group, ProcessGroup)
+            group.abort(StateError("rank 5 gave up"))
             raise RuntimeError("rank 5 aborted the group")
         if rank == 4:
             _note_the_wait(store)
         try:
-            tandem.broadcast(torch.zeros(4), src=0)
+            tandem.broadcast(torch.zeros(4), src=0, group=group)
         finally:
             if rank == 4:
                 _mark(store, "out-4")

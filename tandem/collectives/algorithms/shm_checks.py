@@ -99,8 +99,8 @@ def arena_check(op: Op, arena: Arena, ranks: Sequence[int] | None = None,
             error = _differs(op, arena, q, False, members)
             if error is not None:
                 raise error
-        parked = transport.parked_call(g.group_id, op.seq)
-        if parked is not None and not (messages and parked[1].sig == op.sig):
+        parked = transport.parked_call(g.group_id, op.seq, op.sig if messages else None)
+        if parked is not None:
             sender, header = parked
             raise _mismatch(op, sender, header.seq, header.sig, header.site)
         if time.monotonic() > op.deadline:
