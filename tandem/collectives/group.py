@@ -35,7 +35,7 @@ from tandem.collectives.work import Completions, Work
 from tandem.transport import Arena, Header, Kind, Slot, Transport
 
 __all__ = ["ProcessGroup", "NonMemberGroup", "Op", "as_bytes", "bounded", "spans_hosts",
-           "kept_per_group"]
+           "kept_per_group", "host_layout", "host_shares_memory"]
 
 # enum members as module constants: looking one up on its class costs ~10x a global
 _COLL = Kind.COLL
@@ -130,6 +130,41 @@ def _spans(group: "ProcessGroup") -> bool:
     host_of = group.transport.host_of
     hosts = {host_of(rank) for rank in group.ranks}
     return len(hosts) > 1 and "" not in hosts
+
+
+def host_layout(group: "ProcessGroup") -> list[list[int]] | None:
+    """The group ranks on each host, hosts ordered by their lowest group rank.
+
+    None when the hierarchical path does not apply: some rank's host is unknown, all
+    ranks share one host, or no two ranks share a host.
+    """
+    # asked once or twice per call on every rank, and O(group size) to work out (4 us at
+    # 16 ranks): kept per group, since a rank's host never changes once the group exists
+    return kept_per_group(_LAYOUTS, group, _layout)
+
+
+# each group's layout, for as long as the group (or the one-call view of one) lives
+_LAYOUTS: weakref.WeakKeyDictionary[object, list[list[int]] | None] = (
+    weakref.WeakKeyDictionary())
+
+
+def _layout(group: "ProcessGroup") -> list[list[int]] | None:
+    host_of = group.transport.host_of
+    hosts = [host_of(rank) for rank in group.ranks]
+    distinct = set(hosts)
+    if "" in distinct or len(distinct) == 1 or len(distinct) == len(hosts):
+        return None
+    by_host: dict[str, list[int]] = {}
+    for i, host in enumerate(hosts):
+        by_host.setdefault(host, []).append(i)
+    return list(by_host.values())
+
+
+def host_shares_memory(group: "ProcessGroup", local: Sequence[int]) -> bool:
+    """Whether the group ranks ``local`` (one host's) have the group's arena for their
+    host (:meth:`ProcessGroup.host_arena`): two or more, able to map each other's memory."""
+    return (len(local) > 1 and group.settings.shm_arena
+            and group.transport.shares_memory_with([group.ranks[i] for i in local]))
 
 
 class Op(Call):
@@ -230,8 +265,13 @@ class ProcessGroup:
                               and transport.shares_memory_with(self.ranks))
         self.arena: Arena | None = None
         # a group spanning hosts: its ranks on this host share staging memory (made by
-        # the first call that uses it, by every rank of the host; see host_arena)
+        # the group's first call, by every rank of the host; see host_arena), in which
+        # every call is announced; _host_ranks: those ranks, None where there is none
         self._host_arena: Arena | None = None
+        layout = host_layout(self)
+        local = None if layout is None else next(r for r in layout if self.group_rank in r)
+        self._host_ranks = (None if local is None or not host_shares_memory(self, local)
+                            else local)
         self._abort_passed = False  # this rank passed the group's abort to its host mates
         self.compared = -1  # the last call whose previous call was compared (compare_previous)
         # (seq, signature, call site) of the last call compared: the next call's previous one
@@ -377,6 +417,12 @@ class ProcessGroup:
                 # every call says what it is, so a peer waiting in shared memory for a
                 # different call can tell (see algorithms.shm)
                 self.arena.announce(op.seq, op.sig, op.site)
+            elif self._host_ranks is not None:
+                # so too in the host's arena across hosts, made by the first call of any
+                # kind: a rank waiting there (a barrier's check-in) names a mate that is in
+                # a call moving messages only (it skipped one), not the deadline's laggard
+                arena = self.host_arena(op, self._host_ranks)
+                arena.announce(op.seq, op.sig, op.site)
             fn(op)
             if self.arena is not None and self.compared != op.seq:
                 # a call that moved only messages (barrier, all_to_all, gather, scatter)
@@ -439,7 +485,8 @@ class ProcessGroup:
 
     def host_arena(self, op: Op, local: Sequence[int]) -> Arena:
         """The staging memory shared by this host's group ranks ``local`` (lowest first),
-        made on first use, collectively over them, and kept until :meth:`close`."""
+        made by the group's first call, collectively over them, and kept until
+        :meth:`close`."""
         if self._host_arena is None:
             self._host_arena = self._make_arena(op, HOST_ARENA_KEY | self.group_id,
                                                 [self.ranks[i] for i in local])

@@ -8,12 +8,12 @@ doubling and ring algorithms run among them unchanged, their step numbers shifte
 
 from __future__ import annotations
 
-import weakref
 from typing import cast
 
 import torch
 
-from tandem.collectives.group import Op, ProcessGroup, kept_per_group
+# host_layout lives with the group, whose first call makes the host's arena by it
+from tandem.collectives.group import Op, ProcessGroup, host_layout
 from tandem.transport.base import Slot
 
 __all__ = ["PHASE", "Phase", "host_layout", "host_of_rank"]
@@ -23,34 +23,6 @@ __all__ = ["PHASE", "Phase", "host_layout", "host_of_rank"]
 # one of an earlier phase. Ring steps grow with the buffer (up to two per chunk):
 # 2^28 steps need a 512 GiB buffer even at the smallest chunk (TANDEM_CHUNK_BYTES=4096).
 PHASE = 1 << 28
-
-
-def host_layout(group: ProcessGroup) -> list[list[int]] | None:
-    """The group ranks on each host, hosts ordered by their lowest group rank.
-
-    None when the hierarchical path does not apply: some rank's host is unknown, all
-    ranks share one host, or no two ranks share a host.
-    """
-    # asked once or twice per call on every rank, and O(group size) to work out (4 us at
-    # 16 ranks): kept per group, since a rank's host never changes once the group exists
-    return kept_per_group(_LAYOUTS, group, _layout)
-
-
-# each group's layout, for as long as the group (or the one-call view of one) lives
-_LAYOUTS: weakref.WeakKeyDictionary[object, list[list[int]] | None] = (
-    weakref.WeakKeyDictionary())
-
-
-def _layout(group: ProcessGroup) -> list[list[int]] | None:
-    host_of = group.transport.host_of
-    hosts = [host_of(rank) for rank in group.ranks]
-    distinct = set(hosts)
-    if "" in distinct or len(distinct) == 1 or len(distinct) == len(hosts):
-        return None
-    by_host: dict[str, list[int]] = {}
-    for i, host in enumerate(hosts):
-        by_host.setdefault(host, []).append(i)
-    return list(by_host.values())
 
 
 def host_of_rank(layout: list[list[int]], rank: int) -> list[int]:

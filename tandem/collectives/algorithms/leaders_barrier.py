@@ -14,9 +14,10 @@ three with 8 ranks a host, each a wake-up and a reduction (4 hosts x 8: 0.6x its
 
 Where a host's ranks share memory they check in through the group's arena for that
 host (:meth:`ProcessGroup.host_arena`, made at init for the default group) instead:
-each other rank announces the call and posts once, the leader waits for every post,
-checks the announcements, meets the other leaders and posts once, which releases
-them. No message moves within the host, so the first barrier makes no ring and starts
+each other rank posts once, the leader waits for every post, checks the announcements
+(the group announces every call there, so a mate in another call, one moving messages
+only, is named at once), meets the other leaders and
+posts once, which releases them. No message moves within the host, so the first barrier makes no ring and starts
 no reader thread there (2 hosts x 8: those took 0.36 s after init).
 """
 
@@ -52,7 +53,6 @@ def leaders_barrier(op: Op, token: torch.Tensor, redop: ReduceOp) -> None:
         ranks = [g.ranks[i] for i in local]
         # a leader may hold another leader's message of this call: its own, not a clash
         arena, check = prepare(op, g.host_arena(op, local), ranks, messages=leader)
-        arena.announce(op.seq, op.sig, op.site)
         if not leader:
             arena.post()
             arena.wait_member(0, arena.posted, check)

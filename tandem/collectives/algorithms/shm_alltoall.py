@@ -83,7 +83,6 @@ def arena_all_to_all(op: Op, outs: list[torch.Tensor], ins: list[torch.Tensor],
     row_bytes, table_bytes = _up(n * 8), _up(p * n * 8)
     if row_bytes + table_bytes > arena.chunk:
         return False
-    arena.announce(op.seq, op.sig, op.site)
     leader = local[0]
     order = [r for h in layout for r in h]
     at = {r: i * n for i, r in enumerate(order)}  # each rank's row in the table

@@ -43,17 +43,10 @@ from tandem.collectives.algorithms.shm_checks import prepare, verify
 from tandem.collectives.algorithms.shm_arrival import arrive_and_stage
 from tandem.collectives.algorithms.spanning import cut
 from tandem.collectives.algorithms.tree import binomial
-from tandem.collectives.group import Op, ProcessGroup, as_bytes
+from tandem.collectives.group import Op, as_bytes, host_shares_memory
 from tandem.transport.base import Slot
 
 __all__ = ["host_shares_memory", "arena_broadcast", "arena_scatter"]
-
-
-def host_shares_memory(group: ProcessGroup, local: Sequence[int]) -> bool:
-    """Whether the group ranks ``local`` (one host's) take :func:`arena_broadcast`'s
-    arena: two or more, and able to map each other's memory."""
-    return (len(local) > 1 and group.settings.shm_arena
-            and group.transport.shares_memory_with([group.ranks[i] for i in local]))
 
 
 def arena_broadcast(op: Op, buf: torch.Tensor, root: int, layout: list[list[int]]) -> None:
@@ -64,7 +57,6 @@ def arena_broadcast(op: Op, buf: torch.Tensor, root: int, layout: list[list[int]
     local = host_of_rank(layout, me)
     ranks = [g.ranks[i] for i in local]
     arena, check = prepare(op, g.host_arena(op, local), ranks)
-    arena.announce(op.seq, op.sig, op.site)
     index = local.index(me)
     src = local.index(root) if root in local else 0
     top = host_of_rank(layout, root)[0]
@@ -164,7 +156,6 @@ def arena_scatter(op: Op, recv: torch.Tensor, ins: list[torch.Tensor] | None, ro
     local = host_of_rank(layout, me)
     ranks = [g.ranks[i] for i in local]
     arena, check = prepare(op, g.host_arena(op, local), ranks)
-    arena.announce(op.seq, op.sig, op.site)
     index = local.index(me)
     home = host_of_rank(layout, root)
     top = home[0]
