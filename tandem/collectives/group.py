@@ -575,18 +575,21 @@ class ProcessGroup:
         and the shared staging memory. The transport is not closed (other groups use it).
 
         A broadcast root's check still out (:meth:`confirm_later`) is waited for first
-        (up to the group's timeout); if it failed, that error is raised once all is closed."""
+        (up to the group's timeout); if ranks disagreed on that broadcast, the mismatch is
+        raised once all is closed."""
         if self._closed:
             return
         unconfirmed, self._unconfirmed = self._unconfirmed, None
-        report: TandemError | None = None
-        if unconfirmed is not None and self.transport.aborted(self.group_id) is None:
-            try:  # the last call's root check: its outcome is reported, not dropped
+        report: BaseException | None = None
+        if unconfirmed is not None:
+            try:  # the last call's root check: a disagreement is reported, not dropped
                 self._settle(unconfirmed, time.monotonic() + self.timeout)
             except TandemError as exc:
                 report = exc
-        elif unconfirmed is not None:
-            report = self.transport.aborted(self.group_id)
+            # a lost peer or this rank's own abort (elastic regroup, torch's abort) is not
+            # the broadcast's to report: tearing down after it must go on quietly
+            if not isinstance(report, CollectiveMismatchError):
+                report = None
         self._warn_unreceived()
         error = self._destroyed()
         with self._cv:

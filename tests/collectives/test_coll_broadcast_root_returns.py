@@ -6,13 +6,15 @@ root overwrites its buffer the moment its call returns, and the root must return
 while a rank of another host has not yet entered the call. Ranks that disagree on the
 root after the root returned must fail in their call (never by the deadline), and the
 root's next call, or its ``destroy_process_group``, must fail naming the broadcast (its
-sequence number and call site).
+sequence number and call site); tearing down after the group's own abort or a lost
+peer must not raise.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ import torch
 
 import tandem
 from tandem.collectives.group import ProcessGroup
+from tandem.errors import StateError, TandemError
 from tandem.testing import launch, run_threads, stay_until_reported, wait_until
 
 from _coll_util import join_on_host, leave_hosts
@@ -184,3 +187,39 @@ def test_a_disagreement_found_after_the_root_returned_fails_its_next_step(
         assert mine["seconds"] < OP_TIMEOUT / 2, (r, mine)
     # host b's leader takes rank 0's data and cannot complete: it fails in the call
     assert seen[HOSTS.index("b")]["broadcast"] != "returned", seen[HOSTS.index("b")]
+
+
+def _close_after_return(group: ProcessGroup, returned: threading.Event, how: str) -> str:
+    """Ranks as threads, hosts a and b: rank 0 broadcasts from itself and returns; host b
+    then calls with another root ("disagree") or with rank 0 after rank 0 aborted the
+    group itself ("own-abort"). What rank 0's ``close`` raised, or "closed"."""
+    r = group.rank()
+    if r >= 2:
+        assert returned.wait(OP_TIMEOUT), "rank 0's broadcast never returned"
+    try:
+        tandem.broadcast(torch.zeros(4), src=0 if how == "own-abort" or r < 2 else 3,
+                         group=group)
+    except TandemError:
+        if r == 0:
+            raise
+    if r != 0:
+        return ""
+    if how == "own-abort":  # torch's abort, an elastic regroup: nothing to report at close
+        group.abort(StateError("aborted by the test"))
+    returned.set()
+    try:
+        group.close()
+    except TandemError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "closed"
+
+
+def test_closing_after_the_root_returned_raises_a_disagreement_only() -> None:
+    hosts = list("aabb")
+    seen = run_threads(len(hosts), _close_after_return, (threading.Event(), "disagree"),
+                       hosts=hosts, timeout=OP_TIMEOUT + 30, op_timeout=OP_TIMEOUT)
+    assert "CollectiveMismatchError" in seen[0] and "sequence 0" in seen[0], seen[0]
+    assert "test_coll_broadcast_root_returns.py:" in seen[0], seen[0]
+    seen = run_threads(len(hosts), _close_after_return, (threading.Event(), "own-abort"),
+                       hosts=hosts, timeout=OP_TIMEOUT + 30, op_timeout=OP_TIMEOUT)
+    assert seen[0] == "closed", seen[0]
