@@ -273,6 +273,8 @@ class ProcessGroup:
         self._host_ranks = (None if local is None or not host_shares_memory(self, local)
                             else local)
         self._abort_passed = False  # this rank passed the group's abort to its host mates
+        # a broadcast root's check left to finish by the end of the next call (confirm_later)
+        self._unconfirmed: tuple[Op, list[Slot]] | None = None
         self.compared = -1  # the last call whose previous call was compared (compare_previous)
         # (seq, signature, call site) of the last call compared: the next call's previous one
         self._last_compared: tuple[int, bytes, bytes] | None = None
@@ -316,7 +318,11 @@ class ProcessGroup:
         failure = self.transport.aborted(self.group_id)
         if failure is not None:
             self._pass_on_abort(failure)
-            raise StateError(f"process group '{self.group_name}' was aborted earlier: "
+            unconfirmed, self._unconfirmed = self._unconfirmed, None  # reported here
+            after = "" if unconfirmed is None else (
+                f" (after {unconfirmed[0].describe()} had returned on its root, before every "
+                f"rank confirmed it)")
+            raise StateError(f"process group '{self.group_name}' was aborted earlier{after}: "
                              f"{failure}") from failure
         if not async_op:
             with self._cv:
@@ -410,6 +416,7 @@ class ProcessGroup:
                                    or _torch_profiler._is_profiler_enabled):
             watched = True
             recorder.watch(op)
+        unconfirmed, self._unconfirmed = self._unconfirmed, None
         try:
             if self.shares_memory:
                 if self.arena is None:
@@ -424,6 +431,8 @@ class ProcessGroup:
                 arena = self.host_arena(op, self._host_ranks)
                 arena.announce(op.seq, op.sig, op.site)
             fn(op)
+            if unconfirmed is not None:  # the previous call's root check, overlapped by this one
+                self._settle(unconfirmed, op.deadline)
             if self.arena is not None and self.compared != op.seq:
                 # a call that moved only messages (barrier, all_to_all, gather, scatter)
                 # checks the previous call here, as the shared-memory ones do after their
@@ -456,6 +465,37 @@ class ProcessGroup:
         if watched:
             assert record is not None  # only a recorded call is watched
             recorder.unwatch(op, record)
+
+    def confirm_later(self, op: Op, told: Sequence[Slot]) -> None:
+        """Let ``op`` (a broadcast's root, its data sent) return before ``told``, the receives
+        of its peers' confirmations, complete: the end of this group's next call waits for
+        them (or :meth:`close`), so the round trip overlaps that call. A confirmation that
+        clashes aborts the group at once, from the thread that read it, so the ranks still
+        in ``op`` fail rather than wait; the root's next call then fails naming ``op``."""
+        op.wait(*[s for s in told if s.done()])  # a clash already here fails in the call
+        told = [s for s in told if not s.done()]
+        if not told:
+            return
+
+        def clash(slot: Slot) -> None:
+            if isinstance(slot.error, CollectiveMismatchError):
+                self.abort(slot.error)
+
+        for s in told:
+            s.on_done = clash
+            if s.done():  # finished before its hook was in place (abort is idempotent)
+                clash(s)
+        self._unconfirmed = (op, told)
+
+    def _settle(self, unconfirmed: tuple[Op, list[Slot]], deadline: float) -> None:
+        """Wait for the confirmations :meth:`confirm_later` left, until ``deadline``."""
+        prior, told = unconfirmed
+        try:
+            self.transport.wait(told, deadline, prior.describe, self.ranks)
+        except CollectiveMismatchError as exc:
+            raise CollectiveMismatchError(
+                f"{prior.describe()} returned on its root before every rank had confirmed "
+                f"it, and a rank disagreed: {exc}") from exc
 
     def compare_previous(self, op: Op, members: Sequence[int]) -> None:
         """Raise if a member of ``members`` announced another call than this rank's as the
@@ -579,9 +619,24 @@ class ProcessGroup:
     # -- lifetime --------------------------------------------------------------------
     def close(self) -> None:
         """Fail what is pending with ``StateError``; end the engine, the futures thread
-        and the shared staging memory. The transport is not closed (other groups use it)."""
+        and the shared staging memory. The transport is not closed (other groups use it).
+
+        A broadcast root's check still out (:meth:`confirm_later`) is waited for first
+        (up to the group's timeout); if ranks disagreed on that broadcast, the mismatch is
+        raised once all is closed."""
         if self._closed:
             return
+        unconfirmed, self._unconfirmed = self._unconfirmed, None
+        report: BaseException | None = None
+        if unconfirmed is not None:
+            try:  # the last call's root check: a disagreement is reported, not dropped
+                self._settle(unconfirmed, time.monotonic() + self.timeout)
+            except TandemError as exc:
+                report = exc
+            # a lost peer or this rank's own abort (elastic regroup, torch's abort) is not
+            # the broadcast's to report: tearing down after it must go on quietly
+            if not isinstance(report, CollectiveMismatchError):
+                report = None
         self._warn_unreceived()
         error = self._destroyed()
         with self._cv:
@@ -605,6 +660,8 @@ class ProcessGroup:
                 if arena is not None:
                     arena.close()
             self.arena = self._host_arena = None
+        if report is not None:
+            raise report
 
     def _warn_unreceived(self) -> None:
         """Log the sends that reached this rank and that no receive took: closing drops

@@ -242,23 +242,30 @@ def destroy_process_group(group: ProcessGroup | NonMemberGroup | None = None) ->
     A TCP store's host (rank 0 under ``env://`` and ``tcp://``) first waits, up to
     ``LEAVE_LINGER`` seconds, for the other ranks to leave its store, so that
     ``init_process_group`` may follow at once on every rank, on the same address.
+    A broadcast root's check left to the next call (``ProcessGroup.confirm_later``) that
+    fails by then is raised here, once everything is torn down.
     """
     global _world
     w = _require()
     if group is not None and group is not w.default:
-        if isinstance(group, ProcessGroup):
-            group.close()
-        if group in w.groups:
-            w.groups.remove(group)
+        try:
+            if isinstance(group, ProcessGroup):
+                group.close()
+        finally:
+            if group in w.groups:
+                w.groups.remove(group)
         return
     _world = None
+    failure: TandemError | None = None  # a group's last broadcast that failed its root check
     try:
         if w.monitor is not None:  # [observability hook] before the groups go
             w.monitor.close()
-        for g in w.groups:
+        for g in [*w.groups, w.default]:
             if isinstance(g, ProcessGroup):
-                g.close()
-        w.default.close()
+                try:
+                    g.close()
+                except TandemError as exc:  # every group still closes; the first is raised
+                    failure = failure or exc
     finally:
         try:
             w.transport.close()
@@ -268,6 +275,8 @@ def destroy_process_group(group: ProcessGroup | NonMemberGroup | None = None) ->
                 w.store.leave(LEAVE_LINGER)
             elif w.owns_store:  # a store the caller passed in stays theirs to reuse
                 w.store.close()
+    if failure is not None:
+        raise failure
 
 
 def _require() -> World:

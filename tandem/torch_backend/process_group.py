@@ -97,8 +97,10 @@ class TandemProcessGroup(Collectives, dist.ProcessGroup):  # type: ignore[misc]
         """Release this group; the fabric's last group closes its connections."""
         if not self._shut:
             self._shut = True
-            self._group.close()
-            self._fabric.release(self._group.group_id)
+            try:
+                self._group.close()
+            finally:  # a broadcast's late mismatch is raised, the connections still go
+                self._fabric.release(self._group.group_id)
 
     def abort(self) -> None:
         """Fail every pending and later call of this group, here and on every member."""

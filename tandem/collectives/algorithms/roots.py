@@ -19,7 +19,11 @@ A broadcast checks its root up its own data tree instead
 (:mod:`~tandem.collectives.algorithms.spanning`): each rank confirms to its parent
 only, so a root waits for its children, not for every rank; within a host whose ranks
 share memory, by their posts and announcements in the host's arena
-(:mod:`~tandem.collectives.algorithms.shm_spanning`).
+(:mod:`~tandem.collectives.algorithms.shm_spanning`). Across hosts that check is a round
+trip per call, so the root returns once its data is sent and the group waits for its
+children's confirmations by the end of its next call (:func:`root_returns`): a clash
+they bring aborts the group at once, from the thread that read it, and the root's next
+call (or ``destroy_process_group``) fails naming the broadcast.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from tandem.collectives.group import Op
 from tandem.errors import CollectiveMismatchError
 from tandem.transport.base import Slot
 
-__all__ = ["ROOT_STEP", "announce_root", "confirm_root", "confirm_up"]
+__all__ = ["ROOT_STEP", "announce_root", "confirm_root", "confirm_up", "root_returns"]
 
 ROOT_STEP = 2 ** 31 - 1  # beyond the steps of any algorithm
 
@@ -69,3 +73,13 @@ def confirm_up(o: Op, parent: int, told: list[Slot]) -> list[Slot]:
     whole subtree named the root), its own to ``parent``; the slot to wait for."""
     o.wait(*told)
     return [o.send(parent, ROOT_STEP, memoryview(bytearray(0)))]
+
+
+def root_returns(o: Op, sent: list[Slot], told: list[Slot]) -> None:
+    """A broadcast root's end across hosts: wait for its sends (then its buffer is the
+    caller's again) and leave the confirmations ``told`` still out to the group
+    (:meth:`~tandem.collectives.group.ProcessGroup.confirm_later`), so that this call's
+    round trip overlaps the next one (a 4 KB broadcast at 4x8 and 8x8 was 0.76-0.87x
+    gloo's, whose root returns once its sends are out)."""
+    o.wait(*sent)
+    o.group.confirm_later(o, told)

@@ -23,9 +23,11 @@ The root check: the source waits until every rank of its host has posted round 0
 this call and checks their announcements; a leader confirms to its parent (one empty
 message) only once its host has passed that check and its child leaders confirmed to
 it, and the root's host's leader, when it is not the root, confirms to the root. So
-the root completes only when every rank named it, and a rank naming another root
-meets an announcement or a message that clashes with its own in this call, raises,
-and aborts the group on every member.
+the root's check completes only when every rank named it, and a rank naming another
+root meets an announcement or a message that clashes with its own in this call,
+raises, and aborts the group on every member. The root itself returns once its data
+is out (:func:`~.roots.root_returns`): the confirmations it still waits for complete
+by the end of its next call on the group.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from tandem.collectives.algorithms._phases import host_of_rank
 from tandem.collectives.algorithms.flat import copy_overlap
 from tandem.collectives.algorithms.leaders import BLOCK_STEP
 from tandem.collectives.algorithms.ring import link_chunk
-from tandem.collectives.algorithms.roots import ROOT_STEP, confirm_up
+from tandem.collectives.algorithms.roots import ROOT_STEP, confirm_up, root_returns
 from tandem.collectives.algorithms.shm_checks import prepare, verify
 from tandem.collectives.algorithms.shm_arrival import arrive_and_stage
 from tandem.collectives.algorithms.spanning import cut
@@ -137,6 +139,9 @@ def arena_broadcast(op: Op, buf: torch.Tensor, root: int, layout: list[list[int]
     if parent is not None and not confirmed:
         # for its whole subtree, once its host passed the check and the data is on its way
         told = confirm_up(op, parent, told)
+    if me == root:
+        root_returns(op, sent, told)
+        return
     op.wait(*sent, *told)
 
 

@@ -23,7 +23,9 @@ confirmation that the other's receives clash with; a rank that names another roo
 than its parent's gets data it does not expect, or sends its confirmation to a rank
 that expects none from it, or expects another call. A clash raises there and aborts
 the group on every member, so the ranks waiting on it (the root waits on everyone,
-through its children) fail in the call too.
+through its children) fail in the call too. Across hosts the root returns once its
+data is sent and its children's confirmations complete by the end of its next call
+(:func:`~.roots.root_returns`).
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ import torch
 
 from tandem.collectives.algorithms._phases import host_of_rank
 from tandem.collectives.algorithms.ring import link_chunk
-from tandem.collectives.algorithms.roots import ROOT_STEP, confirm_up
+from tandem.collectives.algorithms.roots import ROOT_STEP, confirm_up, root_returns
 from tandem.collectives.algorithms.tree import binomial
-from tandem.collectives.group import Op, as_bytes
+from tandem.collectives.group import Op, as_bytes, spans_hosts
 from tandem.transport.base import Slot
 
 __all__ = ["broadcast_tree", "confirmed_broadcast", "cut"]
@@ -111,4 +113,7 @@ def confirmed_broadcast(op: Op, buf: torch.Tensor, parent: int | None,
     if parent is not None:
         # for its whole subtree, once the data is on its way down
         told = confirm_up(op, parent, told)
+    elif spans_hosts(g):  # the root's check across hosts: a round trip no later call overlaps
+        root_returns(op, sent, told)
+        return
     op.wait(*sent, *told)
