@@ -1,7 +1,7 @@
 """barrier and monitored_barrier: wait until every rank of a group has arrived.
 
-``barrier`` is an all-reduce of one byte: through the shared staging memory on a group whose
-ranks share memory; across hosts, each host's ranks check in with their leader and the
+``barrier`` is an all-reduce of one byte: a post of each rank in the shared staging memory
+(nothing staged) on a group whose ranks share memory; across hosts, each host's ranks check in with their leader and the
 leaders meet (``algorithms.leaders_barrier``); else by recursive doubling (``log2 p`` rounds).
 ``monitored_barrier`` gathers arrivals at group rank 0, so when a rank is missing it can
 say which: the error names every rank that did not arrive within the timeout.
