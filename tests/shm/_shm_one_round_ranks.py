@@ -124,6 +124,7 @@ def barriers_between_calls(rank: int, p: int) -> dict[str, Any]:
         left.append(time.time())
     assert g.arena is not None
     reserved_by_barriers, combines_by_barriers = g.arena.reserved, combined[0]
+    viewed = g.arena._data is not None  # staging views made (per member: O(members) work)
     wrong = []
     for call in range(6):
         ranks = [q + p * call for q in range(p)]
@@ -135,5 +136,5 @@ def barriers_between_calls(rank: int, p: int) -> dict[str, Any]:
             dist.barrier()
         if not torch.equal(t, oracle(ranks, 1000, torch.float32, "SUM")):
             wrong.append(call)
-    return {"reserved": reserved_by_barriers, "combined": combines_by_barriers,
+    return {"reserved": reserved_by_barriers, "combined": combines_by_barriers, "viewed": viewed,
             "entered": entered, "left": left, "wrong": wrong}
