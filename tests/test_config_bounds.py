@@ -108,6 +108,34 @@ def test_memory_limit_reads_a_cgroup_limit_below_physical_memory(
     assert config.memory_limit() >= 1 << 30
 
 
+
+@pytest.mark.procs  # a fresh interpreter, which forks
+def test_the_memory_limit_is_read_at_import_so_forked_workers_inherit_it() -> None:
+    """tandemrun's workers are forked from a process that imported tandem: the cgroup's
+    files are read there once, not again by every worker's init (1 ms of its CPU); a
+    forked child's settings, read from its own environment, read no cgroup file."""
+    code = """if True:
+        import builtins, os, sys
+        import tandem.config as c
+        assert c._memory, "memory limit not known after import"
+        opened = []
+        real = builtins.open
+        def counting(name, *a, **k):
+            opened.append(str(name))
+            return real(name, *a, **k)
+        builtins.open = counting
+        os.environ["TANDEM_TIMEOUT"] = "7"
+        pid = os.fork()
+        if pid == 0:
+            s = c.load_settings()
+            os._exit(0 if s.timeout == 7 and not opened else 1)
+        assert os.waitid(os.P_PID, pid, os.WEXITED).si_status == 0, "child read " + repr(opened)
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
 # --- the secret file: type, mode and size before a byte is read -----------------------
 
 def _load_secret_in_child(path: str) -> subprocess.CompletedProcess[str]:
