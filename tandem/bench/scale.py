@@ -183,6 +183,7 @@ def _scale_rank(rank: int, world: int, workdir: str, ops: Sequence[str], sizes: 
     from tandem.bench.collectives import _measure_one
 
     import tandem.collectives.api  # noqa: F401 - imported here, not timed as part of init
+    import tandem.collectives.barriers  # noqa: F401 - as torch.distributed's barrier is
 
     torch.set_num_threads(1)
     base = snapshot()

@@ -49,6 +49,18 @@ _UNRECEIVED_LISTED = 8  # sender/tag pairs a warning names; the rest are counted
 _CLOSE_S = 1.0  # how long close() waits for the running call to fail and return
 
 
+def _first_tensors() -> None:
+    """Make the kinds of tensor init and a first barrier make (empty, zeroed, viewing a
+    buffer): torch sets up state at a process's first ones, which a worker forked from a
+    process that imported tandem (tandemrun's zygote) then inherits instead of redoing."""
+    torch.frombuffer(bytearray(8), dtype=torch.uint8)[:4].view(torch.int32)
+    torch.zeros(1, dtype=torch.uint8)
+    torch.empty(0, dtype=torch.uint8)
+
+
+_first_tensors()
+
+
 def bounded(text: str) -> bytes:
     """``text`` encoded, with anything beyond ~1 KiB replaced by its hash.
 
