@@ -236,7 +236,7 @@ class ProcessGroup:
         self._engine: threading.Thread | None = None
         self._closed = False
         self.completions = Completions()
-        self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._scratch: torch.Tensor | None = None  # made by the first call that needs it
         # same-host groups share staging memory (made at the first call, by every member)
         self.shares_memory = (self.group_size > 1 and settings.shm_arena
                               and transport.shares_memory_with(self.ranks))
@@ -502,7 +502,7 @@ class ProcessGroup:
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         if nbytes > _SCRATCH_KEEP:
             return torch.empty(numel, dtype=dtype)
-        if self._scratch.numel() < nbytes:
+        if self._scratch is None or self._scratch.numel() < nbytes:
             self._scratch = torch.empty(nbytes, dtype=torch.uint8)
         return self._scratch[:nbytes].view(dtype)
 

@@ -116,15 +116,28 @@ def barriers_between_calls(rank: int, p: int) -> dict[str, Any]:
     combined = _count_one_rounds("_reduce_whole")
     entered: list[float] = []  # when this rank entered each barrier it was late to
     left: list[float] = []  # when this rank left each barrier
-    for i in range(3):  # the first call on a fresh arena: nothing reserved by them
-        if i % p == rank:
-            time.sleep(0.2)
-            entered.append(time.time())
-        dist.barrier()
-        left.append(time.time())
+    barrier = dist.barrier  # its module imported (as tandemrun's zygote does) before counting
+    made = [0]  # tensors torch.zeros made meanwhile (a forked rank's first costs most)
+    zeros = torch.zeros
+
+    def counting_zeros(*args: Any, **kwargs: Any) -> torch.Tensor:
+        made[0] += 1
+        return zeros(*args, **kwargs)
+
+    torch.zeros = counting_zeros  # type: ignore[assignment]
+    try:
+        for i in range(3):  # the first call on a fresh arena: nothing reserved by them
+            if i % p == rank:
+                time.sleep(0.2)
+                entered.append(time.time())
+            barrier()
+            left.append(time.time())
+    finally:
+        torch.zeros = zeros  # type: ignore[assignment]
     assert g.arena is not None
     reserved_by_barriers, combines_by_barriers = g.arena.reserved, combined[0]
     viewed = g.arena._data is not None  # staging views made (per member: O(members) work)
+    tensors = made[0] + (g._scratch is not None)
     wrong = []
     for call in range(6):
         ranks = [q + p * call for q in range(p)]
@@ -137,4 +150,5 @@ def barriers_between_calls(rank: int, p: int) -> dict[str, Any]:
         if not torch.equal(t, oracle(ranks, 1000, torch.float32, "SUM")):
             wrong.append(call)
     return {"reserved": reserved_by_barriers, "combined": combines_by_barriers, "viewed": viewed,
+            "tensors": tensors,
             "entered": entered, "left": left, "wrong": wrong}
