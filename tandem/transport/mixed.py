@@ -35,15 +35,24 @@ __all__ = ["MixedTransport", "exchange_hosts", "require_one_host", "host_key", "
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
+def _boot_id() -> str:
+    try:
+        with open(_BOOT_ID) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+# read at import: the machine's, for as long as the process lives (a forked worker's too)
+_BOOT = _boot_id()
+
+
 def host_key(hostname: str) -> str:
     """``hostname`` plus this machine's boot id and this process's network namespace:
     equal only for processes that can share memory and reach each other's abstract
-    UNIX sockets (namespaces, e.g. containers, are told apart even under one name)."""
-    try:
-        with open(_BOOT_ID) as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
+    UNIX sockets (namespaces, e.g. containers, are told apart even under one name; the
+    namespace is read each time: a process may enter another after import)."""
+    boot = _BOOT
     try:
         netns = os.readlink("/proc/self/ns/net")
     except OSError:
