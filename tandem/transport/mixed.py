@@ -60,8 +60,10 @@ def host_key(hostname: str) -> str:
     return f"{hostname}|{boot}|{netns}"
 
 
-def exchange_hosts(store: Store, rank: int, world_size: int, hostname: str) -> list[str]:
-    """Publish this rank's host key and return every rank's (index = rank).
+def exchange_hosts(store: Store, rank: int, world_size: int, hostname: str,
+                   published: Callable[[], None] | None = None) -> list[str]:
+    """Publish this rank's host key and return every rank's (index = rank); ``published``
+    is called in between, before the wait for the others' keys.
 
     Each entry carries its rank's world size too: ranks started with different ones are
     told at once, naming both, instead of waiting for a rank that will never come. The
@@ -71,6 +73,8 @@ def exchange_hosts(store: Store, rank: int, world_size: int, hostname: str) -> l
     will never start with a note naming itself, so the larger rank is told at once too.
     """
     store.set(f"topology/host/{rank}", f"{host_key(hostname)}#{world_size}")
+    if published is not None:
+        published()
     entries = store.multi_get([f"topology/host/{r}" for r in range(rank + 1)])
     _check_worlds(store, rank, world_size, 0, entries)
     later = store.multi_get([f"topology/host/{r}" for r in range(rank + 1, world_size)])
