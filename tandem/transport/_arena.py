@@ -125,7 +125,7 @@ class Arena:
     before it first hands out views that write it (:meth:`heads`, :meth:`slots`,
     :meth:`data` of its own index), and closes ``fd`` once all is. A peer reads only
     what its writer published, so nothing is touched unreserved: a full ``/dev/shm``
-    fails with a clear error, not ``SIGBUS``. A barrier (one byte) then reserves a page
+    fails with a clear error, not ``SIGBUS``. A one-byte call then reserves a page
     per half, not 2 x chunk for every member while the others wait.
     """
 
