@@ -210,7 +210,8 @@ def _connect(store: Store, rank: int, world_size: int, backend: str, settings: S
     """Build this rank's transport through ``store``, whose deadline is ``setup``."""
     host = bind_address(settings, master)
     # the transports connect within settings.connect_timeout: the init timeout, if shorter
-    settings = dataclasses.replace(settings, connect_timeout=setup)
+    if settings.connect_timeout != setup:  # (a replace checks every setting again)
+        settings = dataclasses.replace(settings, connect_timeout=setup)
     options = BackendOptions(store=store, rank=rank, world_size=world_size, host=host,
                              advertise=_wire.advertised_address(host, master),
                              hostname=settings.host_id or socket.gethostname(),
