@@ -197,3 +197,31 @@ def test_a_world_readable_secret_file_is_refused_before_it_is_opened(
 def test_a_small_frame_cap_alone_is_accepted() -> None:
     # the chunk and threshold defaults stay valid when only TANDEM_MAX_FRAME is lowered
     assert load_settings({"TANDEM_MAX_FRAME": "4096"}).max_frame == 4096
+
+
+@pytest.mark.procs  # a fresh interpreter
+def test_a_machine_too_small_for_a_default_still_imports_and_init_names_the_setting() -> None:
+    """The defaults are checked at import; a memory limit below a default's bound must
+    not fail the import: init reports it, naming the setting, as before."""
+    code = """if True:
+        import builtins
+        real = builtins.open
+        def tiny(name, *a, **k):
+            if str(name).endswith(("memory.max", "memory.limit_in_bytes")):
+                import io
+                return io.StringIO(str(16 << 20))  # a 16 MiB cgroup
+            return real(name, *a, **k)
+        builtins.open = tiny
+        import tandem.config as c
+        builtins.open = real
+        assert c._DEFAULTS is None
+        try:
+            c.load_settings({})
+        except c.ArgumentError as exc:
+            assert "TANDEM_FLIGHT_RECORDER" in str(exc), exc
+        else:
+            raise AssertionError("a 16 MiB machine took the default flight recorder")
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
