@@ -274,7 +274,7 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Read every ``TANDEM_*`` setting from ``env`` (default: ``os.environ``)."""
     env = os.environ if env is None else env
-    base = Settings()
+    base = _DEFAULTS or Settings()
     return Settings(
         timeout=_number(env, "TANDEM_TIMEOUT", float, base.timeout),
         connect_timeout=_number(env, "TANDEM_CONNECT_TIMEOUT", float, base.connect_timeout),
@@ -444,3 +444,15 @@ def _read_secret_file(path: Path, what: str) -> bytes:
     if not data:
         raise ArgumentError(f"{what} is empty")
     return data
+
+
+def _checked_defaults() -> Settings | None:
+    try:
+        return Settings()
+    except ArgumentError:  # a machine too small for a default: load_settings says so
+        return None
+
+
+# the defaults, checked once at import: a forked worker (tandemrun's zygote) inherits them
+# and the memory limit they were checked against (the cgroup's files read in the zygote)
+_DEFAULTS = _checked_defaults()

@@ -108,6 +108,34 @@ def test_memory_limit_reads_a_cgroup_limit_below_physical_memory(
     assert config.memory_limit() >= 1 << 30
 
 
+
+@pytest.mark.procs  # a fresh interpreter, which forks
+def test_the_memory_limit_is_read_at_import_so_forked_workers_inherit_it() -> None:
+    """tandemrun's workers are forked from a process that imported tandem: the cgroup's
+    files are read there once, not again by every worker's init (1 ms of its CPU); a
+    forked child's settings, read from its own environment, read no cgroup file."""
+    code = """if True:
+        import builtins, os, sys
+        import tandem.config as c
+        assert c._memory, "memory limit not known after import"
+        opened = []
+        real = builtins.open
+        def counting(name, *a, **k):
+            opened.append(str(name))
+            return real(name, *a, **k)
+        builtins.open = counting
+        os.environ["TANDEM_TIMEOUT"] = "7"
+        pid = os.fork()
+        if pid == 0:
+            s = c.load_settings()
+            os._exit(0 if s.timeout == 7 and not opened else 1)
+        assert os.waitid(os.P_PID, pid, os.WEXITED).si_status == 0, "child read " + repr(opened)
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
 # --- the secret file: type, mode and size before a byte is read -----------------------
 
 def _load_secret_in_child(path: str) -> subprocess.CompletedProcess[str]:
@@ -169,3 +197,31 @@ def test_a_world_readable_secret_file_is_refused_before_it_is_opened(
 def test_a_small_frame_cap_alone_is_accepted() -> None:
     # the chunk and threshold defaults stay valid when only TANDEM_MAX_FRAME is lowered
     assert load_settings({"TANDEM_MAX_FRAME": "4096"}).max_frame == 4096
+
+
+@pytest.mark.procs  # a fresh interpreter
+def test_a_machine_too_small_for_a_default_still_imports_and_init_names_the_setting() -> None:
+    """The defaults are checked at import; a memory limit below a default's bound must
+    not fail the import: init reports it, naming the setting, as before."""
+    code = """if True:
+        import builtins
+        real = builtins.open
+        def tiny(name, *a, **k):
+            if str(name).endswith(("memory.max", "memory.limit_in_bytes")):
+                import io
+                return io.StringIO(str(16 << 20))  # a 16 MiB cgroup
+            return real(name, *a, **k)
+        builtins.open = tiny
+        import tandem.config as c
+        builtins.open = real
+        assert c._DEFAULTS is None
+        try:
+            c.load_settings({})
+        except c.ArgumentError as exc:
+            assert "TANDEM_FLIGHT_RECORDER" in str(exc), exc
+        else:
+            raise AssertionError("a 16 MiB machine took the default flight recorder")
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -33,7 +33,8 @@ from typing import Any
 
 from tandem.bench._host_rank import load, run_rank
 
-_PRELOAD = ("torch", "torch.distributed", "tandem", "tandem.collectives.api")
+_PRELOAD = ("torch", "torch.distributed", "tandem", "tandem.collectives.api",
+            "tandem.collectives.barriers")
 
 
 def _threads() -> int:

@@ -19,7 +19,9 @@ processes. Every rank, in order:
 
 * start-up: all ranks meet at a file barrier, then ``tandem.init_process_group("auto")``
   and a first ``barrier``; again at a file barrier, then ``init_process_group("gloo")``
-  and its first barrier (both FileStore rendezvous in a directory every host sees).
+  and its first barrier (both FileStore rendezvous in a directory every host sees);
+  ``--gloo-first`` swaps the two (the first pays the process's first uses: 8 forked
+  ranks, tandem's CPU for init + barrier was 5.5-7.6 ms second, 7.1-9.0 ms first).
   "init" is the last rank's return from ``init_process_group``, "init+barrier" the last
   rank's first barrier, both counted from the moment the last rank reached the file
   barrier;
@@ -174,7 +176,8 @@ def _waiting(lib: Any, rank: int, wait_s: float) -> float:
 
 
 def _scale_rank(rank: int, world: int, workdir: str, ops: Sequence[str], sizes: Sequence[int],
-                rounds: int, round_s: float, wait_s: float) -> dict[str, Any]:
+                rounds: int, round_s: float, wait_s: float,
+                gloo_first: bool = False) -> dict[str, Any]:
     import torch
     import torch.distributed as gloo
 
@@ -183,17 +186,24 @@ def _scale_rank(rank: int, world: int, workdir: str, ops: Sequence[str], sizes: 
     from tandem.bench.collectives import _measure_one
 
     import tandem.collectives.api  # noqa: F401 - imported here, not timed as part of init
+    import tandem.collectives.barriers  # noqa: F401 - as torch.distributed's barrier is
 
     torch.set_num_threads(1)
     base = snapshot()
     out: dict[str, Any] = {"start": {}}
-    _file_barrier(workdir, "tandem", rank, world)
-    out["start"]["tandem"] = _start(tandem, "auto", f"{workdir}/tandem-store", rank, world)
-    after_tandem = snapshot()
-    _file_barrier(workdir, "gloo", rank, world)
-    out["start"]["gloo"] = _start(gloo, "gloo", f"{workdir}/gloo-store", rank, world)
-    after_gloo = snapshot()
-    out["resources"] = {"tandem": after_tandem.minus(base), "gloo": after_gloo.minus(after_tandem)}
+    # the library that starts first pays the process's first uses (of torch, of the
+    # allocator's pages): --gloo-first swaps the order, to measure that bias
+    before: dict[str, Any] = {}
+    after: dict[str, Any] = {}
+    previous = base
+    for name in ("gloo", "tandem") if gloo_first else ("tandem", "gloo"):
+        before[name] = previous
+        _file_barrier(workdir, name, rank, world)
+        out["start"][name] = _start(tandem if name == "tandem" else gloo,
+                                    "auto" if name == "tandem" else "gloo",
+                                    f"{workdir}/{name}-store", rank, world)
+        after[name] = previous = snapshot()
+    out["resources"] = {name: after[name].minus(before[name]) for name in ("tandem", "gloo")}
     times = []
     try:
         for op in ops:
@@ -207,8 +217,8 @@ def _scale_rank(rank: int, world: int, workdir: str, ops: Sequence[str], sizes: 
                 _give_back()
         out["times"] = times
         end = snapshot()
-        gloo_local = after_gloo.local_tcp - after_tandem.local_tcp
-        gloo_remote = after_gloo.remote_tcp - after_tandem.remote_tcp
+        gloo_local = after["gloo"].local_tcp - before["gloo"].local_tcp
+        gloo_remote = after["gloo"].remote_tcp - before["gloo"].remote_tcp
         for key, gloo_set in (("local_tcp", gloo_local), ("remote_tcp", gloo_remote)):
             now: frozenset[int] = getattr(end, key)
             out["resources"]["tandem"][key] = len(now - getattr(base, key) - gloo_set)
@@ -337,7 +347,7 @@ def _summary(layout: Layout, per_rank: Sequence[dict[str, Any]], rounds: int
 
 def run_layout(layout: Layout, link: Any, ops: Sequence[str], sizes: Sequence[int],
                rounds: int, round_s: float, wait_s: float, launch_rounds: int,
-               timeout: float, cold: bool = False) -> dict[str, Any]:
+               timeout: float, cold: bool = False, gloo_first: bool = False) -> dict[str, Any]:
     """Every figure of one layout (launch first, outside the lab, for one-host layouts)."""
     from tandem.bench._resources import memory_cgroup, reset_cgroup_peak
     from tandem.testing.netns import netns_lab
@@ -349,8 +359,12 @@ def run_layout(layout: Layout, link: Any, ops: Sequence[str], sizes: Sequence[in
         with netns_lab(layout.hosts, Path(tmp), link) as lab:
             hosts = Hosts(lab, layout)
             per_rank = hosts.run(_scale_rank, (str(lab.workdir), list(ops), list(sizes), rounds,
-                                               round_s, wait_s), timeout=timeout, zygote=not cold)
+                                               round_s, wait_s, gloo_first),
+                                 timeout=timeout, zygote=not cold)
     summary = _summary(layout, per_rank, rounds)
+    # whose start-up came first, as the ranks' clocks tell
+    summary["first"] = min(("tandem", "gloo"),
+                           key=lambda lib: min(r["start"][lib]["start"] for r in per_rank))
     summary["launch"] = launch
     cgroup = memory_cgroup()
     summary["memory"] = cgroup.describe() if cgroup else ""
@@ -821,6 +835,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--op-timeout", type=float, default=30.0,
                         help="with --failures: the collectives' deadline in the stall and skip "
                              "scenarios (default 30 s)")
+    parser.add_argument("--gloo-first", action="store_true",
+                        help="start gloo's process group first (default tandem's): the first "
+                             "pays the process's first uses")
     parser.add_argument("--cold", action="store_true",
                         help="every rank a new interpreter importing torch itself, as before "
                              "the per-host zygotes (for comparison; 8x8 needs ~14 GB then)")
@@ -865,14 +882,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             for layout in layouts:
                 t = time.monotonic()
                 results.append(run_layout(layout, link, ops, sizes, rounds, round_s, wait_s,
-                                          args.launch_rounds, args.timeout, args.cold))
+                                          args.launch_rounds, args.timeout, args.cold,
+                                          args.gloo_first))
                 print(f"{layout}: {time.monotonic() - t:.0f} s, load average "
                       f"{os.getloadavg()[0]:.0f}; {results[-1]['memory']}", flush=True)
         except Unavailable as exc:
             print(f"simulated hosts are unavailable here: {exc}")
             return 1
         text = (f"tandem 'auto' vs torch.distributed 'gloo' on simulated hosts, links "
-                f"{link}; float32, 1 thread/rank; best of {rounds} rounds of "
+                f"{link}; {'gloo' if args.gloo_first else 'tandem'} started first; "
+                f"float32, 1 thread/rank; best of {rounds} rounds of "
                 f"~{round_s * 1e3:.0f} ms; {time.monotonic() - began:.0f} s\n\n"
                 + format_tables(results))
     print(text)

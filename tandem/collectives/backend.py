@@ -51,6 +51,9 @@ class BackendOptions:
     secret: bytes
     settings: Settings
     advertise: str = ""  # the address peers dial, when ``host`` is a wildcard like 0.0.0.0
+    # called once this rank's entry is in the store, before it waits for the others (init
+    # starts its watchdog's thread there: the others then never wait for that start)
+    published: Callable[[], None] | None = None
 
 
 Factory = Callable[[BackendOptions], Transport]
@@ -61,6 +64,8 @@ HOST_ARENA_KEY = 1 << 61  # a group's per-host arena: its id with this bit, apar
 
 def _tcp(options: BackendOptions, peers: list[int] | None = None,
          hosts: list[str] | None = None, lazy: bool = False) -> TcpTransport:
+    if hosts is None and options.published is not None:
+        options.published()  # the transport publishes and waits inside: no later point
     return TcpTransport(options.rank, options.world_size, options.store, options.host,
                         options.secret, options.settings.connect_timeout,
                         options.settings.max_frame, options.hostname, options.settings.debug,
@@ -89,7 +94,8 @@ def _shm(options: BackendOptions) -> Transport:
     why = unsupported_reason()
     if why:
         raise ArgumentError(f"backend 'shm' is not available here: {why}; use 'auto' or 'tcp'")
-    hosts = exchange_hosts(options.store, options.rank, options.world_size, options.hostname)
+    hosts = exchange_hosts(options.store, options.rank, options.world_size, options.hostname,
+                           options.published)
     require_one_host(hosts)
     return _shm_over(options, list(range(options.world_size)), None)
 
@@ -98,7 +104,8 @@ def _auto(options: BackendOptions) -> Transport:
     """shm within a host, tcp across hosts (every rank of a host decides alike)."""
     if unsupported_reason():
         return _tcp(options)
-    hosts = exchange_hosts(options.store, options.rank, options.world_size, options.hostname)
+    hosts = exchange_hosts(options.store, options.rank, options.world_size, options.hostname,
+                           options.published)
     local = same_host(hosts, options.rank)
     if len(local) == options.world_size:
         return _shm_over(options, local, None)

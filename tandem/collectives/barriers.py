@@ -1,7 +1,7 @@
 """barrier and monitored_barrier: wait until every rank of a group has arrived.
 
-``barrier`` is an all-reduce of one byte: through the shared staging memory on a group whose
-ranks share memory; across hosts, each host's ranks check in with their leader and the
+``barrier`` is an all-reduce of one byte: a post of each rank in the shared staging memory
+(nothing staged) on a group whose ranks share memory; across hosts, each host's ranks check in with their leader and the
 leaders meet (``algorithms.leaders_barrier``); else by recursive doubling (``log2 p`` rounds).
 ``monitored_barrier`` gathers arrivals at group rank 0, so when a rank is missing it can
 say which: the error names every rank that did not arrive within the timeout.
@@ -26,6 +26,8 @@ from tandem.errors import ArgumentError, CollectiveTimeoutError
 
 __all__ = ["barrier", "monitored_barrier"]
 
+_UNREAD = torch.zeros(1, dtype=torch.uint8)  # the token of barriers that read none
+
 
 def barrier(group: AnyGroup | None = None, async_op: bool = False,
             device_ids: Any = None, timeout: float | datetime.timedelta | None = None) -> Work | None:
@@ -35,10 +37,11 @@ def barrier(group: AnyGroup | None = None, async_op: bool = False,
     if device_ids is not None:
         raise ArgumentError(f"barrier: device_ids={device_ids!r}: tandem moves CPU tensors and "
                             f"binds no devices; call barrier() without device_ids")
-    token = torch.zeros(1, dtype=torch.uint8)
     seconds = None if timeout is None else timeout_seconds(timeout, g.timeout, "barrier: timeout")
-
-    _, fn = algo.select_barrier(g)
+    name, fn = algo.select_barrier(g)
+    # the arena's barrier reads no token: no tensor made (a forked rank's first torch call
+    # copies ~70 pages of torch's state); the others reduce a byte of their own in place
+    token = _UNREAD if name == "shm" else torch.zeros(1, dtype=torch.uint8)
 
     def body(o: Op) -> None:
         if seconds is not None:

@@ -49,6 +49,18 @@ _UNRECEIVED_LISTED = 8  # sender/tag pairs a warning names; the rest are counted
 _CLOSE_S = 1.0  # how long close() waits for the running call to fail and return
 
 
+def _first_tensors() -> None:
+    """Make the kinds of tensor init and a first barrier make (empty, zeroed, viewing a
+    buffer): torch sets up state at a process's first ones, which a worker forked from a
+    process that imported tandem (tandemrun's zygote) then inherits instead of redoing."""
+    torch.frombuffer(bytearray(8), dtype=torch.uint8)[:4].view(torch.int32)
+    torch.zeros(1, dtype=torch.uint8)
+    torch.empty(0, dtype=torch.uint8)
+
+
+_first_tensors()
+
+
 def bounded(text: str) -> bytes:
     """``text`` encoded, with anything beyond ~1 KiB replaced by its hash.
 
@@ -259,7 +271,7 @@ class ProcessGroup:
         self._engine: threading.Thread | None = None
         self._closed = False
         self.completions = Completions()
-        self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._scratch: torch.Tensor | None = None  # made by the first call that needs it
         # same-host groups share staging memory (made at the first call, by every member)
         self.shares_memory = (self.group_size > 1 and settings.shm_arena
                               and transport.shares_memory_with(self.ranks))
@@ -577,7 +589,7 @@ class ProcessGroup:
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         if nbytes > _SCRATCH_KEEP:
             return torch.empty(numel, dtype=dtype)
-        if self._scratch.numel() < nbytes:
+        if self._scratch is None or self._scratch.numel() < nbytes:
             self._scratch = torch.empty(nbytes, dtype=torch.uint8)
         return self._scratch[:nbytes].view(dtype)
 

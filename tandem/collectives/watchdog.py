@@ -110,18 +110,30 @@ class EarlyThread:
     """The watchdog's thread, started before the work it will run is known: where its
     starter waits anyway (init, for the other ranks), since ``Thread.start`` waits for
     the new thread to get a CPU (up to 0.1 s at 16 ranks on 2 CPUs, at the end of
-    init). ``run`` hands it the work; ``cancel`` ends it; unclaimed, it ends after
+    init). ``start=False``: not yet, :meth:`start` starts it (init: once this rank's
+    entry is in the store, so the others never wait for this start). ``run`` hands it
+    the work (starting it, if not yet); ``cancel`` ends it; unclaimed, it ends after
     ``timeout`` seconds and ``run`` starts a thread of its own."""
 
-    def __init__(self, name: str, timeout: float) -> None:
+    def __init__(self, name: str, timeout: float, start: bool = True) -> None:
         self._name = name
         self._timeout = timeout
         self._lock = threading.Lock()
         self._work: Callable[[], None] | None = None
         self._given = threading.Event()
         self._expired = False
+        self._started = False
         self.thread = threading.Thread(target=self._wait, daemon=True, name=name)
-        self.thread.start()
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start the thread (once; not after :meth:`cancel` or :meth:`run`)."""
+        with self._lock:
+            if self._started or self._given.is_set():
+                return
+            self._started = True
+            self.thread.start()
 
     def _wait(self) -> None:
         self._given.wait(self._timeout)
@@ -137,6 +149,9 @@ class EarlyThread:
             if not self._expired and not self._given.is_set():
                 self._work = work
                 self._given.set()
+                if not self._started:  # never started: it runs the work at once
+                    self._started = True
+                    self.thread.start()
                 return self.thread
         thread = threading.Thread(target=work, daemon=True, name=self._name)
         thread.start()

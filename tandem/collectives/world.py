@@ -14,6 +14,7 @@ import dataclasses
 import datetime
 import os
 import socket
+from typing import Callable
 
 from tandem import _wire
 from tandem.collectives.backend import DEFAULT_GROUP_ID, Backend, BackendOptions, resolve_backend
@@ -115,9 +116,11 @@ def init_process_group(
     refuse_pg_options("init_process_group", pg_options)
     check_cpu_device("init_process_group", "device_id", device_id)
     setup = min(settings.connect_timeout, seconds)
-    # the watchdog's thread starts now, its start (a wait for a CPU) overlapping the
-    # wait for the other ranks; it is handed its work at the end of init
-    early = EarlyThread("tandem-watchdog", setup + 5.0) if settings.flight_recorder > 0 else None
+    # the watchdog's thread starts once this rank's entry is in the store (the transport
+    # calls back), its start (a wait for a CPU) overlapping the wait for the other ranks
+    # and never delaying what they wait for; it is handed its work at the end of init
+    early = (EarlyThread("tandem-watchdog", setup + 5.0, start=False)
+             if settings.flight_recorder > 0 else None)
     try:
         _init(backend_name, init_method, seconds, world_size, rank, store, group_name,
               settings, setup, early)
@@ -149,7 +152,8 @@ def _init(backend_name: str, init_method: str | None, seconds: float, world_size
         scoped = PrefixStore(f"tandem/{generation}", store)
         scoped.set_timeout(setup)  # peers' addresses must appear within the connect deadline
         _claim(scoped, rank)
-        transport = _connect(scoped, rank, world_size, backend_name, settings, master, setup)
+        transport = _connect(scoped, rank, world_size, backend_name, settings, master, setup,
+                             None if early is None else early.start)
         try:
             default = ProcessGroup(transport, list(range(world_size)), DEFAULT_GROUP_ID,
                                    group_name or "default", seconds, settings, backend_name)
@@ -201,15 +205,17 @@ def _claim(store: Store, rank: int) -> None:
 
 
 def _connect(store: Store, rank: int, world_size: int, backend: str, settings: Settings,
-             master: str | None, setup: float) -> Transport:
+             master: str | None, setup: float,
+             published: Callable[[], None] | None = None) -> Transport:
     """Build this rank's transport through ``store``, whose deadline is ``setup``."""
     host = bind_address(settings, master)
     # the transports connect within settings.connect_timeout: the init timeout, if shorter
-    settings = dataclasses.replace(settings, connect_timeout=setup)
+    if settings.connect_timeout != setup:  # (a replace checks every setting again)
+        settings = dataclasses.replace(settings, connect_timeout=setup)
     options = BackendOptions(store=store, rank=rank, world_size=world_size, host=host,
                              advertise=_wire.advertised_address(host, master),
                              hostname=settings.host_id or socket.gethostname(),
-                             secret=load_secret(), settings=settings)
+                             secret=load_secret(), settings=settings, published=published)
     try:
         return Backend.factory(backend)(options)
     except (TimeoutError, NetworkError) as exc:

@@ -54,8 +54,8 @@ from typing import Any, Callable, Dict, List, Tuple  # noqa: E402
 # 1-2.5 s of a new worker's start on a loaded 2-core host, more than anything it runs
 # itself before it joins (the main example, measured).
 WARM_MODULES = ("torch", "torch._dynamo", "torch.nn.functional", "torch.utils.data",
-                "tandem", "tandem.parallel", "tandem.elastic", "tandem.optim",
-                "tandem.checkpoint")
+                "tandem", "tandem.collectives.api", "tandem.collectives.barriers",
+                "tandem.parallel", "tandem.elastic", "tandem.optim", "tandem.checkpoint")
 MAX_SAID = 8192  # bytes of what the imports printed that the agent shows (the end of it)
 MAX_REQUEST = 1 << 20  # bytes: the environment of a worker, with room to spare
 ADOPTION_WAIT = 5.0  # seconds for the agent to adopt a new process (it takes microseconds)

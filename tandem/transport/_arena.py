@@ -125,7 +125,7 @@ class Arena:
     before it first hands out views that write it (:meth:`heads`, :meth:`slots`,
     :meth:`data` of its own index), and closes ``fd`` once all is. A peer reads only
     what its writer published, so nothing is touched unreserved: a full ``/dev/shm``
-    fails with a clear error, not ``SIGBUS``. A barrier (one byte) then reserves a page
+    fails with a clear error, not ``SIGBUS``. A one-byte call then reserves a page
     per half, not 2 x chunk for every member while the others wait.
     """
 
@@ -149,10 +149,9 @@ class Arena:
         self._maps = areas
         self._ctl = [memoryview(m)[o:o + CONTROL_BYTES].cast("Q") for m, o in areas]
         self._addr = [address_of(m) + o for m, o in areas]
-        mapped = {id(m): torch.frombuffer(m, dtype=torch.uint8) for m in self._segments}
-        self._data = [(mapped[id(m)][o + CONTROL_BYTES:o + CONTROL_BYTES + chunk],
-                       mapped[id(m)][o + CONTROL_BYTES + chunk:o + CONTROL_BYTES + 2 * chunk])
-                      for m, o in areas]
+        # each member's two staging halves as tensors, made at the first call that stages
+        # (a barrier stages nothing: 2 views per member were O(members) torch work at init)
+        self._data: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.posted = self._ctl[index][_POSTED]
         self._sleep_words = [_ASLEEP + q for q in range(self.size) if q != index]
         self.target = 0
@@ -200,6 +199,16 @@ class Arena:
         self._segments = []
 
     # -- memory ----------------------------------------------------------------------
+    def _halves(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """[member]: its staging halves as uint8 tensors of ``chunk`` bytes (made once)."""
+        if self._data is None:
+            mapped = {id(m): torch.frombuffer(m, dtype=torch.uint8) for m in self._segments}
+            c = self.chunk
+            self._data = [(mapped[id(m)][o + CONTROL_BYTES:o + CONTROL_BYTES + c],
+                           mapped[id(m)][o + CONTROL_BYTES + c:o + CONTROL_BYTES + 2 * c])
+                          for m, o in self._maps]
+        return self._data
+
     def _reserve(self, nbytes: int) -> None:
         """Reserve the first ``nbytes`` (at least double what was) of each of my halves."""
         if nbytes <= self.reserved:
@@ -219,7 +228,7 @@ class Arena:
         (my own: reserved whole first)."""
         if member == self.index and self.reserved < self.chunk:
             self._reserve(self.chunk)
-        return self._data[member][half]
+        return self._halves()[member][half]
 
     def slots(self, dtype: torch.dtype, per: int) -> list[list[list[torch.Tensor]]]:
         """[half][slot][member]: each half cut into ``chunk // (per * itemsize)`` slots of
@@ -232,7 +241,8 @@ class Arena:
                 raise ArgumentError(f"a slot of {step} bytes does not fit a {self.chunk}-byte "
                                     f"staging half")
             self._reserve(self.chunk // step * step)
-            table = [[[self._data[q][h][k * step:(k + 1) * step].view(dtype)
+            data = self._halves()
+            table = [[[data[q][h][k * step:(k + 1) * step].view(dtype)
                        for q in range(self.size)] for k in range(self.chunk // step)]
                      for h in (0, 1)]
             self._views[key] = table
@@ -252,7 +262,8 @@ class Arena:
             self._reserve(step)
             if len(self._heads) >= _HEADS_KEPT:
                 self._heads.clear()
-            table = [[self._data[q][h][:step].view(dtype) for q in range(self.size)]
+            data = self._halves()
+            table = [[data[q][h][:step].view(dtype) for q in range(self.size)]
                      for h in (0, 1)]
             self._heads[key] = table
         return table

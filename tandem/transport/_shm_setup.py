@@ -24,6 +24,7 @@ closes as soon as every local rank has connected.
 
 from __future__ import annotations
 
+import _socket
 import dataclasses
 import os
 import secrets
@@ -31,7 +32,7 @@ import selectors
 import socket
 import struct
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 from tandem import _gate, _wire
 from tandem.errors import AuthenticationError, NetworkError, ProtocolError, TandemError
@@ -85,23 +86,27 @@ def _recv_hello(sock: socket.socket) -> tuple[int, int, int, int]:
 
 
 def connect_local(store: Store, rank: int, world: int, peers: Iterable[int], secret: bytes,
-                  timeout: float, gift: Segment | None = None
+                  timeout: float, gift: Segment | None = None,
+                  published: Callable[[], None] = lambda: None
                   ) -> tuple[dict[int, Link], Segment | None]:
     """Connect ``rank`` to every rank of ``peers`` (all on this host): the links, and the
     segment the host's first rank handed over with them (its ``gift``; it keeps its own
-    descriptor). A ``gift`` given to any other rank is ignored (it stays the caller's)."""
+    descriptor). A ``gift`` given to any other rank is ignored (it stays the caller's).
+    ``published`` is called once what the others wait for is out (the first rank's
+    address; another rank's hello), before this rank waits for them."""
     mine = set(peers) - {rank}
     if not mine:
         return {}, None
     deadline = time.monotonic() + timeout
     leader = min(mine | {rank})
     if rank == leader:
-        return _lead(store, rank, world, mine, secret, timeout, deadline, gift), None
-    return _follow(store, rank, world, leader, mine, secret, timeout, deadline)
+        return _lead(store, rank, world, mine, secret, timeout, deadline, gift, published), None
+    return _follow(store, rank, world, leader, mine, secret, timeout, deadline, published)
 
 
 def _lead(store: Store, rank: int, world: int, mine: set[int], secret: bytes, timeout: float,
-          deadline: float, gift: Segment | None) -> dict[int, Link]:
+          deadline: float, gift: Segment | None, published: Callable[[], None]
+          ) -> dict[int, Link]:
     """The leader: admit every local rank, then hand out a socket for every other pair."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     name = f"\0tandem-shm-{secrets.token_hex(16)}"
@@ -112,6 +117,7 @@ def _lead(store: Store, rank: int, world: int, mine: set[int], secret: bytes, ti
     hello = _HELLO.pack(rank, world, os.getpid(), int(gift is not None))
     try:
         store.set(f"shm/addr/{rank}", name[1:])
+        published()
         while not mine <= links.keys() and time.monotonic() < deadline:
             # every handshake on this thread, none waiting for another: the ranks' hellos
             # are read once all have proven the secret (read one by one as each proved
@@ -142,13 +148,15 @@ def _hand_out(rank: int, links: dict[int, Link], deadline: float,
     over that rank's link, at most ``HOLD_LIMIT`` ends kept waiting at a time; ``gift``
     goes in each rank's first message."""
     ranks = sorted(links)
-    pending: dict[int, list[tuple[int, int, socket.socket]]] = {r: [] for r in ranks}
+    pending: dict[int, list[tuple[int, int, _socket.socket]]] = {r: [] for r in ranks}
     owed = set(ranks) if gift is not None else set()
     held = 0
     try:
         for i, a in enumerate(ranks):
             for b in ranks[i + 1:]:
-                one, two = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                # the C sockets, not socket.socket's wrappers: only their descriptors are
+                # sent, and at 32 ranks 496 pairs took 17 ms to make wrapped, 27 to close
+                one, two = _socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
                 pending[a].append((b, links[b].pid, one))
                 pending[b].append((a, links[a].pid, two))
                 held += 2
@@ -163,7 +171,7 @@ def _hand_out(rank: int, links: dict[int, Link], deadline: float,
                 sock.close()
 
 
-def _send_ends(rank: int, link: Link, ends: list[tuple[int, int, socket.socket]],
+def _send_ends(rank: int, link: Link, ends: list[tuple[int, int, _socket.socket]],
                deadline: float, gift: Segment | None, owed: set[int]) -> int:
     """Send ``ends`` (peer rank, peer pid, socket) to ``link``'s rank and close them here,
     with ``gift`` if that rank is still ``owed`` it; how many ends went."""
@@ -193,7 +201,8 @@ def _send_ends(rank: int, link: Link, ends: list[tuple[int, int, socket.socket]]
 
 
 def _follow(store: Store, rank: int, world: int, leader: int, mine: set[int], secret: bytes,
-            timeout: float, deadline: float) -> tuple[dict[int, Link], Segment | None]:
+            timeout: float, deadline: float, published: Callable[[], None]
+            ) -> tuple[dict[int, Link], Segment | None]:
     """A non-leader: connect to the leader, then take a socket to every other local rank
     (and the segment the leader announced in its HELLO, if any)."""
     name = store.get(f"shm/addr/{leader}")
@@ -210,6 +219,7 @@ def _follow(store: Store, rank: int, world: int, leader: int, mine: set[int], se
                 f"({exc}): did rank {leader} exit?") from exc
         _wire.client_handshake(sock, secret, _PURPOSE, f"local rank {leader}")
         _send_hello(sock, rank, world)
+        published()
         got, got_world, pid, segments = _recv_hello(sock)
         if (got, got_world) != (leader, world) or segments > 1:
             raise ProtocolError(f"rank {rank} reached rank {got}/{got_world} (handing over "

@@ -35,15 +35,24 @@ __all__ = ["MixedTransport", "exchange_hosts", "require_one_host", "host_key", "
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
+def _boot_id() -> str:
+    try:
+        with open(_BOOT_ID) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+# read at import: the machine's, for as long as the process lives (a forked worker's too)
+_BOOT = _boot_id()
+
+
 def host_key(hostname: str) -> str:
     """``hostname`` plus this machine's boot id and this process's network namespace:
     equal only for processes that can share memory and reach each other's abstract
-    UNIX sockets (namespaces, e.g. containers, are told apart even under one name)."""
-    try:
-        with open(_BOOT_ID) as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
+    UNIX sockets (namespaces, e.g. containers, are told apart even under one name; the
+    namespace is read each time: a process may enter another after import)."""
+    boot = _BOOT
     try:
         netns = os.readlink("/proc/self/ns/net")
     except OSError:
@@ -51,8 +60,10 @@ def host_key(hostname: str) -> str:
     return f"{hostname}|{boot}|{netns}"
 
 
-def exchange_hosts(store: Store, rank: int, world_size: int, hostname: str) -> list[str]:
-    """Publish this rank's host key and return every rank's (index = rank).
+def exchange_hosts(store: Store, rank: int, world_size: int, hostname: str,
+                   published: Callable[[], None] | None = None) -> list[str]:
+    """Publish this rank's host key and return every rank's (index = rank); ``published``
+    is called in between, before the wait for the others' keys.
 
     Each entry carries its rank's world size too: ranks started with different ones are
     told at once, naming both, instead of waiting for a rank that will never come. The
@@ -62,6 +73,8 @@ def exchange_hosts(store: Store, rank: int, world_size: int, hostname: str) -> l
     will never start with a note naming itself, so the larger rank is told at once too.
     """
     store.set(f"topology/host/{rank}", f"{host_key(hostname)}#{world_size}")
+    if published is not None:
+        published()
     entries = store.multi_get([f"topology/host/{r}" for r in range(rank + 1)])
     _check_worlds(store, rank, world_size, 0, entries)
     later = store.multi_get([f"topology/host/{r}" for r in range(rank + 1, world_size)])

@@ -190,14 +190,21 @@ class ShmTransport(BoundedSends, Transport):
             key, chunk = first_arena
             gift = Segment(key, *self._make_segment(everyone, chunk or None))
             self._premade = (key, everyone, gift.fd, gift.size)
-        # started before the connections, which it waits for: Thread.start waits for the
-        # new thread to get a CPU (13-100 ms at 16 ranks on 2 CPUs), here while this rank
-        # waits for the others anyway
+        # started while this rank waits for the others to connect, once what they wait
+        # for is out (its address or hello): Thread.start waits for the new thread to get
+        # a CPU (13-100 ms at 16 ranks on 2 CPUs), which the others then do not wait for
         self._connected = threading.Event()
-        self._start(self._watch, (), f"tandem-shm-watch-{rank}")
+        watching: list[bool] = []
+
+        def watch() -> None:
+            if not watching:
+                watching.append(True)
+                self._start(self._watch, (), f"tandem-shm-watch-{rank}")
+
         try:
             links, got = connect_local(store, rank, world_size, local, secret,
-                                       connect_timeout, gift)
+                                       connect_timeout, gift, watch)
+            watch()  # no local peer to wait for: now
             if got is not None:  # the first rank's, for the same group over the same ranks
                 self._premade = (got.key, everyone, got.fd, got.size)
             self._peers = {p: self._peer(links[p]) for p in local}

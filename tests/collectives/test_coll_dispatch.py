@@ -46,7 +46,7 @@ TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dispatch_table
 # the functions that would move data: recorded, not run
 LEAVES: list[Callable[..., Any]] = [
     naive.naive_all_reduce, doubling.doubling_all_reduce, ring.ring_all_reduce,
-    shm.shm_all_reduce, shm.shm_all_reduce_many, shm_rooted.shm_broadcast, shm_rooted.shm_reduce,
+    shm.shm_all_reduce, shm.shm_all_reduce_many, shm.shm_barrier, shm_rooted.shm_broadcast, shm_rooted.shm_reduce,
     shm_gather.shm_all_gather, shm_gather.shm_reduce_scatter, tree.tree_broadcast,
     tree.tree_reduce, ring.ring, ring.ring_gather_into, streamed.streamed_all_reduce,
     streamed.two_level_all_reduce,

@@ -1,8 +1,10 @@
-"""The watchdog's thread starts while init waits for the other ranks, not after.
+"""The watchdog's thread starts while init waits for the other ranks, not after, and
+not before the rank's own entry is in the store.
 
 ``Thread.start`` returns once the new thread has run: with 16 ranks on 2 CPUs that took
-up to 0.1 s, at the end of every rank's init. Here a one-rank job in this process
-(tcp, HashStore) looks for the thread while it connects.
+up to 0.1 s, at the end of every rank's init; at its beginning, it delayed the rank's
+host key, which every other rank waits for. Here a one-rank job in this process
+(HashStore) looks for the thread when it publishes, waits and connects.
 """
 
 from __future__ import annotations
@@ -21,23 +23,65 @@ def _watchdogs() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name == "tandem-watchdog" and t.is_alive()}
 
 
-def test_the_watchdog_thread_runs_before_the_rank_connects(
+class _Watching(tandem.HashStore):
+    """Records, at this rank's host key and at each wait for keys, the watchdog threads."""
+
+    def __init__(self, old: set[threading.Thread]) -> None:
+        super().__init__()
+        self.old = old
+        self.seen: list[tuple[str, set[threading.Thread]]] = []
+
+    def _set(self, key: str, value: bytes) -> None:
+        if "topology/host/" in key:
+            self.seen.append(("publish", _watchdogs() - self.old))
+        super()._set(key, value)
+
+    def _multi_get(self, keys: list[str], deadline: float, seconds: float) -> list[bytes]:
+        self.seen.append(("wait", _watchdogs() - self.old))
+        return super()._multi_get(keys, deadline, seconds)
+
+
+def test_the_watchdog_thread_starts_after_the_rank_publishes_and_before_it_waits(
+        job_secret: bytes) -> None:
+    """Its start (a wait for a CPU) no longer delays this rank's host key, which every
+    other rank waits for (16 ranks on 2 CPUs: all waited 0.13 s for the slowest start),
+    and still overlaps this rank's own wait for the others."""
+    store = _Watching(_watchdogs())
+    tandem.init_process_group("auto", store=store, rank=0, world_size=1)
+    try:
+        w = world._world
+        assert w is not None and w.monitor is not None and w.monitor.watchdog is not None
+        kinds = [k for k, _ in store.seen]
+        assert kinds[:2] == ["publish", "wait"], store.seen
+        assert store.seen[0][1] == set(), "the thread started before the host key was set"
+        # the thread started then is the one that watches
+        assert store.seen[1][1] == {w.monitor.watchdog._threads[0]}, store.seen
+        thread = w.monitor.watchdog._threads[0]
+    finally:
+        tandem.destroy_process_group()
+    thread.join(10)
+    assert not thread.is_alive(), "the watchdog thread outlived its group"
+
+
+def test_over_tcp_the_watchdog_thread_runs_before_the_rank_connects(
         job_secret: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tcp transport publishes and waits inside: the thread starts just before it."""
+    from tandem.collectives import backend
+
     old = _watchdogs()
     seen: list[set[threading.Thread]] = []
-    connect = world._connect
+    transport = backend.TcpTransport
 
-    def connecting(*args: Any) -> Any:
+    def connecting(*args: Any, **kwargs: Any) -> Any:
         seen.append(_watchdogs() - old)
-        return connect(*args)
+        return transport(*args, **kwargs)
 
-    monkeypatch.setattr(world, "_connect", connecting)
+    monkeypatch.setattr(backend, "TcpTransport", connecting)
     tandem.init_process_group("tcp", store=tandem.HashStore(), rank=0, world_size=1)
     try:
         assert len(seen) == 1 and len(seen[0]) == 1, f"watchdog threads at connect: {seen}"
         w = world._world
         assert w is not None and w.monitor is not None and w.monitor.watchdog is not None
-        # the thread started early is the one that watches
         assert seen[0] == {w.monitor.watchdog._threads[0]}
     finally:
         tandem.destroy_process_group()
@@ -69,3 +113,15 @@ def test_an_unclaimed_early_thread_ends_and_its_work_gets_a_thread_of_its_own() 
     t = early.run(ran.set)
     assert t is not early.thread and ran.wait(10)
     t.join(10)
+
+
+def test_an_early_thread_never_started_runs_its_work_when_given_it() -> None:
+    early = EarlyThread("tandem-test-early", 30, start=False)
+    ran = threading.Event()
+    t = early.run(ran.set)
+    assert t is early.thread and ran.wait(10)
+    t.join(10)
+    early = EarlyThread("tandem-test-early", 30, start=False)
+    early.cancel()
+    early.start()  # after cancel: nothing to start
+    assert not early.thread.is_alive() and early.thread.ident is None

@@ -60,11 +60,35 @@ def test_smoke_mode_writes_the_tables_the_plot_and_the_figures(tmp_path: Path) -
         assert f["start"]["tandem"]["barrier"] >= f["start"]["tandem"]["init"] > 0, f
         assert f["resources"]["tandem"]["local_tcp"] == 0, f  # shared memory within a host
         assert f["launch"] is None, f
+        assert f["first"] == "tandem", f  # tandem's start-up first unless --gloo-first
     assert "| op | size | 1x2 | 2x2 |" in text, text
     row = r"^\| all_reduce \| 4 KB \| [\d.]+ \(.* vs .*\) \| [\d.]+ \("  # speed-up (times)
     assert re.search(row, text, re.M), text
     # 2 hosts x 2 ranks: gloo's full mesh crosses hosts 2 times per rank, 4 per host
     assert figures[1]["resources"]["gloo"]["remote_tcp_per_host"] == 4, figures[1]
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(240)
+def test_gloo_first_swaps_the_start_ups_and_keeps_each_library_s_resources(
+        tmp_path: Path) -> None:
+    """The library started first pays the process's first uses: ``--gloo-first`` swaps
+    the order, and each library's descriptors and connections are still its own."""
+    out = tmp_path / "scale.md"
+    proc = subprocess.run([sys.executable, "-m", "tandem.bench", "scale", "--layouts", "1x2",
+                           "--ops", "barrier", "--sizes", "4K", "--rounds", "1",
+                           "--round-ms", "10", "--wait", "0.3", "--launch-rounds", "0",
+                           "--gloo-first", "--out", str(out)],
+                          capture_output=True, text=True, timeout=220)
+    if "simulated hosts are unavailable" in proc.stdout:
+        pytest.skip(proc.stdout.strip().splitlines()[-1])
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}"
+    assert "gloo started first" in out.read_text()
+    f = json.loads(out.with_suffix(".json").read_text())[0]
+    assert f["first"] == "gloo", f
+    assert f["start"]["tandem"]["barrier"] >= f["start"]["tandem"]["init"] > 0, f
+    assert f["resources"]["tandem"]["local_tcp"] == 0, f  # shared memory within a host
+    assert f["resources"]["gloo"]["local_tcp"] >= 1, f  # gloo's own loopback connection
 
 
 @pytest.mark.procs

@@ -25,16 +25,17 @@ CASES: list[tuple[torch.dtype, tuple[str, ...]]] = [
 MANY_ROUNDS = (3 << 20) // 4  # float32 elements: several 512 KiB rounds over both halves
 
 
-def _count_one_rounds() -> list[int]:
-    """Count the one-round path's runs in this process: the list's one element."""
+def _count_one_rounds(name: str = "_one_round") -> list[int]:
+    """Count the runs of ``shm``'s function ``name`` (the one-round path) in this process:
+    the list's one element."""
     taken = [0]
-    inner = shm._one_round
+    inner = getattr(shm, name)
 
     def counting(*args: Any) -> None:
         taken[0] += 1
         inner(*args)
 
-    shm._one_round = counting  # type: ignore[assignment]
+    setattr(shm, name, counting)
     return taken
 
 
@@ -104,3 +105,50 @@ def strided_input(rank: int, p: int) -> dict[str, Any]:
                 else view(oracle(list(range(p)), n, dtype, op_name)))  # exact: signs only
         right[name] = torch.equal(x, want)
     return {"right": right, "taken": taken[0]}
+
+
+def barriers_between_calls(rank: int, p: int) -> dict[str, Any]:
+    """Barriers through the arena between one-round all-reduces, one member late to each
+    barrier in turn: what each barrier reserved and combined, whether it returned before
+    the late member entered it, and whether the all-reduces around it stayed right (a
+    barrier that left the halves' turns out of step shows as a wrong sum)."""
+    g = default_group()
+    combined = _count_one_rounds("_reduce_whole")
+    entered: list[float] = []  # when this rank entered each barrier it was late to
+    left: list[float] = []  # when this rank left each barrier
+    barrier = dist.barrier  # its module imported (as tandemrun's zygote does) before counting
+    made = [0]  # tensors torch.zeros made meanwhile (a forked rank's first costs most)
+    zeros = torch.zeros
+
+    def counting_zeros(*args: Any, **kwargs: Any) -> torch.Tensor:
+        made[0] += 1
+        return zeros(*args, **kwargs)
+
+    torch.zeros = counting_zeros  # type: ignore[assignment]
+    try:
+        for i in range(3):  # the first call on a fresh arena: nothing reserved by them
+            if i % p == rank:
+                time.sleep(0.2)
+                entered.append(time.time())
+            barrier()
+            left.append(time.time())
+    finally:
+        torch.zeros = zeros  # type: ignore[assignment]
+    assert g.arena is not None
+    reserved_by_barriers, combines_by_barriers = g.arena.reserved, combined[0]
+    viewed = g.arena._data is not None  # staging views made (per member: O(members) work)
+    tensors = made[0] + (g._scratch is not None)
+    wrong = []
+    for call in range(6):
+        ranks = [q + p * call for q in range(p)]
+        t = value(ranks[rank], 1000, torch.float32)
+        if call % p == rank:
+            time.sleep(0.05)
+        dist.all_reduce(t)
+        if call % 2:
+            dist.barrier()
+        if not torch.equal(t, oracle(ranks, 1000, torch.float32, "SUM")):
+            wrong.append(call)
+    return {"reserved": reserved_by_barriers, "combined": combines_by_barriers, "viewed": viewed,
+            "tensors": tensors,
+            "entered": entered, "left": left, "wrong": wrong}

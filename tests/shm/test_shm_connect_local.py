@@ -69,26 +69,61 @@ def test_a_rank_slow_to_say_hello_does_not_hold_up_the_others_handshakes(
                     link.sock.close()
 
 
-def test_the_watcher_thread_starts_while_the_rank_waits_for_its_connections(
+def test_the_watcher_thread_starts_after_the_rank_is_reachable_and_before_it_waits(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Starting a thread waits for it to get a CPU (13-100 ms at 16 ranks on 2 CPUs):
-    the watcher's start overlaps the wait for the other ranks instead of following it."""
+    the watcher's start overlaps the wait for the other ranks instead of following it,
+    and comes after what they wait for (the first rank's address, another's hello)."""
     from tandem.transport import shm
 
-    seen: dict[int, bool] = {}
-    connect = shm.connect_local
+    seen: list[tuple[int, str, bool]] = []
+    lock = threading.Lock()
 
-    def connecting(store: Any, rank: int, *args: Any) -> Any:
-        seen[rank] = any(t.name == f"tandem-shm-watch-{rank}" and t.is_alive()
-                         for t in threading.enumerate())
-        return connect(store, rank, *args)
+    def note(rank: int, what: str) -> None:
+        alive = any(t.name == f"tandem-shm-watch-{rank}" and t.is_alive()
+                    for t in threading.enumerate())
+        with lock:
+            seen.append((rank, what, alive))
 
-    monkeypatch.setattr(shm, "connect_local", connecting)
-    store = HashStore()
-    made = on_threads(2, lambda r: shm.ShmTransport(r, 2, store, SECRET, ring_bytes=1 << 16))
+    class Noting(HashStore):
+        def _set(self, key: str, value: bytes) -> None:
+            if key.startswith("shm/addr/"):
+                note(int(key.rsplit("/", 1)[1]), "address")
+            super()._set(key, value)
+
+    send_hello, recv_hello, accept = (_shm_setup._send_hello, _shm_setup._recv_hello,
+                                      _shm_setup._accept_loop)
+
+    def hello(sock: Any, rank: int, world: int) -> Any:
+        note(rank, "hello")
+        return send_hello(sock, rank, world)
+
+    me = threading.local()
+
+    def awaiting_hello(sock: Any) -> Any:
+        if me.rank == 1:  # rank 1's wait for the first rank's hello (rank 0 reads it too)
+            note(1, "wait")
+        return recv_hello(sock)
+
+    def accepting(listener: Any, rank: int, *args: Any) -> Any:
+        note(rank, "wait")
+        return accept(listener, rank, *args)
+
+    monkeypatch.setattr(_shm_setup, "_send_hello", hello)
+    monkeypatch.setattr(_shm_setup, "_recv_hello", awaiting_hello)
+    monkeypatch.setattr(_shm_setup, "_accept_loop", accepting)
+    store = Noting()
+
+    def make(rank: int) -> Any:
+        me.rank = rank
+        return shm.ShmTransport(rank, 2, store, SECRET, ring_bytes=1 << 16)
+
+    made = on_threads(2, make)
     try:
         assert all(isinstance(t, shm.ShmTransport) for t in made), made
-        assert seen == {0: True, 1: True}, seen
+        for rank, first in ((0, "address"), (1, "hello")):
+            mine = [(what, alive) for r, what, alive in seen if r == rank]
+            assert mine[:2] == [(first, False), ("wait", True)], (rank, seen)
     finally:
         for t in made:
             if isinstance(t, shm.ShmTransport):

@@ -36,6 +36,25 @@ def test_machines_sharing_a_host_name_are_told_apart_by_boot_id() -> None:
     require_one_host([host_key("box"), host_key("box")])
 
 
+def test_the_boot_id_is_read_once_at_import_the_namespace_every_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker forked from a process that imported tandem reads no file for its host key
+    (the boot id is the machine's); the namespace is looked up each time, as a process
+    may enter another one after import."""
+    import builtins
+    import os
+
+    before = host_key("box")
+
+    def no_files(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("no file may be opened for a host key")
+
+    monkeypatch.setattr(builtins, "open", no_files)
+    assert host_key("box") == before
+    monkeypatch.setattr(os, "readlink", lambda path: "net:[elsewhere]")
+    assert host_key("box") != before and host_key("box").endswith("net:[elsewhere]")
+
+
 def test_shm_is_a_known_backend_name() -> None:
     assert resolve_backend("shm") == "shm"
     assert resolve_backend("SHM") == "shm"

@@ -106,3 +106,31 @@ def test_a_waiter_polls_at_least_every_10_ms(tmp_path: Path, monkeypatch: Any) -
         finally:
             late.join()
     assert len(pauses) > 5 and max(pauses) <= 0.010, pauses
+
+
+def test_multi_get_and_multi_set_lock_the_file_once(tmp_path: Path, monkeypatch: Any) -> None:
+    """A rank reads every rank's key at init: one lock and one replay of the file for
+    all of them, not one per key; keys that appear late are all waited for together."""
+    keys = [f"rank/{r}" for r in range(16)]
+    with FileStore(tmp_path / "store", timeout=30) as store:
+        locks: list[int] = []
+        flock = file_module.fcntl.flock
+
+        def counted(fd: int, how: int) -> None:
+            if how != file_module.fcntl.LOCK_UN:
+                locks.append(how)
+            flock(fd, how)
+
+        monkeypatch.setattr(file_module.fcntl, "flock", counted)
+        store.multi_set(keys[:8], [str(r).encode() for r in range(8)])
+        assert len(locks) == 1, f"multi_set of 8 keys took {len(locks)} locks"
+        late = threading.Timer(0.2, lambda: FileStore(tmp_path / "store").multi_set(
+            keys[8:], [str(r).encode() for r in range(8, 16)]))
+        late.start()
+        try:
+            assert store.multi_get(keys) == [str(r).encode() for r in range(16)]
+        finally:
+            late.join()
+        del locks[:]
+        assert store.multi_get(keys) == [str(r).encode() for r in range(16)]
+        assert len(locks) == 1, f"multi_get of 16 present keys took {len(locks)} locks"

@@ -67,7 +67,7 @@ from tandem.collectives.algorithms.ring import (Bounds, even_bounds, link_chunk,
                                                 ring_all_reduce, ring_gather_into, ring_pays,
                                                 segment_bounds, separate)
 from tandem.collectives.algorithms.roots import announce_root, confirm_root
-from tandem.collectives.algorithms.shm import shm_all_reduce, shm_all_reduce_many
+from tandem.collectives.algorithms.shm import shm_all_reduce, shm_all_reduce_many, shm_barrier
 from tandem.collectives.algorithms.shm_gather import shm_all_gather, shm_reduce_scatter
 from tandem.collectives.algorithms.shm_alltoall import arena_all_to_all
 from tandem.collectives.algorithms.shm_rooted import shm_broadcast, shm_reduce
@@ -165,14 +165,14 @@ def select_all_reduce_coalesced(group: ProcessGroup, bufs: list[torch.Tensor],
 
 
 def select_barrier(group: ProcessGroup) -> tuple[str, AllReduce]:
-    """A barrier is an all-reduce (MAX) of one byte: through the group's shared staging
-    memory when its ranks share memory (no ring between them is made for it); across
+    """A barrier is an all-reduce (MAX) of one byte; when the group's ranks share memory,
+    one post each in its arena, nothing staged (no ring between them is made for it); across
     hosts, with some holding several ranks, the hosts check in with their leaders, which
     meet (:mod:`~.leaders_barrier`), so that only host leaders send across hosts (8
     hosts x 8: 31 ms against 85 ms per barrier, the whole group's doubling); else
     recursive doubling."""
     if group.shares_memory:
-        return "shm", shm_all_reduce
+        return "shm", shm_barrier
     if host_layout(group) is not None:
         return "hierarchical", leaders_barrier
     return "doubling", ALL_REDUCE["doubling"]

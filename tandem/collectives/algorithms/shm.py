@@ -38,7 +38,7 @@ from tandem.collectives.group import Op
 from tandem.collectives.reduce_op import Combine, ReduceOp, combiner, finish
 from tandem.transport import Arena
 
-__all__ = ["shm_all_reduce", "shm_all_reduce_many", "SMALL_BYTES"]
+__all__ = ["shm_all_reduce", "shm_all_reduce_many", "shm_barrier", "SMALL_BYTES"]
 
 SMALL_BYTES = 64 << 10
 # rounds of the whole-round path: the round's slice of the tensor and a peer's staged
@@ -50,6 +50,17 @@ WHOLE_ROUND_BYTES = 512 << 10
 def shm_all_reduce(op: Op, buf: torch.Tensor, redop: ReduceOp) -> None:
     """All-reduce flat ``buf`` in place through the group's arena."""
     shm_all_reduce_many(op, [buf], redop)
+
+
+def shm_barrier(op: Op, token: torch.Tensor, redop: ReduceOp) -> None:
+    """A barrier through the group's arena: one post, a wait for every member's, and the
+    call's check; nothing staged, reserved or combined (the byte's MAX over ``p`` members
+    took ``p - 1`` torch calls and a page of staging per half)."""
+    arena, check = prepare(op)
+    arena.begin_round(check, write=False)  # writes no staging: waits for no reader
+    arena.post()
+    arena.wait_all(arena.posted, check)
+    verify(op, arena)
 
 
 def shm_all_reduce_many(op: Op, tensors: list[torch.Tensor], redop: ReduceOp) -> None:
