@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 import torch.autograd.profiler as _torch_profiler
@@ -183,9 +183,6 @@ class Op(Call):
         g.transport.wait(slots, self.deadline, self.describe, g.ranks)
         if phases is not None:
             phases.append((t0, clock()))
-
-    def wait_list(self, slots: Iterable[Slot]) -> None:
-        self.wait(*slots)
 
     def describe(self) -> str:
         g = self.group
