@@ -20,7 +20,7 @@ import tandem as dist
 from _fault_helpers import attempt, values
 from tandem.collectives.recorder import STARTED
 from tandem.collectives.world import default_group
-from tandem.testing import launch
+from tandem.testing import launch, wait_until
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]
 
@@ -73,8 +73,9 @@ def _one_job(rank: int, init_method: str, backend: str) -> None:
 
 
 def _leaves_nothing(rank: int, world_size: int, tmp: str, backend: str) -> Any:
+    threads = _threads()
     _one_job(rank, f"file://{tmp}/warm", backend)  # warm up: lazy imports, torch's pools
-    time.sleep(0.5)
+    wait_until(lambda: _threads() == threads, "the warm-up job's threads to end", 30)
     before = _state()
     _one_job(rank, f"file://{tmp}/job", backend)
     end = time.monotonic() + SETTLE

@@ -107,7 +107,8 @@ def test_a_receive_posted_while_its_message_is_cut_off_fails_naming_the_sender(
         pair: list[Transport]) -> None:
     a, b = pair
     _cut_message(a, 1, Header(Kind.P2P, 5, 0, 0, 8 << 20), b"x" * (256 << 10))
-    time.sleep(0.3)
+    wait_until(lambda: 0 in b.mailbox._filling, "the reader to start filling the parked message",
+               FAST)
     slot = _recv(b, 0, 5, 8 << 20)  # the parked message is still being read
     assert not slot.event.is_set()
     _die(a)
