@@ -620,8 +620,7 @@ class ShmTransport(BoundedSends, Transport):
         self.mailbox.close(self.closed_error())
         for p in self._peers.values():
             p.closing = True
-            for slot in p.drain():
-                slot.finish(None, self.closed_error())
+            self.give_up_sends(p.drain())
             p.wake()
             try:
                 p.sock.shutdown(socket.SHUT_RDWR)  # wakes the watcher; peers see EOF

@@ -8,7 +8,9 @@ failed transport set-up closes the store it was given by ``init_process_group``.
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import threading
 import time
 from typing import Any
@@ -121,6 +123,51 @@ def test_an_async_op_pending_at_destroy_fails_at_once_with_state_error(backend: 
     assert not r["ok"] and r["type"] == "StateError", r
     assert "destroy" in r["msg"], r
     assert r["since_destroy"] < 2.0, r
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def _send_dropped_at_destroy(rank: int, world_size: int, tmp: str) -> Any:
+    pid_file, gone = os.path.join(tmp, "pid"), os.path.join(tmp, "gone")
+    dist.barrier()
+    if rank == 1:
+        with open(pid_file + ".new", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(pid_file + ".new", pid_file)
+        os.kill(os.getpid(), signal.SIGSTOP)  # takes nothing until rank 0 has destroyed
+        wait_until(lambda: os.path.exists(gone), "rank 0 to destroy its group", 60)
+        return None
+    wait_until(lambda: os.path.exists(pid_file), "rank 1 to note its pid", 60)
+    peer = int(open(pid_file).read())
+    wait_until(lambda: _stopped(peer), "rank 1 to stop", 60)
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("tandem").addHandler(handler)
+    try:
+        work = dist.isend(torch.ones(64 << 20), dst=1, tag=7)  # more than the kernel buffers
+        dist.destroy_process_group()
+    finally:
+        os.kill(peer, signal.SIGCONT)
+        open(gone, "w").close()
+    outcome = attempt(work.wait)
+    outcome["warnings"] = warnings
+    return outcome
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_a_send_dropped_at_destroy_is_named_by_peer_tag_and_call_site(
+        backend: str, tmp_path: Any) -> None:
+    outcomes = launch(2, _send_dropped_at_destroy, (str(tmp_path),), backend=backend,
+                      timeout=90)
+    r = values(outcomes, [0])[0]
+    what = "send to rank 1 (tag 7, group id 0, called at test_fault_destroy.py:"
+    assert not r["ok"] and r["type"] == "StateError", r
+    assert what in r["msg"] and "gave it up" in r["msg"], r
+    assert any(what in w and "1 send(s)" in w for w in r["warnings"]), r
 
 
 def _failing_backend(options: Any) -> Any:
