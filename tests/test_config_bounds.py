@@ -169,3 +169,12 @@ def test_a_world_readable_secret_file_is_refused_before_it_is_opened(
 def test_a_small_frame_cap_alone_is_accepted() -> None:
     # the chunk and threshold defaults stay valid when only TANDEM_MAX_FRAME is lowered
     assert load_settings({"TANDEM_MAX_FRAME": "4096"}).max_frame == 4096
+
+
+@pytest.mark.parametrize("raw", ["-1", "nan", "abc", "-inf"])
+@pytest.mark.parametrize("name", sorted(set(SETTING_BOUNDS) | TIMEOUTS))
+def test_a_negative_or_non_numeric_value_of_a_numeric_setting_is_refused_naming_it(
+        name: str, raw: str) -> None:
+    with pytest.raises(ArgumentError) as err:
+        load_settings({name: raw})
+    assert name in str(err.value) and raw.lstrip("-") in str(err.value).lower(), err.value
