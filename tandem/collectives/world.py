@@ -76,7 +76,7 @@ _world: World | None = None
 def bind_address(settings: Settings, master_addr: str | None) -> str:
     """Where this rank's transport listens: loopback for single-host jobs."""
     if settings.bind_addr:
-        return settings.bind_addr
+        return _wire.check_bind_address(settings.bind_addr, "TANDEM_BIND_ADDR")
     if master_addr is None or _wire.is_loopback(master_addr):
         return "127.0.0.1"
     if _wire.is_wildcard(master_addr):
