@@ -379,13 +379,20 @@ def _abort_message(group: int, error: TandemError, reporter: int,
 
 def check_size(nbytes: int, cap: int, peer: int) -> None:
     if nbytes > cap:
-        raise ProtocolError(f"rank {peer} announced a {nbytes}-byte message; the cap is {cap}")
+        raise ProtocolError(f"rank {peer} announced a {nbytes}-byte message; the cap is {cap} "
+                            f"(TANDEM_MAX_FRAME here)")
 
 
-def check_header(header: Header) -> None:
-    """Refuse a header whose signature or call site cannot be framed."""
-    if len(header.sig) <= SIG_MAX and len(header.site) <= SIG_MAX:
+def check_header(header: Header, cap: int, peer: int) -> None:
+    """Refuse a message its receiver would refuse (past ``cap``, TANDEM_MAX_FRAME, which
+    every rank shares) or whose signature or call site cannot be framed."""
+    if len(header.sig) <= SIG_MAX and len(header.site) <= SIG_MAX and header.nbytes <= cap:
         return  # every send passes here: keep the common case to one test
+    if header.nbytes > cap:
+        raise ArgumentError(
+            f"a message of {header.nbytes} bytes to rank {peer} exceeds TANDEM_MAX_FRAME="
+            f"{cap}, the most a rank takes in one message: its receiver would refuse it and "
+            f"close the connection; raise TANDEM_MAX_FRAME on every rank, or send less at once")
     for name, value in (("signature", header.sig), ("call site", header.site)):
         if len(value) > SIG_MAX:
             raise ArgumentError(

@@ -222,7 +222,10 @@ def forks_then_dies(rank: int, p: int, store: str, stamp: str) -> Any:
 
 
 def oversized(rank: int, p: int, store: str) -> Any:
-    """TANDEM_MAX_FRAME=4096: rank 0 sends 16 KB; both ranks must learn at once."""
+    """TANDEM_MAX_FRAME=4096 on rank 1 only: rank 0 (whose own cap lets it) sends 16 KB;
+    both ranks must learn at once."""
+    if rank == 0:
+        os.environ["TANDEM_MAX_FRAME"] = str(1 << 16)
     dist.init_process_group("shm", init_method=f"file://{store}", rank=rank, world_size=p,
                             timeout=30)
     if rank == 0:
