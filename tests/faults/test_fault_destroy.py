@@ -97,10 +97,11 @@ def test_destroy_leaves_no_thread_descriptor_or_mapping(backend: str, tmp_path: 
             assert r["after"][what] == r["before"][what], (rank, what, extra)
 
 
-def _pending_at_destroy(rank: int, world_size: int) -> Any:
+def _pending_at_destroy(rank: int, world_size: int, tmp: str) -> Any:
+    gone = os.path.join(tmp, "gone")
     dist.barrier()
-    if rank == 1:
-        time.sleep(3.0)  # never joins the all_reduce before rank 0 destroys
+    if rank == 1:  # never joins the all_reduce: it waits for rank 0 to destroy
+        wait_until(lambda: os.path.exists(gone), "rank 0 to destroy its group", 60)
         return None
     work = dist.all_reduce(torch.ones(4), async_op=True)
     recorder, deadline = default_group().recorder, time.monotonic() + 20
@@ -110,6 +111,7 @@ def _pending_at_destroy(rank: int, world_size: int) -> Any:
     start = time.monotonic()
     dist.destroy_process_group()
     took = time.monotonic() - start
+    open(gone, "w").close()
     outcome = attempt(work.wait)
     outcome["destroy_took"] = took
     outcome["since_destroy"] = time.monotonic() - start
@@ -117,8 +119,10 @@ def _pending_at_destroy(rank: int, world_size: int) -> Any:
 
 
 @pytest.mark.parametrize("backend", ["tcp", "shm"])
-def test_an_async_op_pending_at_destroy_fails_at_once_with_state_error(backend: str) -> None:
-    outcomes = launch(2, _pending_at_destroy, backend=backend, timeout=60, op_timeout=30.0)
+def test_an_async_op_pending_at_destroy_fails_at_once_with_state_error(
+        backend: str, tmp_path: Any) -> None:
+    outcomes = launch(2, _pending_at_destroy, (str(tmp_path),), backend=backend, timeout=60,
+                      op_timeout=30.0)
     r = values(outcomes, [0])[0]
     assert not r["ok"] and r["type"] == "StateError", r
     assert "destroy" in r["msg"], r

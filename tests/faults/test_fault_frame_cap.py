@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import os
 from typing import Any
 
 import pytest
@@ -11,7 +11,7 @@ import torch
 import tandem as dist
 from _fault_helpers import attempt, values
 from tandem.collectives.world import world
-from tandem.testing import launch
+from tandem.testing import launch, wait_until
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(90)]
 
@@ -28,24 +28,27 @@ def _raise_own_cap(transport: Any, cap: int) -> None:
             t._max_frame = cap
 
 
-def _oversized_message(rank: int, world_size: int) -> Any:
+def _oversized_message(rank: int, world_size: int, tmp: str) -> Any:
+    learnt = os.path.join(tmp, "rank0.learnt")
     small = torch.zeros(CAP // 4 // 2)  # half the cap: must pass
     if rank == 0:
         _raise_own_cap(world().transport, 2 * BIG)
         dist.send(small, dst=1)
         big = attempt(dist.send, torch.zeros(BIG // 4), dst=1)
         after = attempt(dist.all_reduce, torch.ones(4))  # does rank 0 learn it was cut off?
+        open(learnt, "w").close()
         return {"small": True, "big": big, "after": after}
     got_small = attempt(dist.recv, small, src=0)
     big = attempt(dist.recv, torch.zeros(BIG // 4), src=0)
-    time.sleep(FAST + 1.0)  # stay alive: rank 0 must not learn of it by our exit
+    # stay alive: rank 0 must not learn of it by our exit
+    wait_until(lambda: os.path.exists(learnt), "rank 0 to learn of the refusal", 60)
     return {"small": got_small["ok"], "big": big}
 
 
 @pytest.fixture(scope="module")
-def oversized() -> dict[int, Any]:
-    outcomes = launch(2, _oversized_message, timeout=40, op_timeout=OP_TIMEOUT,
-                      env={"TANDEM_MAX_FRAME": str(CAP)})
+def oversized(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
+    outcomes = launch(2, _oversized_message, (str(tmp_path_factory.mktemp("cap")),),
+                      timeout=40, op_timeout=OP_TIMEOUT, env={"TANDEM_MAX_FRAME": str(CAP)})
     return values(outcomes, [0, 1])
 
 
