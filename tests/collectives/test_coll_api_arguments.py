@@ -46,6 +46,13 @@ def test_barrier_refuses_a_timeout_that_is_no_deadline(g: ProcessGroup, value: o
         tandem.barrier(group=g, timeout=value)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("value", ["no", 0, None], ids=repr)
+def test_monitored_barrier_refuses_a_wait_all_ranks_that_is_not_a_bool(g: ProcessGroup,
+                                                                       value: object) -> None:
+    with pytest.raises(ArgumentError, match="monitored_barrier: wait_all_ranks must be a bool"):
+        tandem.monitored_barrier(group=g, wait_all_ranks=value)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("value", NON_FINITE, ids=str)
 def test_monitored_barrier_refuses_a_timeout_that_is_no_deadline(g: ProcessGroup,
                                                                  value: object) -> None:
