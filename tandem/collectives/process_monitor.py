@@ -99,8 +99,8 @@ class Monitor:
             try:
                 path = write_dump(self.trace_dir, self.rank, data)
             except OSError as exc:
-                LOGGER.warning("tandem: rank %d could not write its flight recorder to %s: %s",
-                               self.rank, self.trace_dir, exc)
+                LOGGER.warning("tandem: rank %d could not write its flight recorder to %s "
+                               "(TANDEM_TRACE_DIR): %s", self.rank, self.trace_dir, exc)
                 return None
             first, self._told = not self._told, True
         finally:
