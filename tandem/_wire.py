@@ -31,7 +31,7 @@ import struct
 import time
 from typing import Iterator
 
-from tandem.errors import AuthenticationError, NetworkError, ProtocolError
+from tandem.errors import ArgumentError, AuthenticationError, NetworkError, ProtocolError
 
 __all__ = [
     "bind",
@@ -235,6 +235,26 @@ def listen(host: str, port: int = 0, backlog: int = BACKLOG) -> socket.socket:
         raise NetworkError(f"cannot listen on {host}:{port}: {exc}") from exc
     sock.listen(backlog)
     return sock
+
+
+def check_bind_address(host: str, what: str) -> str:
+    """``host``, given as setting ``what``, once a socket can be bound there; every
+    interface only when spelled 0.0.0.0 or ``::``: ``0`` means the same to the kernel,
+    but peers told to connect to it would reach their own host."""
+    try:
+        sock = bind(host)
+    except (OSError, UnicodeError) as exc:
+        raise ArgumentError(
+            f"{what}={host!r}: this host cannot listen there ({exc}); give the address (or "
+            f"name) of one of its interfaces, 0.0.0.0 for every interface, or unset it "
+            f"(loopback for one host, else the interface that routes to MASTER_ADDR)") from exc
+    with sock:
+        every = ipaddress.ip_address(sock.getsockname()[0]).is_unspecified
+    if every and not is_wildcard(host):
+        raise ArgumentError(
+            f"{what}={host!r} means every interface; write 0.0.0.0 (or ::) if that is "
+            f"meant, or give one interface's address")
+    return host
 
 
 def send_frame(sock: socket.socket, payload: bytes) -> None:

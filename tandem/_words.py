@@ -32,12 +32,15 @@ def who(ranks: Iterable[int]) -> str:
     return f"rank {rs[0]}" if len(rs) == 1 else f"ranks {rank_list(rs)}"
 
 
-def in_order(ranks: Iterable[int]) -> str:
+def in_order(ranks: Iterable[int], most: int | None = None) -> str:
     """``[4, 1-3]``: ranks in their given order (a group's), rising runs collapsed, so a
-    message about a 64-rank group stays one line."""
+    message about a 64-rank group stays one line; past ``most`` runs, ``...`` and the
+    count (a list an outsider passed may hold a million scattered ranks)."""
     out: list[str] = []
     run: list[int] = []
+    count = 0
     for r in ranks:
+        count += 1
         if run and r == run[-1] + 1:
             run.append(r)
             continue
@@ -46,4 +49,6 @@ def in_order(ranks: Iterable[int]) -> str:
         run = [r]
     if run:
         out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    if most is not None and len(out) > most:
+        return "[" + ", ".join(out[:most]) + f", ... ({count} ranks)]"
     return "[" + ", ".join(out) + "]"

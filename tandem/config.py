@@ -175,6 +175,9 @@ class Settings:
             # names are checked against the algorithm registry when a collective runs,
             # so algorithms registered by the user are accepted too
             raise ArgumentError(f"TANDEM_ALGORITHM must name an algorithm, e.g. {ALGORITHMS}")
+        if self.ring_threshold < 0:
+            raise ArgumentError(f"TANDEM_RING_THRESHOLD must be >= 0 bytes (0: the ring at "
+                                f"every size), got {self.ring_threshold}")
         if self.chunk_bytes < 4096:
             raise ArgumentError(f"TANDEM_CHUNK_BYTES must be >= 4096, got {self.chunk_bytes}")
         if self.link_chunk_bytes < 4096:

@@ -162,3 +162,13 @@ def test_the_latency_benchmark_names_an_unknown_op() -> None:
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "--ops: unknown ['scater']" in proc.stderr and "scatter" in proc.stderr
+
+
+@pytest.mark.parametrize("bench,flag", [("collectives", "--ops"), ("ddp", "--models"),
+                                        ("torch-backend", "--parts"), ("latency", "--ops"),
+                                        ("scale", "--ops")])
+def test_every_benchmark_names_an_unknown_choice_and_the_known_ones(bench: str, flag: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "tandem.bench", bench, flag, "bogus"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert f"{flag}: unknown ['bogus']; choose from " in proc.stderr, proc.stderr

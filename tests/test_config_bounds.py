@@ -225,3 +225,12 @@ def test_a_machine_too_small_for_a_default_still_imports_and_init_names_the_sett
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("raw", ["-1", "nan", "abc", "-inf"])
+@pytest.mark.parametrize("name", sorted(set(SETTING_BOUNDS) | TIMEOUTS))
+def test_a_negative_or_non_numeric_value_of_a_numeric_setting_is_refused_naming_it(
+        name: str, raw: str) -> None:
+    with pytest.raises(ArgumentError) as err:
+        load_settings({name: raw})
+    assert name in str(err.value) and raw.lstrip("-") in str(err.value).lower(), err.value

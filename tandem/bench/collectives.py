@@ -371,6 +371,18 @@ def parse_sizes(text: str) -> list[int]:
     return sizes
 
 
+def pick(parser: argparse.ArgumentParser, flag: str, text: str, choices: Sequence[str],
+         empty_ok: bool = False) -> list[str]:
+    """The names in ``text``, flag ``flag``'s comma list, each one of ``choices`` (and at
+    least one unless ``empty_ok``); else the parser's usage error naming what is wrong."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = sorted(set(names) - set(choices))
+    if unknown or not (names or empty_ok):
+        parser.error(f"{flag}: {f'unknown {unknown}' if unknown else 'none given'}; "
+                     f"choose from {', '.join(choices)}")
+    return names
+
+
 def parse_backends(text: str) -> list[str]:
     """``"tcp,shm"`` -> ``["tcp", "shm"]``: known tandem backends, each once, in order."""
     names = list(dict.fromkeys(b.strip().lower() for b in text.split(",") if b.strip()))
@@ -527,10 +539,7 @@ def _main_hosts(parser: argparse.ArgumentParser, args: argparse.Namespace,
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    ops = [o.strip() for o in (args.ops or "").split(",") if o.strip()]
-    unknown = sorted(set(ops) - set(OPS))
-    if unknown:
-        parser.error(f"unknown op(s) {unknown}; choose from {list(OPS)}")
+    ops = pick(parser, "--ops", args.ops or "", OPS, empty_ok=True)
     if args.rounds < 1 or args.round_ms <= 0:
         parser.error("need --rounds >= 1 and --round-ms > 0")
     if args.link is not None or args.hosts or args.layouts or args.ranks_per_host:

@@ -270,17 +270,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     hosts.add_argument("--ranks-per-host", type=int, default=None,
                        help="ranks on each host (default 1); replaces --world-size")
     args = parser.parse_args(argv)
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = sorted(set(models) - set(MODELS))
-    if unknown or not models:
-        parser.error(f"unknown model(s) {unknown}; choose from {list(MODELS)}")
+    from tandem.bench.collectives import machine, pick
+
+    models = pick(parser, "--models", args.models, MODELS)
     if args.world_size < 2 or min(args.steps, args.rounds) < 1 or args.warmup < 0:
         parser.error("need --world-size >= 2, --steps/--rounds >= 1, --warmup >= 0")
     warmup, steps, rounds = args.warmup, args.steps, args.rounds
     if args.quick:
         warmup, steps, rounds = 1, 3, 2
-    from tandem.bench.collectives import machine
-
     print(f"machine: {machine()}", flush=True)
     start = time.monotonic()
     os.environ["TANDEM_BENCH_BACKEND"] = args.backend

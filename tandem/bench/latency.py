@@ -92,11 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--runs", type=int, default=3, help="rank sets per backend")
     args = parser.parse_args(argv)
-    ops = [name for name in args.ops.split(",") if name]
-    unknown = sorted(set(ops) - set(OPS))
-    if unknown:
-        parser.error(f"--ops: unknown {unknown}; known: {', '.join(OPS)}")
+    from tandem.bench.collectives import pick
     from tandem.testing import spawn
+
+    ops = pick(parser, "--ops", args.ops, OPS)
 
     backends = [b for b in args.backends.split(",") if b]
     figures: dict[str, list[dict[str, float]]] = {b: [] for b in backends}

@@ -91,7 +91,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from tandem.bench._hosts import Hosts, Layout
-from tandem.bench.collectives import _fmt_size
+from tandem.bench.collectives import _fmt_size, pick
 from tandem.bench.collectives_hosts import _fmt_time
 
 __all__ = ["main", "parse_scale_layouts", "run_layout", "format_tables"]
@@ -852,10 +852,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sizes = parse_sizes("4K" if args.smoke else args.sizes)
     except ValueError as exc:
         parser.error(str(exc))
-    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
-    unknown = sorted(set(ops) - set(OPS + MORE_OPS))
-    if unknown or not ops:
-        parser.error(f"--ops: unknown {unknown or ops}; choose from {list(OPS + MORE_OPS)}")
+    ops = pick(parser, "--ops", args.ops, OPS + MORE_OPS)
     if args.rounds < 1 or args.round_ms <= 0 or args.wait <= 0 or args.launch_rounds < 0:
         parser.error("need --rounds >= 1, --round-ms > 0, --wait > 0, --launch-rounds >= 0")
     rounds, round_s, wait_s = args.rounds, args.round_ms / 1e3, args.wait

@@ -44,7 +44,7 @@ from typing import Any, Sequence
 import torch
 
 from tandem.bench._table import render
-from tandem.bench.collectives import machine, parse_sizes
+from tandem.bench.collectives import machine, parse_sizes, pick
 from tandem.bench.torch_backend_calls import all_reduce_part, coalesced_part, layer_cost_seconds
 from tandem.bench.torch_backend_rounds import CLOCKS
 from tandem.bench.torch_backend_steps import TinyTransformer, steps_part
@@ -186,10 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 4 KB, tiny models, 2 short rounds, 1 step per round")
     args = parser.parse_args(argv)
-    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    unknown = sorted(set(parts) - set(PARTS))
-    if unknown or not parts:
-        parser.error(f"unknown part(s) {unknown}; choose from {list(PARTS)}")
+    parts = pick(parser, "--parts", args.parts, PARTS)
     if args.world_size < 2 or min(args.rounds, args.steps) < 1 or args.warmup < 0:
         parser.error("need --world-size >= 2, --rounds/--steps >= 1, --warmup >= 0")
     sizes, rounds, round_s = args.sizes, args.rounds, args.round_ms / 1e3

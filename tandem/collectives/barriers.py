@@ -62,6 +62,9 @@ def monitored_barrier(group: AnyGroup | None = None,
     """
     g = resolve_group(group, "monitored_barrier")
     seconds = timeout_seconds(timeout, g.timeout, "monitored_barrier: timeout")
+    if not isinstance(wait_all_ranks, bool):  # "no" would be true
+        raise ArgumentError(f"monitored_barrier: wait_all_ranks must be a bool, got "
+                            f"{type(wait_all_ranks).__name__} {wait_all_ranks!r}")
     token = torch.zeros(1, dtype=torch.uint8)
 
     def body(o: Op) -> None:

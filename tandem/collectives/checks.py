@@ -232,15 +232,22 @@ def root_rank(g: ProcessGroup, what: str, rank: int | None, group_rank: int | No
     if rank is not None and group_rank is not None:
         raise ArgumentError(f"{what}: pass {name}={rank} or group_{name}={group_rank}, not both")
     if group_rank is not None:
-        if not isinstance(group_rank, int) or not 0 <= group_rank < g.group_size:
-            raise ArgumentError(f"{what}: group_{name}={group_rank!r} is outside "
+        index = _as_int(group_rank)
+        if index is None:
+            raise ArgumentError(f"{what}: group_{name} must be an int (a rank of the group), "
+                                f"got {type(group_rank).__name__} {group_rank!r}")
+        if not 0 <= index < g.group_size:
+            raise ArgumentError(f"{what}: group_{name}={index} is outside "
                                 f"[0, {g.group_size})")
-        return group_rank
-    rank = 0 if rank is None else rank
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank not in g.ranks:
-        raise ArgumentError(f"{what}: {name}={rank!r} is not a member of group "
+        return index
+    given = 0 if rank is None else _as_int(rank)
+    if given is None:
+        raise ArgumentError(f"{what}: {name} must be an int (a global rank), got "
+                            f"{type(rank).__name__} {rank!r}")
+    if given not in g.ranks:
+        raise ArgumentError(f"{what}: {name}={given} is not a member of group "
                             f"'{g.group_name}' (global ranks {in_order(g.ranks)})")
-    return g.ranks.index(rank)
+    return g.ranks.index(given)
 
 
 def _as_int(value: Any) -> int | None:

@@ -57,7 +57,7 @@ def timeline(path: str) -> Iterator[Timeline]:
     ``python -m tandem.trace --timeline PATH`` merges the ranks' files into PATH.
     """
     monitor = _monitor()
-    recording = monitor.start_timeline(path)
+    recording = monitor.start_timeline(path, "tandem.timeline: path")
     try:
         yield recording
     finally:

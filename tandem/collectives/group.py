@@ -15,20 +15,21 @@ and ends the group's threads and shared memory.
 from __future__ import annotations
 
 import collections
+import errno
 import hashlib
 import logging
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 import torch.autograd.profiler as _torch_profiler
 
 from tandem._words import in_order
 from tandem.config import Settings
-from tandem.errors import (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError,
-                           StateError, TandemError)
+from tandem.errors import (ArgumentError, CollectiveError, CollectiveMismatchError,
+                           CollectiveTimeoutError, StateError, TandemError)
 from tandem.collectives.backend import HOST_ARENA_KEY
 from tandem.collectives.recorder import Call, Recorder, clock, payload_bytes
 from tandem.collectives.work import Completions, Work
@@ -230,9 +231,6 @@ class Op(Call):
         g.transport.wait(slots, self.deadline, self.describe, g.ranks)
         if phases is not None:
             phases.append((t0, clock()))
-
-    def wait_list(self, slots: Iterable[Slot]) -> None:
-        self.wait(*slots)
 
     def describe(self) -> str:
         g = self.group
@@ -558,6 +556,18 @@ class ProcessGroup:
             names = ", ".join(map(str, exc.missing))
             raise CollectiveTimeoutError(f"{op.describe()} timed out waiting in shared memory "
                                          f"on rank(s) {names}: {exc}", exc.missing) from exc
+        except OSError as exc:
+            if exc.errno != errno.ENOMEM:
+                raise
+            # the host has the memory (TANDEM_SHM_CHUNK was checked against it), but this
+            # process may not map it: ulimit -v, or a mapping count limit
+            chunk = self.settings.shm_chunk
+            raise ArgumentError(
+                f"{op.describe()}: this rank cannot map the shared staging memory of "
+                f"{len(self.ranks if members is None else members)} ranks ({exc}), two halves "
+                f"of TANDEM_SHM_CHUNK={chunk or 'unset (1-4 MiB)'} each; lower "
+                f"TANDEM_SHM_CHUNK, raise this process's address-space limit (ulimit -v), or "
+                f"set TANDEM_SHM_ARENA=0") from exc
 
     def abort(self, error: TandemError) -> None:
         """Fail this group here and on every member, with ``error``."""

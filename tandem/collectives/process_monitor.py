@@ -99,8 +99,8 @@ class Monitor:
             try:
                 path = write_dump(self.trace_dir, self.rank, data)
             except OSError as exc:
-                LOGGER.warning("tandem: rank %d could not write its flight recorder to %s: %s",
-                               self.rank, self.trace_dir, exc)
+                LOGGER.warning("tandem: rank %d could not write its flight recorder to %s "
+                               "(TANDEM_TRACE_DIR): %s", self.rank, self.trace_dir, exc)
                 return None
             first, self._told = not self._told, True
         finally:
@@ -128,10 +128,11 @@ class Monitor:
             os.write(2, f"tandem: rank {self.rank} wrote its flight recorder to {path}\n".encode())
 
     # -- timeline ------------------------------------------------------------------------
-    def start_timeline(self, path: str) -> Timeline:
+    def start_timeline(self, path: str, what: str = "TANDEM_TIMELINE") -> Timeline:
         if self.timeline is not None:
             raise StateError(f"a timeline is already being recorded (to {self.timeline.path})")
         timeline = Timeline(path, self.rank)
+        timeline.check_writable(what)
         timeline.hook_optimizers()
         self.timeline = timeline
         for g in self._groups():
@@ -155,7 +156,10 @@ class Monitor:
         self._closed = True
         if self.watchdog is not None:
             self.watchdog.close()
-        self.stop_timeline()
+        try:
+            self.stop_timeline()
+        except OSError as exc:  # checked at its start; a full disk must not stop the teardown
+            LOGGER.warning("tandem: rank %d could not write its timeline: %s", self.rank, exc)
         if (self._installed and threading.current_thread() is threading.main_thread()
                 and signal.getsignal(signal.SIGUSR1) == self._on_signal):
             signal.signal(signal.SIGUSR1, self._previous)

@@ -16,9 +16,12 @@ group, instead of silently doing nothing.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import hashlib
 from typing import Any, Sequence
+
+from tandem._words import in_order
 
 from tandem.collectives.backend import resolve_backend
 from tandem.collectives.checks import check_cpu_device, int_list, refuse_pg_options
@@ -29,6 +32,8 @@ from tandem.errors import ArgumentError, CollectiveMismatchError
 
 __all__ = ["new_group", "new_subgroups", "new_subgroups_by_enumeration", "get_group_rank",
            "get_global_rank", "get_process_group_ranks"]
+
+_LISTED = 8  # runs of ranks a refusal names before it gives the count
 
 
 def new_group(ranks: Sequence[int] | None = None,
@@ -56,10 +61,13 @@ def new_group(ranks: Sequence[int] | None = None,
     if sort_ranks:
         members.sort()
     if len(set(members)) != len(members):
-        raise ArgumentError(f"new_group: ranks {members} contain duplicates")
+        twice = sorted(r for r, n in collections.Counter(members).items() if n > 1)
+        raise ArgumentError(f"new_group: ranks {in_order(twice, _LISTED)} are given more than "
+                            f"once; each rank may appear once")
     bad = [r for r in members if not 0 <= r < size]
     if bad:
-        raise ArgumentError(f"new_group: ranks {bad} are outside the world [0, {size})")
+        raise ArgumentError(f"new_group: ranks {in_order(bad, _LISTED)} are outside the "
+                            f"world [0, {size})")
     if not members:
         raise ArgumentError("new_group: ranks is empty")
     me = w.transport.rank

@@ -39,6 +39,7 @@ import torch
 
 from tandem.collectives.recorder import FAILED, Call, clock
 from tandem.collectives.trace_files import rank_file
+from tandem.errors import ArgumentError
 
 __all__ = ["Timeline", "MAX_EVENTS"]
 
@@ -199,6 +200,19 @@ class Timeline:
             meta.append({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid,
                          "args": {"name": name}})
         return meta + body
+
+    def check_writable(self, what: str) -> None:
+        """Refuse, naming ``what`` (where the path came from), a file this rank could not
+        write when the timeline ends: found then, the spans are lost and the teardown fails."""
+        folder = os.path.dirname(self.rank_path) or "."
+        try:
+            os.makedirs(folder, exist_ok=True)
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise PermissionError(f"{folder} is not writable by this process")
+        except OSError as exc:
+            raise ArgumentError(f"{what}={self.path!r}: rank {self.rank} cannot write its "
+                                f"timeline {self.rank_path} ({exc}); give a path in a "
+                                f"writable directory") from exc
 
     def write(self) -> str:
         """Write this rank's file (atomically); return its path."""

@@ -22,6 +22,7 @@ from tandem.collectives.checks import check_cpu_device, refuse_pg_options
 from tandem.collectives.group import NonMemberGroup, ProcessGroup
 from tandem.collectives.init_method import check_rank, open_store
 from tandem.collectives.process_monitor import Monitor
+from tandem.collectives.timeline import Timeline
 from tandem.collectives.watchdog import EarlyThread
 from tandem.config import Settings, load_secret, load_settings, timeout_seconds
 from tandem.errors import (ArgumentError, NetworkError, StateError, StoreTimeoutError, TandemError,
@@ -77,7 +78,7 @@ _world: World | None = None
 def bind_address(settings: Settings, master_addr: str | None) -> str:
     """Where this rank's transport listens: loopback for single-host jobs."""
     if settings.bind_addr:
-        return settings.bind_addr
+        return _wire.check_bind_address(settings.bind_addr, "TANDEM_BIND_ADDR")
     if master_addr is None or _wire.is_loopback(master_addr):
         return "127.0.0.1"
     if _wire.is_wildcard(master_addr):
@@ -146,6 +147,8 @@ def _init(backend_name: str, init_method: str | None, seconds: float, world_size
         check_store("init_process_group", store)
         master = os.environ.get("MASTER_ADDR")
     try:
+        if settings.timeline:  # refused now: the monitor that writes it comes last
+            Timeline(settings.timeline, rank).check_writable("TANDEM_TIMELINE")
         # every init on the same store gets a fresh namespace, so a re-init never reads
         # the addresses of the previous incarnation
         generation = (store.add("tandem/inits", 1) - 1) // world_size

@@ -20,6 +20,7 @@ What the collectives layer uses, and nothing else::
 from __future__ import annotations
 
 import abc
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Callable, Iterable, NoReturn, Protocol, Sequence
@@ -43,6 +44,23 @@ _FLUSH_S = 1.0  # how long close() lets queued sends (aborts, goodbyes) go out
 # the same when a group failed here: a goodbye cut off makes peers blame this rank's exit
 # for the failure; a flush waits only while sends are queued, so this costs nothing else
 _FLUSH_FAILED_S = 5.0
+
+
+_LISTED = 8  # dropped sends named one by one in the warning of a closing transport
+_LOGGER = logging.getLogger("tandem")
+
+
+def _send_text(slot: Slot) -> str:
+    """A send by its peer and op, as a user would know it (global ranks)."""
+    peer, kind, group, seq, step = slot.key
+    site = slot.site.decode(errors="replace")
+    at = f", called at {site}" if site else ""
+    if kind == Kind.P2P:
+        return f"send to rank {peer} (tag {step}, group id {group}{at})"
+    if kind == Kind.COLL:
+        return f"message to rank {peer} of collective call #{seq} (group id {group}{at})"
+    name = Kind(kind).name if kind in Kind._value2member_map_ else str(kind)
+    return f"{name} message to rank {peer}"
 
 
 class Poller(Protocol):
@@ -273,6 +291,30 @@ class Transport(abc.ABC):
         return StateError(f"rank {self.rank} closed its transport (destroy_process_group): "
                           f"the operation can no longer complete")
 
+    def give_up_sends(self, slots: Iterable[Slot]) -> None:
+        """Fail the sends that closing drops, each error naming its peer and op, and log
+        the user's among them: an isend completes once sent, so its caller may never wait
+        on it and learn otherwise."""
+        dropped = []
+        for slot in slots:
+            if slot.event.is_set():
+                continue
+            what = _send_text(slot)
+            slot.finish(None, StateError(
+                f"rank {self.rank} closed its transport (destroy_process_group) before its "
+                f"{what} went out, and gave it up: its peer had not taken it by then (closing "
+                f"waits up to {_FLUSH_S:g} s for queued sends, {_FLUSH_FAILED_S:g} s after a "
+                f"failure); wait on each send's Work "
+                f"before destroy_process_group"))
+            if slot.key[1] in (Kind.P2P, Kind.COLL):
+                dropped.append(what)
+        if dropped:
+            _LOGGER.warning(
+                "tandem: rank %d closes its transport (destroy_process_group) with %d send(s) "
+                "its peers had not taken, now dropped: %s%s; wait on each send's Work before "
+                "destroy_process_group", self.rank, len(dropped), "; ".join(dropped[:_LISTED]),
+                f"; and {len(dropped) - _LISTED} more" if len(dropped) > _LISTED else "")
+
     def say_goodbye(self, peers: Iterable[int]) -> None:
         """Tell ``peers`` this rank closes on purpose (best effort, never blocks), so they
         do not take the closed connections for a crash while they finish their own calls.
@@ -309,7 +351,8 @@ class Transport(abc.ABC):
 
     # -- helpers for implementations ---------------------------------------------------------
     def _send_slot(self, peer: int, header: Header) -> Slot:
-        return Slot(peer, (peer, header.kind, header.group, header.seq, header.step), None, b"")
+        return Slot(peer, (peer, header.kind, header.group, header.seq, header.step), None, b"",
+                    header.site)
 
     def _send_to_self(self, header: Header, payload: memoryview) -> Slot:
         """A message to this very rank: copied now, delivered through the mailbox."""
@@ -338,13 +381,20 @@ def _abort_message(group: int, error: TandemError, reporter: int,
 
 def check_size(nbytes: int, cap: int, peer: int) -> None:
     if nbytes > cap:
-        raise ProtocolError(f"rank {peer} announced a {nbytes}-byte message; the cap is {cap}")
+        raise ProtocolError(f"rank {peer} announced a {nbytes}-byte message; the cap is {cap} "
+                            f"(TANDEM_MAX_FRAME here)")
 
 
-def check_header(header: Header) -> None:
-    """Refuse a header whose signature or call site cannot be framed."""
-    if len(header.sig) <= SIG_MAX and len(header.site) <= SIG_MAX:
+def check_header(header: Header, cap: int, peer: int) -> None:
+    """Refuse a message its receiver would refuse (past ``cap``, TANDEM_MAX_FRAME, which
+    every rank shares) or whose signature or call site cannot be framed."""
+    if len(header.sig) <= SIG_MAX and len(header.site) <= SIG_MAX and header.nbytes <= cap:
         return  # every send passes here: keep the common case to one test
+    if header.nbytes > cap:
+        raise ArgumentError(
+            f"a message of {header.nbytes} bytes to rank {peer} exceeds TANDEM_MAX_FRAME="
+            f"{cap}, the most a rank takes in one message: its receiver would refuse it and "
+            f"close the connection; raise TANDEM_MAX_FRAME on every rank, or send less at once")
     for name, value in (("signature", header.sig), ("call site", header.site)):
         if len(value) > SIG_MAX:
             raise ArgumentError(

@@ -579,7 +579,7 @@ class ShmTransport(BoundedSends, Transport):
         p = self._peers.get(peer)
         self._check_peer(peer, p is not None, "shared-memory ring")
         assert p is not None
-        check_header(header)
+        check_header(header, self._max_frame, peer)
         slot = self._send_slot(peer, header)
         try:
             told = (header.kind in _NEWS_KINDS and header.nbytes <= _NEWS_MAX // 2
@@ -599,7 +599,7 @@ class ShmTransport(BoundedSends, Transport):
         p = self._peers.get(peer)
         if p is None or self.mailbox.failures.lost(peer) is not None:
             return False  # isendv says what is wrong
-        check_header(header)
+        check_header(header, self._max_frame, peer)
         for b in pieces:
             if b.format != "B" or b.ndim != 1:
                 return False
@@ -627,8 +627,7 @@ class ShmTransport(BoundedSends, Transport):
         self.mailbox.close(self.closed_error())
         for p in self._peers.values():
             p.closing = True
-            for slot in p.drain():
-                slot.finish(None, self.closed_error())
+            self.give_up_sends(p.drain())
             p.wake()
             try:
                 p.sock.shutdown(socket.SHUT_RDWR)  # wakes the watcher; peers see EOF

@@ -553,7 +553,7 @@ class TcpTransport(BoundedSends, Transport):
             p = self._dial(peer)
         else:
             self._check_peer(peer, True, "connection")
-        check_header(header)
+        check_header(header, self._max_frame, peer)
         slot = self._send_slot(peer, header)
         head = _HDR.pack(header.kind, header.group, header.seq, header.step, header.nbytes,
                          len(header.sig), len(header.site)) + header.sig + header.site
@@ -656,11 +656,11 @@ class TcpTransport(BoundedSends, Transport):
                 f"rank {self.rank} could not send to rank {rank} ({unsent[0][2]}), and rank "
                 f"{rank}'s stream did not end within {self._timeout:.0f}s; did it exit, crash "
                 f"or stop?", rank))
+        if self._closing:
+            self.give_up_sends(slot for _, slot, _ in unsent)
+            return
         for header, slot, exc in unsent:
-            if self._closing:
-                slot.finish(None, self.closed_error())
-            else:
-                self._settle(rank, slot, exc, header)
+            self._settle(rank, slot, exc, header)
 
     def _send_loop(self) -> None:
         """Write every peer's queued frames on this one thread, never waiting on one peer:
@@ -768,8 +768,7 @@ class TcpTransport(BoundedSends, Transport):
                     dropped.append(p.current)
                     p.current = None
                 p.cv.notify_all()
-            for _, _, slot in dropped:
-                slot.finish(None, self.closed_error())
+            self.give_up_sends(slot for _, _, slot in dropped)
             self._shutdown(p.sock)
         self._wake(self._read_wake_w)
         self._wake(self._send_wake_w)

@@ -267,3 +267,17 @@ def test_failing_custom_op_reports_the_error_to_every_rank_instead_of_hanging_th
     assert kind != "CollectiveTimeoutError" and elapsed < 5.0, (  # half the op timeout
         f"rank 1: got {kind} after {elapsed:.1f}s ({message}); expected rank 0's failure "
         f"to be reported at once")
+
+
+@pytest.mark.parametrize("where", ["setting", "override"])
+def test_an_unknown_algorithm_is_refused_naming_where_it_was_asked_for(where: str) -> None:
+    def body(group):
+        if where == "override":
+            group.algorithm_override["all_reduce"] = "abc"
+        with pytest.raises(ArgumentError) as info:
+            tandem.all_reduce(torch.ones(4), group=group)
+        return str(info.value)
+
+    source = "TANDEM_ALGORITHM" if where == "setting" else "algorithm_override['all_reduce']"
+    for message in run_threads(2, body, settings=Settings(algorithm="abc")):
+        assert f"{source}='abc'" in message and "known: auto, " in message, message

@@ -46,6 +46,13 @@ def test_barrier_refuses_a_timeout_that_is_no_deadline(g: ProcessGroup, value: o
         tandem.barrier(group=g, timeout=value)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("value", ["no", 0, None], ids=repr)
+def test_monitored_barrier_refuses_a_wait_all_ranks_that_is_not_a_bool(g: ProcessGroup,
+                                                                       value: object) -> None:
+    with pytest.raises(ArgumentError, match="monitored_barrier: wait_all_ranks must be a bool"):
+        tandem.monitored_barrier(group=g, wait_all_ranks=value)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("value", NON_FINITE, ids=str)
 def test_monitored_barrier_refuses_a_timeout_that_is_no_deadline(g: ProcessGroup,
                                                                  value: object) -> None:
@@ -186,6 +193,19 @@ def test_a_world_size_of_zero_is_named_not_reported_missing(
 def test_new_group_ranks_are_checked(solo: None, ranks: list[object], match: str) -> None:
     with pytest.raises(ArgumentError, match=match):
         tandem.new_group(ranks)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("ranks,named", [
+    (list(range(2 ** 20 + 5)), "ranks [1-1048580] are outside the world [0, 1)"),
+    (list(range(1, 2 ** 21, 2)), "ranks [1, 3, 5, 7, 9, 11, 13, 15, ... (1048576 ranks)] are "
+                                 "outside"),
+    ([0] + list(range(1, 2 ** 20)) * 2, "ranks [1-1048575] are given more than once"),
+], ids=["a million outside", "a million scattered outside", "a million twice"])
+def test_a_refused_rank_list_is_named_in_one_short_line(solo: None, ranks: list[int],
+                                                        named: str) -> None:
+    with pytest.raises(ArgumentError) as info:
+        tandem.new_group(ranks)
+    assert named in str(info.value) and len(str(info.value)) < 200, str(info.value)[:300]
 
 
 def test_new_group_takes_integer_ranks_of_any_integer_type(solo: None) -> None:

@@ -92,6 +92,24 @@ def test_root_outside_the_group_is_named(g, call) -> None:
         call(g)
 
 
+@pytest.mark.parametrize("root", [1.5, "0", 2.0, True], ids=repr)
+@pytest.mark.parametrize("name", ["src", "group_src"])
+def test_a_root_that_is_not_an_int_is_named_as_such(g, name, root) -> None:
+    with pytest.raises(ArgumentError, match=f"broadcast: {name} must be an int"):
+        tandem.broadcast(f(2), group=g, **{name: root})
+
+
+def test_a_root_given_as_a_numpy_or_torch_integer_is_taken(g) -> None:
+    import numpy
+
+    from tandem.collectives.checks import root_rank
+
+    for root in (numpy.int64(g.ranks[2]), torch.tensor(g.ranks[2])):
+        assert root_rank(g, "broadcast", root, None, "src") == 2
+    for root in (numpy.int64(2), torch.tensor(2)):
+        assert root_rank(g, "broadcast", None, root, "src") == 2
+
+
 def test_group_src_outside_the_group_is_named(g) -> None:
     with pytest.raises(ArgumentError, match=r"group_src=3 is outside \[0, 3\)"):
         tandem.broadcast(f(2), group=g, group_src=3)

@@ -11,6 +11,7 @@ import pytest
 from tandem.elastic.roster import Generation, Roster
 from tandem.errors import ElasticError, TimeoutError
 from tandem.store.hash import HashStore
+from tandem.testing import wait_until
 
 
 def _roster(*workers: str, node: str = "n0") -> Roster:
@@ -115,19 +116,28 @@ def test_a_short_round_of_an_agents_job_hears_the_agent_before_it_ends_the_job()
     # round waits for the agent's exit report, which follows its announced replacement
     roster, gen = _c_of_node_1_lost(managed=True)
     roster.report_lost(0, ["c"])
+    looks = [0]  # the round's looks at the store
 
     def agent() -> None:
+        wait_until(lambda: looks[0] >= 5, "the round to look without the agent's report",
+                   30)
         roster.expect(+1)  # the replacement, planned first
         roster.report_exit("c")
-        time.sleep(0.2)
+        seen = looks[0]
+        wait_until(lambda: looks[0] >= seen + 5, "the round to look after c's exit", 30)
         roster.register("r", "n1", "host", 4)
         roster.enqueue_joiner("r")
         roster.expect(-1)
 
-    late = threading.Timer(0.3, agent)
+    def watch() -> None:
+        looks[0] += 1
+
+    late = threading.Thread(target=agent)
     late.start()
-    assert _close(roster, gen, min_nodes=2).members == ("a", "b", "r")
-    late.join()
+    gen1 = roster.close_round(gen, time.monotonic() + 2.0, max_ranks=0, min_ranks=1,
+                              min_nodes=2, watch=watch)
+    late.join(30)
+    assert gen1.members == ("a", "b", "r")
 
 
 def test_a_short_round_without_an_agent_ends_the_job_at_once() -> None:

@@ -8,7 +8,9 @@ failed transport set-up closes the store it was given by ``init_process_group``.
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import threading
 import time
 from typing import Any
@@ -20,7 +22,7 @@ import tandem as dist
 from _fault_helpers import attempt, values
 from tandem.collectives.recorder import STARTED
 from tandem.collectives.world import default_group
-from tandem.testing import launch
+from tandem.testing import launch, wait_until
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]
 
@@ -73,8 +75,9 @@ def _one_job(rank: int, init_method: str, backend: str) -> None:
 
 
 def _leaves_nothing(rank: int, world_size: int, tmp: str, backend: str) -> Any:
+    threads = _threads()
     _one_job(rank, f"file://{tmp}/warm", backend)  # warm up: lazy imports, torch's pools
-    time.sleep(0.5)
+    wait_until(lambda: _threads() == threads, "the warm-up job's threads to end", 30)
     before = _state()
     _one_job(rank, f"file://{tmp}/job", backend)
     end = time.monotonic() + SETTLE
@@ -94,10 +97,11 @@ def test_destroy_leaves_no_thread_descriptor_or_mapping(backend: str, tmp_path: 
             assert r["after"][what] == r["before"][what], (rank, what, extra)
 
 
-def _pending_at_destroy(rank: int, world_size: int) -> Any:
+def _pending_at_destroy(rank: int, world_size: int, tmp: str) -> Any:
+    gone = os.path.join(tmp, "gone")
     dist.barrier()
-    if rank == 1:
-        time.sleep(3.0)  # never joins the all_reduce before rank 0 destroys
+    if rank == 1:  # never joins the all_reduce: it waits for rank 0 to destroy
+        wait_until(lambda: os.path.exists(gone), "rank 0 to destroy its group", 60)
         return None
     work = dist.all_reduce(torch.ones(4), async_op=True)
     recorder, deadline = default_group().recorder, time.monotonic() + 20
@@ -107,6 +111,7 @@ def _pending_at_destroy(rank: int, world_size: int) -> Any:
     start = time.monotonic()
     dist.destroy_process_group()
     took = time.monotonic() - start
+    open(gone, "w").close()
     outcome = attempt(work.wait)
     outcome["destroy_took"] = took
     outcome["since_destroy"] = time.monotonic() - start
@@ -114,12 +119,59 @@ def _pending_at_destroy(rank: int, world_size: int) -> Any:
 
 
 @pytest.mark.parametrize("backend", ["tcp", "shm"])
-def test_an_async_op_pending_at_destroy_fails_at_once_with_state_error(backend: str) -> None:
-    outcomes = launch(2, _pending_at_destroy, backend=backend, timeout=60, op_timeout=30.0)
+def test_an_async_op_pending_at_destroy_fails_at_once_with_state_error(
+        backend: str, tmp_path: Any) -> None:
+    outcomes = launch(2, _pending_at_destroy, (str(tmp_path),), backend=backend, timeout=60,
+                      op_timeout=30.0)
     r = values(outcomes, [0])[0]
     assert not r["ok"] and r["type"] == "StateError", r
     assert "destroy" in r["msg"], r
     assert r["since_destroy"] < 2.0, r
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def _send_dropped_at_destroy(rank: int, world_size: int, tmp: str) -> Any:
+    pid_file, gone = os.path.join(tmp, "pid"), os.path.join(tmp, "gone")
+    dist.barrier()
+    if rank == 1:
+        with open(pid_file + ".new", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(pid_file + ".new", pid_file)
+        os.kill(os.getpid(), signal.SIGSTOP)  # takes nothing until rank 0 has destroyed
+        wait_until(lambda: os.path.exists(gone), "rank 0 to destroy its group", 60)
+        return None
+    wait_until(lambda: os.path.exists(pid_file), "rank 1 to note its pid", 60)
+    peer = int(open(pid_file).read())
+    wait_until(lambda: _stopped(peer), "rank 1 to stop", 60)
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("tandem").addHandler(handler)
+    try:
+        work = dist.isend(torch.ones(64 << 20), dst=1, tag=7)  # more than the kernel buffers
+        dist.destroy_process_group()
+    finally:
+        os.kill(peer, signal.SIGCONT)
+        open(gone, "w").close()
+    outcome = attempt(work.wait)
+    outcome["warnings"] = warnings
+    return outcome
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_a_send_dropped_at_destroy_is_named_by_peer_tag_and_call_site(
+        backend: str, tmp_path: Any) -> None:
+    outcomes = launch(2, _send_dropped_at_destroy, (str(tmp_path),), backend=backend,
+                      timeout=90)
+    r = values(outcomes, [0])[0]
+    what = "send to rank 1 (tag 7, group id 0, called at test_fault_destroy.py:"
+    assert not r["ok"] and r["type"] == "StateError", r
+    assert what in r["msg"] and "gave it up" in r["msg"], r
+    assert any(what in w and "1 send(s)" in w for w in r["warnings"]), r
 
 
 def _failing_backend(options: Any) -> Any:

@@ -143,3 +143,24 @@ def test_sigusr1_dumps_the_rank_with_where_its_main_thread_is(tmp_path: Path) ->
     assert ops[0] == (0, "all_reduce", "completed"), ops
     assert ops[-1][1:] == ("all_gather", "completed"), ops  # all_gather_object's last call
     assert group["name"] == "default" and group["issued"] == len(ops), group
+
+
+def _dump_to_a_file(rank: int, world_size: int) -> Any:
+    import logging
+
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("tandem").addHandler(handler)
+    outcome = attempt(dist.dump_flight_recorder)
+    outcome["warnings"] = warnings
+    return outcome
+
+
+def test_a_trace_dir_that_cannot_be_written_is_named_in_the_warning(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("not a directory")
+    results = values(_run(_dump_to_a_file, 2, tmp_path / "a-file" / "trace"), [0, 1])
+    for rank, r in results.items():
+        assert not r["ok"] and r["type"] == "StateError", (rank, r)
+        assert any(f"rank {rank} could not write its flight recorder to "
+                   f"{tmp_path}/a-file/trace (TANDEM_TRACE_DIR)" in w for w in r["warnings"]), r

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import os
 from typing import Any
 
 import pytest
@@ -10,7 +10,8 @@ import torch
 
 import tandem as dist
 from _fault_helpers import attempt, values
-from tandem.testing import launch
+from tandem.collectives.world import world
+from tandem.testing import launch, wait_until
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(90)]
 
@@ -20,23 +21,34 @@ OP_TIMEOUT = 10.0
 FAST = OP_TIMEOUT / 2  # an error without waiting for the op timeout comes before this
 
 
-def _oversized_message(rank: int, world_size: int) -> Any:
+def _raise_own_cap(transport: Any, cap: int) -> None:
+    """As if this rank had a larger TANDEM_MAX_FRAME than its peer (each checks its own)."""
+    for t in (transport, getattr(transport, "tcp", None), getattr(transport, "shm", None)):
+        if t is not None and hasattr(t, "_max_frame"):
+            t._max_frame = cap
+
+
+def _oversized_message(rank: int, world_size: int, tmp: str) -> Any:
+    learnt = os.path.join(tmp, "rank0.learnt")
     small = torch.zeros(CAP // 4 // 2)  # half the cap: must pass
     if rank == 0:
+        _raise_own_cap(world().transport, 2 * BIG)
         dist.send(small, dst=1)
         big = attempt(dist.send, torch.zeros(BIG // 4), dst=1)
         after = attempt(dist.all_reduce, torch.ones(4))  # does rank 0 learn it was cut off?
+        open(learnt, "w").close()
         return {"small": True, "big": big, "after": after}
     got_small = attempt(dist.recv, small, src=0)
     big = attempt(dist.recv, torch.zeros(BIG // 4), src=0)
-    time.sleep(FAST + 1.0)  # stay alive: rank 0 must not learn of it by our exit
+    # stay alive: rank 0 must not learn of it by our exit
+    wait_until(lambda: os.path.exists(learnt), "rank 0 to learn of the refusal", 60)
     return {"small": got_small["ok"], "big": big}
 
 
 @pytest.fixture(scope="module")
-def oversized() -> dict[int, Any]:
-    outcomes = launch(2, _oversized_message, timeout=40, op_timeout=OP_TIMEOUT,
-                      env={"TANDEM_MAX_FRAME": str(CAP)})
+def oversized(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
+    outcomes = launch(2, _oversized_message, (str(tmp_path_factory.mktemp("cap")),),
+                      timeout=40, op_timeout=OP_TIMEOUT, env={"TANDEM_MAX_FRAME": str(CAP)})
     return values(outcomes, [0, 1])
 
 
@@ -49,6 +61,26 @@ def test_receiver_refuses_an_oversized_message_naming_size_and_cap(oversized: An
     assert not r["ok"] and r["type"] in ("ProtocolError", "PeerLostError"), r
     assert str(BIG) in r["msg"] and str(CAP) in r["msg"], r
     assert r["elapsed"] < FAST, r
+
+
+def _sends_past_its_cap(rank: int, world_size: int) -> Any:
+    if rank == 0:
+        big = attempt(dist.send, torch.zeros(BIG // 4), dst=1)
+    else:
+        big = {}
+    t = torch.ones(4)
+    dist.all_reduce(t)  # nothing was cut off: the connection is still up
+    return {"big": big, "after": t.tolist()}
+
+
+def test_a_sender_refuses_a_message_past_its_own_cap_naming_the_setting() -> None:
+    outcomes = launch(2, _sends_past_its_cap, timeout=40, op_timeout=OP_TIMEOUT,
+                      env={"TANDEM_MAX_FRAME": str(CAP)})
+    r = values(outcomes, [0, 1])
+    big = r[0]["big"]
+    assert not big["ok"] and big["type"] == "ArgumentError", big
+    assert f"{BIG} bytes to rank 1 exceeds TANDEM_MAX_FRAME={CAP}" in big["msg"], big
+    assert r[0]["after"] == r[1]["after"] == [2.0] * 4, r
 
 
 def test_sender_learns_at_once_that_its_connection_was_refused(oversized: Any) -> None:

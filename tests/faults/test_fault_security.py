@@ -234,6 +234,26 @@ def test_a_wildcard_is_advertised_as_the_interface_that_routes_to_the_master() -
     assert not _wire.is_wildcard(_wire.advertised_address("0.0.0.0", "0.0.0.0"))
 
 
+@pytest.mark.parametrize("value", ["0", "0.0", "0x0"])
+def test_a_bind_addr_that_means_every_interface_unspelled_is_refused(value: str) -> None:
+    # peers told to dial "0" would reach their own host
+    with pytest.raises(ArgumentError, match=f"TANDEM_BIND_ADDR='{value}' means every interface"):
+        bind_address(Settings(bind_addr=value), "10.9.9.9")
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "1e30", "203.0.113.7", "a" * 300])
+def test_a_bind_addr_this_host_cannot_listen_on_is_refused_naming_the_setting(
+        value: str) -> None:
+    with pytest.raises(ArgumentError) as info:
+        bind_address(Settings(bind_addr=value), None)
+    assert f"TANDEM_BIND_ADDR='{value}': this host cannot listen there" in str(info.value)
+
+
+def test_a_bind_addr_of_this_host_is_taken_as_given() -> None:
+    assert bind_address(Settings(bind_addr="127.0.0.1"), None) == "127.0.0.1"
+    assert bind_address(Settings(bind_addr="localhost"), None) == "localhost"
+
+
 def test_a_store_listening_on_every_interface_says_so() -> None:
     with pytest.warns(UserWarning, match="listens on every interface"):
         store = dist.TCPStore("0.0.0.0", 0, is_master=True, timeout=10, secret=b"s",

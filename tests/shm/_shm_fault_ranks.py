@@ -21,7 +21,7 @@ import tandem as dist
 from tandem.collectives.backend import Backend
 from tandem.collectives.world import world
 from tandem.errors import TandemError
-from tandem.testing import stay_until_reported
+from tandem.testing import stay_until_reported, wait_until
 from tandem.transport.mixed import host_key
 from tandem.transport.shm import ShmTransport
 
@@ -222,14 +222,21 @@ def forks_then_dies(rank: int, p: int, store: str, stamp: str) -> Any:
 
 
 def oversized(rank: int, p: int, store: str) -> Any:
-    """TANDEM_MAX_FRAME=4096: rank 0 sends 16 KB; both ranks must learn at once."""
+    """TANDEM_MAX_FRAME=4096 on rank 1 only: rank 0 (whose own cap lets it) sends 16 KB;
+    both ranks must learn at once."""
+    if rank == 0:
+        os.environ["TANDEM_MAX_FRAME"] = str(1 << 16)
     dist.init_process_group("shm", init_method=f"file://{store}", rank=rank, world_size=p,
                             timeout=30)
+    learnt = os.path.join(os.path.dirname(store), "rank0.learnt")
     if rank == 0:
         big = attempt(dist.send, torch.zeros(4096), dst=1)
-        return {"big": big, "after": attempt(dist.all_reduce, torch.ones(4))}
+        after = attempt(dist.all_reduce, torch.ones(4))
+        open(learnt, "w").close()
+        return {"big": big, "after": after}
     got = attempt(dist.recv, torch.zeros(4096), src=0)
-    time.sleep(3.0)  # stay alive: rank 0 must learn from the closed connection, not our exit
+    # stay alive: rank 0 must learn from the closed connection, not our exit
+    wait_until(lambda: os.path.exists(learnt), "rank 0 to learn of the refusal", 60)
     return {"big": got}
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from _shm_bound_ranks import arena_on_a_smaller_machine
+from _shm_bound_ranks import arena_on_a_smaller_machine, arena_past_the_address_space_limit
 from tandem.testing import launch
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.procs]
@@ -27,4 +27,17 @@ def test_a_staging_chunk_too_large_for_the_host_is_refused_before_it_is_reserved
         refused = o.value["refused"]
         assert refused, f"rank {o.rank}: the arena was made: {o.value}"
         for part in ("TANDEM_SHM_CHUNK=1048576", "limit of 262144", "unset it"):
+            assert part in refused, f"rank {o.rank}: {part!r} not in {refused!r}"
+
+
+def test_an_arena_this_process_may_not_map_is_refused_naming_the_setting() -> None:
+    # 2 ranks x 2 halves x 64 MiB = 256 MiB to map, with 96 MiB of address space left
+    outcomes = launch(2, arena_past_the_address_space_limit, (96 << 20,), backend="shm",
+                      timeout=90, op_timeout=30.0, env={"TANDEM_SHM_CHUNK": str(64 << 20)})
+    bad = [o for o in outcomes if not o.ok]
+    assert not bad, "\n".join(f"--- rank {o.rank} ---\n{o.error}" for o in bad)
+    for o in outcomes:
+        refused = o.value["refused"]
+        for part in ("cannot map the shared staging memory of 2 ranks",
+                     "TANDEM_SHM_CHUNK=67108864", "ulimit -v"):
             assert part in refused, f"rank {o.rank}: {part!r} not in {refused!r}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import sys
 import threading
 import time
 from typing import Any, Iterator
@@ -22,6 +23,7 @@ from tandem.errors import (
 )
 from tandem.store import TCPStore
 from tandem.store.tcp import MAX_VALUE, PURPOSE
+from tandem.testing import wait_until
 
 HOST = "127.0.0.1"
 # Deadline for anything that includes starting a spawned child (it imports torch:
@@ -251,7 +253,10 @@ def test_closing_the_server_fails_a_blocked_client_promptly(master: TCPStore) ->
 
     thread = threading.Thread(target=blocked_get, daemon=True)
     thread.start()
-    time.sleep(0.1)
+    server = master._server
+    assert server is not None
+    wait_until(lambda: any(k.endswith(b"never") for k in server._wanted),
+               "the server to hold the client's get")
     start = time.monotonic()
     master.close()
     thread.join(15)
@@ -260,6 +265,16 @@ def test_closing_the_server_fails_a_blocked_client_promptly(master: TCPStore) ->
     with pytest.raises(StoreError):
         client.set("after", b"x")
     client.close()
+
+
+def _waits_in(thread: threading.Thread, function: str) -> bool:
+    """Whether ``thread`` is inside a call of ``function`` now."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back
+    return False
 
 
 @pytest.mark.procs
@@ -278,7 +293,7 @@ def test_killed_server_process_fails_clients_promptly(spawn: Any, mp_queue: Any)
 
     thread = threading.Thread(target=blocked_get, daemon=True)
     thread.start()
-    time.sleep(0.1)
+    wait_until(lambda: _waits_in(thread, "recv_frame"), "the get to wait for its reply")
     start = time.monotonic()
     server.kill()
     thread.join(15)

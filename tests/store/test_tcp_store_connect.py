@@ -10,9 +10,11 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from typing import Any
 
 import pytest
 
+from tandem import _wire
 from tandem.errors import ArgumentError, StoreTimeoutError
 from tandem.store.tcp import TCPStore
 
@@ -43,12 +45,24 @@ def test_a_port_nobody_listens_on_fails_after_connect_timeout_saying_so() -> Non
     assert time.monotonic() - start < 20
 
 
-def test_a_server_that_comes_up_within_connect_timeout_is_reached() -> None:
+def test_a_server_that_comes_up_within_connect_timeout_is_reached(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     port = _free_port()
     holder: list[TCPStore] = []
+    refused = threading.Event()  # the client has met nothing listening at least once
+    connect = socket.create_connection
+
+    def noting_refusals(*args: Any, **kwargs: Any) -> socket.socket:
+        try:
+            return connect(*args, **kwargs)
+        except ConnectionRefusedError:
+            refused.set()
+            raise
+
+    monkeypatch.setattr(_wire.socket, "create_connection", noting_refusals)
 
     def serve_late() -> None:
-        time.sleep(0.5)
+        refused.wait(30)
         holder.append(TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False))
 
     t = threading.Thread(target=serve_late)
@@ -56,6 +70,7 @@ def test_a_server_that_comes_up_within_connect_timeout_is_reached() -> None:
     try:
         client = TCPStore("127.0.0.1", port, timeout=30, connect_timeout=20)
         t.join()
+        assert refused.is_set(), "the server came up before the client first tried"
         holder[0].set("k", b"v")
         assert client.get("k") == b"v"
         assert client.timeout.total_seconds() == 30  # get/wait keep their own deadline

@@ -191,10 +191,12 @@ def run_all(t: Transport, pairs: list[tuple[int, int]],
 def check_peer_closed(t: Transport, me: int, peer: int, closer: bool) -> dict[str, Any]:
     """Last: ``closer`` closes; the other's pending receive fails naming the lost rank."""
     if closer:
-        time.sleep(0.2)
+        posted, _ = recv(t, peer, 99_998, 0, 0, 1)
+        wait(posted)  # the other's receive is pending now
         t.close()
         return {}
     r, _ = recv(t, peer, 99_999, 0, 0, 8)
+    wait(send(t, peer, 99_998, 0, 0, b"p"))
     start = time.monotonic()
     r.event.wait(WAIT_S)
     error = r.error

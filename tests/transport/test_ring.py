@@ -15,6 +15,7 @@ from tandem.errors import ProtocolError
 from tandem.transport import _ring
 from tandem.transport._ring import Ring, init_segment, segment_size
 from tandem.transport._shmem import create_segment, unsupported_reason
+from tandem.testing import wait_until
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(bool(unsupported_reason()), reason=unsupported_reason())]
@@ -90,7 +91,8 @@ def test_a_full_ring_blocks_the_producer_until_the_consumer_reads(pair: Any) -> 
     producer, consumer = pair
     data = os.urandom(3 * CAP)
     writer, errors = _in_thread(lambda: producer.write([memoryview(data)], never))
-    time.sleep(0.3)
+    wait_until(lambda: producer._ctl[_ring._PSLEEP] == 1 or not writer.is_alive(),
+               "the producer to sleep for space")
     assert writer.is_alive(), "the producer overran a full ring"
     assert producer.free() == 0
     got = bytearray(len(data))

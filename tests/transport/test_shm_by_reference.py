@@ -134,7 +134,8 @@ def test_a_refused_probe_falls_back_to_the_ring(monkeypatch: pytest.MonkeyPatch)
     a, b = _pair()
     try:
         _warm(a, b)
-        time.sleep(0.1)
+        # b's reader probes a's memory before it delivers a's first frame
+        assert b._peers[0]._probed
         assert not a._peers[1].outbound.readable()
         data = _payload()
         buf = bytearray(len(data))
@@ -155,14 +156,16 @@ def test_a_receiver_that_closes_fails_the_sends_it_never_took(
         _warm(a, b)
         assert _readable(a, 1)
         stuck = threading.Event()
+        arrived = threading.Event()
 
         def stopped(peer: int, header: Header, read: Callable[[memoryview], None]) -> None:
+            arrived.set()
             stuck.wait(FAST)
             raise TandemError("stopped")
 
         b.mailbox.arrive = stopped  # type: ignore[method-assign]
         sent = a.isend(1, Header(Kind.P2P, 5, 0, 0, BIG), memoryview(_payload()))
-        time.sleep(0.1)
+        assert arrived.wait(FAST), "the send never reached the receiver's reader"
         closer = threading.Thread(target=b.close)
         closer.start()
         stuck.set()

@@ -107,7 +107,8 @@ def test_a_receive_posted_while_its_message_is_cut_off_fails_naming_the_sender(
         pair: list[Transport]) -> None:
     a, b = pair
     _cut_message(a, 1, Header(Kind.P2P, 5, 0, 0, 8 << 20), b"x" * (256 << 10))
-    time.sleep(0.3)
+    wait_until(lambda: 0 in b.mailbox._filling, "the reader to start filling the parked message",
+               FAST)
     slot = _recv(b, 0, 5, 8 << 20)  # the parked message is still being read
     assert not slot.event.is_set()
     _die(a)
@@ -215,6 +216,30 @@ def test_a_shm_watcher_that_raises_fails_every_waiting_receive(
         error = _finished(waiting)
         assert isinstance(error, PeerLostError) and "a bug in the watcher" in str(error), error
         assert isinstance(_finished(_recv(a, 1, 15, 4)), PeerLostError), "the peer learns too"
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_a_message_past_max_frame_is_refused_by_its_sender_and_the_link_stays_up(
+        kind: str) -> None:
+    cap = 4096
+
+    def make(rank: int, store: HashStore) -> Transport:
+        if kind == "tcp":
+            return TcpTransport(rank, 2, store, "127.0.0.1", SECRET, 30.0, cap, "h")
+        return ShmTransport(rank, 2, store, SECRET, ring_bytes=1 << 20, hostname="h",
+                            max_frame=cap)
+
+    a, b = connected_pair(make, Transport)
+    try:
+        with pytest.raises(ArgumentError) as info:
+            a.isend(1, Header(Kind.P2P, 5, 0, 0, 4 * cap), memoryview(bytes(4 * cap)))
+        assert "16384 bytes to rank 1 exceeds TANDEM_MAX_FRAME=4096" in str(info.value)
+        got = _recv(b, 0, 5, cap)  # a message at the cap goes through the same link
+        a.isend(1, Header(Kind.P2P, 5, 0, 0, cap), memoryview(bytes(cap)))
+        assert _finished(got) is None
     finally:
         a.close()
         b.close()

@@ -1,7 +1,7 @@
 """A sender SIGKILLed in the middle of a large message: the receive fails, naming it.
 
 The message arrives before its receive is posted, so it is being parked when the
-sender dies; the receive posted half a second later must raise ``PeerLostError``
+sender dies; the receive posted as the sender dies must raise ``PeerLostError``
 naming the sender within seconds (the op timeout is a minute), on every backend.
 ``cut`` writes only part of the payload before the kill, so the death always
 falls inside the message; ``send`` is a real 256 MB send killed 0.15 s in (on a
@@ -23,7 +23,7 @@ import torch
 import tandem as dist
 from _cut import cut_message
 from tandem.collectives.world import world
-from tandem.testing import launch
+from tandem.testing import launch, wait_until
 from tandem.transport import Header, Kind
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]
@@ -65,7 +65,8 @@ def _killed_mid_send(rank: int, world_size: int, how: str, stamp: str) -> Any:
             dist.send(data, dst=0)
             time.sleep(5)
         _die(stamp)
-    time.sleep(0.65)  # the receive is posted about 0.5 s after the kill
+    # the receive is posted once the sender is about to die (it notes the kill first)
+    wait_until(lambda: os.path.exists(stamp), "rank 1 to note its kill", 60)
     result = _attempt_recv(buf)
     if not result["ok"]:  # the sender's own note of its kill: on a loaded machine writing
         # the cut message can take seconds, so a time guessed here from the barrier could

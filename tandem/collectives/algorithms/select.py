@@ -132,7 +132,8 @@ def register_algorithm(collective: str, name: str, fn: AllReduce) -> None:
 def select_all_reduce(group: ProcessGroup, buf: torch.Tensor) -> tuple[str, AllReduce]:
     """The group's override or ``TANDEM_ALGORITHM`` when not ``auto``; else shared memory,
     hierarchical, then ring or doubling by size (:func:`~.ring.ring_pays`)."""
-    name = group.algorithm_override.get("all_reduce") or group.settings.algorithm
+    override = group.algorithm_override.get("all_reduce")
+    name = override or group.settings.algorithm
     if name == "auto" and group.shares_memory:
         name = "shm"  # every member maps every member's staging memory
     elif name == "shm" and not group.shares_memory:
@@ -148,8 +149,10 @@ def select_all_reduce(group: ProcessGroup, buf: torch.Tensor) -> tuple[str, AllR
         name = "ring" if ring_pays(group.settings, group.group_size, buf) else "doubling"
     fn = ALL_REDUCE.get(name)
     if fn is None:
+        source = "group.algorithm_override['all_reduce']" if override else "TANDEM_ALGORITHM"
         raise ArgumentError(
-            f"all_reduce algorithm {name!r} is not registered; known: {sorted(ALL_REDUCE)}")
+            f"{source}={name!r}: no all_reduce algorithm of that name is registered; known: "
+            f"auto, {', '.join(sorted(ALL_REDUCE))}; pick one, or register_algorithm first")
     return name, fn
 
 

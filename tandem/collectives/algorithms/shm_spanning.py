@@ -32,7 +32,7 @@ by the end of its next call on the group.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -46,6 +46,7 @@ from tandem.collectives.algorithms.shm_arrival import arrive_and_stage
 from tandem.collectives.algorithms.spanning import cut
 from tandem.collectives.algorithms.tree import binomial
 from tandem.collectives.group import Op, as_bytes, host_shares_memory
+from tandem.transport import Arena
 from tandem.transport.base import Slot
 
 __all__ = ["host_shares_memory", "arena_broadcast", "arena_scatter"]
@@ -56,9 +57,7 @@ def arena_broadcast(op: Op, buf: torch.Tensor, root: int, layout: list[list[int]
     of this rank's host takes this path (:func:`host_shares_memory`)."""
     g = op.group
     me = g.group_rank
-    local = host_of_rank(layout, me)
-    ranks = [g.ranks[i] for i in local]
-    arena, check = prepare(op, g.host_arena(op, local), ranks)
+    local, ranks, arena, check = _enter_host(op, layout)
     index = local.index(me)
     src = local.index(root) if root in local else 0
     top = host_of_rank(layout, root)[0]
@@ -158,9 +157,7 @@ def arena_scatter(op: Op, recv: torch.Tensor, ins: list[torch.Tensor] | None, ro
     to the root; hosts of one rank take :func:`~.leaders.leaders_scatter` beside."""
     g = op.group
     me = g.group_rank
-    local = host_of_rank(layout, me)
-    ranks = [g.ranks[i] for i in local]
-    arena, check = prepare(op, g.host_arena(op, local), ranks)
+    local, ranks, arena, check = _enter_host(op, layout)
     index = local.index(me)
     home = host_of_rank(layout, root)
     top = home[0]
@@ -230,6 +227,17 @@ def arena_scatter(op: Op, recv: torch.Tensor, ins: list[torch.Tensor] | None, ro
         if me == top and carry:
             told = confirm_up(op, root, told)  # every other host named the root
     op.wait(*sent, *told)
+
+
+def _enter_host(op: Op, layout: list[list[int]]
+                ) -> tuple[list[int], list[int], Arena, Callable[[], None]]:
+    """This rank's host: its group ranks, their global ranks, and its arena, set up for
+    this call (with the check its waits run; the group announced the call there)."""
+    g = op.group
+    local = host_of_rank(layout, g.group_rank)
+    ranks = [g.ranks[i] for i in local]
+    arena, check = prepare(op, g.host_arena(op, local), ranks)
+    return local, ranks, arena, check
 
 
 def _copy_range(parts: list[torch.Tensor], a: int, dst: torch.Tensor) -> None:
