@@ -589,6 +589,10 @@ class ProcessGroup:
         if mates:
             self.transport.abort(self.group_id, mates, error)
 
+    def scratch_kept(self) -> int:
+        """Bytes of working memory kept between calls (none until a call needs some)."""
+        return 0 if self._scratch is None else self._scratch.numel()
+
     def scratch(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Working memory for one collective, reused by the next one on this group.
 

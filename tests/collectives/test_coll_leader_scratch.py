@@ -32,7 +32,7 @@ def _kept_after(numel: int) -> list[tuple[int, bool]]:
     def body(group: ProcessGroup) -> tuple[int, bool]:
         x = torch.full((numel,), float(group.rank() + 1))
         tandem.all_reduce(x, group=group)
-        return group._scratch.numel(), bool(torch.all(x == sum(range(1, 9))))
+        return group.scratch_kept(), bool(torch.all(x == sum(range(1, 9))))
     return run_threads(len(HOSTS), body, settings=STREAM, hosts=HOSTS, timeout=250,
                        op_timeout=200)
 
