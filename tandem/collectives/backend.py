@@ -63,14 +63,13 @@ HOST_ARENA_KEY = 1 << 61  # a group's per-host arena: its id with this bit, apar
 
 
 def _tcp(options: BackendOptions, peers: list[int] | None = None,
-         hosts: list[str] | None = None, lazy: bool = False, wait: bool = True) -> TcpTransport:
+         hosts: list[str] | None = None, lazy: bool = False) -> TcpTransport:
     if hosts is None and options.published is not None:
         options.published()  # the transport publishes and waits inside: no later point
     return TcpTransport(options.rank, options.world_size, options.store, options.host,
                         options.secret, options.settings.connect_timeout,
                         options.settings.max_frame, options.hostname, options.settings.debug,
-                        advertise=options.advertise, peers=peers, hosts=hosts, lazy=lazy,
-                        wait=wait)
+                        advertise=options.advertise, peers=peers, hosts=hosts, lazy=lazy)
 
 
 def _shm_over(options: BackendOptions, peers: list[int], tcp: Transport | None) -> ShmTransport:
@@ -114,19 +113,10 @@ def _auto(options: BackendOptions) -> Transport:
         # every rank picks the same set-up connections: first use wherever a host has many
         return _tcp(options, hosts=hosts, lazy=len(set(hosts)) < options.world_size)
     # same-host peers talk through shared memory only: no second (tcp) link to them
-    # a host leader makes its host's shared memory while the higher leaders connect to
-    # it (one after the other, the host's other ranks waited for both: 2x8, 16-34 ms
-    # of connections, then 11-42 ms of shared memory)
     tcp = _tcp(options, peers=[r for r in range(options.world_size) if r not in local],
-               hosts=hosts, lazy=True, wait=False)
+               hosts=hosts, lazy=True)
     try:
-        shm = _shm_over(options, local, tcp)
-        try:
-            tcp.wait_connected()
-            return MixedTransport(tcp, shm)
-        except BaseException:
-            shm.close()
-            raise
+        return MixedTransport(tcp, _shm_over(options, local, tcp))
     except BaseException:
         tcp.close()
         raise

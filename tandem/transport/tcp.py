@@ -149,8 +149,7 @@ class TcpTransport(BoundedSends, Transport):
                  debug: bool = False, *, advertise: str = "",
                  park_limit: int = DEFAULT_PARK_LIMIT, send_limit: int = DEFAULT_SEND_LIMIT,
                  peers: Sequence[int] | None = None,
-                 hosts: Sequence[str] | None = None, lazy: bool = False,
-                 wait: bool = True) -> None:
+                 hosts: Sequence[str] | None = None, lazy: bool = False) -> None:
         self.rank = rank
         self._debug_log = debug  # TANDEM_DEBUG, read once with the other settings
         self.world_size = world_size
@@ -206,12 +205,8 @@ class TcpTransport(BoundedSends, Transport):
         self._listener: socket.socket | None = None
         self._gate: _gate.Gate | None = None
         self._acceptor: threading.Thread | None = None
-        self._expected: set[int] = set()  # higher set-up peers still to connect to us
-        self._deadline = 0.0
         try:
             self._connect(store, host, connect_timeout, hostname, hosts)
-            if wait:
-                self.wait_connected()
         except BaseException:
             self._stop()
             raise
@@ -277,24 +272,17 @@ class TcpTransport(BoundedSends, Transport):
         eager = self.eager_peers(hosts)
         lower = sorted(p for p in eager if p < self.rank)
         self._connect_lower(dict(zip(lower, self._entries(store, lower))), deadline)
-        self._expected = {p for p in eager if p > self.rank}
-        self._deadline = deadline
-
-    def wait_connected(self) -> None:
-        """Wait for the higher set-up peers to connect (``wait=False``: the caller calls
-        this itself, after other set-up that may overlap the wait: a host leader makes
-        its host's shared memory meanwhile)."""
-        expected = self._expected
+        expected = {p for p in eager if p > self.rank}
         with self._io_lock:
             while not expected <= self._conns.keys():
                 if self._refused is not None:
                     raise self._world_error(*self._refused)
-                left = self._deadline - time.monotonic()
+                left = deadline - time.monotonic()
                 if left <= 0:
                     missing = sorted(expected - self._conns.keys())
                     raise NetworkError(
                         f"rank {self.rank}: rank(s) {missing} did not connect within "
-                        f"{self._timeout:.0f}s"
+                        f"{timeout:.0f}s"
                     )
                 self._io_lock.wait(left)
 
