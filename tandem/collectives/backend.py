@@ -64,13 +64,11 @@ HOST_ARENA_KEY = 1 << 61  # a group's per-host arena: its id with this bit, apar
 
 def _tcp(options: BackendOptions, peers: list[int] | None = None,
          hosts: list[str] | None = None, lazy: bool = False, wait: bool = True) -> TcpTransport:
-    if hosts is None and options.published is not None:
-        options.published()  # the transport publishes and waits inside: no later point
     return TcpTransport(options.rank, options.world_size, options.store, options.host,
                         options.secret, options.settings.connect_timeout,
                         options.settings.max_frame, options.hostname, options.settings.debug,
                         advertise=options.advertise, peers=peers, hosts=hosts, lazy=lazy,
-                        wait=wait)
+                        wait=wait, published=None if hosts is not None else options.published)
 
 
 def _shm_over(options: BackendOptions, peers: list[int], tcp: Transport | None) -> ShmTransport:

@@ -43,7 +43,7 @@ import struct
 import sys
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from tandem import _gate, _wire
 from tandem.errors import (ArgumentError, AuthenticationError, NetworkError, PeerLostError,
@@ -150,7 +150,7 @@ class TcpTransport(BoundedSends, Transport):
                  park_limit: int = DEFAULT_PARK_LIMIT, send_limit: int = DEFAULT_SEND_LIMIT,
                  peers: Sequence[int] | None = None,
                  hosts: Sequence[str] | None = None, lazy: bool = False,
-                 wait: bool = True) -> None:
+                 wait: bool = True, published: Callable[[], None] | None = None) -> None:
         self.rank = rank
         self._debug_log = debug  # TANDEM_DEBUG, read once with the other settings
         self.world_size = world_size
@@ -209,7 +209,7 @@ class TcpTransport(BoundedSends, Transport):
         self._expected: set[int] = set()  # higher set-up peers still to connect to us
         self._deadline = 0.0
         try:
-            self._connect(store, host, connect_timeout, hostname, hosts)
+            self._connect(store, host, connect_timeout, hostname, hosts, published)
             if wait:
                 self.wait_connected()
         except BaseException:
@@ -255,9 +255,12 @@ class TcpTransport(BoundedSends, Transport):
         return wanted & self.links
 
     def _connect(self, store: Store, host: str, timeout: float, hostname: str,
-                 hosts: Sequence[str] | None) -> None:
+                 hosts: Sequence[str] | None,
+                 published: Callable[[], None] | None = None) -> None:
         """Listen for the whole life of the transport (peers dial on first use), publish
-        the address, and make the set-up connections (:meth:`eager_peers`)."""
+        the address, and make the set-up connections (:meth:`eager_peers`); ``published``
+        is called once this rank's address (and host key, when it exchanges them) is in
+        the store, before it waits for the others'."""
         deadline = time.monotonic() + timeout
         self._listener = listener = _wire.listen(host, 0)
         self._gate = _gate.Gate(listener, self._secret, _PURPOSE, self._admit,
@@ -270,7 +273,9 @@ class TcpTransport(BoundedSends, Transport):
         if hosts is None:
             from tandem.transport.mixed import exchange_hosts  # mixed builds on tcp
 
-            hosts = exchange_hosts(store, self.rank, self.world_size, hostname)
+            hosts = exchange_hosts(store, self.rank, self.world_size, hostname, published)
+        elif published is not None:
+            published()
         self.host_keys = list(hosts)
         for r, key in enumerate(hosts):
             self._hosts.setdefault(r, key.partition("|")[0])
