@@ -75,10 +75,8 @@ def _shm_over(options: BackendOptions, peers: list[int], tcp: Transport | None) 
     settings = options.settings
     everyone = set(peers) | {options.rank}
     # the default group's arena over this host's ranks is made by their first rank at
-    # init and rides with the sockets: the whole group's when one host holds the job
-    # (1x32: the first barrier no longer waits for 31 hand-overs), else the group's
-    # arena for this host, through which its ranks check in with their leader (2x8:
-    # the first barrier no longer makes rings nor starts reader threads within a host)
+    # init and rides with the sockets, so the first barrier hands over nothing: the whole
+    # group's when one host holds the job, else the group's arena for this host
     key = DEFAULT_GROUP_ID if len(everyone) == options.world_size else (
         HOST_ARENA_KEY | DEFAULT_GROUP_ID)
     return ShmTransport(options.rank, options.world_size, options.store, options.secret,
@@ -113,8 +111,7 @@ def _auto(options: BackendOptions) -> Transport:
         return _tcp(options, hosts=hosts, lazy=len(set(hosts)) < options.world_size)
     # same-host peers talk through shared memory only: no second (tcp) link to them
     # a host leader makes its host's shared memory while the higher leaders connect to
-    # it (one after the other, the host's other ranks waited for both: 2x8, 16-34 ms
-    # of connections, then 11-42 ms of shared memory)
+    # it: the host's other ranks wait for the longer of the two, not for both in turn
     tcp = _tcp(options, peers=[r for r in range(options.world_size) if r not in local],
                hosts=hosts, lazy=True, wait=False)
     try:

@@ -190,9 +190,8 @@ class ShmTransport(BoundedSends, Transport):
             key, chunk = first_arena
             gift = Segment(key, *self._make_segment(everyone, chunk or None))
             self._premade = (key, everyone, gift.fd, gift.size)
-        # started while this rank waits for the others to connect, once what they wait
-        # for is out (its address or hello): Thread.start waits for the new thread to get
-        # a CPU (13-100 ms at 16 ranks on 2 CPUs), which the others then do not wait for
+        # started once what the others wait for is out (its address or hello), while this
+        # rank waits for them: Thread.start waits for the new thread to get a CPU
         self._connected = threading.Event()
         watching: list[bool] = []
 
