@@ -50,7 +50,8 @@ from tandem.errors import (ArgumentError, AuthenticationError, NetworkError, Pee
                            ProtocolError, TandemError)
 from tandem.store.base import Store
 from tandem.transport import forks
-from tandem.transport.base import Transport, check_header, check_size, join_all
+from tandem.transport.base import (Transport, check_header, check_size, join_all,
+                                   one_drop_warning)
 from tandem.transport.failures import decode_error, split_relay
 from tandem.transport.mailbox import DEFAULT_PARK_LIMIT, Mailbox
 from tandem.transport.message import Header, Kind, Reader, Slot
@@ -762,9 +763,10 @@ class TcpTransport(BoundedSends, Transport):
         connection; operations still pending fail with ``StateError``."""
         if self._closing:
             return
-        self._take_leave(list(self._peers.values()))
-        forks.untrack(self)
-        self._stop()
+        with one_drop_warning(self.rank):  # every peer's dropped sends in one warning
+            self._take_leave(list(self._peers.values()))
+            forks.untrack(self)
+            self._stop()
 
     def _stop(self) -> None:
         self._closing = True
