@@ -568,10 +568,11 @@ class TcpTransport(BoundedSends, Transport):
         p = self._peers.get(peer)
         if p is None:
             self._check_peer(peer, peer in self.links, "link")
+            check_header(header, self._max_frame, peer)  # refused: no connection made for it
             p = self._dial(peer)
         else:
             self._check_peer(peer, True, "connection")
-        check_header(header, self._max_frame, peer)
+            check_header(header, self._max_frame, peer)
         slot = self._send_slot(peer, header)
         head = _HDR.pack(header.kind, header.group, header.seq, header.step, header.nbytes,
                          len(header.sig), len(header.site)) + header.sig + header.site
