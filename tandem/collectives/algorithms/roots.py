@@ -29,7 +29,6 @@ call (or ``destroy_process_group``) fails naming the broadcast.
 from __future__ import annotations
 
 from tandem.collectives.group import Op
-from tandem.errors import CollectiveMismatchError
 from tandem.transport.base import Slot
 
 __all__ = ["ROOT_STEP", "announce_root", "confirm_root", "confirm_up", "root_returns"]
@@ -47,14 +46,7 @@ def announce_root(o: Op, root: int, wait: bool = False) -> list[Slot]:
     told = o.recv(root, ROOT_STEP, empty)
     if wait:
         return [told]
-
-    def check(slot: Slot) -> None:
-        if isinstance(slot.error, CollectiveMismatchError):
-            g.abort(slot.error)
-
-    told.on_done = check
-    if told.done():
-        check(told)
+    g.abort_on_clash([told])
     return []
 
 
