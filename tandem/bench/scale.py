@@ -20,8 +20,8 @@ processes. Every rank, in order:
 * start-up: all ranks meet at a file barrier, then ``tandem.init_process_group("auto")``
   and a first ``barrier``; again at a file barrier, then ``init_process_group("gloo")``
   and its first barrier (both FileStore rendezvous in a directory every host sees);
-  ``--gloo-first`` swaps the two (the first pays the process's first uses: 8 forked
-  ranks, tandem's CPU for init + barrier was 5.5-7.6 ms second, 7.1-9.0 ms first).
+  ``--gloo-first`` swaps the two (the first pays the process's first uses; see
+  docs/benchmarks.md).
   "init" is the last rank's return from ``init_process_group``, "init+barrier" the last
   rank's first barrier, both counted from the moment the last rank reached the file
   barrier;

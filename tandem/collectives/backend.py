@@ -64,22 +64,19 @@ HOST_ARENA_KEY = 1 << 61  # a group's per-host arena: its id with this bit, apar
 
 def _tcp(options: BackendOptions, peers: list[int] | None = None,
          hosts: list[str] | None = None, lazy: bool = False) -> TcpTransport:
-    if hosts is None and options.published is not None:
-        options.published()  # the transport publishes and waits inside: no later point
     return TcpTransport(options.rank, options.world_size, options.store, options.host,
                         options.secret, options.settings.connect_timeout,
                         options.settings.max_frame, options.hostname, options.settings.debug,
-                        advertise=options.advertise, peers=peers, hosts=hosts, lazy=lazy)
+                        advertise=options.advertise, peers=peers, hosts=hosts, lazy=lazy,
+                        published=None if hosts is not None else options.published)
 
 
 def _shm_over(options: BackendOptions, peers: list[int], tcp: Transport | None) -> ShmTransport:
     settings = options.settings
     everyone = set(peers) | {options.rank}
     # the default group's arena over this host's ranks is made by their first rank at
-    # init and rides with the sockets: the whole group's when one host holds the job
-    # (1x32: the first barrier no longer waits for 31 hand-overs), else the group's
-    # arena for this host, through which its ranks check in with their leader (2x8:
-    # the first barrier no longer makes rings nor starts reader threads within a host)
+    # init and rides with the sockets, so the first barrier hands over nothing: the whole
+    # group's when one host holds the job, else the group's arena for this host
     key = DEFAULT_GROUP_ID if len(everyone) == options.world_size else (
         HOST_ARENA_KEY | DEFAULT_GROUP_ID)
     return ShmTransport(options.rank, options.world_size, options.store, options.secret,

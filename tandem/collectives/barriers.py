@@ -1,8 +1,9 @@
 """barrier and monitored_barrier: wait until every rank of a group has arrived.
 
-``barrier`` is an all-reduce of one byte: a post of each rank in the shared staging memory
-(nothing staged) on a group whose ranks share memory; across hosts, each host's ranks check in with their leader and the
-leaders meet (``algorithms.leaders_barrier``); else by recursive doubling (``log2 p`` rounds).
+``barrier`` is an all-reduce of one byte: a post of each rank in the shared staging
+memory (nothing staged) on a group whose ranks share memory; across hosts, each host's
+ranks check in with their leader and the leaders meet (``algorithms.leaders_barrier``);
+else by recursive doubling (``log2 p`` rounds).
 ``monitored_barrier`` gathers arrivals at group rank 0, so when a rank is missing it can
 say which: the error names every rank that did not arrive within the timeout.
 """
@@ -39,8 +40,8 @@ def barrier(group: AnyGroup | None = None, async_op: bool = False,
                             f"binds no devices; call barrier() without device_ids")
     seconds = None if timeout is None else timeout_seconds(timeout, g.timeout, "barrier: timeout")
     name, fn = algo.select_barrier(g)
-    # the arena's barrier reads no token: no tensor made (a forked rank's first torch call
-    # copies ~70 pages of torch's state); the others reduce a byte of their own in place
+    # the arena's barrier reads no token, so makes none (a forked rank's first tensor is
+    # costly); the others reduce a byte of their own in place
     token = _UNREAD if name == "shm" else torch.zeros(1, dtype=torch.uint8)
 
     def body(o: Op) -> None:

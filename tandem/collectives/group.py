@@ -486,16 +486,20 @@ class ProcessGroup:
         told = [s for s in told if not s.done()]
         if not told:
             return
+        self.abort_on_clash(told)
+        self._unconfirmed = (op, told)
 
+    def abort_on_clash(self, slots: Sequence[Slot]) -> None:
+        """Abort the group from the thread that completes any of ``slots`` with a mismatch,
+        so ranks that no wait of this rank's will reach learn of it at once."""
         def clash(slot: Slot) -> None:
             if isinstance(slot.error, CollectiveMismatchError):
                 self.abort(slot.error)
 
-        for s in told:
+        for s in slots:
             s.on_done = clash
             if s.done():  # finished before its hook was in place (abort is idempotent)
                 clash(s)
-        self._unconfirmed = (op, told)
 
     def _settle(self, unconfirmed: tuple[Op, list[Slot]], deadline: float) -> None:
         """Wait for the confirmations :meth:`confirm_later` left, until ``deadline``."""

@@ -20,10 +20,11 @@ What the collectives layer uses, and nothing else::
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Iterable, NoReturn, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, NoReturn, Protocol, Sequence
 
 from tandem.errors import ArgumentError, PeerLostError, ProtocolError, StateError, TandemError
 from tandem.transport.failures import ABORT_CODES, decode_error, encode_error
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Kind", "Header", "Slot", "Mailbox", "Transport", "check_size", "check_header",
            "encode_error", "decode_error", "ABORT_CODES", "Flag", "Key", "Reader", "join_all",
-           "Link", "Poller"]
+           "Link", "Poller", "one_drop_warning"]
 
 _TELL_S = 1.0  # how long close() lets abort messages already on their way go out
 _FLUSH_S = 1.0  # how long close() lets queued sends (aborts, goodbyes) go out
@@ -48,6 +49,29 @@ _FLUSH_FAILED_S = 5.0
 
 _LISTED = 8  # dropped sends named one by one in the warning of a closing transport
 _LOGGER = logging.getLogger("tandem")
+# the sends given up within a close on this thread (one_drop_warning), else no attribute
+_DROPPING = threading.local()
+
+
+@contextlib.contextmanager
+def one_drop_warning(rank: int) -> Iterator[None]:
+    """Log the sends given up inside (:meth:`Transport.give_up_sends`, any transport,
+    every peer) in one warning at the end; nested, the outermost one logs."""
+    if getattr(_DROPPING, "names", None) is not None:
+        yield
+        return
+    names: list[str] = []
+    _DROPPING.names = names
+    try:
+        yield
+    finally:
+        del _DROPPING.names
+        if names:
+            _LOGGER.warning(
+                "tandem: rank %d closes its transport (destroy_process_group) with %d send(s) "
+                "its peers had not taken, now dropped: %s%s; wait on each send's Work before "
+                "destroy_process_group", rank, len(names), "; ".join(names[:_LISTED]),
+                f"; and {len(names) - _LISTED} more" if len(names) > _LISTED else "")
 
 
 def _send_text(slot: Slot) -> str:
@@ -293,9 +317,12 @@ class Transport(abc.ABC):
 
     def give_up_sends(self, slots: Iterable[Slot]) -> None:
         """Fail the sends that closing drops, each error naming its peer and op, and log
-        the user's among them: an isend completes once sent, so its caller may never wait
-        on it and learn otherwise."""
-        dropped = []
+        the user's among them (one warning per close, :func:`one_drop_warning`): an isend
+        completes once sent, so its caller may never wait on it and learn otherwise."""
+        with one_drop_warning(self.rank):
+            self._give_up(slots, _DROPPING.names)
+
+    def _give_up(self, slots: Iterable[Slot], dropped: list[str]) -> None:
         for slot in slots:
             if slot.event.is_set():
                 continue
@@ -308,12 +335,6 @@ class Transport(abc.ABC):
                 f"before destroy_process_group"))
             if slot.key[1] in (Kind.P2P, Kind.COLL):
                 dropped.append(what)
-        if dropped:
-            _LOGGER.warning(
-                "tandem: rank %d closes its transport (destroy_process_group) with %d send(s) "
-                "its peers had not taken, now dropped: %s%s; wait on each send's Work before "
-                "destroy_process_group", self.rank, len(dropped), "; ".join(dropped[:_LISTED]),
-                f"; and {len(dropped) - _LISTED} more" if len(dropped) > _LISTED else "")
 
     def say_goodbye(self, peers: Iterable[int]) -> None:
         """Tell ``peers`` this rank closes on purpose (best effort, never blocks), so they

@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 from tandem.errors import ArgumentError, PeerLostError, TandemError
 from tandem.transport._arena import Arena
 from tandem.store.base import Store
-from tandem.transport.base import Poller, Transport, _abort_message
+from tandem.transport.base import Poller, Transport, _abort_message, one_drop_warning
 from tandem.transport.failures import split_relay, with_relay
 from tandem.transport.message import Header, Kind, Reader, Slot
 from tandem.transport.shm import ShmTransport
@@ -286,7 +286,8 @@ class MixedTransport(Transport):
 
     def close(self) -> None:
         self._finish_telling()  # aborts this transport started reach their queues first
-        try:
-            self.shm.close()
-        finally:
-            self.tcp.close()
+        with one_drop_warning(self.rank):  # both transports' dropped sends in one warning
+            try:
+                self.shm.close()
+            finally:
+                self.tcp.close()

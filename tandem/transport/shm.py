@@ -63,7 +63,7 @@ from tandem.transport._shm_peer import HungUp, ShmPeer, frame, unframe
 from tandem.transport._shm_setup import Link, Segment, connect_local
 from tandem.transport import forks
 from tandem.transport._shmem import create_segment, reserve_more, unsupported_reason
-from tandem.transport.base import Poller, Transport, check_header, join_all
+from tandem.transport.base import Poller, Transport, check_header, join_all, one_drop_warning
 from tandem.transport.mailbox import DEFAULT_PARK_LIMIT, Mailbox
 from tandem.transport.message import Header, Kind, Slot
 from tandem.transport.sendqueue import DEFAULT_SEND_LIMIT, BoundedSends, SendQueue
@@ -190,9 +190,8 @@ class ShmTransport(BoundedSends, Transport):
             key, chunk = first_arena
             gift = Segment(key, *self._make_segment(everyone, chunk or None))
             self._premade = (key, everyone, gift.fd, gift.size)
-        # started while this rank waits for the others to connect, once what they wait
-        # for is out (its address or hello): Thread.start waits for the new thread to get
-        # a CPU (13-100 ms at 16 ranks on 2 CPUs), which the others then do not wait for
+        # started once what the others wait for is out (its address or hello), while this
+        # rank waits for them: Thread.start waits for the new thread to get a CPU
         self._connected = threading.Event()
         watching: list[bool] = []
 
@@ -618,6 +617,10 @@ class ShmTransport(BoundedSends, Transport):
     def close(self) -> None:
         """Say goodbye, let queued sends go out briefly, stop every thread, close the
         sockets (peers see EOF) and unmap the rings; pending operations fail."""
+        with one_drop_warning(self.rank):  # every peer's dropped sends in one warning
+            self._close()
+
+    def _close(self) -> None:
         if self._closing:
             return
         self._take_leave(self._peers.values())

@@ -43,14 +43,15 @@ import struct
 import sys
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from tandem import _gate, _wire
 from tandem.errors import (ArgumentError, AuthenticationError, NetworkError, PeerLostError,
                            ProtocolError, TandemError)
 from tandem.store.base import Store
 from tandem.transport import forks
-from tandem.transport.base import Transport, check_header, check_size, join_all
+from tandem.transport.base import (Transport, check_header, check_size, join_all,
+                                   one_drop_warning)
 from tandem.transport.failures import decode_error, split_relay
 from tandem.transport.mailbox import DEFAULT_PARK_LIMIT, Mailbox
 from tandem.transport.message import Header, Kind, Reader, Slot
@@ -149,7 +150,8 @@ class TcpTransport(BoundedSends, Transport):
                  debug: bool = False, *, advertise: str = "",
                  park_limit: int = DEFAULT_PARK_LIMIT, send_limit: int = DEFAULT_SEND_LIMIT,
                  peers: Sequence[int] | None = None,
-                 hosts: Sequence[str] | None = None, lazy: bool = False) -> None:
+                 hosts: Sequence[str] | None = None, lazy: bool = False,
+                 published: Callable[[], None] | None = None) -> None:
         self.rank = rank
         self._debug_log = debug  # TANDEM_DEBUG, read once with the other settings
         self.world_size = world_size
@@ -206,7 +208,7 @@ class TcpTransport(BoundedSends, Transport):
         self._gate: _gate.Gate | None = None
         self._acceptor: threading.Thread | None = None
         try:
-            self._connect(store, host, connect_timeout, hostname, hosts)
+            self._connect(store, host, connect_timeout, hostname, hosts, published)
         except BaseException:
             self._stop()
             raise
@@ -250,9 +252,12 @@ class TcpTransport(BoundedSends, Transport):
         return wanted & self.links
 
     def _connect(self, store: Store, host: str, timeout: float, hostname: str,
-                 hosts: Sequence[str] | None) -> None:
+                 hosts: Sequence[str] | None,
+                 published: Callable[[], None] | None = None) -> None:
         """Listen for the whole life of the transport (peers dial on first use), publish
-        the address, and make the set-up connections (:meth:`eager_peers`)."""
+        the address, and make the set-up connections (:meth:`eager_peers`); ``published``
+        is called once this rank's address (and host key, when it exchanges them) is in
+        the store, before it waits for the others'."""
         deadline = time.monotonic() + timeout
         self._listener = listener = _wire.listen(host, 0)
         self._gate = _gate.Gate(listener, self._secret, _PURPOSE, self._admit,
@@ -265,7 +270,9 @@ class TcpTransport(BoundedSends, Transport):
         if hosts is None:
             from tandem.transport.mixed import exchange_hosts  # mixed builds on tcp
 
-            hosts = exchange_hosts(store, self.rank, self.world_size, hostname)
+            hosts = exchange_hosts(store, self.rank, self.world_size, hostname, published)
+        elif published is not None:
+            published()
         self.host_keys = list(hosts)
         for r, key in enumerate(hosts):
             self._hosts.setdefault(r, key.partition("|")[0])
@@ -550,10 +557,11 @@ class TcpTransport(BoundedSends, Transport):
         p = self._peers.get(peer)
         if p is None:
             self._check_peer(peer, peer in self.links, "link")
+            check_header(header, self._max_frame, peer)  # refused: no connection made for it
             p = self._dial(peer)
         else:
             self._check_peer(peer, True, "connection")
-        check_header(header, self._max_frame, peer)
+            check_header(header, self._max_frame, peer)
         slot = self._send_slot(peer, header)
         head = _HDR.pack(header.kind, header.group, header.seq, header.step, header.nbytes,
                          len(header.sig), len(header.site)) + header.sig + header.site
@@ -745,9 +753,10 @@ class TcpTransport(BoundedSends, Transport):
         connection; operations still pending fail with ``StateError``."""
         if self._closing:
             return
-        self._take_leave(list(self._peers.values()))
-        forks.untrack(self)
-        self._stop()
+        with one_drop_warning(self.rank):  # every peer's dropped sends in one warning
+            self._take_leave(list(self._peers.values()))
+            forks.untrack(self)
+            self._stop()
 
     def _stop(self) -> None:
         self._closing = True

@@ -135,29 +135,37 @@ def _stopped(pid: int) -> bool:
 
 
 def _send_dropped_at_destroy(rank: int, world_size: int, tmp: str) -> Any:
-    pid_file, gone = os.path.join(tmp, "pid"), os.path.join(tmp, "gone")
+    """Every rank but 0 stops; rank 0 sends each a message the kernel cannot buffer whole,
+    then destroys: what its first send's wait raised, and the warnings it logged."""
+    gone = os.path.join(tmp, "gone")
     dist.barrier()
-    if rank == 1:
+    if rank != 0:
+        pid_file = os.path.join(tmp, f"pid{rank}")
         with open(pid_file + ".new", "w") as f:
             f.write(str(os.getpid()))
         os.replace(pid_file + ".new", pid_file)
         os.kill(os.getpid(), signal.SIGSTOP)  # takes nothing until rank 0 has destroyed
         wait_until(lambda: os.path.exists(gone), "rank 0 to destroy its group", 60)
         return None
-    wait_until(lambda: os.path.exists(pid_file), "rank 1 to note its pid", 60)
-    peer = int(open(pid_file).read())
-    wait_until(lambda: _stopped(peer), "rank 1 to stop", 60)
+    peers = []
+    for r in range(1, world_size):
+        pid_file = os.path.join(tmp, f"pid{r}")
+        wait_until(lambda: os.path.exists(pid_file), f"rank {r} to note its pid", 60)
+        peers.append(int(open(pid_file).read()))
+        wait_until(lambda: _stopped(peers[-1]), f"rank {r} to stop", 60)
     warnings: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("tandem").addHandler(handler)
     try:
-        work = dist.isend(torch.ones(64 << 20), dst=1, tag=7)  # more than the kernel buffers
+        works = [dist.isend(torch.ones(64 << 20), dst=r, tag=7)  # more than the kernel buffers
+                 for r in range(1, world_size)]
         dist.destroy_process_group()
     finally:
-        os.kill(peer, signal.SIGCONT)
+        for peer in peers:
+            os.kill(peer, signal.SIGCONT)
         open(gone, "w").close()
-    outcome = attempt(work.wait)
+    outcome = attempt(works[0].wait)
     outcome["warnings"] = warnings
     return outcome
 
@@ -172,6 +180,20 @@ def test_a_send_dropped_at_destroy_is_named_by_peer_tag_and_call_site(
     assert not r["ok"] and r["type"] == "StateError", r
     assert what in r["msg"] and "gave it up" in r["msg"], r
     assert any(what in w and "1 send(s)" in w for w in r["warnings"]), r
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_sends_dropped_to_several_peers_at_destroy_are_one_warning(
+        backend: str, tmp_path: Any) -> None:
+    # a warning per peer (and per transport of a mixed one) was one per connection
+    outcomes = launch(3, _send_dropped_at_destroy, (str(tmp_path),), backend=backend,
+                      timeout=90)
+    r = values(outcomes, [0])[0]
+    dropped = [w for w in r["warnings"] if "now dropped" in w]
+    assert len(dropped) == 1, r["warnings"]
+    assert "2 send(s)" in dropped[0], dropped
+    for peer in (1, 2):
+        assert f"send to rank {peer} (tag 7," in dropped[0], dropped
 
 
 def _failing_backend(options: Any) -> Any:

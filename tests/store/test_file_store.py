@@ -124,13 +124,17 @@ def test_multi_get_and_multi_set_lock_the_file_once(tmp_path: Path, monkeypatch:
         monkeypatch.setattr(file_module.fcntl, "flock", counted)
         store.multi_set(keys[:8], [str(r).encode() for r in range(8)])
         assert len(locks) == 1, f"multi_set of 8 keys took {len(locks)} locks"
-        late = threading.Timer(0.2, lambda: FileStore(tmp_path / "store").multi_set(
-            keys[8:], [str(r).encode() for r in range(8, 16)]))
+        def write_late() -> None:
+            with FileStore(tmp_path / "store") as other:
+                other.multi_set(keys[8:], [str(r).encode() for r in range(8, 16)])
+
+        late = threading.Timer(0.2, write_late)
         late.start()
         try:
             assert store.multi_get(keys) == [str(r).encode() for r in range(16)]
         finally:
-            late.join()
+            late.join(30)
+        assert not late.is_alive(), "the late writer did not finish"
         del locks[:]
         assert store.multi_get(keys) == [str(r).encode() for r in range(16)]
         assert len(locks) == 1, f"multi_get of 16 present keys took {len(locks)} locks"

@@ -243,3 +243,22 @@ def test_a_message_past_max_frame_is_refused_by_its_sender_and_the_link_stays_up
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("header", [Header(Kind.P2P, 5, 0, 0, 8192),
+                                    Header(Kind.COLL, 3, 0, 0, 4, b"s" * 70_000, b"")],
+                         ids=["past-the-cap", "signature-too-long"])
+def test_a_refused_send_to_a_peer_not_yet_dialed_opens_no_connection(header: Header) -> None:
+    # a send its receiver would refuse fails before the first use's dial, not after it;
+    # ranks 1 and 2 (neither its host's leader) connect on first use
+    made = connected_pair(lambda rank, store: TcpTransport(
+        rank, 3, store, "127.0.0.1", SECRET, 30.0, 4096, "h", lazy=True), TcpTransport, 3)
+    try:
+        a = made[1]
+        assert isinstance(a, TcpTransport) and not a.connected(2)
+        with pytest.raises(ArgumentError):
+            a.isend(2, header, memoryview(bytes(header.nbytes)))
+        assert not a.connected(2), "the refused send dialed its peer first"
+    finally:
+        for t in made:
+            t.close()

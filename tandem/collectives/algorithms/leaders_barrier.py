@@ -16,9 +16,9 @@ Where a host's ranks share memory they check in through the group's arena for th
 host (:meth:`ProcessGroup.host_arena`, made at init for the default group) instead:
 each other rank posts once, the leader waits for every post, checks the announcements
 (the group announces every call there, so a mate in another call, one moving messages
-only, is named at once), meets the other leaders and
-posts once, which releases them. No message moves within the host, so the first barrier makes no ring and starts
-no reader thread there (2 hosts x 8: those took 0.36 s after init).
+only, is named at once), meets the other leaders and posts once, which releases them.
+No message moves within the host, so the first barrier makes no ring and starts no
+reader thread there.
 """
 
 from __future__ import annotations

@@ -29,7 +29,6 @@ call (or ``destroy_process_group``) fails naming the broadcast.
 from __future__ import annotations
 
 from tandem.collectives.group import Op
-from tandem.errors import CollectiveMismatchError
 from tandem.transport.base import Slot
 
 __all__ = ["ROOT_STEP", "announce_root", "confirm_root", "confirm_up", "root_returns"]
@@ -47,14 +46,7 @@ def announce_root(o: Op, root: int, wait: bool = False) -> list[Slot]:
     told = o.recv(root, ROOT_STEP, empty)
     if wait:
         return [told]
-
-    def check(slot: Slot) -> None:
-        if isinstance(slot.error, CollectiveMismatchError):
-            g.abort(slot.error)
-
-    told.on_done = check
-    if told.done():
-        check(told)
+    g.abort_on_clash([told])
     return []
 
 
@@ -79,7 +71,6 @@ def root_returns(o: Op, sent: list[Slot], told: list[Slot]) -> None:
     """A broadcast root's end across hosts: wait for its sends (then its buffer is the
     caller's again) and leave the confirmations ``told`` still out to the group
     (:meth:`~tandem.collectives.group.ProcessGroup.confirm_later`), so that this call's
-    round trip overlaps the next one (a 4 KB broadcast at 4x8 and 8x8 was 0.76-0.87x
-    gloo's, whose root returns once its sends are out)."""
+    round trip overlaps the next one (gloo's root too returns once its sends are out)."""
     o.wait(*sent)
     o.group.confirm_later(o, told)
