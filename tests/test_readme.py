@@ -37,13 +37,19 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in drop}
 
 
-def _run(cwd: Path, launcher: str, script: str, tries: int = 1) -> str:
+# torch's gloo may abort a rank at process exit, after the result is printed
+_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _run(cwd: Path, launcher: str, script: str, tries: int = 1,
+         exit_abort_ok: bool = False) -> str:
     for _ in range(tries):
         res = subprocess.run([sys.executable, "-m", launcher, "--nproc-per-node", "2", script],
                              cwd=cwd, env=_env(), capture_output=True, text=True, timeout=120)
         if res.returncode == 0:
             break
-    assert res.returncode == 0, f"{launcher}: {res.stdout}\n{res.stderr}"
+    aborted_at_exit = exit_abort_ok and _EXIT_ABORT in res.stderr
+    assert res.returncode == 0 or aborted_at_exit, f"{launcher}: {res.stdout}\n{res.stderr}"
     found = [line for line in res.stdout.splitlines() if "ranks, last loss" in line]
     assert len(found) == 1, f"{launcher}: {res.stdout}"
     return found[0].removeprefix("[rank0]: ")
@@ -67,7 +73,8 @@ def test_the_snippet_trains_under_tandemrun_like_torch_under_torchrun(tmp_path: 
     (tmp_path / "port_torch.py").write_text(as_torch(porting_snippet()))
     ours = _run(tmp_path, "tandem.run", "port.py")
     # the oracle: on a loaded machine torch's gloo has aborted at process exit, after the
-    # result was printed ("terminate called without an active exception"); run it again
-    theirs = _run(tmp_path, "torch.distributed.run", "port_torch.py", tries=2)
+    # result was printed, in two runs in a row; its printed result still counts
+    theirs = _run(tmp_path, "torch.distributed.run", "port_torch.py", tries=2,
+                  exit_abort_ok=True)
     assert ours.startswith("2 ranks, last loss")
     assert ours == theirs, f"tandem: {ours}\ntorch:  {theirs}"
