@@ -9,11 +9,8 @@ The file (created with mode 0600) is an append-only log of records
 Each instance replays the records it has not seen yet into a private dict. Writers
 replay and append under an exclusive ``flock``, so read-modify-write ops (add,
 compare_set) are atomic across processes; readers take a shared one, so they never see
-half a record. A ``get``/``wait`` whose keys are missing sleeps until the file is
-written (Linux inotify: the writer's append wakes it at once), checking at least every
-10 ms (writers the kernel does not see, e.g. on another host of a network file system;
-or where inotify is missing or used up); a check is an fstat plus, when the file grew,
-one read of the new bytes.
+half a record. ``get``/``wait`` poll with short sleeps: there is nothing to block on
+across processes, and a poll is an fstat plus, when the file grew, one read.
 
 With ``world_size > 0`` each instance counts its ``close()`` in the file and the
 ``world_size``-th close deletes the file, as torch's FileStore does.
@@ -22,11 +19,9 @@ With ``world_size > 0`` each instance counts its ``close()`` in the file and the
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime
 import fcntl
 import os
-import select
 import struct
 import threading
 import time
@@ -43,43 +38,10 @@ _HEADER = struct.Struct("!cII")
 _SET, _DELETE = b"S", b"D"
 INTERNAL = "\x00tandem/"  # keys the store uses for itself; not counted by num_keys
 _CLOSES = INTERNAL + "closes"
-# seconds; the pause doubles between checks up to the most a waiter oversleeps a key
-# that no file event announces: 50 ms cost 30-45 ms of every rank's rendezvous at 32
-# ranks (the last rank arrived at 66 ms, the others left by 109 ms)
+# seconds; the sleep doubles between polls up to the most a waiter oversleeps a key's
+# arrival: init waits on the store three times, and 50 ms cost 30-45 ms of every rank's
+# rendezvous at 32 ranks (the last rank arrived at 66 ms, the others left by 109 ms)
 _POLL_FIRST, _POLL_MAX = 0.001, 0.01
-_IN_MODIFY, _IN_NONBLOCK, _IN_CLOEXEC = 0x2, 0o4000, 0o2000000
-_libc: ctypes.CDLL | None | bool = False  # False: not looked up yet; None: no inotify
-
-
-def _watch(path: str) -> int | None:
-    """A descriptor that turns readable when ``path`` is written (inotify), or None
-    where there is none (not Linux, the user's inotify instances used up): poll then."""
-    global _libc
-    if _libc is False:
-        try:
-            lib = ctypes.CDLL(None, use_errno=True)
-            _libc = lib if hasattr(lib, "inotify_init1") else None
-        except OSError:
-            _libc = None
-    if not isinstance(_libc, ctypes.CDLL):
-        return None
-    fd = int(_libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC))
-    if fd < 0:
-        return None
-    if _libc.inotify_add_watch(fd, os.fsencode(path), _IN_MODIFY) < 0:
-        os.close(fd)
-        return None
-    return fd
-
-
-def _pause(watch: int | None, seconds: float) -> None:
-    """Wait ``seconds``, or less if ``watch`` reports a write (its events then read)."""
-    if watch is None:
-        time.sleep(seconds)
-        return
-    if select.select([watch], [], [], seconds)[0]:
-        with contextlib.suppress(BlockingIOError):
-            os.read(watch, 4096)  # a burst of writes: one wake-up, one check
 
 
 class FileStore(Store):
@@ -163,28 +125,16 @@ class FileStore(Store):
 
     def _await(self, keys: list[str], deadline: float, seconds: float) -> list[bytes]:
         delay = _POLL_FIRST
-        watch: int | None = None
-        watching = False
-        try:
-            while True:
-                with self._locked(exclusive=False):
-                    missing = [k for k in keys if k not in self._data]
-                    if not missing:
-                        return [self._data[k] for k in keys]
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise self._timed_out(missing, seconds)
-                if not watching:
-                    # one watch per wait (threads and forks share no events); then check
-                    # again: a write between the check and the watch raised no event
-                    watching, watch = True, _watch(self.path)
-                    if watch is not None:
-                        continue
-                _pause(watch, min(delay, remaining))
-                delay = min(delay * 2, _POLL_MAX)
-        finally:
-            if watch is not None:
-                os.close(watch)
+        while True:
+            with self._locked(exclusive=False):
+                missing = [k for k in keys if k not in self._data]
+                if not missing:
+                    return [self._data[k] for k in keys]
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise self._timed_out(missing, seconds)
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2, _POLL_MAX)
 
     def _add_locked(self, key: str, amount: int) -> int:
         try:

@@ -12,7 +12,7 @@ from typing import Any
 import _store_children as children
 import pytest
 
-from tandem.errors import ArgumentError, StateError, StoreTimeoutError
+from tandem.errors import ArgumentError, StateError
 from tandem.store import FileStore
 from tandem.store import file as file_module
 
@@ -85,106 +85,27 @@ def test_bad_world_size_raises_argument_error(tmp_path: Path, world_size: Any) -
         FileStore(tmp_path / "store", world_size=world_size)
 
 
-def test_a_waiter_without_file_events_polls_at_least_every_10_ms(
-        tmp_path: Path, monkeypatch: Any) -> None:
-    # where no file event comes (a writer on another host of a network file system, no
-    # inotify) a waiter oversleeps a key by at most one pause between checks: 50 ms
-    # pauses cost 30-45 ms of every rank's rendezvous at 32 ranks
+def test_a_waiter_polls_at_least_every_10_ms(tmp_path: Path, monkeypatch: Any) -> None:
+    # a rank waiting for the last one to publish its key oversleeps it by at most one
+    # pause between polls: init waits on the store three times, and 50 ms pauses cost
+    # 30-45 ms of every rank's rendezvous at 32 ranks
     pauses: list[float] = []
-    pause = file_module._pause
+    sleep = time.sleep
 
-    def recorded(watch: int | None, seconds: float) -> None:
+    def recorded(seconds: float) -> None:
         if threading.current_thread() is threading.main_thread():
-            assert watch is None
             pauses.append(seconds)
-        pause(watch, seconds)
+        sleep(seconds)
 
     with FileStore(tmp_path / "store", timeout=30) as store:
         late = threading.Timer(0.3, lambda: FileStore(tmp_path / "store").set("late", b"1"))
-        monkeypatch.setattr(file_module, "_watch", lambda path: None)
-        monkeypatch.setattr(file_module, "_pause", recorded)
+        monkeypatch.setattr(file_module.time, "sleep", recorded)
         late.start()
         try:
             assert store.get("late") == b"1"
         finally:
             late.join()
     assert len(pauses) > 5 and max(pauses) <= 0.010, pauses
-
-
-def _slow_polls(monkeypatch: Any) -> list[float]:
-    """Pauses between checks of a minute: a waiter that returns sooner was woken by the
-    write; the list collects the pauses the main thread began."""
-    monkeypatch.setattr(file_module, "_POLL_FIRST", 60.0)
-    monkeypatch.setattr(file_module, "_POLL_MAX", 60.0)
-    pauses: list[float] = []
-    pause = file_module._pause
-
-    def recorded(watch: int | None, seconds: float) -> None:
-        if threading.current_thread() is threading.main_thread():
-            pauses.append(seconds)
-        pause(watch, seconds)
-
-    monkeypatch.setattr(file_module, "_pause", recorded)
-    return pauses
-
-
-@pytest.mark.skipif(file_module._watch(os.devnull) is None, reason="no inotify here")
-def test_a_write_wakes_a_waiter_at_once(tmp_path: Path, monkeypatch: Any) -> None:
-    # init's chain of waits (every rank's host key, then the first local rank's socket
-    # name) overslept each key by up to a poll period: 10-25 ms of init at 16 ranks
-    pauses = _slow_polls(monkeypatch)
-    path = tmp_path / "store"
-    writes = threading.Event()
-
-    def write() -> None:
-        with FileStore(path) as other:
-            writes.wait(30)
-            other.set("unrelated", b"0")  # wakes the waiter, which waits on
-            other.add("counter", 1)
-            other.set("late", b"1")
-
-    with FileStore(path, timeout=30) as store:
-        writer = threading.Thread(target=write)
-        writer.start()
-        start = time.monotonic()
-        try:
-            writes.set()
-            assert store.multi_get(["late", "counter"]) == [b"1", b"1"]
-        finally:
-            writer.join(30)
-        took = time.monotonic() - start
-    assert took < 30, f"the waiter slept {took:.1f}s through the writes (pauses {pauses})"
-    assert pauses, "the waiter never waited: the test did not test the wake-up"
-
-
-@pytest.mark.skipif(file_module._watch(os.devnull) is None, reason="no inotify here")
-def test_a_write_just_before_the_watch_is_not_missed(tmp_path: Path, monkeypatch: Any) -> None:
-    # the key lands after the waiter's first check but before its watch exists: no
-    # event will come, so the waiter must check once more before it sleeps
-    pauses = _slow_polls(monkeypatch)
-    path = tmp_path / "store"
-    watch = file_module._watch
-
-    def late_watch(name: str) -> int | None:
-        with FileStore(path) as other:
-            other.set("late", b"1")
-        return watch(name)
-
-    monkeypatch.setattr(file_module, "_watch", late_watch)
-    with FileStore(path, timeout=30) as store:
-        assert store.get("late") == b"1"
-    assert pauses == [], f"the waiter slept {pauses} on a key already there"
-
-
-@pytest.mark.skipif(file_module._watch(os.devnull) is None, reason="no inotify here")
-def test_a_watching_waiter_still_times_out_and_closes_its_watch(tmp_path: Path) -> None:
-    before = len(os.listdir("/proc/self/fd"))
-    with FileStore(tmp_path / "store", timeout=0.2) as store:
-        start = time.monotonic()
-        with pytest.raises(StoreTimeoutError, match="'never'"):
-            store.get("never")
-        assert time.monotonic() - start < 10
-    assert len(os.listdir("/proc/self/fd")) == before
 
 
 def test_multi_get_and_multi_set_lock_the_file_once(tmp_path: Path, monkeypatch: Any) -> None:
