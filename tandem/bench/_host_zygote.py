@@ -32,6 +32,7 @@ import traceback
 from typing import Any
 
 from tandem.bench._host_rank import load, run_rank
+from tandem.run._zygote import bind_exports
 
 _PRELOAD = ("torch", "torch.distributed", "tandem", "tandem.collectives.api",
             "tandem.collectives.barriers")
@@ -83,6 +84,7 @@ def main(argv: list[str]) -> int:
     for name in _PRELOAD:
         importlib.import_module(name)
     spec, fn = load(spec_path)
+    bind_exports()  # as tandemrun's zygote: each rank finds tandem's names bound
     if _threads() != 1:  # a lock held by another thread would stay held in every rank
         print(f"zygote: {_threads()} threads after importing torch: cannot fork the ranks "
               f"safely (set OMP_NUM_THREADS=1)", file=sys.stderr)

@@ -8,7 +8,8 @@ Two daemon threads per process, stopped by :meth:`Watchdog.close`:
   deadline); and it dumps the flight recorders when a group was aborted (a failure
   elsewhere) or a peer lost while this rank has calls in flight that have not failed
   yet (a failing call dumps by itself).
-* ``tandem-watchdog-store`` talks to the store, so a store that stops answering
+* ``tandem-watchdog-store`` (started at the first tick, after start-up's own use of
+  the store) talks to the store, so a store that stops answering
   (its host stopped) delays only the peers' part of a warning, never the warning,
   the dumps, or this rank's own calls. It answers other ranks' questions ("what
   are you doing?") and asks them on behalf of a stalled call.
@@ -199,8 +200,10 @@ class Watchdog:
         if self.exchange is not None:
             self._threads.append(threading.Thread(target=self._serve, daemon=True,
                                                   name="tandem-watchdog-store"))
-        # the store thread is started by the watchdog thread: Thread.start waits for the
-        # new thread to run, 10-30 ms with 32 ranks on 2 CPUs, and init need wait once only
+        # the store thread is started by the watchdog thread at its first tick: Thread.start
+        # waits for the new thread to run (10-30 ms with 32 ranks on 2 CPUs), and its first
+        # store round trips would land in start-up, when every rank uses the store at once;
+        # no stall is looked for before that tick, so no report misses it
         if early is not None:  # started earlier, where init waited for the other ranks
             self._threads[0] = early.run(self._watch)
         else:
@@ -222,10 +225,12 @@ class Watchdog:
 
     # -- the local thread ----------------------------------------------------------------
     def _watch(self) -> None:
-        for t in self._threads[1:]:
-            if not self._stop.is_set():
-                t.start()
+        store_threads = self._threads[1:]
         while not self._stop.wait(self.tick):
+            for t in store_threads:
+                if not self._stop.is_set():
+                    t.start()
+            store_threads = []
             try:
                 self._check_failures()
                 if self.stall_warn > 0:

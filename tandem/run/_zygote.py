@@ -84,12 +84,30 @@ def warm_up() -> str:
             importlib.import_module(name)
     except BaseException as exc:  # noqa: BLE001 - reported to the agent, which starts cold
         return f"importing {name} failed: {type(exc).__name__}: {exc}"
+    bind_exports()
     names = threads()
     if len(names) != 1 or threading.active_count() != 1:
         return (f"it has {len(names)} threads after importing torch ({', '.join(names)}); "
                 f"a process with threads cannot fork safely (OMP_NUM_THREADS=1 or "
                 f"OPENBLAS_NUM_THREADS=1 keeps numpy's BLAS from starting its pool)")
     return ""
+
+
+def bind_exports() -> None:
+    """Bind, in this process, the names tandem exports lazily (``tandem.__getattr__``)
+    whose modules are imported already: each process forked from it would otherwise
+    resolve them on first use (``tandem.init_process_group``, ``tandem.barrier``: ~50
+    copy-on-write page faults a rank), in pages it shares with this one. No import."""
+    tandem = sys.modules.get("tandem")
+    exports = getattr(tandem, "_EXPORTS", None)
+    if not isinstance(exports, dict):
+        return
+    for name, module in exports.items():
+        if module in sys.modules:
+            try:
+                getattr(tandem, name)
+            except AttributeError:  # a name its module lacks: resolved (and refused) later
+                pass
 
 
 def quietly(fn: Callable[[], str]) -> Tuple[str, str]:

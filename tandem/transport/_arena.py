@@ -147,8 +147,11 @@ class Arena:
         self.default_spin = spin
         self.spin = spin  # for the call at hand: callers lower it when others need the CPU
         self._maps = areas
-        self._ctl = [memoryview(m)[o:o + CONTROL_BYTES].cast("Q") for m, o in areas]
-        self._addr = [address_of(m) + o for m, o in areas]
+        # one view and one address per segment, not per member (one segment: 32 members
+        # at a host's first barrier each exported the same mapping twice)
+        whole = {id(m): (memoryview(m), address_of(m)) for m in self._segments}
+        self._ctl = [whole[id(m)][0][o:o + CONTROL_BYTES].cast("Q") for m, o in areas]
+        self._addr = [whole[id(m)][1] + o for m, o in areas]
         # each member's two staging halves as tensors, made at the first call that stages
         # (a barrier stages nothing: 2 views per member were O(members) torch work at init)
         self._data: list[tuple[torch.Tensor, torch.Tensor]] | None = None

@@ -94,6 +94,7 @@ _LOCK_S = 0.1  # the reader thread re-checks the transport's state this often wh
 BY_REFERENCE_MIN = 1 << 20
 
 _RPC = Kind.RPC
+_LENDING_LOCK = threading.Lock()  # makes a peer's lending state once (rarely taken)
 
 
 class Closed(TandemError):
@@ -155,7 +156,10 @@ class ShmPeer:
         # sends by reference awaiting the peer's acknowledgement: token -> (pieces, header, slot)
         self._acks: dict[int, tuple[list[memoryview], Header, Slot]] = {}
         self._tokens = itertools.count(1)
-        self.lender: Lender | None = None  # segments lent to the peer (set by the transport)
+        # segments lent to the peer and lent by it: made by ``lending`` (set by the
+        # transport) on the first large RPC message either way, not for every local pair
+        self.lender: Lender | None = None
+        self.lending: Callable[[ShmPeer], tuple[Lender, Borrowed]] | None = None
         self._rlock = threading.Lock()  # held by whichever thread reads a frame
         self._mailbox = mailbox
         self._max_frame = 0
@@ -166,7 +170,7 @@ class ShmPeer:
         self._unsent: list[tuple[Header, Slot]] = []
         self._ended = False
         self._head = memoryview(bytearray(_HDR.size))
-        self.borrowed: Borrowed | None = None  # segments the peer lent us (set by the transport)
+        self.borrowed: Borrowed | None = None  # segments the peer lent us (see ``lender``)
 
     @property
     def outbound(self) -> Ring:
@@ -260,7 +264,7 @@ class ShmPeer:
             self.gone(header, slot)
 
     def _post(self, header: Header, views: list[memoryview], slot: Slot) -> None:
-        if (header.kind == _RPC and header.nbytes >= LEND_MIN and self.lender is not None
+        if (header.kind == _RPC and header.nbytes >= LEND_MIN and self._lends()
                 and self._post_lent(header, views, slot)):
             return
         out = self._out  # a ring made by this very message is not readable yet
@@ -284,6 +288,14 @@ class ShmPeer:
             return self.outbound.try_write([_head(header), *views])
         finally:
             self._wlock.release()
+
+    def _lends(self) -> bool:
+        """Whether segments may be lent either way; their state is made on first use."""
+        if self.lender is None and self.lending is not None:
+            with _LENDING_LOCK:  # the sender and the reader thread may both get here first
+                if self.lender is None and self.lending is not None and not self.closing:
+                    self.lender, self.borrowed = self.lending(self)
+        return self.lender is not None
 
     def _post_by_reference(self, header: Header, views: list[memoryview], slot: Slot) -> None:
         token = next(self._tokens)
@@ -729,7 +741,7 @@ class ShmPeer:
     def _lent(self, nbytes: int, check: Callable[[], None]) -> LentReader:
         """A reader of a frame whose big pieces are in segments the peer lent us."""
         _, pieces = self._pieces(nbytes, check)
-        if self.borrowed is None:
+        if not self._lends() or self.borrowed is None:
             raise ProtocolError(f"rank {self.rank} lent memory to rank {self.me}, which "
                                 f"does not take it")
         spans = [(self.borrowed.find(key, n) if key else None, key, n) for key, n in pieces]

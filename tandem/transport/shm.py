@@ -207,9 +207,9 @@ class ShmTransport(BoundedSends, Transport):
             if got is not None:  # the first rank's, for the same group over the same ranks
                 self._premade = (got.key, everyone, got.fd, got.size)
             self._peers = {p: self._peer(links[p]) for p in local}
-            budget = lend_budget(len(local))
+            self._lend_budget = lend_budget(len(local))
             for peer in self._peers.values():
-                self._lend(peer, budget)
+                peer.lending = self._lending
                 peer.sock.setblocking(False)
         except BaseException:
             self._closing = True  # the watcher leaves without looking
@@ -274,8 +274,10 @@ class ShmTransport(BoundedSends, Transport):
                 self._start(peer.read_loop, (self.mailbox, self._max_frame),
                             f"tandem-shm-read-{self.rank}<{peer.rank}")
 
-    def _lend(self, peer: ShmPeer, budget: int) -> None:
-        """Let ``peer``'s large RPC pieces travel in shared segments (see ``_lend``)."""
+    def _lending(self, peer: ShmPeer) -> tuple[Lender, Borrowed]:
+        """What lets ``peer``'s large RPC pieces travel in shared segments (see ``_lend``):
+        made by the peer on its first such message, so a pair that never sends one pays
+        nothing for it at init (31 of them per rank at 32 ranks on a host)."""
         def offer(key: int, fd: int, size: int) -> None:
             self._offer(peer, KEY_BIT | key, fd, size)
 
@@ -283,8 +285,7 @@ class ShmTransport(BoundedSends, Transport):
             deadline = time.monotonic() + self._connect_timeout
             return self._accept_offer(peer.rank, KEY_BIT | key, deadline, 1)
 
-        peer.lender = Lender(budget, self._shm_dir, offer, peer._dropped)
-        peer.borrowed = Borrowed(accept)
+        return Lender(self._lend_budget, self._shm_dir, offer, peer._dropped), Borrowed(accept)
 
     def _send_queues(self) -> list[SendQueue]:
         return [p.queue for p in self._peers.values()]

@@ -10,12 +10,13 @@ host key, which every other rank waits for. Here a one-rank job in this process
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
 
 import tandem
-from tandem.collectives import world
+from tandem.collectives import watchdog, world
 from tandem.collectives.watchdog import EarlyThread
 
 
@@ -101,3 +102,44 @@ def test_an_early_thread_never_started_runs_its_work_when_given_it() -> None:
     early.cancel()
     early.start()  # after cancel: nothing to start
     assert not early.thread.is_alive() and early.thread.ident is None
+
+
+class _StoreUse(tandem.HashStore):
+    """Records when the watchdog's store thread first uses the store (its keys: watch/)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first_use = threading.Event()
+        self.at = 0.0
+
+    def _add(self, key: str, amount: int) -> int:
+        if "watch/" in key and not self.first_use.is_set():
+            self.at = time.monotonic()
+            self.first_use.set()
+        return super()._add(key, amount)
+
+
+def test_the_store_thread_starts_at_the_watchdogs_first_tick(
+        job_secret: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not at init: its start (a wait for a CPU) and its first store round trips landed in
+    start-up, when every rank uses the store at once; no stall is looked for earlier."""
+    tick = 0.5
+    monkeypatch.setattr(watchdog, "tick_for", lambda stall_warn: tick)
+    began: list[float] = []
+    watch = watchdog.Watchdog._watch
+
+    def timed(self: watchdog.Watchdog) -> None:
+        began.append(time.monotonic())
+        watch(self)
+
+    monkeypatch.setattr(watchdog.Watchdog, "_watch", timed)
+    store = _StoreUse()
+    tandem.init_process_group("auto", store=store, rank=0, world_size=1)
+    try:
+        tandem.barrier()
+        assert store.first_use.wait(60), "the store thread never used the store"
+        assert began and store.at - began[0] >= tick, (
+            f"the store thread used the store {store.at - began[0]:.3f} s after the "
+            f"watchdog began, before its first tick ({tick} s)")
+    finally:
+        tandem.destroy_process_group()

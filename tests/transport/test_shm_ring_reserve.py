@@ -9,15 +9,12 @@ of that barrier. Small messages now reserve 64 KiB; the producer reserves the re
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any, Iterator
 
 import pytest
 
-from _pair import connected_pair
-from tandem.transport import Header, Kind
+from _pair import connected_pair, rpc_sender
 from tandem.transport._ring import DATA_OFFSET
-from tandem.transport.base import Reader
 from tandem.transport.shm import ShmTransport, unsupported_reason
 
 pytestmark = [pytest.mark.timeout(120),
@@ -46,25 +43,7 @@ def test_a_ring_reserves_what_its_writes_reach(pair: list[ShmTransport], monkeyp
         fallocate(fd, offset, length)
 
     monkeypatch.setattr(os, "posix_fallocate", counted)
-    got: list[bytes] = []
-    arrived = threading.Condition()
-
-    def record(peer: int, header: Header, read: Reader) -> None:
-        buf = bytearray(header.nbytes)
-        read(memoryview(buf))
-        with arrived:
-            got.append(bytes(buf))
-            arrived.notify_all()
-
-    def send(data: bytes) -> None:
-        n = len(got)
-        slot = a.isendv(1, Header(Kind.RPC, 0, n, 0, len(data)), [memoryview(data)])
-        with arrived:
-            assert arrived.wait_for(lambda: len(got) > n, 60), "the message never arrived"
-        assert slot.event.wait(60) and slot.error is None
-        assert got[n] == data
-
-    b.handle(Kind.RPC, record)
+    send = rpc_sender(a, b, 1)
     send(b"x" * 64)  # a barrier's worth
     assert 0 < sum(reserved) <= DATA_OFFSET + (64 << 10), f"{sum(reserved)} bytes for 64"
     ring = a._peers[1]._out
