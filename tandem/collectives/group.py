@@ -48,6 +48,7 @@ NON_GROUP_MEMBER = -100  # torch's value for "not a member"; a NonMemberGroup eq
 _LOGGER = logging.getLogger("tandem")
 _UNRECEIVED_LISTED = 8  # sender/tag pairs a warning names; the rest are counted
 _CLOSE_S = 1.0  # how long close() waits for the running call to fail and return
+_SETTLE_TICK_S = 0.1  # how often close's wait for confirmations looks for a failure
 
 
 def _first_tensors() -> None:
@@ -511,6 +512,42 @@ class ProcessGroup:
                 f"{prior.describe()} returned on its root before every rank had confirmed "
                 f"it, and a rank disagreed: {exc}") from exc
 
+    def _name_unconfirmed(self, unconfirmed: tuple[Op, list[Slot]], deadline: float) -> None:
+        """While :meth:`close` waits for a broadcast root's confirmations, warn after
+        ``stall_warn`` seconds (then at doubling intervals) naming the ranks they are
+        missing from: it waits outside any call, so no stall report does (the watchdog is
+        gone by then). Returns once they came, or the group failed (the wait that follows
+        raises why)."""
+        warn = self.settings.stall_warn
+        if warn <= 0:
+            return
+        prior, told = unconfirmed
+        transport = self.transport
+        start = time.monotonic()
+        due = start + warn
+        while True:
+            tick = min(deadline, due, time.monotonic() + _SETTLE_TICK_S)
+            for slot in told:
+                if not slot.event.wait(max(0.0, tick - time.monotonic())):
+                    break
+            missing = sorted({s.key[0] for s in told if not s.done()})
+            if not missing or transport.aborted(self.group_id) is not None or any(
+                    transport.lost(r) is not None for r in self.ranks):
+                return
+            now = time.monotonic()
+            if now >= deadline:
+                return
+            if now >= due:  # at doubling intervals, as the watchdog's stall reports
+                warn *= 2
+                due = now + warn
+                _LOGGER.warning(
+                    "tandem: rank %d is closing group '%s' and has waited %.1f s for rank(s) "
+                    "%s to confirm %s (the root returned before every rank had; it waits up "
+                    "to %.0f s more, the group's timeout): %s still to enter that broadcast, "
+                    "or stopped?", transport.rank, self.group_name, now - start,
+                    in_order(missing), prior.describe(), deadline - now,
+                    "is it" if len(missing) == 1 else "are they")
+
     def compare_previous(self, op: Op, members: Sequence[int]) -> None:
         """Raise if a member of ``members`` announced another call than this rank's as the
         call before ``op`` (same-host groups announce every call in their arena).
@@ -660,7 +697,9 @@ class ProcessGroup:
         report: BaseException | None = None
         if unconfirmed is not None:
             try:  # the last call's root check: a disagreement is reported, not dropped
-                self._settle(unconfirmed, time.monotonic() + self.timeout)
+                deadline = time.monotonic() + self.timeout
+                self._name_unconfirmed(unconfirmed, deadline)
+                self._settle(unconfirmed, deadline)
             except TandemError as exc:
                 report = exc
             # a lost peer or this rank's own abort (elastic regroup, torch's abort) is not

@@ -169,6 +169,12 @@ class MixedTransport(Transport):
                 self._announce_lost(peer)
 
             self.mailbox.peer_lost = peer_lost  # type: ignore[method-assign]
+            # news that came while this rank was still setting up (its host mates may
+            # finish theirs first): passed on now, not lost
+            if isinstance(tcp, TcpTransport):
+                tcp.pass_news_on(self._pass_on)
+            for peer in self.mailbox.failures.all_lost():
+                self._announce_lost(peer)
 
     # -- failure news across hosts -------------------------------------------------------
     def _by_host(self, ranks: Sequence[int]) -> dict[str, list[int]]:
@@ -221,22 +227,27 @@ class MixedTransport(Transport):
         try:
             buf = bytearray(header.nbytes)
             read(memoryview(buf))
-            relay, passed = split_relay(bytes(buf))
-            if relay:
-                out = header._replace(nbytes=len(passed))
-                for r in relay:
-                    if r != self.rank and self.shm.reaches(r) and self.lost(r) is None:
-                        try:
-                            self.shm.isend(r, out, memoryview(passed))
-                        except TandemError:
-                            pass
-                # ranks of other hosts: through one rank of each (a leader passing on
-                # news from its own host)
-                self._tell_hosts(header, passed, [r for r in relay if r != self.rank
-                                                  and not self.shm.reaches(r)])
-            act_on_abort(self.mailbox, self.rank, header, passed)
+            act_on_abort(self.mailbox, self.rank, header, self._pass_on(header, bytes(buf)))
         except Exception:  # noqa: BLE001 - a handler must not raise (Mailbox.handle)
             pass
+
+    def _pass_on(self, header: Header, data: bytes) -> bytes:
+        """Send the news ``data`` (an ABORT payload) on to the ranks it names; return it
+        with no one left to pass it on to."""
+        relay, passed = split_relay(data)
+        if relay:
+            out = header._replace(nbytes=len(passed))
+            for r in relay:
+                if r != self.rank and self.shm.reaches(r) and self.lost(r) is None:
+                    try:
+                        self.shm.isend(r, out, memoryview(passed))
+                    except TandemError:
+                        pass
+            # ranks of other hosts: through one rank of each (a leader passing on
+            # news from its own host)
+            self._tell_hosts(header, passed, [r for r in relay if r != self.rank
+                                              and not self.shm.reaches(r)])
+        return passed
 
     def _announce_lost(self, peer: int) -> None:
         """``peer`` of this host died: the lowest live rank of the host tells the others."""

@@ -164,6 +164,12 @@ class TcpTransport(BoundedSends, Transport):
                                 f"needs one per rank")
         self.mailbox = Mailbox(rank, park_limit)
         self.mailbox.reply = lambda peers, group, error: self.abort(group, peers, error)
+        # news that names ranks to pass it on to (only a mixed transport sends such, and
+        # passes it on): what came before one took over, e.g. on a leader still setting
+        # up its host's shared memory, waits for it (``pass_news_on``)
+        self._news_lock = threading.Lock()
+        self._held_news: list[tuple[Header, bytes]] = []
+        self._news_taker: Callable[[Header, bytes], object] | None = None
         if lazy:  # news of ranks it never connected to comes as notices (mixed.py)
             self.mailbox.handle(Kind.ABORT, self._on_abort)
         self._secret = secret
@@ -367,9 +373,29 @@ class TcpTransport(BoundedSends, Transport):
         try:
             buf = bytearray(header.nbytes)
             read(memoryview(buf))
-            act_on_abort(self.mailbox, self.rank, header, split_relay(bytes(buf))[1])
+            relay, passed = split_relay(bytes(buf))
+            if relay:
+                with self._news_lock:
+                    taker = self._news_taker
+                    if taker is None:
+                        self._held_news.append((header, bytes(buf)))
+                if taker is not None:  # it took over while this arrived
+                    taker(header, bytes(buf))
+            act_on_abort(self.mailbox, self.rank, header, passed)
         except Exception:  # noqa: BLE001 - a handler must not raise (Mailbox.handle)
             pass
+
+    def pass_news_on(self, taker: Callable[[Header, bytes], object]) -> None:
+        """From now on ``taker(header, payload)`` passes on news that names ranks to pass
+        it on to (an ABORT with a relay list, see ``failures.with_relay``) that reaches
+        this transport's handler; it gets what came before at once (this rank acted on
+        that when it came: its own calls fail at once, the ranks it names hear now). A
+        mixed transport calls this once its own handler is in place."""
+        with self._news_lock:
+            self._news_taker = taker
+            held, self._held_news = self._held_news, []
+        for header, data in held:
+            taker(header, data)
 
     def _unreachable(self, peer: int, exc: BaseException) -> PeerLostError:
         """``peer`` cannot be connected to: it is lost from now on; the error to raise."""

@@ -13,6 +13,7 @@ peer must not raise.
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import threading
 import time
@@ -223,3 +224,50 @@ def test_closing_after_the_root_returned_raises_a_disagreement_only() -> None:
     seen = run_threads(len(hosts), _close_after_return, (threading.Event(), "own-abort"),
                        hosts=hosts, timeout=OP_TIMEOUT + 30, op_timeout=OP_TIMEOUT)
     assert seen[0] == "closed", seen[0]
+
+
+HELD = 20.0  # how long host b holds back for rank 0's warning before it goes on anyway
+
+
+class _Warnings(logging.Handler):
+    """tandem's warnings about a close waiting for confirmations; ``seen`` once one came."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.texts: list[str] = []
+        self.seen = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if "to confirm" in text:
+            self.texts.append(text)
+            self.seen.set()
+
+
+def _close_while_host_b_holds_back(group: ProcessGroup, warned: threading.Event) -> None:
+    """Rank 0 broadcasts from itself, returns and closes its group; host b enters the
+    broadcast only once rank 0's close warned (or, without a warning, after ``HELD``)."""
+    if group.rank() >= 2:
+        warned.wait(HELD)
+    tandem.broadcast(torch.zeros(4), src=0, group=group)
+    if group.rank() == 0:
+        group.close()
+
+
+def test_a_close_that_waits_for_a_confirmation_names_the_rank_it_waits_for() -> None:
+    from tandem.config import Settings
+
+    warnings = _Warnings()
+    logger = logging.getLogger("tandem")
+    logger.addHandler(warnings)
+    try:
+        run_threads(4, _close_while_host_b_holds_back, (warnings.seen,), hosts=list("aabb"),
+                    timeout=OP_TIMEOUT + 30, op_timeout=OP_TIMEOUT,
+                    settings=Settings(stall_warn=0.2))
+    finally:
+        logger.removeHandler(warnings)
+    assert warnings.texts, "rank 0's close waited for host b without naming it"
+    text = warnings.texts[0]
+    assert "rank 0 is closing group 'threads'" in text, text
+    assert "rank(s) [2] to confirm broadcast #0" in text, text
+    assert "test_coll_broadcast_root_returns.py:" in text, text

@@ -7,6 +7,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from tandem.store.base import Store
 from tandem.store.hash import HashStore
 from tandem.transport import Slot
 from tandem.transport.tcp import TcpTransport
@@ -39,6 +40,19 @@ def tcp_job(hostnames: list[str]) -> list[TcpTransport]:
         lazy=True))
     assert all(isinstance(m, TcpTransport) for m in made), made
     return made
+
+
+def two_hosts_rank(store: Store, rank: int, secret: bytes) -> Any:
+    """Rank ``rank`` of a 4-rank job on two simulated hosts (0, 1 on host a; 2, 3 on b;
+    threads of this process, told apart by host name), built by the ``auto`` backend."""
+    from tandem.collectives.backend import Backend, BackendOptions
+    from tandem.config import load_settings
+    from tandem.store import PrefixStore
+
+    options = BackendOptions(store=PrefixStore("job", store), rank=rank, world_size=4,
+                             host="127.0.0.1", hostname="ab"[rank // 2], secret=secret,
+                             settings=load_settings())
+    return Backend.factory("auto")(options)
 
 
 def wait_ok(slots: list[Slot]) -> None:

@@ -9,21 +9,19 @@ name), built by the ``auto`` backend: shared memory within a host, tcp across.""
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 
-from tandem.collectives.backend import Backend, BackendOptions
-from tandem.config import load_settings
 from tandem.errors import PeerLostError, StateError
-from tandem.store import HashStore, PrefixStore
+from tandem.store import HashStore
 from tandem.transport import Kind, Slot
 from tandem.transport.mixed import MixedTransport
 from tandem.transport.shm import unsupported_reason
 from tandem.transport.tcp import TcpTransport
 
 from _cut import vanish
-from _tcp_job import built_at_once
+from _tcp_job import built_at_once, two_hosts_rank
 
 SECRET = b"failure-news-secret"
 DEADLINE = 60.0  # the store's, on a loaded machine
@@ -37,13 +35,7 @@ def job() -> Iterator[list[MixedTransport]]:
     """Ranks 0, 1 on host a and 2, 3 on host b: 0 and 2 lead; 1 and 3 never connect."""
     store = HashStore(DEADLINE)
 
-    def build(rank: int) -> Any:
-        options = BackendOptions(store=PrefixStore("job", store), rank=rank, world_size=4,
-                                 host="127.0.0.1", hostname="ab"[rank // 2], secret=SECRET,
-                                 settings=load_settings())
-        return Backend.factory("auto")(options)
-
-    made = built_at_once(4, build)
+    made = built_at_once(4, lambda rank: two_hosts_rank(store, rank, SECRET))
     assert all(isinstance(m, MixedTransport) for m in made), made
     yield made
     for m in made:
