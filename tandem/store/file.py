@@ -60,6 +60,9 @@ class FileStore(Store):
         at_most("FileStore: world_size", world_size, MAX_WORLD_SIZE,
                 "MAX_WORLD_SIZE, far beyond any job tandem serves",
                 "give the number of processes that will use the store, or -1")
+        if not isinstance(file_name, (str, os.PathLike)) or not os.fspath(file_name):
+            raise ArgumentError(f"FileStore: file_name must be a path (str or os.PathLike), "
+                                f"got {file_name!r}")
         self.path = os.fspath(file_name)
         self.world_size = world_size
         try:

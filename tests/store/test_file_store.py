@@ -85,6 +85,12 @@ def test_bad_world_size_raises_argument_error(tmp_path: Path, world_size: Any) -
         FileStore(tmp_path / "store", world_size=world_size)
 
 
+@pytest.mark.parametrize("file_name", [None, "", 3])
+def test_a_file_name_that_is_not_a_path_is_refused(file_name: Any) -> None:
+    with pytest.raises(ArgumentError, match="file_name must be a path"):
+        FileStore(file_name)
+
+
 def test_a_waiter_polls_at_least_every_10_ms(tmp_path: Path, monkeypatch: Any) -> None:
     # a rank waiting for the last one to publish its key oversleeps it by at most one
     # pause between polls: init waits on the store three times, and 50 ms pauses cost
