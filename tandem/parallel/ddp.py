@@ -178,6 +178,9 @@ class DistributedDataParallel(nn.Module, GroupJoinable):
                                     f"got {flag!r}")
         init_buffers, forward_buffers = _buffer_sync(broadcast_buffers, forward_sync_buffers)
         bucket_cap_mb = 25 if bucket_cap_mb is None else bucket_cap_mb
+        if isinstance(bucket_cap_mb, (bool, str)) or not isinstance(bucket_cap_mb, (int, float)):
+            raise ArgumentError(f"DistributedDataParallel: bucket_cap_mb must be a number of "
+                                f"MiB, got {bucket_cap_mb!r}")
         if not bucket_cap_mb > 0:
             raise ArgumentError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         at_most("DistributedDataParallel: bucket_cap_mb", bucket_cap_mb, memory_limit() >> 20,

@@ -88,6 +88,13 @@ def test_a_flag_that_is_not_a_bool_is_refused(name: str) -> None:
         DDP(nn.Linear(1, 1), **{name: "yes"})
 
 
+@pytest.mark.parametrize("cap", ["25", True, [25], float("nan"), 0, -1])
+def test_a_bucket_cap_that_is_not_a_positive_number_of_mib_is_refused(cap: object) -> None:
+    # "25" failed with a TypeError from a comparison; True made 1 MiB buckets
+    with pytest.raises(ArgumentError, match="bucket_cap_mb must be"):
+        DDP(nn.Linear(1, 1), bucket_cap_mb=cap)  # type: ignore[arg-type]
+
+
 def test_the_buffer_arguments_combine_as_torchs() -> None:
     # (broadcast_buffers, forward_sync_buffers) -> (sync at construction, before a forward)
     table = {(None, None): (True, True), (True, None): (True, True),
