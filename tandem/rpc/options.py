@@ -21,6 +21,7 @@ Every field is honoured or refused with a message:
 from __future__ import annotations
 
 import enum
+import threading
 from typing import Any
 
 import torch
@@ -50,7 +51,10 @@ def check_timeout(value: object, what: str) -> float:
         raise ArgumentError(f"{what} must be a number of seconds, got {value!r}")
     if not value >= 0:  # NaN too
         raise ArgumentError(f"{what} must be >= 0 seconds (0: no deadline), got {value}")
-    return float(value)
+    # infinity too: init_rpc failed with an OverflowError, and a wait on it would
+    return float(at_most(what, value, threading.TIMEOUT_MAX,
+                         "seconds, the longest wait this platform allows",
+                         "give 0 for no deadline"))
 
 
 def _check_cpu(device: Any, what: str) -> torch.device:
