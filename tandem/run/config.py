@@ -147,6 +147,18 @@ class LaunchConfig:
                                 f"{self.shutdown_timeout}")
         self._check_bounds(fit)
         self._check_rendezvous()
+        self._check_run_id()
+
+    def _check_run_id(self) -> None:
+        """The run id names a directory under --log-dir: ``../x`` wrote logs outside it."""
+        rid = self.rdzv_id
+        if rid in (".", "..") or "/" in rid or "\0" in rid:
+            raise ArgumentError(f"--rdzv-id {rid!r}: the run id names the job's directory "
+                                f"under --log-dir, so it may not be '.' or '..' or hold '/' "
+                                f"or a NUL; give a plain name such as job7")
+        at_most("--rdzv-id length", len(rid.encode(errors="replace")), 200,
+                "bytes: it names a directory, and a file name holds at most 255",
+                "give a shorter run id")
 
     def _check_rendezvous(self) -> None:
         """--rdzv-endpoint and every --rdzv-conf entry, whether this launch uses them or

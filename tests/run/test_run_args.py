@@ -328,3 +328,11 @@ def test_an_operator_pods_master_port_that_is_not_a_number_is_refused() -> None:
     with pytest.raises(ArgumentError, match="MASTER_PORT='abc'"):
         operator_defaults({"PET_NNODES": "2", "MASTER_PORT": "abc"})
     assert operator_defaults({"PET_NNODES": "2", "MASTER_PORT": "1234"}) == {"master_port": 1234}
+
+
+@pytest.mark.parametrize("run_id", ["../../elsewhere", "/tmp/x", "..", ".", "a/b", "x" * 201])
+def test_a_run_id_that_would_leave_the_log_dir_is_refused(run_id: str) -> None:
+    # --log-dir L --rdzv-id ../../elsewhere wrote the workers' logs outside L
+    with pytest.raises(ArgumentError, match="--rdzv-id"):
+        parse(["--log-dir", "L", "--rdzv-id", run_id, "t.py"])
+    assert parse(["--rdzv-id", "job-7.a_b", "t.py"]).rdzv_id == "job-7.a_b"
