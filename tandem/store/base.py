@@ -19,6 +19,7 @@ from tandem.errors import ArgumentError, StoreTimeoutError
 __all__ = ["Store", "DEFAULT_STORE_TIMEOUT", "check_store"]
 
 DEFAULT_STORE_TIMEOUT = 300.0
+KEYS_SHOWN, KEY_SHOWN = 16, 200  # missing keys a timeout names, characters of each
 
 
 # torch's counters are int64_t; a larger amount is refused there, and past 4300 digits
@@ -167,7 +168,12 @@ class Store(abc.ABC):
 
     @staticmethod
     def _timed_out(keys: Iterable[str], seconds: float) -> StoreTimeoutError:
-        names = ", ".join(repr(k) for k in keys)
+        # a wait on a million keys, or on a 64 MiB key, made a message of as many bytes
+        missing = list(keys)
+        names = ", ".join(repr(k if len(k) <= KEY_SHOWN else k[:KEY_SHOWN] + "...")
+                          for k in missing[:KEYS_SHOWN])
+        if len(missing) > KEYS_SHOWN:
+            names += f" and {len(missing) - KEYS_SHOWN} more"
         return StoreTimeoutError(f"store keys {names} did not appear within {seconds:.1f}s")
 
     # -- what each store implements ---------------------------------------------------

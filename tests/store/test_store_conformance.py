@@ -319,3 +319,16 @@ def test_an_add_amount_outside_int64_is_refused_naming_the_range(
     with pytest.raises(ArgumentError, match="outside a 64-bit counter's range"):
         store.add("c", amount)
     assert store.add("c", (1 << 63) - 1) == (1 << 63) - 1
+
+
+def test_a_timeout_on_many_or_huge_keys_names_a_few_of_them_briefly(store: Store) -> None:
+    # the message named every key in full: megabytes for a wait on a million keys
+    keys = [f"k{i}" for i in range(10_000)] + ["x" * 100_000]
+    with pytest.raises(StoreTimeoutError) as info:
+        store.wait(keys, 0.05)
+    message = str(info.value)
+    assert len(message) < 5_000 and "k0', '" in message, message[:300]
+    assert "and 9985 more" in message
+    with pytest.raises(StoreTimeoutError) as info:
+        store.get("y" * 100_000)
+    assert len(str(info.value)) < 1_000 and "yyy..." in str(info.value)
