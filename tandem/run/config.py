@@ -61,7 +61,8 @@ MAX_SECONDS = 86_400.0  # a day: the longest health-check interval or stop grace
 MIN_MONITOR_INTERVAL = 0.001
 # the --rdzv-conf keys tandemrun reads, each with what its value must be
 RDZV_CONF_KEYS = {"join_timeout": "seconds > 0", "last_call_timeout": "seconds >= 0",
-                  "keep_alive_interval": "seconds > 0", "keep_alive_max_attempt": "an int >= 1"}
+                  "keep_alive_interval": "seconds >= 0.001",
+                  "keep_alive_max_attempt": "an int >= 1"}
 START_METHODS = ("spawn", "fork", "forkserver")  # torchrun's choices
 
 
@@ -184,6 +185,7 @@ class LaunchConfig:
             value = self.conf(key, 0.0)
             need = RDZV_CONF_KEYS[key]
             if (need.endswith("> 0") and value == 0
+                    or need.endswith(">= 0.001") and value < MIN_MONITOR_INTERVAL  # a spin
                     or need.startswith("an int") and (value < 1 or value != int(value))):
                 raise ArgumentError(f"--rdzv-conf {key}={raw}: must be {need}")
 

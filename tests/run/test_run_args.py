@@ -288,6 +288,9 @@ def test_rdzv_conf_keys_tandemrun_does_not_read_are_refused_naming_those_it_read
         parse(["--rdzv-conf", "keep_alive_max_attempt=2.5", "t.py"])
     with pytest.raises(ArgumentError, match="join_timeout=0: must be seconds > 0"):
         parse(["--rdzv-conf", "join_timeout=0", "t.py"])
+    # a heartbeat every 1e-9 s spins a core like a tiny --monitor-interval
+    with pytest.raises(ArgumentError, match="keep_alive_interval=1e-9: must be seconds >= 0.001"):
+        parse(["--rdzv-conf", "keep_alive_interval=1e-9", "t.py"])
 
 
 @pytest.mark.parametrize("name", ["SIGKILL", "SIGSTOP", "CHLD"])
