@@ -22,6 +22,7 @@ import contextlib
 import datetime
 import fcntl
 import os
+import stat
 import struct
 import threading
 import time
@@ -42,6 +43,15 @@ _CLOSES = INTERNAL + "closes"
 # arrival: init waits on the store three times, and 50 ms cost 30-45 ms of every rank's
 # rendezvous at 32 ranks (the last rank arrived at 66 ms, the others left by 109 ms)
 _POLL_FIRST, _POLL_MAX = 0.001, 0.01
+
+
+def _refuse_special(path: str, st: os.stat_result) -> None:
+    """A store lives in a regular file: FileStore("/dev/null", world_size=1) kept nothing
+    between processes, and its last close() unlinked /dev/null for the whole host."""
+    if not stat.S_ISREG(st.st_mode):
+        raise ArgumentError(f"FileStore: {path!r} is not a regular file (mode "
+                            f"{stat.filemode(st.st_mode)}); give the path of a new or store "
+                            f"file, e.g. in a directory of the job's own")
 
 
 class FileStore(Store):
@@ -65,10 +75,17 @@ class FileStore(Store):
                                 f"got {file_name!r}")
         self.path = os.fspath(file_name)
         self.world_size = world_size
+        with contextlib.suppress(FileNotFoundError):
+            _refuse_special(self.path, os.stat(self.path))  # before an open that may act
         try:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
         except OSError as exc:
             raise StoreError(f"cannot open the store file {self.path!r}: {exc}") from exc
+        try:
+            _refuse_special(self.path, os.fstat(self._fd))  # what was opened, after a swap
+        except ArgumentError:
+            os.close(self._fd)
+            raise
         # flock excludes other open files, not threads sharing this one
         self._lock = threading.Lock()
         self._closed = False

@@ -12,7 +12,7 @@ from typing import Any
 import _store_children as children
 import pytest
 
-from tandem.errors import ArgumentError, StateError
+from tandem.errors import ArgumentError, StateError, StoreError
 from tandem.store import FileStore
 from tandem.store import file as file_module
 
@@ -89,6 +89,23 @@ def test_bad_world_size_raises_argument_error(tmp_path: Path, world_size: Any) -
 def test_a_file_name_that_is_not_a_path_is_refused(file_name: Any) -> None:
     with pytest.raises(ArgumentError, match="file_name must be a path"):
         FileStore(file_name)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "device", "link to a device"])
+def test_a_path_that_is_not_a_regular_file_is_refused(tmp_path: Path, kind: str) -> None:
+    # FileStore("/dev/null", world_size=1) took it, and its close() would unlink /dev/null
+    path = tmp_path / "special"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "device":
+        path = Path("/dev/null")
+    else:
+        path.symlink_to("/dev/null")
+    with pytest.raises((ArgumentError, StoreError), match="is not a regular file|Is a directory"):
+        FileStore(path)  # world_size -1: nothing is ever unlinked, with or without the check
+    assert Path("/dev/null").exists()
 
 
 def test_a_waiter_polls_at_least_every_10_ms(tmp_path: Path, monkeypatch: Any) -> None:
