@@ -46,7 +46,7 @@ from torch import nn
 from tandem.algorithms.join import GroupJoinable, Join, Joinable, JoinHook
 from tandem.collectives.group import NonMemberGroup, ProcessGroup
 from tandem.collectives.world import resolve_group
-from tandem.config import at_most, memory_limit, memory_text
+from tandem.config import at_most, flag_argument, memory_limit, memory_text
 from tandem.errors import ArgumentError, StateError
 from tandem.parallel._buckets import FIRST_BUCKET_BYTES, GradBucket
 from tandem.parallel._ddp_join import BUFFERS, SYNC, TRAINING, DDPJoinHook, join_round
@@ -284,7 +284,9 @@ class DistributedDataParallel(nn.Module, GroupJoinable):
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """The hook a joined rank runs (``divide_by_initial_world_size``, default True)."""
-        self._divide_by_initial_world_size = bool(kwargs.get("divide_by_initial_world_size", True))
+        self._divide_by_initial_world_size = flag_argument(
+            "DistributedDataParallel.join: divide_by_initial_world_size",
+            kwargs.get("divide_by_initial_world_size", True))
         return DDPJoinHook(self, self._join_round, self._replica)
 
     def _join_round(self, mine: int) -> tuple[int, int | None]:

@@ -222,3 +222,31 @@ def test_a_ported_call_with_torchs_keywords_runs(monkeypatch: pytest.MonkeyPatch
     finally:
         tandem.destroy_process_group()
 
+
+
+@pytest.fixture
+def one_rank(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("TANDEM_SECRET", "ddp-arguments-test")
+    tandem.init_process_group("tcp", store=tandem.HashStore(), rank=0, world_size=1)
+    yield
+    tandem.destroy_process_group()
+
+
+def test_join_zero_and_ddp_join_refuse_switches_that_are_not_bools(one_rank: None) -> None:
+    # "no" was read as True by each of them
+    from tandem.algorithms.join import Join
+    from tandem.optim import ZeroRedundancyOptimizer
+
+    model = DDP(nn.Linear(2, 2))
+    for kwargs in ({"enable": "no"}, {"throw_on_early_termination": "no"}):
+        with pytest.raises(ArgumentError, match=f"Join: {next(iter(kwargs))} must be True or False"):
+            Join([model], **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentError, match="divide_by_initial_world_size must be True or False"):
+        model.join(divide_by_initial_world_size="no")  # type: ignore[arg-type]
+    with pytest.raises(ArgumentError, match="divide_by_initial_world_size must be True or False"):
+        Join([model], divide_by_initial_world_size="no")
+    for name in ("parameters_as_bucket_view", "overlap_with_ddp"):
+        with pytest.raises(ArgumentError, match=f"ZeroRedundancyOptimizer: {name} must be True"):
+            ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1,
+                                    **{name: "no"})
+    assert Join([model], enable=False, throw_on_early_termination=True) is not None
