@@ -36,6 +36,7 @@ Buckets are not rebuilt after the first iteration.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 import warnings
 from typing import Any, Callable, Iterator
@@ -129,6 +130,21 @@ def _buffer_sync(broadcast_buffers: bool | None,
     init = broadcast_buffers is None or bool(broadcast_buffers)
     forward = bool(forward_sync_buffers) if forward_sync_buffers is not None else init
     return init, forward
+
+
+def _check_hook_takes_state_and_bucket(hook: Callable[..., Any]) -> None:
+    """A hook is called as ``hook(state, bucket)``: one that cannot take those two failed
+    with a TypeError inside the first backward, on its rank alone."""
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: it will say so when called
+    try:
+        signature.bind(None, None)
+    except TypeError as exc:
+        raise ArgumentError(f"register_comm_hook: the hook is called as hook(state, bucket), "
+                            f"but {getattr(hook, '__qualname__', hook)!r}{signature} cannot "
+                            f"take those two arguments ({exc})") from None
 
 
 class DistributedDataParallel(nn.Module, GroupJoinable):
@@ -309,6 +325,7 @@ class DistributedDataParallel(nn.Module, GroupJoinable):
         """
         if not callable(hook):
             raise ArgumentError("register_comm_hook: hook must be callable")
+        _check_hook_takes_state_and_bucket(hook)
         if self._comm_hook_set:
             raise StateError("register_comm_hook can only be called once")
         if self.backward_started:

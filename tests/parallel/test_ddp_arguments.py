@@ -250,3 +250,21 @@ def test_join_zero_and_ddp_join_refuse_switches_that_are_not_bools(one_rank: Non
             ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1,
                                     **{name: "no"})
     assert Join([model], enable=False, throw_on_early_termination=True) is not None
+
+
+def test_a_comm_hook_that_cannot_take_state_and_bucket_is_refused_when_registered(
+        one_rank: None) -> None:
+    # it failed with a TypeError inside the first backward, on its rank alone
+    import functools
+
+    from tandem.parallel import comm_hooks
+
+    def one(bucket: Any) -> Any:
+        return bucket
+
+    for hook in (one, lambda: None, functools.partial(comm_hooks.allreduce_hook, None)):
+        with pytest.raises(ArgumentError, match=r"called as hook\(state, bucket\)"):
+            DDP(nn.Linear(2, 2)).register_comm_hook(None, hook)
+    for fine in (comm_hooks.allreduce_hook, comm_hooks.fp16_compress_hook,
+                 comm_hooks.powerSGD_hook, lambda *args: args[1].buffer()):
+        DDP(nn.Linear(2, 2)).register_comm_hook(None, fine)  # type: ignore[arg-type]
