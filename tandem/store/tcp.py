@@ -304,6 +304,10 @@ class TCPStore(Store):
             at_most("TCPStore: world_size", world_size, MAX_WORLD_SIZE,
                     "MAX_WORLD_SIZE, far beyond any job tandem serves",
                     "give the number of processes that will use the store")
+        if secret is not None and not isinstance(secret, (bytes, bytearray, str)):
+            # bytes(5) is five zero bytes, and bytes(10**9) a gigabyte of them
+            raise ArgumentError(f"TCPStore: secret must be bytes or str, got "
+                                f"{type(secret).__name__}")
         key = load_secret() if secret is None else secret
         key = key.encode() if isinstance(key, str) else bytes(key)
         if not key:

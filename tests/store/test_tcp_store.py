@@ -84,6 +84,8 @@ def test_non_master_needs_a_port() -> None:
     ({"multi_tenant": 2}, "multi_tenant must be True or False"),
     ({"port": True}, "port and world_size are ints"),
     ({"world_size": True}, "port and world_size are ints"),
+    ({"secret": 10 ** 9}, "secret must be bytes or str"),  # was a gigabyte of zero bytes
+    ({"secret": 5}, "secret must be bytes or str"),  # was five zero bytes: a weak secret
 ])
 def test_constructor_arguments_of_the_wrong_type_are_refused_naming_them(
         kwargs: dict[str, Any], message: str) -> None:
