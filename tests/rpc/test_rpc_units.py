@@ -460,3 +460,16 @@ def test_shutdown_with_a_bad_argument_refuses_it_and_leaves_rpc_running(
     with pytest.raises(ArgumentError, match="timeout|graceful must be True or False"):
         rpc.shutdown(**kwargs)
     assert rpc.rpc_sync("solo", len, args=([1],)) == 1
+
+
+def test_backward_refuses_a_retain_graph_that_is_not_a_bool(one_worker: None) -> None:
+    # "no" failed with a TypeError inside torch's autograd engine
+    x = torch.ones(1, requires_grad=True)
+    rref = rpc.RRef((x * 2).sum())
+    with pytest.raises(ArgumentError, match="RRef.backward: retain_graph must be True or False"):
+        rref.backward(retain_graph="no")  # type: ignore[arg-type]
+    with tandem.autograd.context() as ctx:
+        with pytest.raises(ArgumentError, match="backward: retain_graph must be True or False"):
+            tandem.autograd.backward(ctx, [(x * 3).sum()], retain_graph="no")  # type: ignore[arg-type]
+        tandem.autograd.backward(ctx, [(x * 3).sum()])
+        assert tandem.autograd.get_gradients(ctx)[x].item() == 3.0
