@@ -104,7 +104,12 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
                 "threads before they help", f"use the default ({DEFAULT_NUM_WORKER_THREADS}) "
                 f"or a few hundred at most")
         self.num_worker_threads = num_worker_threads
-        self.devices = [_check_cpu(d, "devices") for d in (devices or [])]
+        self.devices: list[torch.device] = []
+        self.set_devices(devices or [])
+        if device_maps is not None and not isinstance(device_maps, dict):
+            # an AttributeError on .items() before
+            raise ArgumentError(f"device_maps must be a dict of worker name -> device map, "
+                                f"got {type(device_maps).__name__}")
         self.device_maps: dict[str, dict[torch.device, torch.device]] = {}
         for worker, mapping in (device_maps or {}).items():
             self.set_device_map(worker, mapping)

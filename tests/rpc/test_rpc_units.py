@@ -473,3 +473,17 @@ def test_backward_refuses_a_retain_graph_that_is_not_a_bool(one_worker: None) ->
             tandem.autograd.backward(ctx, [(x * 3).sum()], retain_graph="no")  # type: ignore[arg-type]
         tandem.autograd.backward(ctx, [(x * 3).sum()])
         assert tandem.autograd.get_gradients(ctx)[x].item() == 3.0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"device_maps": 5}, "device_maps must be a dict"),
+    ({"device_maps": [("w1", {"cpu": "cpu"})]}, "device_maps must be a dict"),
+    ({"devices": "cpu"}, "devices must be a list, got 'cpu'"),
+])
+def test_options_refuse_device_maps_and_devices_of_the_wrong_kind(
+        kwargs: dict[str, Any], message: str) -> None:
+    # device_maps=5 failed with an AttributeError; devices="cpu" was read letter by letter
+    with pytest.raises(ArgumentError, match=message):
+        rpc.TensorPipeRpcBackendOptions(**kwargs)
+    assert rpc.TensorPipeRpcBackendOptions(devices=["cpu"], device_maps={"w1": {"cpu": "cpu"}}
+                                           ).devices == [torch.device("cpu")]
