@@ -149,6 +149,15 @@ def test_directory_resolves_names_ranks_and_infos() -> None:
     assert len({WorkerInfo("ps", 0), WorkerInfo("ps", 0)}) == 1
 
 
+def test_an_unknown_worker_error_lists_a_few_workers_of_a_large_job() -> None:
+    # it named every one of 100,000 workers
+    d = Directory([f"w{i}" for i in range(100_000)], 0)
+    with pytest.raises(ArgumentError) as info:
+        d.rank_of("nobody")
+    assert "'w0', 'w1'" in str(info.value) and "and 99984 more" in str(info.value)
+    assert len(str(info.value)) < 500
+
+
 def _roundtrip(obj: Any) -> tuple[Any, _codec.Outgoing]:
     out = _codec.encode(obj, "a test message")
     from tandem.transport.base import Header, Kind
