@@ -161,3 +161,21 @@ def test_multi_get_and_multi_set_lock_the_file_once(tmp_path: Path, monkeypatch:
         del locks[:]
         assert store.multi_get(keys) == [str(r).encode() for r in range(16)]
         assert len(locks) == 1, f"multi_get of 16 present keys took {len(locks)} locks"
+
+
+def test_a_key_or_value_longer_than_a_record_holds_is_refused_before_writing(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    # past 4 GiB, struct.pack failed with "argument out of range"; the bound is lowered
+    # here so the test need not allocate that much
+    monkeypatch.setattr(file_module, "MAX_FIELD", 8)
+    store = FileStore(tmp_path / "s", timeout=2)
+    for call in (lambda: store.set("k", b"x" * 9), lambda: store.set("k" * 9, b"x"),
+                 lambda: store.multi_set(["a", "b"], [b"1", b"x" * 9]),
+                 lambda: store.compare_set("c", b"", b"x" * 9)):
+        with pytest.raises(ArgumentError, match="FileStore: (key|value) size=9 is above its limit of 8"):
+            call()
+    store.append("d", b"x" * 5)
+    with pytest.raises(ArgumentError, match="above its limit of 8"):
+        store.append("d", b"x" * 5)  # the whole value, 10 bytes, is one record
+    assert not store.check(["a"]) and store.get("d") == b"x" * 5
+    store.close()
