@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import operator
 import os
 import secrets
 import stat
@@ -25,7 +26,8 @@ from tandem.errors import ArgumentError
 
 __all__ = ["Settings", "load_settings", "load_secret", "timeout_seconds", "ALGORITHMS",
            "MAX_WORLD_SIZE", "MAX_SECRET_BYTES", "memory_limit", "memory_text", "at_most", "size_text",
-           "shm_chunk_limit", "flight_recorder_limit", "max_frame_limit"]
+           "shm_chunk_limit", "flight_recorder_limit", "max_frame_limit", "flag_argument",
+           "int_argument", "number_argument"]
 
 ALGORITHMS = ("auto", "naive", "ring", "doubling", "shm", "hierarchical")
 N = TypeVar("N", int, float)
@@ -113,6 +115,40 @@ def at_most(what: str, value: N, limit: N, why: str, fix: str) -> N:
     if value > limit:
         raise ArgumentError(f"{what}={value} is above its limit of {limit} ({why}); {fix}")
     return value
+
+
+def flag_argument(what: str, value: object) -> bool:
+    """Return ``value`` if it is True or False (0, 1 and numpy's bools too), else refuse it
+    naming ``what``: a truthy word such as ``"no"`` must not switch a feature on."""
+    if isinstance(value, str) or value not in (True, False):
+        raise ArgumentError(f"{what} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def int_argument(what: str, value: object, least: int) -> int:
+    """Return ``value`` as an int if it is a whole number (numpy's too, not a bool or a
+    float) of at least ``least``, else refuse it naming ``what``."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ArgumentError(f"{what} must be an int >= {least}, got {value!r}") from None
+    if number < least:
+        raise ArgumentError(f"{what} must be an int >= {least}, got {number}")
+    return number
+
+
+def number_argument(what: str, value: object, least: float) -> float:
+    """Return ``value`` as a float if it is a finite real number of at least ``least``,
+    else refuse it naming ``what`` (NaN too: every comparison with it is false)."""
+    if isinstance(value, (bool, str)) or not isinstance(value, (int, float)) and not (
+            hasattr(value, "__float__") and hasattr(value, "dtype")):
+        raise ArgumentError(f"{what} must be a number >= {least}, got {value!r}")
+    number = float(value)
+    if not least <= number < math.inf:
+        raise ArgumentError(f"{what} must be a finite number >= {least}, got {number}")
+    return number
 
 
 def shm_chunk_limit(local_ranks: int = 1) -> int:

@@ -45,6 +45,7 @@ from tandem.collectives.api import all_reduce
 from tandem.collectives.group import ProcessGroup
 from tandem.collectives.work import Work
 from tandem.collectives.world import resolve_group
+from tandem.config import flag_argument
 from tandem.errors import ArgumentError, StateError
 
 __all__ = ["Join", "Joinable", "JoinHook", "GroupJoinable"]
@@ -167,8 +168,9 @@ class Join:
             _config(j)
         self._check_kwargs(joinables, kwargs)
         self._joinables = joinables
-        self._enable = bool(enable)
-        self._throw = bool(throw_on_early_termination)
+        # enable="no" and throw_on_early_termination="no" were read as True
+        self._enable = flag_argument("Join: enable", enable)
+        self._throw = flag_argument("Join: throw_on_early_termination", throw_on_early_termination)
         self._group = self._common_group(joinables)
         for j in joinables:
             device = torch.device(j.join_device)

@@ -29,6 +29,7 @@ from typing import Any, Sequence
 import torch
 
 from tandem.autograd._context import Context
+from tandem.config import flag_argument
 from tandem.errors import ArgumentError, StateError
 from tandem.parallel._graph import reachable_leaves
 from tandem.rpc import _state
@@ -180,6 +181,7 @@ def _apply_grads(context_id: int, msg: int, grads: list[torch.Tensor | None],
 def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False) -> None:
     """Run the distributed backward pass from ``roots`` (scalar tensors) in ``context_id``;
     returns when every worker's part is done."""
+    retain_graph = flag_argument("backward: retain_graph", retain_graph)  # "no": a TypeError
     agent = _state.require("tandem.autograd.backward")
     ctx = agent.autograd.require(context_id, "backward")
     if isinstance(roots, torch.Tensor):

@@ -46,6 +46,7 @@ from torch.optim import Optimizer
 from tandem.algorithms.join import GroupJoinable, Join, Joinable, JoinHook
 from tandem.collectives.group import NonMemberGroup, ProcessGroup
 from tandem.collectives.world import resolve_group
+from tandem.config import flag_argument
 from tandem.errors import ArgumentError, StateError
 from tandem.optim import _zero_state
 from tandem.optim._exchange import Exchange
@@ -78,6 +79,11 @@ class ZeroRedundancyOptimizer(Optimizer, GroupJoinable):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
             raise ArgumentError(f"ZeroRedundancyOptimizer: optimizer_class must be a "
                                 f"torch.optim.Optimizer subclass, got {optimizer_class!r}")
+        # "no" was read as True for both
+        parameters_as_bucket_view = flag_argument(
+            "ZeroRedundancyOptimizer: parameters_as_bucket_view", parameters_as_bucket_view)
+        overlap_with_ddp = flag_argument("ZeroRedundancyOptimizer: overlap_with_ddp",
+                                         overlap_with_ddp)
         if overlap_with_ddp and issubclass(optimizer_class, torch.optim.LBFGS):
             raise ArgumentError("ZeroRedundancyOptimizer(overlap_with_ddp=True) steps each DDP "
                                 "bucket on its own, which needs an optimizer that updates each "

@@ -20,6 +20,7 @@ blocks the progress thread that runs those callbacks.
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any
 
@@ -28,10 +29,12 @@ import torch
 from tandem.collectives.api import all_reduce
 from tandem.collectives.reduce_op import ReduceOp
 from tandem.collectives.world import AnyGroup, resolve_group
-from tandem.errors import ArgumentError
+from tandem.config import flag_argument, int_argument, number_argument
 from tandem.parallel._buckets import GradBucket
 
 __all__ = ["PowerSGDState", "powerSGD_hook"]
+
+_log = logging.getLogger(__name__)
 
 
 class PowerSGDState:
@@ -43,21 +46,29 @@ class PowerSGDState:
                  orthogonalization_epsilon: float = 0, random_seed: int = 0,
                  compression_stats_logging_frequency: int = 10_000,
                  batch_tensors_with_same_shape: bool = False) -> None:
-        if matrix_approximation_rank < 1:
-            raise ArgumentError(f"matrix_approximation_rank must be >= 1, got "
-                                f"{matrix_approximation_rank}")
-        if start_powerSGD_iter < 0:
-            raise ArgumentError(f"start_powerSGD_iter must be >= 0, got {start_powerSGD_iter}")
+        name = "PowerSGDState"
+        if process_group is not None:
+            resolve_group(process_group, name)  # a wrong type fails here, not in backward
         self.process_group = process_group
-        self.matrix_approximation_rank = matrix_approximation_rank
-        self.start_powerSGD_iter = start_powerSGD_iter
-        self.min_compression_rate = min_compression_rate
-        self.use_error_feedback = use_error_feedback
-        self.warm_start = warm_start
-        self.orthogonalization_epsilon = orthogonalization_epsilon
-        self.random_seed = random_seed
-        self.compression_stats_logging_frequency = compression_stats_logging_frequency
-        self.batch_tensors_with_same_shape = batch_tensors_with_same_shape
+        self.matrix_approximation_rank = int_argument(
+            f"{name}: matrix_approximation_rank", matrix_approximation_rank, 1)
+        self.start_powerSGD_iter = int_argument(f"{name}: start_powerSGD_iter",
+                                                start_powerSGD_iter, 0)
+        self.min_compression_rate = number_argument(f"{name}: min_compression_rate",
+                                                    min_compression_rate, 0)
+        self.use_error_feedback = flag_argument(f"{name}: use_error_feedback",
+                                                use_error_feedback)
+        self.warm_start = flag_argument(f"{name}: warm_start", warm_start)
+        self.orthogonalization_epsilon = number_argument(
+            f"{name}: orthogonalization_epsilon", orthogonalization_epsilon, 0)
+        self.random_seed = int_argument(f"{name}: random_seed", random_seed, -(1 << 63))
+        self.compression_stats_logging_frequency = int_argument(
+            f"{name}: compression_stats_logging_frequency",
+            compression_stats_logging_frequency, 1)
+        self.next_stats_report = 0  # the iteration that logs the compression stats next
+        # torch batches same-shaped matrices for speed; the result is the same either way
+        self.batch_tensors_with_same_shape = flag_argument(
+            f"{name}: batch_tensors_with_same_shape", batch_tensors_with_same_shape)
         # every rank draws the same seeds in the same order, so initial Q's agree
         self.rng = random.Random(random_seed)
         self.error_dict: dict[int, torch.Tensor] = {}
@@ -70,6 +81,13 @@ class PowerSGDState:
     def maybe_increase_iter(self, bucket: GradBucket) -> None:
         if bucket.is_last():
             self.iter += 1
+            # a state pickled before this field existed reports at once
+            if self.iter >= max(self.start_powerSGD_iter, getattr(self, "next_stats_report", 0)):
+                # as torch: the stats every compression_stats_logging_frequency iterations
+                rate, before, after = self.compression_stats()
+                _log.info("PowerSGD compression stats: iter %d, numbers before compression "
+                          "%d, after %d, rate %.3g", self.iter, before, after, rate)
+                self.next_stats_report = self.iter + self.compression_stats_logging_frequency
 
     def compression_stats(self) -> tuple[float, int, int]:
         """(compression rate, numbers before, numbers after) since the state was made."""

@@ -28,12 +28,15 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from tandem.config import at_most
 from tandem.errors import ArgumentError
 from tandem.parallel.parallel_apply import parallel_apply
 from tandem.parallel.replicate import replicate
 from tandem.parallel.scatter_gather import DeviceLike, gather, resolve_device, scatter_kwargs
 
-__all__ = ["DataParallel", "data_parallel"]
+__all__ = ["DataParallel", "data_parallel", "MAX_REPLICAS"]
+
+MAX_REPLICAS = 1024  # as many threads as an RPC worker may run at once
 
 
 def _all_accelerators() -> list[torch.device]:
@@ -50,6 +53,11 @@ def _devices(device_ids: Sequence[DeviceLike] | None) -> list[torch.device]:
     if isinstance(device_ids, (str, int, torch.device)):
         raise ArgumentError(f"DataParallel: device_ids must be a list of devices, got "
                             f"{device_ids!r}")
+    device_ids = list(device_ids)
+    # each entry is a replica and a thread per forward: 10**6 'cpu' entries were taken
+    at_most("DataParallel: len(device_ids)", len(device_ids), MAX_REPLICAS,
+            "replicas, each a copy of the module run in a thread of its own",
+            "give one entry per device (a few CPU entries run CPU replicas in threads)")
     devices = [resolve_device(d, "DataParallel device_ids") for d in device_ids]
     if len({d.type for d in devices}) > 1:
         raise ArgumentError(f"DataParallel: device_ids mixes device types {devices}; use CPU "
@@ -66,6 +74,9 @@ class DataParallel(nn.Module):
         if not isinstance(module, nn.Module):
             raise ArgumentError(f"DataParallel wraps an nn.Module, got {type(module).__name__}")
         self.module = module
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            # it failed inside torch.chunk at the first forward
+            raise ArgumentError(f"DataParallel: dim must be an int, got {dim!r}")
         self.dim = dim
         devices = _devices(device_ids)
         self.device_ids: list[torch.device] = devices

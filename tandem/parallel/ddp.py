@@ -36,6 +36,7 @@ Buckets are not rebuilt after the first iteration.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 import warnings
 from typing import Any, Callable, Iterator
@@ -46,7 +47,7 @@ from torch import nn
 from tandem.algorithms.join import GroupJoinable, Join, Joinable, JoinHook
 from tandem.collectives.group import NonMemberGroup, ProcessGroup
 from tandem.collectives.world import resolve_group
-from tandem.config import at_most, memory_limit, memory_text
+from tandem.config import at_most, flag_argument, memory_limit, memory_text
 from tandem.errors import ArgumentError, StateError
 from tandem.parallel._buckets import FIRST_BUCKET_BYTES, GradBucket
 from tandem.parallel._ddp_join import BUFFERS, SYNC, TRAINING, DDPJoinHook, join_round
@@ -131,6 +132,21 @@ def _buffer_sync(broadcast_buffers: bool | None,
     return init, forward
 
 
+def _check_hook_takes_state_and_bucket(hook: Callable[..., Any]) -> None:
+    """A hook is called as ``hook(state, bucket)``: one that cannot take those two failed
+    with a TypeError inside the first backward, on its rank alone."""
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: it will say so when called
+    try:
+        signature.bind(None, None)
+    except TypeError as exc:
+        raise ArgumentError(f"register_comm_hook: the hook is called as hook(state, bucket), "
+                            f"but {getattr(hook, '__qualname__', hook)!r}{signature} cannot "
+                            f"take those two arguments ({exc})") from None
+
+
 class DistributedDataParallel(nn.Module, GroupJoinable):
     """Wrap ``module`` so that ``backward()`` averages its gradients over the group."""
 
@@ -178,6 +194,9 @@ class DistributedDataParallel(nn.Module, GroupJoinable):
                                     f"got {flag!r}")
         init_buffers, forward_buffers = _buffer_sync(broadcast_buffers, forward_sync_buffers)
         bucket_cap_mb = 25 if bucket_cap_mb is None else bucket_cap_mb
+        if isinstance(bucket_cap_mb, (bool, str)) or not isinstance(bucket_cap_mb, (int, float)):
+            raise ArgumentError(f"DistributedDataParallel: bucket_cap_mb must be a number of "
+                                f"MiB, got {bucket_cap_mb!r}")
         if not bucket_cap_mb > 0:
             raise ArgumentError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         at_most("DistributedDataParallel: bucket_cap_mb", bucket_cap_mb, memory_limit() >> 20,
@@ -281,7 +300,9 @@ class DistributedDataParallel(nn.Module, GroupJoinable):
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """The hook a joined rank runs (``divide_by_initial_world_size``, default True)."""
-        self._divide_by_initial_world_size = bool(kwargs.get("divide_by_initial_world_size", True))
+        self._divide_by_initial_world_size = flag_argument(
+            "DistributedDataParallel.join: divide_by_initial_world_size",
+            kwargs.get("divide_by_initial_world_size", True))
         return DDPJoinHook(self, self._join_round, self._replica)
 
     def _join_round(self, mine: int) -> tuple[int, int | None]:
@@ -304,6 +325,7 @@ class DistributedDataParallel(nn.Module, GroupJoinable):
         """
         if not callable(hook):
             raise ArgumentError("register_comm_hook: hook must be callable")
+        _check_hook_takes_state_and_bucket(hook)
         if self._comm_hook_set:
             raise StateError("register_comm_hook can only be called once")
         if self.backward_started:

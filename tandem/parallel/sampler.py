@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import Sampler
 
 from tandem.collectives.world import get_rank, get_world_size
-from tandem.config import MAX_WORLD_SIZE, at_most
+from tandem.config import MAX_WORLD_SIZE, at_most, flag_argument
 from tandem.errors import ArgumentError
 
 __all__ = ["DistributedSampler"]
@@ -42,6 +42,18 @@ def _whole(what: str, value: Any) -> int:
         return operator.index(value)  # numpy's integers too
     except TypeError:
         raise ArgumentError(f"DistributedSampler: {what} must be an int, got {value!r}") from None
+
+
+# what torch.Generator.manual_seed takes; seed + epoch seeds it
+SEEDS = (-(1 << 63), (1 << 64) - 1)
+
+
+def _check_seed(what: str, seed: int, epoch: int) -> None:
+    # past this range the first __iter__ failed with "Overflow when unpacking long long"
+    if not SEEDS[0] <= seed + epoch <= SEEDS[1]:
+        raise ArgumentError(f"DistributedSampler: {what}: seed + epoch = {seed + epoch} is "
+                            f"outside the range a torch generator's seed takes "
+                            f"[{SEEDS[0]}, {SEEDS[1]}]; give a smaller one")
 
 
 class DistributedSampler(Sampler[int]):
@@ -58,24 +70,30 @@ class DistributedSampler(Sampler[int]):
             num_replicas = get_world_size()
         if rank is None:
             rank = get_rank()
-        if not isinstance(num_replicas, int) or num_replicas <= 0:
+        if not hasattr(dataset, "__len__"):
+            raise ArgumentError(f"DistributedSampler: the dataset must have a length (a map-"
+                                f"style dataset), got {type(dataset).__name__}; an iterable "
+                                f"dataset splits its stream itself")
+        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas <= 0:
             raise ArgumentError(
                 f"DistributedSampler: num_replicas must be a positive int, got {num_replicas!r}")
         at_most("DistributedSampler: num_replicas", num_replicas, MAX_WORLD_SIZE,
                 "MAX_WORLD_SIZE, the bound of a world size",
                 "give the number of ranks that share the dataset (default: the world size)")
-        if not isinstance(rank, int) or not 0 <= rank < num_replicas:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
             raise ArgumentError(f"DistributedSampler: rank must be in [0, {num_replicas}) "
                                 f"for num_replicas={num_replicas}, got {rank!r}")
         self.dataset = dataset
         self.seed = _whole("seed", seed)
+        _check_seed("seed", self.seed, 0)
         self.num_replicas = num_replicas
         self.rank = rank
-        self.shuffle = shuffle
-        self.drop_last = drop_last
+        # shuffle="no" shuffled, drop_last="no" dropped the tail
+        self.shuffle = flag_argument("DistributedSampler: shuffle", shuffle)
+        self.drop_last = flag_argument("DistributedSampler: drop_last", drop_last)
         self.epoch = 0
         n = len(dataset)
-        self.num_samples = n // num_replicas if drop_last else math.ceil(n / num_replicas)
+        self.num_samples = n // num_replicas if self.drop_last else math.ceil(n / num_replicas)
         self.total_size = self.num_samples * num_replicas
 
     def _order(self) -> list[int]:
@@ -100,4 +118,6 @@ class DistributedSampler(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         """Use a different permutation for ``epoch``; call it on every rank before iterating."""
-        self.epoch = _whole("set_epoch: epoch", epoch)
+        whole = _whole("set_epoch: epoch", epoch)
+        _check_seed("set_epoch: epoch", self.seed, whole)
+        self.epoch = whole

@@ -127,6 +127,11 @@ class SyncBatchNorm(_BatchNorm):
                  affine: bool = True, track_running_stats: bool = True,
                  process_group: AnyGroup | None = None, device: Any = None,
                  dtype: Any = None) -> None:
+        if process_group is not None and not isinstance(process_group,
+                                                        (ProcessGroup, NonMemberGroup)):
+            # it was kept, and failed only in the first forward
+            raise ArgumentError(f"SyncBatchNorm: process_group must be a tandem ProcessGroup "
+                                f"(tandem.new_group) or None, got {process_group!r}")
         super().__init__(num_features, eps, momentum, affine, track_running_stats,
                          device=device, dtype=dtype)
         self.process_group = process_group

@@ -28,9 +28,10 @@ import itertools
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from tandem.autograd._context import Contexts
+from tandem.config import at_most
 from tandem.errors import ArgumentError, PeerLostError, ProtocolError, StateError, TandemError
 from tandem.rpc import _codec
 from tandem.rpc._codec import CALL, ERROR, NOTE, REMOTE, REPLY
@@ -144,7 +145,10 @@ class Agent:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
             raise ArgumentError(f"timeout must be seconds >= 0 (0: none, -1: the default "
                                 f"rpc_timeout), got {timeout!r}")
-        return float(timeout)
+        # infinity too: a deadline past this overflows the waits that use it
+        return float(at_most("timeout", timeout, threading.TIMEOUT_MAX,
+                             "seconds, the longest wait this platform allows",
+                             "give 0 for no deadline"))
 
     def start(self, dest: int, func: Any, args: Any, kwargs: Any, timeout: float,
               future: bool, kind: str = "rpc_async", remote: bool = False,
@@ -155,6 +159,12 @@ class Agent:
             self.check_open(kind)
         if not callable(func):
             raise ArgumentError(f"{kind}: func must be callable, got {func!r}")
+        if args is not None and not isinstance(args, (tuple, list)):
+            raise ArgumentError(f"{kind}: args must be a tuple (or list) of arguments, got "
+                                f"{type(args).__name__}; wrap a single one: args=(x,)")
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            raise ArgumentError(f"{kind}: kwargs must be a dict of keyword arguments, got "
+                                f"{type(kwargs).__name__}")
         if type(args) is not tuple:
             args = () if args is None else tuple(args)
         if kwargs is not None:

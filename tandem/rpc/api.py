@@ -23,7 +23,7 @@ from tandem.collectives.backend import Backend, BackendOptions
 from tandem import _wire
 from tandem.collectives.init_method import open_store
 from tandem.collectives.world import LEAVE_LINGER, bind_address
-from tandem.config import load_secret, load_settings
+from tandem.config import flag_argument, load_secret, load_settings
 from tandem.errors import ArgumentError
 from tandem.rpc import _shutdown, _state
 from tandem.rpc._agent import Agent
@@ -57,11 +57,24 @@ def _resolve_options(backend: object, options: object) -> tuple[RpcBackendOption
                         f"(or RpcBackendOptions), got {type(options).__name__}")
 
 
+def _check_rank_and_size(rank: object, world_size: object) -> None:
+    """torch's defaults (rank -1, world_size None: from the environment or the URL) or
+    a rank in [0, world_size); rank='0' failed with a TypeError in the rendezvous."""
+    for what, value, unset in (("rank", rank, -1), ("world_size", world_size, None)):
+        if value is unset or value == -1:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < (what == "world_size"):
+            raise ArgumentError(f"init_rpc: {what} must be an int >= "
+                                f"{int(what == 'world_size')} (or {unset}: from the "
+                                f"environment or init_method), got {value!r}")
+
+
 def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1,
              world_size: int | None = None,
              rpc_backend_options: RpcBackendOptions | None = None) -> None:
     """Join the RPC job as worker ``name``; returns once every worker has joined."""
     check_name(name)
+    _check_rank_and_size(rank, world_size)
     options, threads, transport_name = _resolve_options(backend, rpc_backend_options)
     _state.check_free()
     settings = load_settings()
@@ -102,11 +115,14 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     for the others as long as they live and answer a call within the rpc_timeout, then
     the rpc_timeout for outstanding work). A worker that is stopped or hung is named in
     the ``RpcTimeoutError``; one that died, in a ``PeerLostError``."""
+    # checked before anything is closed: a bad argument must leave RPC running
+    graceful = flag_argument("shutdown: graceful", graceful)
+    seconds = check_timeout(timeout, "shutdown's timeout")
     agent = _state.require("shutdown")
     linger = 0.0
     try:
         if graceful:
-            _shutdown.drain(agent, check_timeout(timeout, "shutdown's timeout"))
+            _shutdown.drain(agent, seconds)
             linger = LEAVE_LINGER  # the others are leaving too: their last store reply
     finally:
         _shutdown.close(agent, "shutdown() was called", linger)

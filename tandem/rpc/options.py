@@ -21,6 +21,7 @@ Every field is honoured or refused with a message:
 from __future__ import annotations
 
 import enum
+import threading
 from typing import Any
 
 import torch
@@ -50,7 +51,10 @@ def check_timeout(value: object, what: str) -> float:
         raise ArgumentError(f"{what} must be a number of seconds, got {value!r}")
     if not value >= 0:  # NaN too
         raise ArgumentError(f"{what} must be >= 0 seconds (0: no deadline), got {value}")
-    return float(value)
+    # infinity too: init_rpc failed with an OverflowError, and a wait on it would
+    return float(at_most(what, value, threading.TIMEOUT_MAX,
+                         "seconds, the longest wait this platform allows",
+                         "give 0 for no deadline"))
 
 
 def _check_cpu(device: Any, what: str) -> torch.device:
@@ -100,7 +104,12 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
                 "threads before they help", f"use the default ({DEFAULT_NUM_WORKER_THREADS}) "
                 f"or a few hundred at most")
         self.num_worker_threads = num_worker_threads
-        self.devices = [_check_cpu(d, "devices") for d in (devices or [])]
+        self.devices: list[torch.device] = []
+        self.set_devices(devices or [])
+        if device_maps is not None and not isinstance(device_maps, dict):
+            # an AttributeError on .items() before
+            raise ArgumentError(f"device_maps must be a dict of worker name -> device map, "
+                                f"got {type(device_maps).__name__}")
         self.device_maps: dict[str, dict[torch.device, torch.device]] = {}
         for worker, mapping in (device_maps or {}).items():
             self.set_device_map(worker, mapping)

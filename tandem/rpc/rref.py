@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
+from tandem.config import flag_argument
 from tandem.errors import ArgumentError, StateError
 from tandem.rpc import _internal, _state
 from tandem.rpc.worker import WorkerInfo
@@ -149,6 +150,8 @@ class RRef(Generic[T]):
     def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
         """Backward from this RRef's value (a scalar tensor): in distributed autograd
         context ``dist_autograd_ctx_id``, or locally on the owner when it is -1."""
+        # "no" failed inside torch's autograd (on the owner, for a remote one)
+        retain_graph = flag_argument("RRef.backward: retain_graph", retain_graph)
         if dist_autograd_ctx_id == -1:
             if self._entry is None:
                 raise StateError("RRef.backward() without a context runs local autograd, which "

@@ -48,6 +48,9 @@ def check_name(name: object) -> str:
     return name
 
 
+NAMES_SHOWN = 16  # worker names an error lists
+
+
 class Directory:
     """Every worker of the job, by rank; resolves the ``to`` argument of every call."""
 
@@ -66,7 +69,10 @@ class Directory:
         return len(self.infos)
 
     def known(self) -> str:
-        return ", ".join(repr(i.name) for i in self.infos)
+        # the first few: a job of 10**5 workers named them all in every such error
+        shown = ", ".join(repr(i.name) for i in self.infos[:NAMES_SHOWN])
+        more = len(self.infos) - NAMES_SHOWN
+        return shown + (f" and {more} more" if more > 0 else "")
 
     def rank_of(self, to: object) -> int:
         """The rank that ``to`` (name, rank or WorkerInfo) names; ArgumentError otherwise."""

@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping, NoReturn, Sequence
 from tandem.collectives.cluster_env import first_host, port_from_id, slurm_node_address
 from tandem.errors import ArgumentError
 from tandem.run.config import (
+    START_METHODS,
     LaunchConfig,
     StdMap,
     parse_nnodes,
@@ -47,13 +48,21 @@ class _Env(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+FLAG_WORDS = {"1": True, "true": True, "yes": True, "on": True,
+              "0": False, "false": False, "no": False, "off": False, "": False}
+
+
 class _EnvFlag(argparse.Action):
     """A store-true flag that ``PET_<DEST>=1`` (or true/yes) also switches on."""
 
     def __init__(self, dest: str, **kwargs: Any) -> None:
-        raw = os.environ.get(f"PET_{dest.upper()}", "0").strip().lower()
-        super().__init__(dest=dest, nargs=0, const=True,
-                         default=raw in ("1", "true", "yes", "on"), **kwargs)
+        name = f"PET_{dest.upper()}"
+        raw = os.environ.get(name, "0").strip().lower()
+        if raw not in FLAG_WORDS:
+            # a word read as false would drop the setting without a word
+            raise ArgumentError(f"{name}={os.environ[name]!r}: expected one of "
+                                f"{', '.join(sorted(w for w in FLAG_WORDS if w))}")
+        super().__init__(dest=dest, nargs=0, const=True, default=FLAG_WORDS[raw], **kwargs)
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
         setattr(namespace, self.dest, True)
@@ -240,7 +249,11 @@ def operator_defaults(env: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if env.get("MASTER_ADDR") and not env.get("PET_MASTER_ADDR"):
         out["master_addr"] = env["MASTER_ADDR"]
-    if env.get("MASTER_PORT", "").isdigit() and not env.get("PET_MASTER_PORT"):
+    if env.get("MASTER_PORT") and not env.get("PET_MASTER_PORT"):
+        if not env["MASTER_PORT"].strip().isdigit():
+            raise ArgumentError(f"MASTER_PORT={env['MASTER_PORT']!r} (node 0's port in a "
+                                f"training operator's pod, with PET_NNODES set): expected "
+                                f"a port number; fix it or give --master-port")
         out["master_port"] = int(env["MASTER_PORT"])
     return out
 
@@ -257,6 +270,10 @@ def parse(argv: Sequence[str] | None = None) -> LaunchConfig:
     if standalone and (min_nodes, max_nodes) != (1, 1):
         raise ArgumentError("--standalone runs one node; drop --nnodes or set it to 1")
     nproc = parse_nproc(ns.nproc_per_node)
+    if ns.start_method not in START_METHODS:
+        raise ArgumentError(f"--start-method {ns.start_method!r}: expected one of "
+                            f"{', '.join(START_METHODS)} (tandemrun starts every worker as "
+                            f"a new process, whichever is given)")
     return LaunchConfig(
         entrypoint=ns.training_script,
         args=tuple(ns.training_script_args),

@@ -19,7 +19,7 @@ from tandem.config import MAX_WORLD_SIZE, at_most
 from tandem.errors import ArgumentError
 
 __all__ = ["Std", "StdMap", "LaunchConfig", "parse_nnodes", "parse_nproc", "parse_signals",
-           "parse_rdzv_conf", "parse_ranks"]
+           "parse_rdzv_conf", "parse_ranks", "parse_endpoint", "RDZV_CONF_KEYS", "START_METHODS"]
 
 
 class Std(enum.IntFlag):
@@ -57,6 +57,13 @@ class StdMap:
 WORKER_MEMORY = 64 << 20  # the least any worker needs: a Python process, before torch
 MAX_RESTARTS = 10_000
 MAX_SECONDS = 86_400.0  # a day: the longest health-check interval or stop grace we take
+# a launcher polling every 1e-9 s burnt 3.1 s of CPU in a 6 s job (0.18 s at 0.1 s)
+MIN_MONITOR_INTERVAL = 0.001
+# the --rdzv-conf keys tandemrun reads, each with what its value must be
+RDZV_CONF_KEYS = {"join_timeout": "seconds > 0", "last_call_timeout": "seconds >= 0",
+                  "keep_alive_interval": "seconds >= 0.001",
+                  "keep_alive_max_attempt": "an int >= 1"}
+START_METHODS = ("spawn", "fork", "forkserver")  # torchrun's choices
 
 
 def workers_that_fit() -> int | None:
@@ -137,11 +144,62 @@ class LaunchConfig:
             raise ArgumentError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.spares < 0:
             raise ArgumentError(f"--spares must be >= 0, got {self.spares}")
+        if 0 < self.monitor_interval < MIN_MONITOR_INTERVAL:
+            # 1e-9 kept a core of the host busy checking on workers, from every launcher
+            raise ArgumentError(f"--monitor-interval {self.monitor_interval} is below "
+                                f"{MIN_MONITOR_INTERVAL} s: shorter intervals spin a CPU core "
+                                f"of this host without reacting sooner; give 0.001 or more "
+                                f"(default 0.1)")
         if not (0 < self.monitor_interval < math.inf and 0 <= self.shutdown_timeout < math.inf):
             raise ArgumentError(f"--monitor-interval must be > 0 and --shutdown-timeout >= 0 "
                                 f"(finite seconds), got {self.monitor_interval} and "
                                 f"{self.shutdown_timeout}")
         self._check_bounds(fit)
+        self._check_rendezvous()
+        self._check_run_id()
+
+    def _check_run_id(self) -> None:
+        """The run id names a directory under --log-dir: ``../x`` wrote logs outside it."""
+        rid = self.rdzv_id
+        if rid in (".", "..") or "/" in rid or "\0" in rid:
+            raise ArgumentError(f"--rdzv-id {rid!r}: the run id names the job's directory "
+                                f"under --log-dir, so it may not be '.' or '..' or hold '/' "
+                                f"or a NUL; give a plain name such as job7")
+        at_most("--rdzv-id length", len(rid.encode(errors="replace")), 200,
+                "bytes: it names a directory, and a file name holds at most 255",
+                "give a shorter run id")
+
+    def _check_rendezvous(self) -> None:
+        """--rdzv-endpoint and every --rdzv-conf entry, whether this launch uses them or
+        not: a bad value must fail here, not once a second node is added."""
+        port = self.endpoint[1]
+        if self.multi_node and port == 0:
+            raise ArgumentError(f"--rdzv-endpoint {self.rdzv_endpoint!r}: port 0 picks a "
+                                f"free port the other nodes cannot know; give the port "
+                                f"every node uses")
+        for key, raw in self.rdzv_conf:
+            if key not in RDZV_CONF_KEYS:
+                known = ", ".join(f"{k} ({v})" for k, v in RDZV_CONF_KEYS.items())
+                raise ArgumentError(f"--rdzv-conf {key}={raw}: tandemrun does not read "
+                                    f"{key!r}; it reads {known}")
+            value = self.conf(key, 0.0)
+            need = RDZV_CONF_KEYS[key]
+            if (need.endswith("> 0") and value == 0
+                    or need.endswith(">= 0.001") and value < MIN_MONITOR_INTERVAL  # a spin
+                    or need.startswith("an int") and (value < 1 or value != int(value))):
+                raise ArgumentError(f"--rdzv-conf {key}={raw}: must be {need}")
+
+    @property
+    def endpoint(self) -> tuple[str, int]:
+        """The rendezvous store's (host, port): ``--rdzv-endpoint`` when given (for the
+        static backend too, as torchrun), else ``--master-addr``/``--master-port``
+        (static: 29500) or ``--master-addr`` and 29400 (c10d)."""
+        if self.rdzv_endpoint:
+            return parse_endpoint(self.rdzv_endpoint, 29400 if self.rdzv_backend == "c10d"
+                                  else 29500)
+        if self.rdzv_backend == "c10d":
+            return self.master_addr, 29400
+        return self.master_addr, 29500 if self.master_port is None else self.master_port
 
     def _check_bounds(self, fit: int | None) -> None:
         """The counts and durations against their upper bounds, before anything starts."""
@@ -262,15 +320,45 @@ def parse_nproc(text: str) -> int:
     raise ArgumentError(f"--nproc-per-node {text!r}: expected an int, auto, cpu or gpu")
 
 
+def parse_endpoint(text: str, default_port: int) -> tuple[str, int]:
+    """``--rdzv-endpoint``: ``HOST``, ``HOST:PORT``, ``[IPV6]:PORT`` or a bare IPv6 address."""
+    text = text.strip()
+    bracketed = re.fullmatch(r"\[([^\]]+)\](?::(.*))?", text)
+    if bracketed:
+        host, port = bracketed.group(1), bracketed.group(2)
+    elif text.count(":") > 1 and "[" not in text and "]" not in text:
+        host, port = text, None  # an IPv6 address without a port
+    else:
+        host, sep, port = text.partition(":") if text.count(":") == 1 else (text, "", None)
+    if not host or "[" in host or "]" in host or " " in host:
+        raise ArgumentError(f"--rdzv-endpoint {text!r}: expected HOST, HOST:PORT or "
+                            f"[IPV6]:PORT")
+    if port is None:
+        return host, default_port
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ArgumentError(f"--rdzv-endpoint {text!r}: the port must be 0..65535 "
+                            f"(0: any free port, one node only), got {port!r}")
+    return host, int(port)
+
+
+# what a launcher cannot handle, or needs for itself (its workers' exits)
+UNHANDLED_SIGNALS = {signal.SIGKILL: "it cannot be caught", signal.SIGSTOP: "it cannot be caught",
+                     signal.SIGCHLD: "the launcher learns of its workers' exits by it"}
+
+
 def parse_signals(text: str) -> tuple[int, ...]:
     """``"SIGTERM,SIGINT"`` -> the signal numbers."""
     out = []
     for name in filter(None, (p.strip().upper() for p in text.split(","))):
         name = name if name.startswith("SIG") else "SIG" + name
         try:
-            out.append(int(signal.Signals[name]))
+            number = signal.Signals[name]
         except KeyError as exc:
             raise ArgumentError(f"--signals-to-handle: unknown signal {name}") from exc
+        if number in UNHANDLED_SIGNALS:
+            raise ArgumentError(f"--signals-to-handle: {name} cannot be forwarded to the "
+                                f"workers: {UNHANDLED_SIGNALS[number]}; leave it out")
+        out.append(int(number))
     return tuple(out)
 
 
@@ -294,4 +382,7 @@ def parse_ranks(text: str) -> frozenset[int] | None:
     except ValueError as exc:
         raise ArgumentError(
             f"--local-ranks-filter {text!r}: expected comma-separated ints like 0,1") from exc
+    if any(r < 0 for r in ranks):
+        raise ArgumentError(f"--local-ranks-filter {text!r}: local ranks are >= 0 (a "
+                            f"negative one would hide every rank's output)")
     return ranks or None

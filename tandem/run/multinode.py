@@ -53,12 +53,7 @@ def local_address(toward: str) -> str:
 
 
 def _endpoint(cfg: LaunchConfig) -> tuple[str, int]:
-    if cfg.rdzv_backend == "static":
-        return cfg.master_addr, cfg.master_port if cfg.master_port is not None else 29500
-    host, _, port = (cfg.rdzv_endpoint or "").rpartition(":")
-    if not host:
-        host, port = cfg.rdzv_endpoint or cfg.master_addr, ""
-    return host, int(port) if port else 29400
+    return cfg.endpoint
 
 
 def gives_up(timeout: float) -> str:

@@ -19,20 +19,40 @@ from tandem.errors import ArgumentError, StoreTimeoutError
 __all__ = ["Store", "DEFAULT_STORE_TIMEOUT", "check_store"]
 
 DEFAULT_STORE_TIMEOUT = 300.0
+KEYS_SHOWN, KEY_SHOWN = 16, 200  # missing keys a timeout names, characters of each
+
+
+# torch's counters are int64_t; a larger amount is refused there, and past 4300 digits
+# Python's int() refuses to read a counter back
+INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _utf8(text: str, what: str) -> bytes:
+    try:
+        return text.encode()
+    except UnicodeEncodeError as exc:  # a lone surrogate: HashStore took it, the others failed
+        raise ArgumentError(f"store {what} {text!r} is not valid UTF-8 text ({exc.reason} at "
+                            f"position {exc.start}); give text without lone surrogates"
+                            f"{', or bytes' if what == 'value' else ''}") from None
 
 
 def _key(key: object) -> str:
     if not isinstance(key, str):
         raise ArgumentError(f"store keys are str, got {type(key).__name__}")
+    _utf8(key, "key")
     return key
 
 
 def _value(value: object) -> bytes:
     if isinstance(value, str):
-        return value.encode()
+        return _utf8(value, "value")
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value)
     if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
+        if not all(0 <= v <= 255 for v in value):
+            bad = next(v for v in value if not 0 <= v <= 255)
+            raise ArgumentError(f"a store value given as a list holds byte values 0..255, "
+                                f"got {bad}")
         return bytes(value)  # torch accepts a list of byte values
     raise ArgumentError(f"store values are str or bytes, got {type(value).__name__}")
 
@@ -72,6 +92,11 @@ class Store(abc.ABC):
     def add(self, key: str, amount: int) -> int:
         if not isinstance(amount, int) or isinstance(amount, bool):
             raise ArgumentError(f"add amount must be int, got {type(amount).__name__}")
+        if not INT64[0] <= amount <= INT64[1]:
+            # a number past 4300 digits cannot even be printed, so its size is named
+            raise ArgumentError(f"add amount (a {amount.bit_length()}-bit int) is outside a "
+                                f"64-bit counter's range [{INT64[0]}, {INT64[1]}] (torch's "
+                                f"stores count in int64)")
         return self._add(_key(key), amount)
 
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
@@ -143,7 +168,12 @@ class Store(abc.ABC):
 
     @staticmethod
     def _timed_out(keys: Iterable[str], seconds: float) -> StoreTimeoutError:
-        names = ", ".join(repr(k) for k in keys)
+        # a wait on a million keys, or on a 64 MiB key, made a message of as many bytes
+        missing = list(keys)
+        names = ", ".join(repr(k if len(k) <= KEY_SHOWN else k[:KEY_SHOWN] + "...")
+                          for k in missing[:KEYS_SHOWN])
+        if len(missing) > KEYS_SHOWN:
+            names += f" and {len(missing) - KEYS_SHOWN} more"
         return StoreTimeoutError(f"store keys {names} did not appear within {seconds:.1f}s")
 
     # -- what each store implements ---------------------------------------------------

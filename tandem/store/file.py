@@ -22,6 +22,7 @@ import contextlib
 import datetime
 import fcntl
 import os
+import stat
 import struct
 import threading
 import time
@@ -36,12 +37,32 @@ __all__ = ["FileStore"]
 
 _HEADER = struct.Struct("!cII")
 _SET, _DELETE = b"S", b"D"
+MAX_FIELD = (1 << 32) - 1  # the largest key or value a record's length field holds
 INTERNAL = "\x00tandem/"  # keys the store uses for itself; not counted by num_keys
 _CLOSES = INTERNAL + "closes"
 # seconds; the sleep doubles between polls up to the most a waiter oversleeps a key's
 # arrival: init waits on the store three times, and 50 ms cost 30-45 ms of every rank's
 # rendezvous at 32 ranks (the last rank arrived at 66 ms, the others left by 109 ms)
 _POLL_FIRST, _POLL_MAX = 0.001, 0.01
+
+
+def _check_sizes(keys: list[str], values: list[bytes]) -> None:
+    """A record stores each length in 4 bytes: a longer key or value failed in
+    struct.pack with "argument out of range", after the file was locked."""
+    for key, value in zip(keys, values):
+        for what, size in (("key", len(key.encode())), ("value", len(value))):
+            at_most(f"FileStore: {what} size", size, MAX_FIELD,
+                    "bytes, what a record's 4-byte length field holds",
+                    "store large data in a file of its own and its path in the store")
+
+
+def _refuse_special(path: str, st: os.stat_result) -> None:
+    """A store lives in a regular file: FileStore("/dev/null", world_size=1) kept nothing
+    between processes, and its last close() unlinked /dev/null for the whole host."""
+    if not stat.S_ISREG(st.st_mode):
+        raise ArgumentError(f"FileStore: {path!r} is not a regular file (mode "
+                            f"{stat.filemode(st.st_mode)}); give the path of a new or store "
+                            f"file, e.g. in a directory of the job's own")
 
 
 class FileStore(Store):
@@ -60,12 +81,22 @@ class FileStore(Store):
         at_most("FileStore: world_size", world_size, MAX_WORLD_SIZE,
                 "MAX_WORLD_SIZE, far beyond any job tandem serves",
                 "give the number of processes that will use the store, or -1")
+        if not isinstance(file_name, (str, os.PathLike)) or not os.fspath(file_name):
+            raise ArgumentError(f"FileStore: file_name must be a path (str or os.PathLike), "
+                                f"got {file_name!r}")
         self.path = os.fspath(file_name)
         self.world_size = world_size
+        with contextlib.suppress(FileNotFoundError):
+            _refuse_special(self.path, os.stat(self.path))  # before an open that may act
         try:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
         except OSError as exc:
             raise StoreError(f"cannot open the store file {self.path!r}: {exc}") from exc
+        try:
+            _refuse_special(self.path, os.fstat(self._fd))  # what was opened, after a swap
+        except ArgumentError:
+            os.close(self._fd)
+            raise
         # flock excludes other open files, not threads sharing this one
         self._lock = threading.Lock()
         self._closed = False
@@ -111,6 +142,7 @@ class FileStore(Store):
 
     def _append(self, op: bytes, key: str, value: bytes = b"") -> None:
         """Append one record; the caller holds the exclusive lock."""
+        _check_sizes([key], [value])
         if os.fstat(self._fd).st_size != self._offset:
             os.ftruncate(self._fd, self._offset)  # drop a torn record of a dead writer
         raw_key = key.encode()
@@ -179,6 +211,7 @@ class FileStore(Store):
         return self._await(keys, deadline, seconds)
 
     def _multi_set(self, keys: list[str], values: list[bytes]) -> None:
+        _check_sizes(keys, values)  # all before the first is written
         with self._locked(exclusive=True):
             for k, v in zip(keys, values):
                 self._append(_SET, k, v)

@@ -283,6 +283,17 @@ class TCPStore(Store):
     ) -> None:
         super().__init__(timeout)
         connect = timeout_seconds(connect_timeout, self._timeout, "TCPStore: connect_timeout")
+        if not isinstance(host_name, str):
+            raise ArgumentError(f"TCPStore: host_name must be a str (a host name or address), "
+                                f"got {host_name!r}")
+        for name, flag in (("is_master", is_master), ("wait_for_workers", wait_for_workers),
+                           ("multi_tenant", multi_tenant)):
+            # is_master="no" made this process the master
+            if isinstance(flag, str) or flag not in (True, False):
+                raise ArgumentError(f"TCPStore: {name} must be True or False, got {flag!r}")
+        if isinstance(port, bool) or isinstance(world_size, bool):
+            raise ArgumentError(f"TCPStore: port and world_size are ints, got {port!r} and "
+                                f"{world_size!r}")
         if not isinstance(port, int) or not 0 <= port <= 65535 or (port == 0 and not is_master):
             raise ArgumentError(f"port must be 1..65535 (or 0 on the master), got {port!r}")
         if world_size == -1:
@@ -293,6 +304,10 @@ class TCPStore(Store):
             at_most("TCPStore: world_size", world_size, MAX_WORLD_SIZE,
                     "MAX_WORLD_SIZE, far beyond any job tandem serves",
                     "give the number of processes that will use the store")
+        if secret is not None and not isinstance(secret, (bytes, bytearray, str)):
+            # bytes(5) is five zero bytes, and bytes(10**9) a gigabyte of them
+            raise ArgumentError(f"TCPStore: secret must be bytes or str, got "
+                                f"{type(secret).__name__}")
         key = load_secret() if secret is None else secret
         key = key.encode() if isinstance(key, str) else bytes(key)
         if not key:

@@ -219,3 +219,18 @@ def test_accelerator_replicas_match_the_plain_module() -> None:
     out.sum().backward()
     ref.sum().backward()
     _close(_grads(net), _grads(plain))
+
+
+def test_more_device_ids_than_replicas_a_forward_may_run_are_refused() -> None:
+    # 10**6 'cpu' entries were taken: as many replicas and threads at the first forward
+    from tandem.parallel.data_parallel import MAX_REPLICAS
+
+    with pytest.raises(ArgumentError, match=r"len\(device_ids\)=1025 is above its limit of 1024"):
+        DataParallel(nn.Linear(2, 2), device_ids=["cpu"] * (MAX_REPLICAS + 1))
+    assert len(DataParallel(nn.Linear(2, 2), device_ids=["cpu"] * 4).device_ids) == 4
+
+
+@pytest.mark.parametrize("dim", ["a", 1.0, True, None])
+def test_a_dim_that_is_not_an_int_is_refused_at_construction(dim: Any) -> None:
+    with pytest.raises(ArgumentError, match="DataParallel: dim must be an int"):
+        DataParallel(nn.Linear(2, 2), device_ids=["cpu", "cpu"], dim=dim)

@@ -88,6 +88,13 @@ def test_a_flag_that_is_not_a_bool_is_refused(name: str) -> None:
         DDP(nn.Linear(1, 1), **{name: "yes"})
 
 
+@pytest.mark.parametrize("cap", ["25", True, [25], float("nan"), 0, -1])
+def test_a_bucket_cap_that_is_not_a_positive_number_of_mib_is_refused(cap: object) -> None:
+    # "25" failed with a TypeError from a comparison; True made 1 MiB buckets
+    with pytest.raises(ArgumentError, match="bucket_cap_mb must be"):
+        DDP(nn.Linear(1, 1), bucket_cap_mb=cap)  # type: ignore[arg-type]
+
+
 def test_the_buffer_arguments_combine_as_torchs() -> None:
     # (broadcast_buffers, forward_sync_buffers) -> (sync at construction, before a forward)
     table = {(None, None): (True, True), (True, None): (True, True),
@@ -215,3 +222,49 @@ def test_a_ported_call_with_torchs_keywords_runs(monkeypatch: pytest.MonkeyPatch
     finally:
         tandem.destroy_process_group()
 
+
+
+@pytest.fixture
+def one_rank(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("TANDEM_SECRET", "ddp-arguments-test")
+    tandem.init_process_group("tcp", store=tandem.HashStore(), rank=0, world_size=1)
+    yield
+    tandem.destroy_process_group()
+
+
+def test_join_zero_and_ddp_join_refuse_switches_that_are_not_bools(one_rank: None) -> None:
+    # "no" was read as True by each of them
+    from tandem.algorithms.join import Join
+    from tandem.optim import ZeroRedundancyOptimizer
+
+    model = DDP(nn.Linear(2, 2))
+    for kwargs in ({"enable": "no"}, {"throw_on_early_termination": "no"}):
+        with pytest.raises(ArgumentError, match=f"Join: {next(iter(kwargs))} must be True or False"):
+            Join([model], **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentError, match="divide_by_initial_world_size must be True or False"):
+        model.join(divide_by_initial_world_size="no")  # type: ignore[arg-type]
+    with pytest.raises(ArgumentError, match="divide_by_initial_world_size must be True or False"):
+        Join([model], divide_by_initial_world_size="no")
+    for name in ("parameters_as_bucket_view", "overlap_with_ddp"):
+        with pytest.raises(ArgumentError, match=f"ZeroRedundancyOptimizer: {name} must be True"):
+            ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1,
+                                    **{name: "no"})
+    assert Join([model], enable=False, throw_on_early_termination=True) is not None
+
+
+def test_a_comm_hook_that_cannot_take_state_and_bucket_is_refused_when_registered(
+        one_rank: None) -> None:
+    # it failed with a TypeError inside the first backward, on its rank alone
+    import functools
+
+    from tandem.parallel import comm_hooks
+
+    def one(bucket: Any) -> Any:
+        return bucket
+
+    for hook in (one, lambda: None, functools.partial(comm_hooks.allreduce_hook, None)):
+        with pytest.raises(ArgumentError, match=r"called as hook\(state, bucket\)"):
+            DDP(nn.Linear(2, 2)).register_comm_hook(None, hook)
+    for fine in (comm_hooks.allreduce_hook, comm_hooks.fp16_compress_hook,
+                 comm_hooks.powerSGD_hook, lambda *args: args[1].buffer()):
+        DDP(nn.Linear(2, 2)).register_comm_hook(None, fine)  # type: ignore[arg-type]

@@ -94,3 +94,32 @@ def test_defaults_come_from_the_default_group() -> None:
     for rank, (r, n, indices) in enumerate(results):
         assert (r, n) == (rank, 2)
         assert indices == list(torch_dist_data.DistributedSampler(Sized(11), 2, rank, seed=3))
+
+
+@pytest.mark.parametrize("name", ["shuffle", "drop_last"])
+def test_a_switch_that_is_not_a_bool_is_refused(name: str) -> None:
+    # shuffle="no" shuffled and drop_last="no" dropped the tail, without a word
+    with pytest.raises(ArgumentError, match=f"{name} must be True or False, got 'no'"):
+        DistributedSampler(Sized(5), num_replicas=2, rank=0, **{name: "no"})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kwargs", [{"num_replicas": True, "rank": 0},
+                                    {"num_replicas": 2, "rank": False}])
+def test_a_bool_is_not_taken_for_a_count_or_a_rank(kwargs: dict[str, bool]) -> None:
+    with pytest.raises(ArgumentError, match="num_replicas must be a positive int|rank must be"):
+        DistributedSampler(Sized(5), **kwargs)
+
+
+@pytest.mark.parametrize("seed, epoch", [(1 << 64, 0), (-(1 << 63) - 1, 0), ((1 << 64) - 1, 1)])
+def test_a_seed_plus_epoch_outside_a_generators_range_is_refused_before_iterating(
+        seed: int, epoch: int) -> None:
+    # it failed in the first __iter__ with "Overflow when unpacking long long"
+    with pytest.raises(ArgumentError, match="outside the range a torch generator's seed"):
+        DistributedSampler(Sized(5), num_replicas=2, rank=0, seed=seed).set_epoch(epoch)
+    edge = DistributedSampler(Sized(5), num_replicas=1, rank=0, seed=(1 << 64) - 1)
+    assert sorted(edge) == [0, 1, 2, 3, 4]
+
+
+def test_a_dataset_without_a_length_is_refused_naming_it() -> None:
+    with pytest.raises(ArgumentError, match="the dataset must have a length"):
+        DistributedSampler(iter(range(5)), num_replicas=2, rank=0)  # type: ignore[arg-type]

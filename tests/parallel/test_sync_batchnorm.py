@@ -201,6 +201,16 @@ def test_convert_replaces_every_batchnorm_and_keeps_its_state() -> None:
     assert not bn2d.training and not bn1d.training
 
 
+@pytest.mark.parametrize("group", ["gloo", 0, object()])
+def test_a_process_group_that_is_not_a_tandem_group_is_refused_at_construction(
+        group: Any) -> None:
+    # it was kept, and failed only in the first forward of a job that had started
+    with pytest.raises(ArgumentError, match="SyncBatchNorm: process_group must be"):
+        SyncBatchNorm(4, process_group=group)
+    with pytest.raises(ArgumentError, match="SyncBatchNorm: process_group must be"):
+        SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(4)), group)
+
+
 def test_input_of_fewer_than_two_dimensions_is_an_argument_error() -> None:
     with pytest.raises(ArgumentError, match="at least 2D"):
         SyncBatchNorm(3)(torch.randn(3))

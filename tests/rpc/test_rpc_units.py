@@ -149,6 +149,15 @@ def test_directory_resolves_names_ranks_and_infos() -> None:
     assert len({WorkerInfo("ps", 0), WorkerInfo("ps", 0)}) == 1
 
 
+def test_an_unknown_worker_error_lists_a_few_workers_of_a_large_job() -> None:
+    # it named every one of 100,000 workers
+    d = Directory([f"w{i}" for i in range(100_000)], 0)
+    with pytest.raises(ArgumentError) as info:
+        d.rank_of("nobody")
+    assert "'w0', 'w1'" in str(info.value) and "and 99984 more" in str(info.value)
+    assert len(str(info.value)) < 500
+
+
 def _roundtrip(obj: Any) -> tuple[Any, _codec.Outgoing]:
     out = _codec.encode(obj, "a test message")
     from tandem.transport.base import Header, Kind
@@ -405,3 +414,85 @@ def test_rrefs_in_a_call_go_through_the_fork_callback_and_come_back_built() -> N
                                                                             (0, 106), 0))]}
     with pytest.raises(ArgumentError, match="cannot be pickled"):  # no fork: not via RPC
         _codec.encode(_FakeRRef(1), "x")
+
+
+@pytest.mark.parametrize("rank, world_size", [(-5, 1), ("0", 1), (1.5, 2), (True, 1), (0, 0),
+                                              (0, "1")])
+def test_init_rpc_refuses_a_rank_or_world_size_of_the_wrong_kind_before_any_rendezvous(
+        rank: Any, world_size: Any) -> None:
+    # rank="0" failed with a TypeError from a comparison inside the rendezvous
+    with pytest.raises(ArgumentError, match="init_rpc: (rank|world_size) must be an int"):
+        rpc.init_rpc("w0", rank=rank, world_size=world_size)
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), 1e300])
+def test_an_rpc_timeout_past_the_longest_wait_is_refused_saying_0_means_none(
+        timeout: float) -> None:
+    # init_rpc failed with "OverflowError: cannot convert float infinity to integer"
+    with pytest.raises(ArgumentError, match="rpc_timeout=.* above its limit.*give 0 for no"):
+        rpc.TensorPipeRpcBackendOptions(rpc_timeout=timeout)
+
+
+@pytest.fixture
+def one_worker() -> Any:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    opts = rpc.TensorPipeRpcBackendOptions(rpc_timeout=30, init_method=f"tcp://127.0.0.1:{port}")
+    rpc.init_rpc("solo", rank=0, world_size=1, rpc_backend_options=opts)
+    yield
+    rpc.shutdown()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"args": 5}, "args must be a tuple"), ({"args": "ab"}, "args must be a tuple"),
+    ({"args": (), "kwargs": [("x", 1)]}, "kwargs must be a dict"),
+    ({"args": (), "timeout": float("inf")}, "timeout=inf is above its limit"),
+    ({"args": (), "timeout": 1e300}, "above its limit"),
+])
+def test_a_call_with_bad_args_kwargs_or_timeout_is_refused_naming_it(
+        one_worker: None, kwargs: dict[str, Any], message: str) -> None:
+    # args=5 failed with "'int' object is not iterable"; timeout=inf was taken
+    for call in (rpc.rpc_sync, rpc.rpc_async, rpc.remote):
+        with pytest.raises(ArgumentError, match=message):
+            call("solo", len, **kwargs)
+    assert rpc.rpc_sync("solo", len, args=([1, 2],)) == 2
+
+
+@pytest.mark.parametrize("kwargs", [{"timeout": float("nan")}, {"timeout": float("inf")},
+                                    {"graceful": "no"}])
+def test_shutdown_with_a_bad_argument_refuses_it_and_leaves_rpc_running(
+        one_worker: None, kwargs: dict[str, Any]) -> None:
+    # shutdown(timeout=nan) raised, but closed the agent first
+    with pytest.raises(ArgumentError, match="timeout|graceful must be True or False"):
+        rpc.shutdown(**kwargs)
+    assert rpc.rpc_sync("solo", len, args=([1],)) == 1
+
+
+def test_backward_refuses_a_retain_graph_that_is_not_a_bool(one_worker: None) -> None:
+    # "no" failed with a TypeError inside torch's autograd engine
+    x = torch.ones(1, requires_grad=True)
+    rref = rpc.RRef((x * 2).sum())
+    with pytest.raises(ArgumentError, match="RRef.backward: retain_graph must be True or False"):
+        rref.backward(retain_graph="no")  # type: ignore[arg-type]
+    with tandem.autograd.context() as ctx:
+        with pytest.raises(ArgumentError, match="backward: retain_graph must be True or False"):
+            tandem.autograd.backward(ctx, [(x * 3).sum()], retain_graph="no")  # type: ignore[arg-type]
+        tandem.autograd.backward(ctx, [(x * 3).sum()])
+        assert tandem.autograd.get_gradients(ctx)[x].item() == 3.0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"device_maps": 5}, "device_maps must be a dict"),
+    ({"device_maps": [("w1", {"cpu": "cpu"})]}, "device_maps must be a dict"),
+    ({"devices": "cpu"}, "devices must be a list, got 'cpu'"),
+])
+def test_options_refuse_device_maps_and_devices_of_the_wrong_kind(
+        kwargs: dict[str, Any], message: str) -> None:
+    # device_maps=5 failed with an AttributeError; devices="cpu" was read letter by letter
+    with pytest.raises(ArgumentError, match=message):
+        rpc.TensorPipeRpcBackendOptions(**kwargs)
+    assert rpc.TensorPipeRpcBackendOptions(devices=["cpu"], device_maps={"w1": {"cpu": "cpu"}}
+                                           ).devices == [torch.device("cpu")]

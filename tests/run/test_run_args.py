@@ -10,8 +10,15 @@ import pytest
 
 from tandem.errors import ArgumentError
 from tandem.run import main
-from tandem.run.args import REFUSED_FLAGS, build_parser, operator_defaults, parse, slurm_defaults
-from tandem.run.config import LaunchConfig, Std, StdMap
+from tandem.run.args import (
+    REFUSED_FLAGS,
+    _EnvFlag,
+    build_parser,
+    operator_defaults,
+    parse,
+    slurm_defaults,
+)
+from tandem.run.config import RDZV_CONF_KEYS, LaunchConfig, Std, StdMap
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -79,7 +86,7 @@ def test_redirect_and_tee_maps_decide_what_reaches_the_console() -> None:
 
 def test_signals_rdzv_conf_and_standalone() -> None:
     cfg = parse(["--standalone", "--signals-to-handle", "SIGTERM,USR1",
-                 "--rdzv-conf", "join_timeout=5,x=y", "t.py"])
+                 "--rdzv-conf", "join_timeout=5", "t.py"])
     assert cfg.signals == (signal.SIGTERM, signal.SIGUSR1)
     assert cfg.conf("join_timeout", 600) == 5.0 and cfg.master_addr == "127.0.0.1"
     assert signal.SIGUSR2 in parse(["t.py"]).signals
@@ -212,3 +219,131 @@ def test_a_pytorchjob_pod_before_1_8_gives_node_0_as_master_addr_only(
     cfg = parse(["train.py"])
     assert (cfg.nnodes, cfg.node_rank, cfg.nproc_per_node) == (2, 1, 2)
     assert (cfg.master_addr, cfg.master_port) == ("train-master-0", 23456)
+
+
+# every numeric flag (the name its error must carry, the command line), with a second
+# node where the flag needs one
+NUMERIC_FLAGS = [
+    ("--nproc-per-node", ["--nproc-per-node", "{}"]), ("--nnodes", ["--nnodes", "{}"]),
+    ("--nnodes", ["--nnodes", "1:{}"]), ("--node-rank", ["--nnodes", "2", "--node-rank", "{}"]),
+    ("--master-port", ["--master-port", "{}"]), ("--max-restarts", ["--max-restarts", "{}"]),
+    ("--spares", ["--spares", "{}"]), ("--monitor-interval", ["--monitor-interval", "{}"]),
+    ("--shutdown-timeout", ["--shutdown-timeout={}"]),
+    ("--rdzv-endpoint", ["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:{}"]),
+    *((f"--rdzv-conf {key}", ["--rdzv-conf", f"{key}={{}}"]) for key in RDZV_CONF_KEYS),
+]
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "abc", "1e999"])
+@pytest.mark.parametrize("name, flag", NUMERIC_FLAGS, ids=lambda f: " ".join(f) if isinstance(f, list) else f)
+def test_every_numeric_flag_given_nan_inf_negative_or_a_word_is_refused_naming_it(
+        name: str, flag: list[str], value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [part.format(value) for part in flag] + ["t.py"]
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own refusal of a value that is not an int
+        code = exc.code  # type: ignore[assignment]
+    err = capsys.readouterr().err
+    assert code == 2, (argv, err)
+    assert name in err, (argv, err)
+
+
+@pytest.mark.parametrize("endpoint, backend, nodes, where", [
+    ("node0:29401", "c10d", "2", ("node0", 29401)),
+    ("node0", "c10d", "2", ("node0", 29400)),
+    ("[::1]:29402", "c10d", "2", ("::1", 29402)),
+    ("fe80::1", "c10d", "2", ("fe80::1", 29400)),
+    ("localhost:0", "c10d", "1", ("localhost", 0)),
+    ("node0:1234", "static", "2", ("node0", 1234)),  # torchrun's static backend takes it too
+])
+def test_the_rendezvous_endpoint_is_read_in_every_form_torchrun_takes(
+        endpoint: str, backend: str, nodes: str, where: tuple[str, int]) -> None:
+    cfg = parse(["--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--nnodes", nodes,
+                 "t.py"])
+    assert cfg.endpoint == where
+
+
+@pytest.mark.parametrize("endpoint, message", [
+    ("h:99999", "the port must be 0..65535"), ("h:-5", "the port must be 0..65535"),
+    (":29400", "expected HOST"), ("[::1", "expected HOST"), ("h:p:q]", "expected HOST"),
+    ("h:", "the port must be"),
+])
+def test_a_bad_rendezvous_endpoint_is_refused_even_on_one_node(
+        endpoint: str, message: str) -> None:
+    # one node never connects to it: the error must still come now, not with a second node
+    with pytest.raises(ArgumentError, match=f"--rdzv-endpoint .*{message}"):
+        parse(["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "t.py"])
+
+
+def test_port_zero_is_refused_for_an_endpoint_several_nodes_must_find() -> None:
+    with pytest.raises(ArgumentError, match="port 0 picks a free port"):
+        parse(["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:0", "--nnodes", "2", "t.py"])
+
+
+def test_rdzv_conf_keys_tandemrun_does_not_read_are_refused_naming_those_it_reads() -> None:
+    for key in ("read_timeout", "is_host", "joint_timeout"):
+        with pytest.raises(ArgumentError, match=f"does not read '{key}'; it reads join_timeout"):
+            parse(["--rdzv-conf", f"{key}=5", "t.py"])
+    with pytest.raises(ArgumentError, match="keep_alive_max_attempt=2.5: must be an int"):
+        parse(["--rdzv-conf", "keep_alive_max_attempt=2.5", "t.py"])
+    with pytest.raises(ArgumentError, match="join_timeout=0: must be seconds > 0"):
+        parse(["--rdzv-conf", "join_timeout=0", "t.py"])
+    # a heartbeat every 1e-9 s spins a core like a tiny --monitor-interval
+    with pytest.raises(ArgumentError, match="keep_alive_interval=1e-9: must be seconds >= 0.001"):
+        parse(["--rdzv-conf", "keep_alive_interval=1e-9", "t.py"])
+
+
+@pytest.mark.parametrize("name", ["SIGKILL", "SIGSTOP", "CHLD"])
+def test_signals_the_launcher_cannot_forward_are_refused(name: str) -> None:
+    # SIGKILL and SIGSTOP failed in signal.signal with an OSError traceback
+    with pytest.raises(ArgumentError, match="cannot be forwarded to the workers"):
+        parse(["--signals-to-handle", f"SIGTERM,{name}", "t.py"])
+
+
+def test_a_start_method_outside_torchruns_choices_is_refused() -> None:
+    for method in ("spawn", "fork", "forkserver"):
+        assert parse(["--start-method", method, "t.py"]).entrypoint == "t.py"
+    with pytest.raises(ArgumentError, match="--start-method 'thread': expected one of spawn"):
+        parse(["--start-method", "thread", "t.py"])
+
+
+def test_a_negative_local_rank_filter_is_refused() -> None:
+    with pytest.raises(ArgumentError, match="--local-ranks-filter '0,-1': local ranks are >= 0"):
+        parse(["--local-ranks-filter", "0,-1", "t.py"])
+
+
+FLAG_DESTS = sorted(a.dest for a in build_parser()._actions if isinstance(a, _EnvFlag))
+
+
+@pytest.mark.parametrize("dest", FLAG_DESTS)
+def test_every_pet_switch_given_a_word_that_is_not_on_or_off_is_refused(
+        dest: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # PET_STANDALONE=maybe was read as off, without a word
+    monkeypatch.setenv(f"PET_{dest.upper()}", "maybe")
+    with pytest.raises(ArgumentError, match=f"PET_{dest.upper()}='maybe': expected one of 0, 1"):
+        parse(["t.py"])
+    monkeypatch.setenv(f"PET_{dest.upper()}", "Off")
+    assert getattr(build_parser().parse_args(["t.py"]), dest) is False
+
+
+def test_an_operator_pods_master_port_that_is_not_a_number_is_refused() -> None:
+    # it was dropped, and the job waited on port 29500 instead
+    with pytest.raises(ArgumentError, match="MASTER_PORT='abc'"):
+        operator_defaults({"PET_NNODES": "2", "MASTER_PORT": "abc"})
+    assert operator_defaults({"PET_NNODES": "2", "MASTER_PORT": "1234"}) == {"master_port": 1234}
+
+
+@pytest.mark.parametrize("run_id", ["../../elsewhere", "/tmp/x", "..", ".", "a/b", "x" * 201])
+def test_a_run_id_that_would_leave_the_log_dir_is_refused(run_id: str) -> None:
+    # --log-dir L --rdzv-id ../../elsewhere wrote the workers' logs outside L
+    with pytest.raises(ArgumentError, match="--rdzv-id"):
+        parse(["--log-dir", "L", "--rdzv-id", run_id, "t.py"])
+    assert parse(["--rdzv-id", "job-7.a_b", "t.py"]).rdzv_id == "job-7.a_b"
+
+
+@pytest.mark.parametrize("interval", ["1e-9", "0.0009", "5e-324"])
+def test_a_monitor_interval_below_a_millisecond_is_refused(interval: str) -> None:
+    # 1e-9 kept a core busy: 3.1 s of the launcher's CPU in a 6 s job, 0.18 s at 0.1
+    with pytest.raises(ArgumentError, match=f"--monitor-interval {float(interval)} is below 0.001"):
+        parse(["--monitor-interval", interval, "t.py"])
+    assert parse(["--monitor-interval", "0.001", "t.py"]).monitor_interval == 0.001

@@ -12,7 +12,7 @@ from typing import Any
 import _store_children as children
 import pytest
 
-from tandem.errors import ArgumentError, StateError
+from tandem.errors import ArgumentError, StateError, StoreError
 from tandem.store import FileStore
 from tandem.store import file as file_module
 
@@ -85,6 +85,29 @@ def test_bad_world_size_raises_argument_error(tmp_path: Path, world_size: Any) -
         FileStore(tmp_path / "store", world_size=world_size)
 
 
+@pytest.mark.parametrize("file_name", [None, "", 3])
+def test_a_file_name_that_is_not_a_path_is_refused(file_name: Any) -> None:
+    with pytest.raises(ArgumentError, match="file_name must be a path"):
+        FileStore(file_name)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "device", "link to a device"])
+def test_a_path_that_is_not_a_regular_file_is_refused(tmp_path: Path, kind: str) -> None:
+    # FileStore("/dev/null", world_size=1) took it, and its close() would unlink /dev/null
+    path = tmp_path / "special"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "device":
+        path = Path("/dev/null")
+    else:
+        path.symlink_to("/dev/null")
+    with pytest.raises((ArgumentError, StoreError), match="is not a regular file|Is a directory"):
+        FileStore(path)  # world_size -1: nothing is ever unlinked, with or without the check
+    assert Path("/dev/null").exists()
+
+
 def test_a_waiter_polls_at_least_every_10_ms(tmp_path: Path, monkeypatch: Any) -> None:
     # a rank waiting for the last one to publish its key oversleeps it by at most one
     # pause between polls: init waits on the store three times, and 50 ms pauses cost
@@ -138,3 +161,21 @@ def test_multi_get_and_multi_set_lock_the_file_once(tmp_path: Path, monkeypatch:
         del locks[:]
         assert store.multi_get(keys) == [str(r).encode() for r in range(16)]
         assert len(locks) == 1, f"multi_get of 16 present keys took {len(locks)} locks"
+
+
+def test_a_key_or_value_longer_than_a_record_holds_is_refused_before_writing(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    # past 4 GiB, struct.pack failed with "argument out of range"; the bound is lowered
+    # here so the test need not allocate that much
+    monkeypatch.setattr(file_module, "MAX_FIELD", 8)
+    store = FileStore(tmp_path / "s", timeout=2)
+    for call in (lambda: store.set("k", b"x" * 9), lambda: store.set("k" * 9, b"x"),
+                 lambda: store.multi_set(["a", "b"], [b"1", b"x" * 9]),
+                 lambda: store.compare_set("c", b"", b"x" * 9)):
+        with pytest.raises(ArgumentError, match="FileStore: (key|value) size=9 is above its limit of 8"):
+            call()
+    store.append("d", b"x" * 5)
+    with pytest.raises(ArgumentError, match="above its limit of 8"):
+        store.append("d", b"x" * 5)  # the whole value, 10 bytes, is one record
+    assert not store.check(["a"]) and store.get("d") == b"x" * 5
+    store.close()

@@ -293,3 +293,42 @@ def test_concurrent_appends_of_the_same_bytes_are_all_kept(pair: Pair) -> None:
     # another's (16 threads, 5 appends each, so 80 bytes)
     _race(pair, 16, 5, lambda handle: handle.append("same", b"z"))
     assert pair[0].get("same") == b"z" * (16 * 5)
+
+
+def test_a_key_or_value_that_is_not_utf8_text_is_refused_by_every_store(store: Store) -> None:
+    # HashStore took a lone surrogate; FileStore and TCPStore failed in str.encode
+    for call in (lambda: store.set("\udc80", b"x"), lambda: store.set("k", "\udc80"),
+                 lambda: store.get("\udc80"), lambda: store.add("\ud800", 1),
+                 lambda: store.multi_set(["k", "\udc80"], [b"1", b"2"])):
+        with pytest.raises(ArgumentError, match="not valid UTF-8 text"):
+            call()
+    assert not store.check(["k"])  # nothing half-written
+
+
+@pytest.mark.parametrize("value", [[300], [-1], (0, 256)])
+def test_a_value_list_with_an_int_outside_a_byte_is_refused(store: Store, value: object) -> None:
+    with pytest.raises(ArgumentError, match="byte values 0..255"):
+        store.set("k", value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("amount", [1 << 63, -(1 << 63) - 1, 10 ** 5000],
+                         ids=["2**63", "-2**63-1", "10**5000"])
+def test_an_add_amount_outside_int64_is_refused_naming_the_range(
+        store: Store, amount: int) -> None:
+    # 10**5000 failed with Python's "Exceeds the limit (4300 digits)" ValueError
+    with pytest.raises(ArgumentError, match="outside a 64-bit counter's range"):
+        store.add("c", amount)
+    assert store.add("c", (1 << 63) - 1) == (1 << 63) - 1
+
+
+def test_a_timeout_on_many_or_huge_keys_names_a_few_of_them_briefly(store: Store) -> None:
+    # the message named every key in full: megabytes for a wait on a million keys
+    keys = [f"k{i}" for i in range(10_000)] + ["x" * 100_000]
+    with pytest.raises(StoreTimeoutError) as info:
+        store.wait(keys, 0.05)
+    message = str(info.value)
+    assert len(message) < 5_000 and "k0', '" in message, message[:300]
+    assert "and 9985 more" in message
+    with pytest.raises(StoreTimeoutError) as info:
+        store.get("y" * 100_000)
+    assert len(str(info.value)) < 1_000 and "yyy..." in str(info.value)

@@ -76,6 +76,26 @@ def test_non_master_needs_a_port() -> None:
         TCPStore(HOST, 0, timeout=1)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"host_name": None}, "host_name must be a str"),
+    ({"host_name": b"127.0.0.1"}, "host_name must be a str"),
+    ({"is_master": "no"}, "is_master must be True or False, got 'no'"),
+    ({"wait_for_workers": "false"}, "wait_for_workers must be True or False"),
+    ({"multi_tenant": 2}, "multi_tenant must be True or False"),
+    ({"port": True}, "port and world_size are ints"),
+    ({"world_size": True}, "port and world_size are ints"),
+    ({"secret": 10 ** 9}, "secret must be bytes or str"),  # was a gigabyte of zero bytes
+    ({"secret": 5}, "secret must be bytes or str"),  # was five zero bytes: a weak secret
+])
+def test_constructor_arguments_of_the_wrong_type_are_refused_naming_them(
+        kwargs: dict[str, Any], message: str) -> None:
+    # is_master="no" made a master; host_name=None failed deep in the wire code
+    args: dict[str, Any] = {"host_name": "127.0.0.1", "port": 0, "is_master": True,
+                            "timeout": 5, **kwargs}
+    with pytest.raises(ArgumentError, match=message):
+        TCPStore(**args)
+
+
 @pytest.mark.smoke("tandem.store")
 @pytest.mark.procs
 def test_two_processes_share_a_store(master: TCPStore, spawn: Any) -> None:
