@@ -15,11 +15,11 @@ import torch
 
 from tandem._words import counted, in_order
 from tandem.collectives.group import ProcessGroup
-from tandem.errors import ArgumentError
+from tandem.errors import ArgumentError, StateError
 
 __all__ = ["tensor_arg", "tensors_arg", "output_arg", "plain_output", "sizes_match",
            "root_rank", "tag_arg", "int_list", "check_cpu_device", "refuse_pg_options",
-           "span", "shares_memory", "any_shared", "crossed", "overlapping_pair",
+           "span", "shares_memory", "refused_alone", "any_shared", "crossed", "overlapping_pair",
            "distinct_outputs", "TAG_MIN", "TAG_MAX"]
 
 # a p2p tag travels as a signed 32-bit field of the message header
@@ -218,6 +218,16 @@ def tensors_arg(ts: Any, what: str, name: str, count: int, dtype: torch.dtype,
     if output:
         distinct_outputs(out, what, name)
     return out
+
+
+def refused_alone(g: ProcessGroup, what: str, exc: ArgumentError) -> ArgumentError:
+    """Abort ``g`` with ``exc``, an argument refused by a check that only this rank makes
+    (a root's list, a list passed where only the root takes one), and return ``exc`` to
+    raise: the peers passed their checks and wait in the call, so they fail now, naming
+    this rank's problem, rather than at their deadline."""
+    g.abort(StateError(f"{what} on group '{g.group_name}' cannot run: rank "
+                       f"{g.ranks[g.group_rank]} refused its arguments ({exc})"))
+    return exc
 
 
 def sizes_match(ts: Sequence[torch.Tensor], what: str, name: str, numel: int) -> None:
