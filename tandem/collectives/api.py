@@ -22,8 +22,9 @@ import torch
 from tandem.collectives import algorithms as algo
 from tandem.collectives.algorithms.flat import Flat
 from tandem.collectives.algorithms.roots import ROOT_STEP
-from tandem.collectives.checks import (output_arg, plain_output, refused_alone, root_rank,
-                                      shares_memory, sizes_match, span, tensor_arg, tensors_arg)
+from tandem.collectives.checks import (bool_arg, output_arg, plain_output, refused_alone,
+                                      root_rank, shares_memory, sizes_match, span, tensor_arg,
+                                      tensors_arg)
 from tandem.collectives.group import Op, ProcessGroup
 from tandem.collectives.reduce_op import ReduceOp, accepts, check_dtype, checksum
 from tandem.collectives.work import Work
@@ -135,6 +136,8 @@ def _launch(g: ProcessGroup, name: str, sig: str, body: Callable[[Op], None], as
             result: Any, nbytes: int = -1) -> Work | None:
     """Issue the call; ``result`` is the list of tensors it returns, ``nbytes`` their bytes
     when known (``sig.nbytes`` of a call returning the tensor its signature describes)."""
+    if async_op is not False and async_op is not True:  # checked before the call is numbered
+        bool_arg(async_op, name, "async_op")
     op = g.new_op(name, sig, call_site())
     return g.run(op, body, async_op, result, nbytes)
 

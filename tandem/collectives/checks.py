@@ -19,7 +19,7 @@ from tandem.errors import ArgumentError, StateError
 
 __all__ = ["tensor_arg", "tensors_arg", "output_arg", "plain_output", "sizes_match",
            "root_rank", "tag_arg", "int_list", "check_cpu_device", "refuse_pg_options",
-           "span", "shares_memory", "refused_alone", "any_shared", "crossed", "overlapping_pair",
+           "span", "shares_memory", "refused_alone", "bool_arg", "any_shared", "crossed", "overlapping_pair",
            "distinct_outputs", "TAG_MIN", "TAG_MAX"]
 
 # a p2p tag travels as a signed 32-bit field of the message header
@@ -268,6 +268,15 @@ def _as_int(value: Any) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def bool_arg(value: Any, what: str, name: str) -> bool:
+    """A flag that must be True or False: a string such as "no" is true to Python and would
+    be taken silently (numpy's bool is refused too: torch's flags are Python bools)."""
+    if value is not True and value is not False:
+        raise ArgumentError(f"{what}: {name} must be True or False, got "
+                            f"{type(value).__name__} {value!r}")
+    return value
 
 
 def tag_arg(tag: Any, what: str) -> int:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from tandem.collectives import api, p2p
-from tandem.collectives.checks import check_cpu_device, refused_alone, root_rank
+from tandem.collectives.checks import bool_arg, check_cpu_device, refused_alone, root_rank
 from tandem.collectives.world import AnyGroup, resolve_group
 from tandem.errors import ArgumentError, CollectiveMismatchError
 
@@ -243,6 +243,7 @@ def send_object_list(object_list: list[Any], dst: int | None = None,
     ``use_batch=True`` posts both sends through :func:`batch_isend_irecv`, as torch does.
     """
     check_cpu_device("send_object_list", "device", device)
+    bool_arg(use_batch, "send_object_list", "use_batch")
     if not isinstance(object_list, list):
         raise ArgumentError("send_object_list: object_list must be a list")
     g = resolve_group(group, "send_object_list")
@@ -282,6 +283,7 @@ def recv_object_list(object_list: list[Any], src: int | None = None,
     does (from a given ``src`` only: a batch names its peers).
     """
     check_cpu_device("recv_object_list", "device", device)
+    bool_arg(use_batch, "recv_object_list", "use_batch")
     if not isinstance(object_list, list):
         raise ArgumentError("recv_object_list: object_list must be a list")
     sizes = torch.zeros(len(object_list), dtype=torch.int64)
