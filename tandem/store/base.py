@@ -13,6 +13,7 @@ import datetime
 import time
 from typing import Iterable, Sequence
 
+from tandem._words import secs
 from tandem.config import timeout_seconds
 from tandem.errors import ArgumentError, StoreTimeoutError
 
@@ -144,7 +145,7 @@ class Store(abc.ABC):
     @staticmethod
     def _timed_out(keys: Iterable[str], seconds: float) -> StoreTimeoutError:
         names = ", ".join(repr(k) for k in keys)
-        return StoreTimeoutError(f"store keys {names} did not appear within {seconds:.1f}s")
+        return StoreTimeoutError(f"store keys {names} did not appear within {secs(seconds)}s")
 
     # -- what each store implements ---------------------------------------------------
     @abc.abstractmethod
