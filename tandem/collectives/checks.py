@@ -19,8 +19,8 @@ from tandem.errors import ArgumentError, StateError
 
 __all__ = ["tensor_arg", "tensors_arg", "output_arg", "plain_output", "sizes_match",
            "root_rank", "tag_arg", "int_list", "check_cpu_device", "refuse_pg_options",
-           "span", "shares_memory", "refused_alone", "bool_arg", "any_shared", "crossed", "overlapping_pair",
-           "distinct_outputs", "TAG_MIN", "TAG_MAX"]
+           "span", "shares_memory", "refused_alone", "bool_arg", "any_shared", "crossed",
+           "overlapping_pair", "distinct_outputs", "TAG_MIN", "TAG_MAX"]
 
 # a p2p tag travels as a signed 32-bit field of the message header
 TAG_MIN, TAG_MAX = -(2 ** 31), 2 ** 31 - 1

@@ -116,7 +116,9 @@ class Work:
         if self._waiter is not None and not self._event.is_set():
             self._waiter(seconds)  # drives the operation from this thread (p2p)
         if not self._event.wait(seconds):
-            raise CollectiveTimeoutError(f"{self._describe} did not complete within {secs(seconds)}s")
+            assert seconds is not None  # a wait without a timeout returns only once set
+            raise CollectiveTimeoutError(f"{self._describe} did not complete within "
+                                         f"{secs(seconds)}s")
         if self._error is not None:
             raise self._error
         return True

@@ -291,7 +291,7 @@ class Trainer:
             now = time.monotonic()
             if settle_until is not None and now > settle_until:
                 break
-            if deadline is not None and now > deadline and not failed:
+            if deadline is not None and self.timeout is not None and now > deadline and not failed:
                 raise TimeoutError(f"tandem.ray: the job ran past timeout="
                                    f"{secs(self.timeout)}s ({len(running)} ranks still running)")
         self._drain(ray)  # the lines pushed as the last ranks ended
