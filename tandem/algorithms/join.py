@@ -42,6 +42,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from tandem.collectives.api import all_reduce
+from tandem.collectives.checks import bool_arg
 from tandem.collectives.group import ProcessGroup
 from tandem.collectives.work import Work
 from tandem.collectives.world import resolve_group
@@ -156,6 +157,8 @@ class Join:
 
     def __init__(self, joinables: list[Joinable], enable: bool = True,
                  throw_on_early_termination: bool = False, **kwargs: Any) -> None:
+        bool_arg(enable, "Join", "enable")
+        bool_arg(throw_on_early_termination, "Join", "throw_on_early_termination")
         joinables = list(joinables)
         if not joinables:
             raise ArgumentError("Join needs at least one Joinable")

@@ -44,6 +44,7 @@ import torch
 from torch.optim import Optimizer
 
 from tandem.algorithms.join import GroupJoinable, Join, Joinable, JoinHook
+from tandem.collectives.checks import bool_arg
 from tandem.collectives.group import NonMemberGroup, ProcessGroup
 from tandem.collectives.world import resolve_group
 from tandem.errors import ArgumentError, StateError
@@ -72,6 +73,8 @@ class ZeroRedundancyOptimizer(Optimizer, GroupJoinable):
                  process_group: ProcessGroup | NonMemberGroup | None = None,
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
                  **defaults: Any) -> None:
+        bool_arg(parameters_as_bucket_view, "ZeroRedundancyOptimizer", "parameters_as_bucket_view")
+        bool_arg(overlap_with_ddp, "ZeroRedundancyOptimizer", "overlap_with_ddp")
         if isinstance(params, torch.Tensor):
             raise ArgumentError("ZeroRedundancyOptimizer: params must be an iterable of "
                                 "tensors or of parameter-group dicts, not one tensor")

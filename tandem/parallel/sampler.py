@@ -27,6 +27,7 @@ from typing import Any, Iterator, Sized
 import torch
 from torch.utils.data import Sampler
 
+from tandem.collectives.checks import bool_arg
 from tandem.collectives.world import get_rank, get_world_size
 from tandem.config import MAX_WORLD_SIZE, at_most
 from tandem.errors import ArgumentError
@@ -54,6 +55,8 @@ class DistributedSampler(Sampler[int]):
 
     def __init__(self, dataset: Sized, num_replicas: int | None = None, rank: int | None = None,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+        bool_arg(shuffle, "DistributedSampler", "shuffle")
+        bool_arg(drop_last, "DistributedSampler", "drop_last")
         if num_replicas is None:
             num_replicas = get_world_size()
         if rank is None:
