@@ -31,6 +31,7 @@ import struct
 import time
 from typing import Iterator
 
+from tandem._words import secs
 from tandem.errors import ArgumentError, AuthenticationError, NetworkError, ProtocolError
 
 __all__ = [
@@ -193,7 +194,7 @@ def connect(host: str, port: int, timeout: float, what: str) -> socket.socket:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise NetworkError(
-                f"could not connect to {what} at {host}:{port} within {timeout:.0f}s: {last}"
+                f"could not connect to {what} at {host}:{port} within {secs(timeout)}s: {last}"
             ) from last
         try:
             sock = socket.create_connection((host, port), timeout=min(remaining, 10.0))

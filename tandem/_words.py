@@ -1,15 +1,28 @@
-"""Wording shared by messages: a count with its noun in the right number, ranks as ranges."""
+"""Wording shared by messages: a count with its noun in the right number, ranks as ranges,
+durations to three significant digits."""
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
-__all__ = ["counted", "rank_list", "who", "in_order"]
+__all__ = ["counted", "rank_list", "who", "in_order", "secs"]
 
 
 def counted(n: int, noun: str, plural: str | None = None) -> str:
     """``counted(1, "rank")`` is "1 rank", ``counted(3, "rank")`` "3 ranks"."""
     return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
+def secs(value: float) -> str:
+    """A duration in seconds as messages show it: three significant digits, so a positive
+    one never shows as 0 (``{:.1f}`` made a 0.04 s timeout "0.0s"), and no exponent:
+    0.000123, 0.04, 1.5, 30, 1800."""
+    if not math.isfinite(value) or value == 0:
+        return f"{value:g}"
+    digits = max(0, 2 - math.floor(math.log10(abs(value))))
+    text = f"{value:.{digits}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
 
 
 def rank_list(ranks: Iterable[int]) -> str:

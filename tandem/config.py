@@ -118,11 +118,12 @@ def at_most(what: str, value: N, limit: N, why: str, fix: str) -> N:
 
 
 def flag_argument(what: str, value: object) -> bool:
-    """Return ``value`` if it is True or False (0, 1 and numpy's bools too), else refuse it
-    naming ``what``: a truthy word such as ``"no"`` must not switch a feature on."""
-    if isinstance(value, str) or value not in (True, False):
-        raise ArgumentError(f"{what} must be True or False, got {value!r}")
-    return bool(value)
+    """Return ``value`` if it is True or False, else refuse it naming ``what``: a truthy
+    word such as ``"no"`` (or a 1, or None) must not switch a feature on or off."""
+    if value is not True and value is not False:
+        raise ArgumentError(f"{what} must be True or False, got {type(value).__name__} "
+                            f"{value!r}")
+    return value
 
 
 def int_argument(what: str, value: object, least: int) -> int:

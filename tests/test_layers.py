@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1] / "tandem"
 # lower number = lower layer; a module may import only layers <= its own
 LAYERS = {
     "tandem.errors": 0, "tandem.config": 0, "tandem.secret": 0, "tandem._wire": 0, "tandem._proc": 0,
-    "tandem._gate": 0, "tandem._words": 0,
+    "tandem._gate": 0, "tandem._words": 0, "tandem._files": 0,
     "tandem.store": 1,
     "tandem.transport": 2,
     "tandem.collectives": 3,

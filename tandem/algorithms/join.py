@@ -157,6 +157,9 @@ class Join:
 
     def __init__(self, joinables: list[Joinable], enable: bool = True,
                  throw_on_early_termination: bool = False, **kwargs: Any) -> None:
+        # enable="no" and throw_on_early_termination="no" were read as True
+        self._enable = flag_argument("Join: enable", enable)
+        self._throw = flag_argument("Join: throw_on_early_termination", throw_on_early_termination)
         joinables = list(joinables)
         if not joinables:
             raise ArgumentError("Join needs at least one Joinable")
@@ -168,9 +171,6 @@ class Join:
             _config(j)
         self._check_kwargs(joinables, kwargs)
         self._joinables = joinables
-        # enable="no" and throw_on_early_termination="no" were read as True
-        self._enable = flag_argument("Join: enable", enable)
-        self._throw = flag_argument("Join: throw_on_early_termination", throw_on_early_termination)
         self._group = self._common_group(joinables)
         for j in joinables:
             device = torch.device(j.join_device)

@@ -22,8 +22,9 @@ import torch
 from tandem.collectives import algorithms as algo
 from tandem.collectives.algorithms.flat import Flat
 from tandem.collectives.algorithms.roots import ROOT_STEP
-from tandem.collectives.checks import (output_arg, plain_output, root_rank, shares_memory,
-                                      sizes_match, span, tensor_arg, tensors_arg)
+from tandem.collectives.checks import (bool_arg, output_arg, plain_output, refused_alone,
+                                      root_rank, shares_memory, sizes_match, span, tensor_arg,
+                                      tensors_arg)
 from tandem.collectives.group import Op, ProcessGroup
 from tandem.collectives.reduce_op import ReduceOp, accepts, check_dtype, checksum
 from tandem.collectives.work import Work
@@ -135,6 +136,8 @@ def _launch(g: ProcessGroup, name: str, sig: str, body: Callable[[Op], None], as
             result: Any, nbytes: int = -1) -> Work | None:
     """Issue the call; ``result`` is the list of tensors it returns, ``nbytes`` their bytes
     when known (``sig.nbytes`` of a call returning the tensor its signature describes)."""
+    if async_op is not False and async_op is not True:  # checked before the call is numbered
+        bool_arg(async_op, name, "async_op")
     op = g.new_op(name, sig, call_site())
     return g.run(op, body, async_op, result, nbytes)
 
@@ -366,16 +369,19 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None,
     tensor_arg(tensor, "gather", "tensor")
     root = root_rank(g, "gather", dst, group_dst, "dst")
     outs: list[Flat] | None = None
-    if g.group_rank == root:
-        if gather_list is None:
-            raise ArgumentError("gather: the destination rank must pass gather_list")
-        lst = tensors_arg(gather_list, "gather", "gather_list", g.group_size, tensor.dtype,
-                          output=True)
-        sizes_match(lst, "gather", "gather_list", tensor.numel())
-        outs = [Flat(t, load=False) for t in lst]
-    elif _given(gather_list):
-        _not_root_list(g, "gather", "gather_list", "destination", "dst", root,
-                       "; all_gather fills a list on every rank")
+    try:  # checks of this rank alone: its peers are in the call (refused_alone)
+        if g.group_rank == root:
+            if gather_list is None:
+                raise ArgumentError("gather: the destination rank must pass gather_list")
+            lst = tensors_arg(gather_list, "gather", "gather_list", g.group_size, tensor.dtype,
+                              output=True)
+            sizes_match(lst, "gather", "gather_list", tensor.numel())
+            outs = [Flat(t, load=False) for t in lst]
+        elif _given(gather_list):
+            _not_root_list(g, "gather", "gather_list", "destination", "dst", root,
+                           "; all_gather fills a list on every rank")
+    except ArgumentError as exc:
+        raise refused_alone(g, "gather", exc)
     src = Flat(tensor)
     _, fn = algo.select_gather(g, src.flat)
 
@@ -394,14 +400,18 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
     output_arg(tensor, "scatter", "tensor")
     root = root_rank(g, "scatter", src, group_src, "src")
     ins: list[torch.Tensor] | None = None
-    if g.group_rank == root:
-        if scatter_list is None:
-            raise ArgumentError("scatter: the source rank must pass scatter_list")
-        ins = [t.contiguous().view(-1) for t in
-               tensors_arg(scatter_list, "scatter", "scatter_list", g.group_size, tensor.dtype)]
-        sizes_match(ins, "scatter", "scatter_list", tensor.numel())
-    elif _given(scatter_list):
-        _not_root_list(g, "scatter", "scatter_list", "source", "src", root, "")
+    try:  # checks of this rank alone: its peers are in the call (refused_alone)
+        if g.group_rank == root:
+            if scatter_list is None:
+                raise ArgumentError("scatter: the source rank must pass scatter_list")
+            ins = [t.contiguous().view(-1) for t in
+                   tensors_arg(scatter_list, "scatter", "scatter_list", g.group_size,
+                               tensor.dtype)]
+            sizes_match(ins, "scatter", "scatter_list", tensor.numel())
+        elif _given(scatter_list):
+            _not_root_list(g, "scatter", "scatter_list", "source", "src", root, "")
+    except ArgumentError as exc:
+        raise refused_alone(g, "scatter", exc)
     out = Flat(tensor, load=False)
     _, fn = algo.select_scatter(g, out.flat)
 

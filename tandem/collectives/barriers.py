@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from tandem._words import secs
 from tandem.collectives import algorithms as algo
 from tandem.collectives import api
 from tandem.collectives.group import Op, as_bytes
@@ -87,7 +88,7 @@ def monitored_barrier(group: AnyGroup | None = None,
         if missing:
             raise CollectiveTimeoutError(
                 f"monitored_barrier on group '{g.group_name}': rank(s) {missing} did not "
-                f"arrive within {seconds:.1f}s", tuple(missing))
+                f"arrive within {secs(seconds)}s", tuple(missing))
         o.wait(*[o.send(i, 1, as_bytes(token)) for i in range(1, g.group_size)])
 
     api._launch(g, "monitored_barrier", "monitored_barrier", body, False, None)

@@ -14,13 +14,14 @@ from typing import Any, Sequence
 import torch
 
 from tandem._words import counted, in_order
+from tandem.config import flag_argument
 from tandem.collectives.group import ProcessGroup
-from tandem.errors import ArgumentError
+from tandem.errors import ArgumentError, StateError
 
 __all__ = ["tensor_arg", "tensors_arg", "output_arg", "plain_output", "sizes_match",
            "root_rank", "tag_arg", "int_list", "check_cpu_device", "refuse_pg_options",
-           "span", "shares_memory", "any_shared", "crossed", "overlapping_pair",
-           "distinct_outputs", "TAG_MIN", "TAG_MAX"]
+           "span", "shares_memory", "refused_alone", "bool_arg", "any_shared", "crossed",
+           "overlapping_pair", "distinct_outputs", "TAG_MIN", "TAG_MAX"]
 
 # a p2p tag travels as a signed 32-bit field of the message header
 TAG_MIN, TAG_MAX = -(2 ** 31), 2 ** 31 - 1
@@ -220,6 +221,16 @@ def tensors_arg(ts: Any, what: str, name: str, count: int, dtype: torch.dtype,
     return out
 
 
+def refused_alone(g: ProcessGroup, what: str, exc: ArgumentError) -> ArgumentError:
+    """Abort ``g`` with ``exc``, an argument refused by a check that only this rank makes
+    (a root's list, a list passed where only the root takes one), and return ``exc`` to
+    raise: the peers passed their checks and wait in the call, so they fail now, naming
+    this rank's problem, rather than at their deadline."""
+    g.abort(StateError(f"{what} on group '{g.group_name}' cannot run: rank "
+                       f"{g.ranks[g.group_rank]} refused its arguments ({exc})"))
+    return exc
+
+
 def sizes_match(ts: Sequence[torch.Tensor], what: str, name: str, numel: int) -> None:
     for i, t in enumerate(ts):
         if t.numel() != numel:
@@ -258,6 +269,11 @@ def _as_int(value: Any) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def bool_arg(value: Any, what: str, name: str) -> bool:
+    """A flag that must be True or False (see ``tandem.config.flag_argument``)."""
+    return flag_argument(f"{what}: {name}", value)
 
 
 def tag_arg(tag: Any, what: str) -> int:

@@ -27,7 +27,7 @@ import torch
 import torch.autograd.profiler as _torch_profiler
 
 from tandem._words import in_order
-from tandem.config import Settings
+from tandem.config import Settings, size_text
 from tandem.errors import (ArgumentError, CollectiveError, CollectiveMismatchError,
                            CollectiveTimeoutError, StateError, TandemError)
 from tandem.collectives.backend import HOST_ARENA_KEY
@@ -642,10 +642,21 @@ class ProcessGroup:
         data (measured). Calls on one group run one at a time, so one buffer serves all.
         """
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        if nbytes > _SCRATCH_KEEP:
-            return torch.empty(numel, dtype=dtype)
-        if self._scratch is None or self._scratch.numel() < nbytes:
-            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        try:
+            if nbytes > _SCRATCH_KEEP:
+                return torch.empty(numel, dtype=dtype)
+            if self._scratch is None or self._scratch.numel() < nbytes:
+                self._scratch = None  # the old one freed first: it may be what does not fit
+                self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        except RuntimeError as exc:
+            if "can't allocate memory" not in str(exc):
+                raise
+            # torch's own text names neither the call nor why a collective allocates
+            raise MemoryError(
+                f"rank {self.ranks[self.group_rank]} cannot allocate the {size_text(nbytes)} "
+                f"of working memory this call needs beside its tensors (ring and doubling "
+                f"all-reduces receive up to a tensor's size there); free memory, raise this "
+                f"process's limit (ulimit -v), or call on smaller tensors") from exc
         return self._scratch[:nbytes].view(dtype)
 
     # -- point-to-point ------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from tandem.collectives import api, p2p
-from tandem.collectives.checks import check_cpu_device, root_rank
+from tandem.collectives.checks import bool_arg, check_cpu_device, refused_alone, root_rank
 from tandem.collectives.world import AnyGroup, resolve_group
 from tandem.errors import ArgumentError, CollectiveMismatchError
 
@@ -104,7 +104,10 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None,
     check_cpu_device("broadcast_object_list", "device", device)
     root = root_rank(g, "broadcast_object_list", src, group_src, "src")
     if not isinstance(object_list, list):
-        raise ArgumentError("broadcast_object_list: object_list must be a list")
+        # what the list holds differs by rank, so its type may too: the peers are in the call
+        raise refused_alone(g, "broadcast_object_list", ArgumentError(
+            f"broadcast_object_list: object_list must be a list, got "
+            f"{type(object_list).__name__} on rank {g.ranks[g.group_rank]}"))
     sizes = torch.zeros(len(object_list), dtype=torch.int64)
     packed: list[torch.Tensor] = []
     failed: _Unpicklable | None = None
@@ -155,8 +158,16 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
     root = root_rank(g, "gather_object", dst, group_dst, "dst")
     if g.group_rank == root and (not isinstance(object_gather_list, list)
                                  or len(object_gather_list) != g.group_size):
-        raise ArgumentError(
-            f"gather_object: the destination must pass object_gather_list of {g.group_size}")
+        raise refused_alone(g, "gather_object", ArgumentError(
+            f"gather_object: the destination (rank {g.ranks[root]}) must pass "
+            f"object_gather_list, a list of {g.group_size}; got {_shown(object_gather_list)}"))
+    if g.group_rank != root and object_gather_list is not None:
+        # never filled here: a caller expecting it filled would find it untouched (torch
+        # refuses it too)
+        raise refused_alone(g, "gather_object", ArgumentError(
+            f"gather_object: object_gather_list is used only on the destination rank "
+            f"(dst={g.ranks[root]}); rank {g.ranks[g.group_rank]} must pass None; "
+            f"all_gather_object fills a list on every rank"))
     mine = _packed_one("gather_object", obj, g.ranks[g.group_rank])
     sizes = _sizes(group, mine)
     assert isinstance(mine, torch.Tensor)  # else _sizes raised
@@ -170,6 +181,13 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
             object_gather_list[i] = _unpack(t[:n])
     else:
         api.gather(_pad(mine, max(sizes)), None, group=group, group_dst=root)
+
+
+def _shown(lst: object) -> str:
+    """A root-only list argument as an error message shows it: its type, and its length."""
+    if isinstance(lst, list):
+        return f"a list of {len(lst)}"
+    return "None" if lst is None else type(lst).__name__
 
 
 def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -193,8 +211,10 @@ def scatter_object_list(scatter_object_output_list: list[Any],
     if g.group_rank == root:
         if (not isinstance(scatter_object_input_list, list)
                 or len(scatter_object_input_list) != g.group_size):
-            raise ArgumentError(f"scatter_object_list: the source must pass "
-                                f"scatter_object_input_list of {g.group_size}")
+            raise refused_alone(g, "scatter_object_list", ArgumentError(
+                f"scatter_object_list: the source (rank {g.ranks[root]}) must pass "
+                f"scatter_object_input_list, a list of {g.group_size}; got "
+                f"{_shown(scatter_object_input_list)}"))
         try:
             packed = _pack_all("scatter_object_list", "scatter_object_input_list",
                                scatter_object_input_list, g.ranks[root])
@@ -223,6 +243,7 @@ def send_object_list(object_list: list[Any], dst: int | None = None,
     ``use_batch=True`` posts both sends through :func:`batch_isend_irecv`, as torch does.
     """
     check_cpu_device("send_object_list", "device", device)
+    bool_arg(use_batch, "send_object_list", "use_batch")
     if not isinstance(object_list, list):
         raise ArgumentError("send_object_list: object_list must be a list")
     g = resolve_group(group, "send_object_list")
@@ -262,6 +283,7 @@ def recv_object_list(object_list: list[Any], src: int | None = None,
     does (from a given ``src`` only: a batch names its peers).
     """
     check_cpu_device("recv_object_list", "device", device)
+    bool_arg(use_batch, "recv_object_list", "use_batch")
     if not isinstance(object_list, list):
         raise ArgumentError("recv_object_list: object_list must be a list")
     sizes = torch.zeros(len(object_list), dtype=torch.int64)

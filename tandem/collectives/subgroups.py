@@ -24,7 +24,7 @@ from typing import Any, Sequence
 from tandem._words import in_order
 
 from tandem.collectives.backend import resolve_backend
-from tandem.collectives.checks import check_cpu_device, int_list, refuse_pg_options
+from tandem.collectives.checks import bool_arg, check_cpu_device, int_list, refuse_pg_options
 from tandem.collectives.group import NonMemberGroup, ProcessGroup
 from tandem.collectives.world import AnyGroup, World, resolve_group, world
 from tandem.config import timeout_seconds
@@ -53,9 +53,8 @@ def new_group(ranks: Sequence[int] | None = None,
     check_backend("new_group", backend, w.backend)
     refuse_pg_options("new_group", pg_options)
     check_cpu_device("new_group", "device_id", device_id)
-    if not isinstance(use_local_synchronization, bool):
-        raise ArgumentError(f"new_group: use_local_synchronization must be a bool, got "
-                            f"{use_local_synchronization!r}")
+    bool_arg(use_local_synchronization, "new_group", "use_local_synchronization")
+    bool_arg(sort_ranks, "new_group", "sort_ranks")
     size = w.default.group_size
     members = list(range(size)) if ranks is None else int_list(ranks, "new_group", "ranks")
     if sort_ranks:

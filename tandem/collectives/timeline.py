@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import torch
 
+from tandem._files import check_creatable
 from tandem.collectives.recorder import FAILED, Call, clock
 from tandem.collectives.trace_files import rank_file
 from tandem.errors import ArgumentError
@@ -207,8 +208,10 @@ class Timeline:
         folder = os.path.dirname(self.rank_path) or "."
         try:
             os.makedirs(folder, exist_ok=True)
-            if not os.access(folder, os.W_OK | os.X_OK):
-                raise PermissionError(f"{folder} is not writable by this process")
+            if os.path.isdir(self.rank_path):
+                raise IsADirectoryError(f"{self.rank_path} is a directory")
+            # the file write() creates first, really created: os.access says yes to root
+            check_creatable(folder, os.path.basename(f"{self.rank_path}.{os.getpid()}.tmp"))
         except OSError as exc:
             raise ArgumentError(f"{what}={self.path!r}: rank {self.rank} cannot write its "
                                 f"timeline {self.rank_path} ({exc}); give a path in a "

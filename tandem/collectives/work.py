@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 import torch
 
+from tandem._words import secs
 from tandem.config import timeout_seconds
 from tandem.errors import CollectiveTimeoutError
 
@@ -115,7 +116,9 @@ class Work:
         if self._waiter is not None and not self._event.is_set():
             self._waiter(seconds)  # drives the operation from this thread (p2p)
         if not self._event.wait(seconds):
-            raise CollectiveTimeoutError(f"{self._describe} did not complete within {seconds}s")
+            assert seconds is not None  # a wait without a timeout returns only once set
+            raise CollectiveTimeoutError(f"{self._describe} did not complete within "
+                                         f"{secs(seconds)}s")
         if self._error is not None:
             raise self._error
         return True

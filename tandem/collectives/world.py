@@ -16,6 +16,7 @@ import os
 import socket
 from typing import Callable
 
+from tandem._words import secs
 from tandem import _wire
 from tandem.collectives.backend import DEFAULT_GROUP_ID, Backend, BackendOptions, resolve_backend
 from tandem.collectives.checks import check_cpu_device, refuse_pg_options
@@ -230,7 +231,7 @@ def _connect(store: Store, rank: int, world_size: int, backend: str, settings: S
         if not isinstance(exc, StoreTimeoutError):
             raise
         raise StoreTimeoutError(
-            f"rank {rank}: the job of {world_size} ranks did not form within {setup:.1f}s "
+            f"rank {rank}: the job of {world_size} ranks did not form within {secs(setup)}s "
             f"(TANDEM_CONNECT_TIMEOUT, or the init timeout if shorter): {exc}; a rank whose "
             f"entry is missing never started, or cannot reach the store") from exc
 

@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from tandem._words import secs
 from tandem.collectives.api import all_gather, all_reduce, broadcast
 from tandem.collectives.objects import all_gather_object
 from tandem.collectives.world import default_group, is_initialized, world
@@ -129,7 +130,7 @@ class Session:
                 raise Finished()
             self.roster.raise_if_ended()
             if bounded and time.monotonic() >= deadline:
-                raise TandemTimeout(f"worker {self.me} waited {self.timeout:.0f}s to join the "
+                raise TandemTimeout(f"worker {self.me} waited {secs(self.timeout)}s to join the "
                                     f"elastic job and no membership change came")
 
     def finish(self) -> None:

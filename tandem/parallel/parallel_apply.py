@@ -20,6 +20,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
+from tandem._words import secs
 from tandem.config import load_settings
 from tandem.errors import ArgumentError, TimeoutError
 from tandem.parallel._graph import find_tensors
@@ -92,7 +93,7 @@ def parallel_apply(modules: Sequence[nn.Module], inputs: Sequence[Any],
         stuck = [i for i, t in enumerate(threads) if t.is_alive()]
         if stuck:
             raise TimeoutError(f"parallel_apply: replica(s) {stuck} still running after "
-                               f"TANDEM_TIMEOUT={load_settings().timeout:.0f}s")
+                               f"TANDEM_TIMEOUT={secs(load_settings().timeout)}s")
     for i, exc in enumerate(errors):
         if exc is not None:
             note = getattr(exc, "add_note", None)  # Python >= 3.11

@@ -9,6 +9,7 @@ import sys
 import time
 from typing import Any, Callable, Mapping, TextIO
 
+from tandem._words import secs
 from tandem.config import load_settings
 from tandem.elastic.roster import Roster
 from tandem.errors import ArgumentError, StateError, TimeoutError, WorkerFailedError
@@ -181,7 +182,7 @@ class Trainer:
             remove_placement_group(pg)
             raise TimeoutError(f"tandem.ray: {n} bundles of {self.scaling.bundle()} "
                                f"({self.scaling.placement_strategy}) were not placed within "
-                               f"start_timeout={self.start_timeout:g}s; the cluster has "
+                               f"start_timeout={secs(self.start_timeout)}s; the cluster has "
                                f"{ray.available_resources()} free of "
                                f"{ray.cluster_resources()}")
         return pg
@@ -290,9 +291,9 @@ class Trainer:
             now = time.monotonic()
             if settle_until is not None and now > settle_until:
                 break
-            if deadline is not None and now > deadline and not failed:
+            if deadline is not None and self.timeout is not None and now > deadline and not failed:
                 raise TimeoutError(f"tandem.ray: the job ran past timeout="
-                                   f"{self.timeout:g}s ({len(running)} ranks still running)")
+                                   f"{secs(self.timeout)}s ({len(running)} ranks still running)")
         self._drain(ray)  # the lines pushed as the last ranks ended
         if failed:
             raise self._failure(slots, failed)

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from tandem._words import secs
 from tandem.errors import RpcError, RpcTimeoutError, StateError
 from tandem.rpc._pool import poll_as_reader, role
 from tandem.transport.base import Poller
@@ -171,7 +172,7 @@ Pending = Call | RpcFuture
 def timeout_error(call: Pending, worker: str) -> RpcTimeoutError:
     waited = time.monotonic() - call.started
     return RpcTimeoutError(f"{call.what} on worker {worker} timed out: no reply after "
-                           f"{waited:.3g} s (timeout {call.timeout:g} s)")
+                           f"{waited:.3g} s (timeout {secs(call.timeout)} s)")
 
 
 def remote_error_fields(exc: BaseException, worker: str) -> tuple[str, str, str, str]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import enum
 import os
 import secrets
@@ -28,6 +27,7 @@ import uuid
 from types import FrameType
 from typing import Callable, ParamSpec, Sequence, TypeVar
 
+from tandem._files import check_creatable
 from tandem.config import load_secret, load_settings
 from tandem.elastic.roster import Roster
 from tandem.errors import ArgumentError
@@ -421,8 +421,7 @@ def _check_log_dir(path: str) -> None:
     """Make ``--log-dir`` now, so that a bad one is a one-line error before any worker runs."""
     try:
         os.makedirs(path, exist_ok=True)
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise PermissionError(errno.EACCES, "not writable")
+        check_creatable(path)  # a real file: os.access says yes to root on a read-only mount
     except OSError as exc:
         raise ArgumentError(f"--log-dir {path}: cannot write logs there "
                             f"({exc.strerror or exc})") from None

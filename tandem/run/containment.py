@@ -98,8 +98,10 @@ class Containment:
             parent = _own_cgroup()
         except (OSError, ValueError, IndexError) as exc:
             return cls(reason=str(exc))
-        if not os.access(os.path.join(parent, "cgroup.procs"), os.W_OK):
-            return cls(reason=f"no permission to move processes out of {parent}")
+        try:  # opened for writing, not os.access: that says yes to root on a read-only mount
+            os.close(os.open(os.path.join(parent, "cgroup.procs"), os.O_WRONLY))
+        except OSError as exc:
+            return cls(reason=f"no permission to move processes out of {parent} ({exc.strerror})")
         sweep(parent, PREFIX)
         path = os.path.join(parent, f"{PREFIX}{_owner_tag()}-{secrets.token_hex(3)}")
         try:

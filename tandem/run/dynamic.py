@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 
+from tandem._words import secs
 from tandem.errors import StoreTimeoutError
 from tandem.run.config import LaunchConfig
 from tandem.run.multinode import StoreRendezvous, gives_up
@@ -102,7 +103,7 @@ class DynamicRendezvous(StoreRendezvous):
             if now >= deadline:
                 raise StoreTimeoutError(
                     f"round {attempt} of the rendezvous at {self._where_text()} did not "
-                    f"close within {self._timeout:.0f}s: {count} node(s) joined, at least "
+                    f"close within {secs(self._timeout)}s: {count} node(s) joined, at least "
                     f"{lo} needed (--rdzv-conf join_timeout=SECONDS)")
             time.sleep(POLL)
 

@@ -29,7 +29,7 @@ import uuid
 from typing import Any, Callable
 
 from tandem import _wire
-from tandem._words import counted
+from tandem._words import counted, secs
 from tandem.errors import ArgumentError, NetworkError, StoreTimeoutError, TandemError
 from tandem.run.config import LaunchConfig
 from tandem.run.heartbeat import Heartbeat, Watch
@@ -57,7 +57,7 @@ def _endpoint(cfg: LaunchConfig) -> tuple[str, int]:
 
 
 def gives_up(timeout: float) -> str:
-    return f"gives up after {timeout:.0f}s (--rdzv-conf join_timeout=SECONDS)"
+    return f"gives up after {secs(timeout)}s (--rdzv-conf join_timeout=SECONDS)"
 
 
 def connect_waiting(cfg: LaunchConfig) -> tuple[Callable[[float], str], float]:
@@ -156,7 +156,7 @@ class StoreRendezvous(Rendezvous):
             joined = self.store.add(self._key(attempt, "joined"), 0)
             raise StoreTimeoutError(
                 f"only {joined} of {n} nodes joined attempt {attempt} of the rendezvous at "
-                f"{self._where_text()} within {self._timeout:.0f}s "
+                f"{self._where_text()} within {secs(self._timeout)}s "
                 f"(--rdzv-conf join_timeout=SECONDS)") from exc
         return attempt, self._node, n
 

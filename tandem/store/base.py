@@ -13,6 +13,7 @@ import datetime
 import time
 from typing import Iterable, Sequence
 
+from tandem._words import secs
 from tandem.config import timeout_seconds
 from tandem.errors import ArgumentError, StoreTimeoutError
 
@@ -174,7 +175,7 @@ class Store(abc.ABC):
                           for k in missing[:KEYS_SHOWN])
         if len(missing) > KEYS_SHOWN:
             names += f" and {len(missing) - KEYS_SHOWN} more"
-        return StoreTimeoutError(f"store keys {names} did not appear within {seconds:.1f}s")
+        return StoreTimeoutError(f"store keys {names} did not appear within {secs(seconds)}s")
 
     # -- what each store implements ---------------------------------------------------
     @abc.abstractmethod

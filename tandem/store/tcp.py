@@ -35,6 +35,7 @@ import warnings
 import weakref
 from typing import Sequence
 
+from tandem._words import secs
 from tandem import _wire
 from tandem.config import MAX_WORLD_SIZE, at_most, load_secret, timeout_seconds
 from tandem.errors import (
@@ -116,10 +117,10 @@ class _Client:
                 if time.monotonic() + delay >= deadline:
                     if hung_up is not None:
                         raise StoreError(f"{hung_up}, and no server answered there again "
-                                         f"within {limit:.1f}s") from hung_up.__cause__
+                                         f"within {secs(limit)}s") from hung_up.__cause__
                     raise StoreTimeoutError(
                         f"could not connect to the store at {self.where} within "
-                        f"{limit:.1f}s: {exc}") from exc.__cause__
+                        f"{secs(limit)}s: {exc}") from exc.__cause__
                 time.sleep(delay)
                 delay = min(delay * 2, 0.2)
                 continue
@@ -128,7 +129,7 @@ class _Client:
                     raise
                 # the server went away and none came back: say so, not "nothing listens"
                 raise StoreError(f"{hung_up}, and no server answered there again within "
-                                 f"{limit:.1f}s") from exc
+                                 f"{secs(limit)}s") from exc
             if first:
                 self.incarnation = incarnation
             elif incarnation != self.incarnation:
@@ -152,7 +153,7 @@ class _Client:
             if not first:
                 raise StoreError(f"the store server at {self.where} stopped accepting") from exc
             raise StoreTimeoutError(
-                f"could not connect to the store at {self.where} within {limit:.1f}s: "
+                f"could not connect to the store at {self.where} within {secs(limit)}s: "
                 f"{_why_not(self._host, exc.__cause__)}") from exc
         try:
             _wire.client_handshake(sock, self._secret, PURPOSE, f"the store at {self.where}")
@@ -211,7 +212,7 @@ class _Client:
         except socket.timeout as exc:
             self._release(sock, reuse=False)  # a late reply would answer the next request
             raise StoreTimeoutError(
-                f"store server at {self.where} did not answer {op.name} within {limit:.1f}s"
+                f"store server at {self.where} did not answer {op.name} within {secs(limit)}s"
             ) from exc
         except (OSError, NetworkError, ValueError) as exc:
             self._release(sock, reuse=False)
@@ -347,7 +348,7 @@ class TCPStore(Store):
             joined = int(self._get(_WORKERS, time.monotonic(), 0.0))
             raise StoreTimeoutError(
                 f"only {joined} of {world_size} workers joined the store at "
-                f"{self.host}:{self.port} within {self._timeout:.1f}s"
+                f"{self.host}:{self.port} within {secs(self._timeout)}s"
             ) from exc
 
     def close(self) -> None:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from tandem._words import secs
 from tandem.collectives import api, barriers, p2p
 from tandem.collectives.group import ProcessGroup
 from tandem.collectives.work import Work
@@ -182,7 +183,7 @@ class TandemProcessGroup(Collectives, dist.ProcessGroup):  # type: ignore[misc]
     def _expire(self, what: str, timeout: float) -> TandemError:
         error = CollectiveTimeoutError(
             f"{what} on group '{self._name}' (global ranks {self.global_ranks()}) did not "
-            f"complete within its timeout of {timeout:.3g}s; the group is aborted")
+            f"complete within its timeout of {secs(timeout)}s; the group is aborted")
         self._group.abort(error)
         return error
 

@@ -34,6 +34,7 @@ import struct
 import time
 from typing import Callable, Iterable
 
+from tandem._words import secs
 from tandem import _gate, _wire
 from tandem.errors import AuthenticationError, NetworkError, ProtocolError, TandemError
 from tandem.store.base import Store
@@ -128,7 +129,7 @@ def _lead(store: Store, rank: int, world: int, mine: set[int], secret: bytes, ti
         if not mine <= links.keys():
             raise NetworkError(f"rank {rank}: local rank(s) {sorted(mine - links.keys())}"
                                f" did not connect through shared memory within "
-                               f"{timeout:.0f}s")
+                               f"{secs(timeout)}s")
         listener.close()  # every local rank is in: no stranger gets a socket from now on
         _hand_out(rank, links, deadline, gift)
         return links
@@ -253,7 +254,7 @@ def _take_ends(rank: int, leader: int, sock: socket.socket, wanted: set[int],
                 what = (f"local rank(s) {missing} did not connect" if missing else
                         f"rank {leader} did not hand over the shared segment it announced")
                 raise NetworkError(
-                    f"rank {rank}: {what} through shared memory within {timeout:.0f}s "
+                    f"rank {rank}: {what} through shared memory within {secs(timeout)}s "
                     f"(rank {leader}, the first rank of this host, hands out the "
                     f"connections once every local rank reached it)")
             sock.settimeout(left)

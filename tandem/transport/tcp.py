@@ -45,6 +45,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
+from tandem._words import secs
 from tandem import _gate, _wire
 from tandem.errors import (ArgumentError, AuthenticationError, NetworkError, PeerLostError,
                            ProtocolError, TandemError)
@@ -295,7 +296,7 @@ class TcpTransport(BoundedSends, Transport):
                     missing = sorted(expected - self._conns.keys())
                     raise NetworkError(
                         f"rank {self.rank}: rank(s) {missing} did not connect within "
-                        f"{timeout:.0f}s"
+                        f"{secs(timeout)}s"
                     )
                 self._io_lock.wait(left)
 
@@ -688,7 +689,7 @@ class TcpTransport(BoundedSends, Transport):
                 and self.mailbox.failures.left(rank) is None:
             self.mailbox.peer_lost(rank, PeerLostError(
                 f"rank {self.rank} could not send to rank {rank} ({unsent[0][2]}), and rank "
-                f"{rank}'s stream did not end within {self._timeout:.0f}s; did it exit, crash "
+                f"{rank}'s stream did not end within {secs(self._timeout)}s; did it exit, crash "
                 f"or stop?", rank))
         if self._closing:
             self.give_up_sends(slot for _, slot, _ in unsent)

@@ -220,6 +220,49 @@ def all_reduce_subgroup(lib: Lib) -> Any:
     return t
 
 
+def _non_finite(rank: int) -> torch.Tensor:
+    """NaN and infinities where some ranks hold them and others finite values."""
+    t = _data(rank, 6)
+    t[rank % 6] = float("nan")
+    t[5] = float("inf") if rank % 2 else 1.0
+    t[4] = float("-inf")
+    return t
+
+
+def _nan_apart(t: torch.Tensor) -> list[torch.Tensor]:
+    """Where ``t`` is NaN, and its other values: NaN equals nothing, not even itself."""
+    return [t.isnan(), torch.where(t.isnan(), torch.zeros_like(t), t)]
+
+
+@case
+def all_reduce_sum_passes_nan_and_inf_through(lib: Lib) -> Any:
+    t = _non_finite(lib.rank)
+    lib.dist.all_reduce(t)
+    return _nan_apart(t)
+
+
+@case
+def broadcast_passes_nan_and_inf_through(lib: Lib) -> Any:
+    t = _non_finite(lib.ws - 1) if lib.rank == lib.ws - 1 else torch.zeros(6)
+    lib.dist.broadcast(t, src=lib.ws - 1)
+    return _nan_apart(t)
+
+
+def _max_with_nan(rank: int, world_size: int) -> Any:
+    out = _non_finite(0)
+    for q in range(1, world_size):
+        out = torch.maximum(out, _non_finite(q))
+    return _nan_apart(out)
+
+
+@local_case("gloo's MAX keeps or drops a NaN by the order it meets it (std::max); tandem "
+            "propagates it as torch.maximum does, the same on every rank", _max_with_nan)
+def all_reduce_max_propagates_nan(lib: Lib) -> Any:
+    t = _non_finite(lib.rank)
+    lib.dist.all_reduce(t, op=lib.dist.ReduceOp.MAX)
+    return _nan_apart(t)
+
+
 # -- reduce ----------------------------------------------------------------------------
 @case
 def reduce_sum_to_rank_1(lib: Lib) -> Any:

@@ -315,3 +315,57 @@ def test_a_root_given_both_as_global_and_group_rank_is_refused(g: ProcessGroup, 
 
 def test_every_refusal_is_a_tandem_error() -> None:
     assert issubclass(ArgumentError, TandemError) and issubclass(ArgumentError, ValueError)
+
+
+# -- flags: a value that is not True or False is refused, never taken for its truth ------------
+ASYNC_CALLS = {
+    "broadcast": lambda g, a: tandem.broadcast(f(2), 1, group=g, async_op=a),
+    "all_reduce": lambda g, a: tandem.all_reduce(f(2), group=g, async_op=a),
+    "all_reduce_coalesced": lambda g, a: tandem.all_reduce_coalesced([f(2)], group=g,
+                                                                     async_op=a),
+    "reduce": lambda g, a: tandem.reduce(f(2), 1, group=g, async_op=a),
+    "all_gather": lambda g, a: tandem.all_gather([f(2) for _ in range(P)], f(2), group=g,
+                                                 async_op=a),
+    "all_gather_into_tensor": lambda g, a: tandem.all_gather_into_tensor(f(2 * P), f(2), group=g,
+                                                                         async_op=a),
+    "gather": lambda g, a: tandem.gather(f(2), [f(2) for _ in range(P)], 1, group=g, async_op=a),
+    "scatter": lambda g, a: tandem.scatter(f(2), [f(2)] * P, 1, group=g, async_op=a),
+    "reduce_scatter": lambda g, a: tandem.reduce_scatter(f(2), [f(2)] * P, group=g, async_op=a),
+    "reduce_scatter_tensor": lambda g, a: tandem.reduce_scatter_tensor(f(2), f(2 * P), group=g,
+                                                                       async_op=a),
+    "all_to_all": lambda g, a: tandem.all_to_all([f(1) for _ in range(P)], [f(1)] * P, group=g,
+                                                 async_op=a),
+    "all_to_all_single": lambda g, a: tandem.all_to_all_single(f(P), f(P), group=g, async_op=a),
+    "barrier": lambda g, a: tandem.barrier(group=g, async_op=a),
+}
+NOT_BOOLS = ["no", 0, 1, None, torch.tensor(True)]
+
+
+def test_every_public_function_taking_async_op_is_checked_here() -> None:
+    import inspect
+
+    taking = {name for name in tandem.__all__ if inspect.isfunction(getattr(tandem, name, None))
+              and "async_op" in inspect.signature(getattr(tandem, name)).parameters}
+    aliases = {"all_gather_single", "reduce_scatter_single"}  # the same functions as two above
+    assert taking - aliases == set(ASYNC_CALLS), taking ^ set(ASYNC_CALLS)
+
+
+@pytest.mark.parametrize("value", NOT_BOOLS, ids=repr)
+@pytest.mark.parametrize("call", list(ASYNC_CALLS))
+def test_an_async_op_that_is_not_a_bool_is_refused_naming_it(g: ProcessGroup, call: str,
+                                                             value: object) -> None:
+    with pytest.raises(ArgumentError, match=f"{call}: async_op must be True or False, got "
+                                            f"{type(value).__name__}"):
+        ASYNC_CALLS[call](g, value)
+
+
+@pytest.mark.parametrize("name", ["send_object_list", "recv_object_list"])
+def test_a_use_batch_that_is_not_a_bool_is_refused_naming_it(g: ProcessGroup, name: str) -> None:
+    with pytest.raises(ArgumentError, match=f"{name}: use_batch must be True or False, got str"):
+        getattr(tandem, name)([1], 0, group=g, use_batch="no")
+
+
+@pytest.mark.parametrize("flag", ["use_local_synchronization", "sort_ranks"])
+def test_new_group_flags_that_are_not_bools_are_refused_naming_them(solo: None, flag: str) -> None:
+    with pytest.raises(ArgumentError, match=f"new_group: {flag} must be True or False, got str"):
+        tandem.new_group([0], **{flag: "no"})  # type: ignore[arg-type]

@@ -299,12 +299,14 @@ def test_all_gather_object_list_of_wrong_length_is_named(g) -> None:
 
 
 def test_gather_object_destination_without_list_is_told(g) -> None:
-    with pytest.raises(ArgumentError, match="destination must pass object_gather_list of 3"):
+    with pytest.raises(ArgumentError, match=r"destination \(rank 1\) must pass "
+                                            r"object_gather_list, a list of 3; got None"):
         tandem.gather_object(1, None, dst=1, group=g)
 
 
 def test_scatter_object_list_source_without_inputs_is_told(g) -> None:
-    with pytest.raises(ArgumentError, match="source must pass scatter_object_input_list of 3"):
+    with pytest.raises(ArgumentError, match=r"source \(rank 1\) must pass "
+                                            r"scatter_object_input_list, a list of 3; got None"):
         tandem.scatter_object_list([None], None, src=1, group=g)
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import tandem
+from tandem.collectives.world import world
 from tandem.testing import launch
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(300)]
@@ -27,6 +28,18 @@ def _init(rank: int, store: str) -> None:
     os.environ["TANDEM_HOST_ID"] = f"host-{HOSTS[rank]}"
     tandem.init_process_group("auto", init_method=f"file://{store}/tandem", rank=rank,
                               world_size=len(HOSTS), timeout=OP_TIMEOUT)
+
+
+def _entering(key: str, rank: int) -> None:
+    """Tell the rank that will come late to the call ``key`` names that this one is about
+    to enter it."""
+    world().scoped.set(f"{key}/{rank}", b"")
+
+
+def _last_in(key: str, rank: int) -> None:
+    """Return once every other rank said it is entering the call ``key`` names (an event,
+    not a guessed sleep): they wait in it when this rank acts."""
+    world().scoped.wait([f"{key}/{q}" for q in range(len(HOSTS)) if q != rank])
 
 
 def _counted(rank: int, p: int, store: str) -> dict[str, Any]:
@@ -51,8 +64,10 @@ def _counted(rank: int, p: int, store: str) -> dict[str, Any]:
         for late in (1, p - 1, 3):
             mark = os.path.join(store, f"late-{late}")
             if rank == late:
-                time.sleep(0.5)  # the others are inside by then, or soon: it must hold them
+                _last_in(f"late-{late}", rank)  # the others are in the barrier: it must hold them
                 open(mark, "w").close()
+            else:
+                _entering(f"late-{late}", rank)
             tandem.barrier()
             made["held"].append(os.path.exists(mark))
         return dict(made)  # before the goodbyes, which close() sends as records
@@ -97,8 +112,9 @@ def test_a_rank_in_another_collective_is_a_mismatch(odd: int, tmp_path: Any) -> 
 def _killed(rank: int, p: int, store: str, victim: int) -> str:
     _init(rank, store)
     if rank == victim:
-        time.sleep(1.0)  # the others are waiting in the barrier by then, or soon
+        _last_in("killed", rank)  # the others are waiting in the barrier
         os.kill(os.getpid(), 9)
+    _entering("killed", rank)
     try:
         tandem.barrier()
     except Exception as exc:  # noqa: BLE001 - the survivor's account is the result

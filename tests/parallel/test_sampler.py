@@ -99,7 +99,7 @@ def test_defaults_come_from_the_default_group() -> None:
 @pytest.mark.parametrize("name", ["shuffle", "drop_last"])
 def test_a_switch_that_is_not_a_bool_is_refused(name: str) -> None:
     # shuffle="no" shuffled and drop_last="no" dropped the tail, without a word
-    with pytest.raises(ArgumentError, match=f"{name} must be True or False, got 'no'"):
+    with pytest.raises(ArgumentError, match=f"{name} must be True or False, got str 'no'"):
         DistributedSampler(Sized(5), num_replicas=2, rank=0, **{name: "no"})  # type: ignore[arg-type]
 
 

@@ -104,6 +104,8 @@ def test_signals_rdzv_conf_and_standalone() -> None:
     (["--monitor-interval", "nan", "t.py"], "--monitor-interval must be > 0"),
     (["--monitor-interval", "inf", "t.py"], "--monitor-interval must be > 0"),
     (["--log-dir", "/proc/no-such-dir", "t.py"], "--log-dir /proc/no-such-dir: cannot write"),
+    # a folder whose mode lets root write (os.access: yes) but where no file can be made
+    (["--log-dir", "/sys/kernel", "t.py"], "--log-dir /sys/kernel: cannot write"),
 ])
 def test_bad_values_are_refused_with_the_flag_named(
         argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

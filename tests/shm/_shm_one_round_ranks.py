@@ -10,7 +10,19 @@ import torch
 import tandem as dist
 from _shm_arena_ranks import oracle, value
 from tandem.collectives.algorithms import shm
-from tandem.collectives.world import default_group
+from tandem.collectives.world import default_group, world
+
+
+def _entering(key: str, rank: int) -> None:
+    """Tell the member that will come late to the call ``key`` names that this one is
+    about to enter it."""
+    world().scoped.set(f"{key}/{rank}", b"")
+
+
+def _last_in(key: str, rank: int, p: int) -> None:
+    """Return once every other member said it is entering the call ``key`` names: this
+    one then enters it last, while they wait in it (an event, not a guessed sleep)."""
+    world().scoped.wait([f"{key}/{q}" for q in range(p) if q != rank])
 
 # (dtype, reduce ops): AVG both prescaled (2 members) and divided after (3 members)
 CASES: list[tuple[torch.dtype, tuple[str, ...]]] = [
@@ -55,8 +67,11 @@ def one_round_limits(rank: int, p: int) -> dict[str, Any]:
         ranks = [q + p * call for q in range(p)]  # this call's inputs, per member
         base = value(ranks[rank], n * stride, dtype)
         t = base[::stride]
+        key = f"one-round-{call}"
         if call % 5 == rank % 5:
-            time.sleep(0.002)
+            _last_in(key, rank, p)
+        else:
+            _entering(key, rank)
         dist.all_reduce(t, op=getattr(dist.ReduceOp, op_name))
         want = oracle(ranks, n * stride, dtype, op_name)[::stride]
         if not torch.equal(t, want):
@@ -128,8 +143,10 @@ def barriers_between_calls(rank: int, p: int) -> dict[str, Any]:
     try:
         for i in range(3):  # the first call on a fresh arena: nothing reserved by them
             if i % p == rank:
-                time.sleep(0.2)
+                _last_in(f"barrier-{i}", rank, p)
                 entered.append(time.time())
+            else:
+                _entering(f"barrier-{i}", rank)
             barrier()
             left.append(time.time())
     finally:
@@ -143,7 +160,9 @@ def barriers_between_calls(rank: int, p: int) -> dict[str, Any]:
         ranks = [q + p * call for q in range(p)]
         t = value(ranks[rank], 1000, torch.float32)
         if call % p == rank:
-            time.sleep(0.05)
+            _last_in(f"between-{call}", rank, p)
+        else:
+            _entering(f"between-{call}", rank)
         dist.all_reduce(t)
         if call % 2:
             dist.barrier()
