@@ -8,6 +8,8 @@ the host's own address and loopback, and other hosts only through the lab's brid
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -61,11 +63,17 @@ def battery(rank: int, world: int, store: str, names: Sequence[str], addrs: Sequ
         if not torch.equal(out, want):
             wrong.append(f"reduce_scatter {rows * world}")
         dist.barrier()
+    # the watchdog starts its store thread at its first tick: counted at every layout alike
+    settle = time.monotonic() + 3.0
+    while time.monotonic() < settle and not any(
+            t.name == "tandem-watchdog-store" for t in threading.enumerate()):
+        time.sleep(0.02)
     end = snapshot()
     grown = end.minus(base)
+    names = sorted(t.name for t in threading.enumerate())  # what a failed count shows
     dist.barrier()  # nobody leaves (closing connections) before every rank counted
     dist.destroy_process_group()
-    return {"wrong": wrong, **grown}
+    return {"wrong": wrong, "thread_names": names, **grown}
 
 
 def relayed(rank: int, world: int, store: str, stamp: str) -> dict[str, str]:
