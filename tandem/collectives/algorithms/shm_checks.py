@@ -5,7 +5,8 @@ so each member announces every call in its segment (``ProcessGroup`` does), and
 after the first wait of a call every member compares every peer's announcement of
 this call number with its own (:func:`verify`); a peer that is in some other call,
 through shared memory or messages, is found by the same comparison while waiting
-(:func:`arena_check`). Waits end early when the group is aborted or a member dies,
+(:func:`arena_check`); a peer found in this very call is not compared again in it.
+Waits end early when the group is aborted or a member dies,
 and at the deadline.
 
     arena, check = prepare(op)          # the group's arena, and what its waits check
