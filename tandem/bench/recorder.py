@@ -139,8 +139,11 @@ def recording_seconds(numel: int = 1024) -> float:
             i = call.seq % capacity
             if not i:
                 recorder.lap(call.seq)
-            record = recorder.ring[i] = [call.seq, call.op, call.sig, call.site, nbytes, 0.0,
-                                         now, call, ""]
+            record = [call.seq, call.op, call.sig, call.site, nbytes, 0.0, now, call, ""]
+            try:
+                recorder.ring[i] = record
+            except IndexError:
+                recorder.grow(i, record)
             record[7] = clock()
 
     # CPU time of this process: other processes on a shared machine do not inflate it

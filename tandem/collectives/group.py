@@ -420,9 +420,13 @@ class ProcessGroup:
             i = op.seq % recorder.capacity
             if not i:
                 recorder.lap(op.seq)
-            record = recorder.ring[i] = [op.seq, op.name, op.sig, op.site,
-                                         nbytes if nbytes >= 0 else payload_bytes(result),
-                                         0.0, now, op, ""]  # see recorder.RECORD_FIELDS
+            record = [op.seq, op.name, op.sig, op.site,
+                      nbytes if nbytes >= 0 else payload_bytes(result),
+                      0.0, now, op, ""]  # see recorder.RECORD_FIELDS
+            try:
+                recorder.ring[i] = record
+            except IndexError:  # the ring's first lap: it grows as calls come
+                recorder.grow(i, record)
         if record is not None and (recorder.timeline is not None
                                    or _torch_profiler._is_profiler_enabled):
             watched = True
@@ -733,7 +737,7 @@ class ProcessGroup:
                 self._cv.wait(max(0.0, end - time.monotonic()))
             idle = not self._busy and (engine is None or not engine.is_alive())
         self.completions.close()
-        if self.recorder.ring:
+        if self.recorder.slots:
             self.transport.unfollow_calls(self.group_id, self.recorder.last_completed)
         if idle:  # a call still inside must not see them unmapped
             for arena in (self.arena, self._host_arena):

@@ -161,10 +161,13 @@ class Recorder:
 
     def __init__(self, capacity: int, name: str = "") -> None:
         self.capacity = capacity
+        self.slots = capacity  # the rings' length once full: stays while capacity is toggled
         self.name = name  # the group's
-        self.ring: list[list[Any] | None] = [None] * capacity  # collectives, at seq % capacity
+        # collectives, at seq % capacity; both rings grow as calls are recorded (made in
+        # full at creation, two 2,000-slot lists cost every group ~16 page faults at start-up)
+        self.ring: list[list[Any] | None] = []
         self._views: dict[int, Call] = {}  # seq -> a reader's view of an unfinished call
-        self._p2p: list[Call | None] = [None] * capacity
+        self._p2p: list[Call | None] = []
         self._p2p_next = itertools.count()  # next() is atomic: p2p calls record from any thread
         self._totals: dict[str, list[Any]] = {}  # op -> see _add
         self._folded = 0  # collectives below this sequence number are in _totals or _late
@@ -191,8 +194,18 @@ class Recorder:
         i = seq % capacity
         if not i:
             self.lap(seq)
-        self.ring[i] = record
+        try:
+            self.ring[i] = record
+        except IndexError:  # the ring's first lap
+            self.grow(i, record)
         return record
+
+    def grow(self, i: int, record: list[Any]) -> None:
+        """Store ``record`` at slot ``i``, past the ring's end: the ring grows to it (only
+        the group's own thread records collectives)."""
+        ring = self.ring
+        ring.extend([None] * (i - len(ring)))
+        ring.append(record)
 
     def lap(self, seq: int) -> None:
         """The ring is about to overwrite its oldest lap with collective ``seq``: add up
@@ -219,6 +232,8 @@ class Recorder:
         nine tuples made per lap), and counting without a list (``countOf``) saves a
         little (0.33 against 0.34 us)."""
         ring: list[Any] = self.ring  # a None in it stops the first pass (TypeError)
+        if not ring:  # the first call: nothing to add up
+            return True
         try:
             # no slot holds a later call than seq - 1, and each holds another call
             if min(map(_SEQ, ring)) < self._folded:  # TypeError: an empty slot
@@ -279,7 +294,8 @@ class Recorder:
         ring = self.ring
         if not ring:
             return None
-        r = ring[seq % len(ring)]  # its length stays while ``capacity`` is toggled
+        i = seq % self.slots  # not ``capacity``, which may be toggled
+        r = ring[i] if i < len(ring) else None  # past its end: not recorded yet
         if r is None or r[0] < seq:
             return None
         if r[0] == seq:
@@ -312,7 +328,14 @@ class Recorder:
         call.peer = peer
         call.tag = tag
         call.t_start = clock()
-        self._p2p[next(self._p2p_next) % capacity] = call
+        i = next(self._p2p_next) % capacity
+        try:
+            self._p2p[i] = call
+        except IndexError:  # the ring's first lap: grow it to i (calls come from any thread)
+            with self._lock:
+                p2p = self._p2p
+                p2p.extend([None] * (i + 1 - len(p2p)))
+                p2p[i] = call
         return call
 
     def end_p2p(self, call: Call, error: BaseException | None = None) -> None:

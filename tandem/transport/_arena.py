@@ -158,6 +158,10 @@ class Arena:
         self.posted = self._ctl[index][_POSTED]
         self._sleep_words = [_ASLEEP + q for q in range(self.size) if q != index]
         self.target = 0
+        # members found to have announced call ``matched_call`` (seq, signature): a wait's
+        # checks compare each member with the call at hand once, not at every wake
+        self.matched_call: tuple[int, bytes] = (-1, b"")
+        self.matched: set[int] = set()
         # [timeline hook] while set, every wait that blocks appends (start, end) here
         self.wait_log: list[tuple[float, float]] | None = None
         self._round = 0

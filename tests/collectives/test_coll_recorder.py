@@ -53,6 +53,32 @@ def test_the_ring_keeps_the_last_n_calls_of_a_group() -> None:
     assert run_threads(2, body, settings=Settings(flight_recorder=3)) == [[4, 5, 6]] * 2
 
 
+def test_the_rings_grow_with_the_calls_recorded_up_to_their_length() -> None:
+    # a group made and not yet used holds no slots (2,000 each of collectives and
+    # point-to-point, made at creation, cost each rank page faults at start-up); the
+    # rings fill as calls come, and a full ring keeps its length and its last calls
+    def body(g: ProcessGroup) -> Any:
+        recorder = g.recorder
+        start = len(recorder.ring), len(recorder._p2p)
+        for n in range(3):
+            api.all_reduce(torch.ones(2), group=g)
+            if g.rank() == 0:
+                p2p.send(torch.ones(2), dst=1, group=g)
+            else:
+                p2p.recv(torch.empty(2), src=0, group=g)
+        grown = len(recorder.ring), len(recorder._p2p)
+        for n in range(10):
+            api.all_reduce(torch.ones(2), group=g)
+        seqs = [c.seq for c in _calls(g) if not c.is_p2p]
+        return start, grown, len(recorder.ring), seqs[0], len(seqs), recorder.issued
+
+    for start, grown, full, first, kept, issued in run_threads(
+            2, body, settings=Settings(flight_recorder=8)):
+        assert start == (0, 0), start
+        assert grown == (3, 3) and full == 8, (grown, full)
+        assert kept == 8 and first == issued - 8, (first, kept, issued)
+
+
 def test_recording_off_keeps_nothing_and_counts_nothing() -> None:
     def body(g: ProcessGroup) -> Any:
         api.all_reduce(torch.ones(2), group=g)

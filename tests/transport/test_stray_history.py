@@ -26,7 +26,11 @@ def _record(recorder: Recorder, seq: int, started: bool = True, ended: bool = Tr
     # what ProcessGroup._execute (or Recorder.queued) leaves in the ring
     record = [seq, "all_reduce", SIG, SITE, 8, 0.0, clock() if started else 0.0,
               clock() if ended else object(), error]
-    recorder.ring[seq % len(recorder.ring)] = record
+    i = seq % recorder.slots
+    if i < len(recorder.ring):
+        recorder.ring[i] = record
+    else:
+        recorder.grow(i, record)
     return record
 
 

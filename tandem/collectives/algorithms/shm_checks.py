@@ -5,7 +5,8 @@ so each member announces every call in its segment (``ProcessGroup`` does), and
 after the first wait of a call every member compares every peer's announcement of
 this call number with its own (:func:`verify`); a peer that is in some other call,
 through shared memory or messages, is found by the same comparison while waiting
-(:func:`arena_check`). Waits end early when the group is aborted or a member dies,
+(:func:`arena_check`); a peer found in this very call is not compared again in it.
+Waits end early when the group is aborted or a member dies,
 and at the deadline.
 
     arena, check = prepare(op)          # the group's arena, and what its waits check
@@ -46,14 +47,28 @@ def _mismatch(op: Op, who: int, seq: int, sig: bytes, site: bytes) -> Collective
         f"{site.decode(errors='replace')}")
 
 
-def _differs(op: Op, arena: Arena, member: int, strict: bool,
-             ranks: Sequence[int]) -> CollectiveMismatchError | None:
+def _matched(op: Op, arena: Arena) -> set[int]:
+    """The members of ``arena`` already found in ``op``: none is compared again in it (at
+    16 ranks a first barrier's wakes compared each laggard at every wake, 50 times)."""
+    call = (op.seq, op.sig)
+    if arena.matched_call != call:
+        arena.matched_call = call
+        arena.matched = set()
+    return arena.matched
+
+
+def _differs(op: Op, arena: Arena, member: int, strict: bool, ranks: Sequence[int],
+             matched: set[int]) -> CollectiveMismatchError | None:
     """Whether ``member`` (``ranks[member]``) is in another call than ``op``.
 
     ``strict``: the member has posted the phase this rank waited for, so it must have
     announced this very call; if it has not, its phase belongs to another call.
+    ``matched`` (:func:`_matched`): members found in ``op``, skipped; one found is added.
     """
+    if member in matched:
+        return None
     if arena.holds(member, op.seq, op.sig):
+        matched.add(member)
         return None
     seen = None
     for _ in range(1000):  # None: the member is rewriting the entry right now; re-read
@@ -64,6 +79,7 @@ def _differs(op: Op, arena: Arena, member: int, strict: bool,
         return None
     seq, sig, site = seen
     if seq == op.seq and sig == op.sig:
+        matched.add(member)
         return None
     if seq > op.seq and strict:
         # it posted this call's phase and has since run further (a gather's non-roots
@@ -92,13 +108,16 @@ def arena_check(op: Op, arena: Arena, ranks: Sequence[int] | None = None,
     def check() -> None:
         transport.check_group(g.group_id, g.ranks, op.deadline, op.describe)
         lagging = [q for q in arena.lagging(arena.target) if q != arena.index]
-        for q in lagging:
-            gone = transport.left(members[q])
-            if gone is not None:
-                transport.raise_lost(g.group_id, gone, members[q], op.deadline, op.describe)
-            error = _differs(op, arena, q, False, members)
-            if error is not None:
-                raise error
+        if lagging:
+            matched = _matched(op, arena)
+            for q in lagging:
+                gone = transport.left(members[q])
+                if gone is not None:
+                    transport.raise_lost(g.group_id, gone, members[q], op.deadline,
+                                         op.describe)
+                error = _differs(op, arena, q, False, members, matched)
+                if error is not None:
+                    raise error
         parked = transport.parked_call(g.group_id, op.seq, op.sig if messages else None)
         if parked is not None:
             sender, header = parked
@@ -119,9 +138,11 @@ def verify(op: Op, arena: Arena, members: Sequence[int] | None = None,
     checked here, next time). ``ranks``: as for :func:`arena_check`; an arena of some
     of the group's ranks holds only the calls that use it, so no previous call is
     compared there."""
+    matched = _matched(op, arena)
     for q in range(arena.size) if members is None else members:
         if q != arena.index:
-            error = _differs(op, arena, q, True, op.group.ranks if ranks is None else ranks)
+            error = _differs(op, arena, q, True, op.group.ranks if ranks is None else ranks,
+                             matched)
             if error is not None:
                 raise error
     if ranks is None:
