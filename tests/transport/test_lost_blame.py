@@ -75,6 +75,7 @@ class _Op:
         self.group = _Group(transport)
         self.deadline = time.monotonic() + 30
         self.seq = 0
+        self.sig = b"broadcast"
 
     def describe(self) -> str:
         return "broadcast #0"
@@ -85,6 +86,8 @@ class _Arena:
     it blames rank 2)."""
     index = 0
     target = 1
+    matched_call: tuple[int, bytes] | None = None  # the members found in a call (none here)
+    matched: set[int] = set()
 
     def lagging(self, target: int) -> list[int]:
         return [2]

@@ -48,8 +48,8 @@ def _mismatch(op: Op, who: int, seq: int, sig: bytes, site: bytes) -> Collective
 
 
 def _matched(op: Op, arena: Arena) -> set[int]:
-    """The members of ``arena`` already found in ``op``: none is compared again in it (at
-    16 ranks a first barrier's wakes compared each laggard at every wake, 50 times)."""
+    """The members of ``arena`` already found in ``op``: none is compared again in it (a
+    first barrier on a host wakes many times, and each wake compared every laggard)."""
     call = (op.seq, op.sig)
     if arena.matched_call != call:
         arena.matched_call = call
