@@ -11,6 +11,7 @@ import pytest
 import tandem
 from tandem.collectives.init_method import open_store
 from tandem.errors import ArgumentError, TandemError
+from tandem.store.tcp import TCPStore
 
 # rank 1 never serves the store, and port 1 refuses: a value let through is a network
 # error or a timeout here, never an ArgumentError
@@ -105,3 +106,18 @@ def test_values_that_are_right_pass_the_checks(env: dict[str, str]) -> None:
         return
     store.close()
     assert (rank, size) == (int(env["RANK"]), int(env["WORLD_SIZE"]))
+
+
+@pytest.mark.parametrize("value", ["-1", "abc", "1.5", "", str(2 ** 40)])
+def test_get_node_local_rank_names_a_wrong_local_rank(
+        value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", value)
+    with pytest.raises(ArgumentError) as caught:
+        tandem.get_node_local_rank(fallback_rank=0)
+    assert f"LOCAL_RANK={value!r}" in str(caught.value) and "expected" in str(caught.value)
+
+
+@pytest.mark.parametrize("port", [70000, -1])
+def test_a_tcp_store_names_itself_in_a_wrong_port(port: int) -> None:
+    with pytest.raises(ArgumentError, match=rf"TCPStore: port must be .*1\.\.65535.*{port}"):
+        TCPStore("127.0.0.1", port, 1, is_master=False)
