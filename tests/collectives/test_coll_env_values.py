@@ -121,3 +121,19 @@ def test_get_node_local_rank_names_a_wrong_local_rank(
 def test_a_tcp_store_names_itself_in_a_wrong_port(port: int) -> None:
     with pytest.raises(ArgumentError, match=rf"TCPStore: port must be .*1\.\.65535.*{port}"):
         TCPStore("127.0.0.1", port, 1, is_master=False)
+
+
+_SETTINGS = sorted(set(re.findall(r'_number\(env, "(TANDEM_[A-Z_]+)"',
+                                  open(tandem.config.__file__).read())))
+
+
+@pytest.mark.parametrize("name", _SETTINGS)
+@pytest.mark.parametrize("value", ["abc", "-1", "1e400", "1.5x"])
+def test_a_wrong_tandem_setting_is_named(name: str, value: str) -> None:
+    # the TANDEM_* numbers init reads: a guard, these were named already
+    try:
+        tandem.config.load_settings({name: value})
+    except ArgumentError as exc:
+        assert name in str(exc), exc
+    else:
+        assert value == "-1", f"{name}={value!r} was taken"  # -1: "off" for some settings
