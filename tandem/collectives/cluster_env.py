@@ -37,6 +37,10 @@ which must then be the first host, where rank 0 runs. ``MASTER_PORT``: set it, e
 
 MPICH, Intel MPI: ``PMI_RANK``/``PMI_SIZE``/``MPI_LOCALRANKID``; MASTER_ADDR and
 MASTER_PORT must be set.
+
+A scheduler's variable that is used and is not a count in range (``SLURM_PROCID=abc``,
+a rank not below the job size, ``SLURM_JOB_ID=x`` with no MASTER_PORT) is an
+``ArgumentError`` naming that variable, not the one it would have filled in.
 """
 
 from __future__ import annotations
@@ -47,10 +51,11 @@ import subprocess
 from typing import Callable, Mapping
 
 from tandem.collectives.hostlist import expand_hostlist
+from tandem.config import MAX_WORLD_SIZE
 from tandem.errors import ArgumentError
 
-__all__ = ["cluster_env", "scheduler_task", "first_host", "slurm_node_address", "tasks_on_node",
-           "port_from_id"]
+__all__ = ["cluster_env", "env_int", "scheduler_task", "first_host", "slurm_node_address",
+           "tasks_on_node", "port_from_id"]
 
 # scheduler: (rank, world size, local rank), in the order they are looked for
 _SCHEDULERS = {
@@ -63,6 +68,40 @@ _NAMES = [(name, rank, size) for name, (rank, size, _) in _SCHEDULERS.items()]
 _SCONTROL_TIMEOUT_S = 10.0
 
 
+def env_int(env: Mapping[str, str], name: str, low: int, high: int, expected: str,
+            default: int | None = None) -> int:
+    """The integer in environment variable ``name``, in ``[low, high]``; else an
+    ``ArgumentError`` naming the variable, its value and ``expected``. Unset or empty is
+    ``default``, or an error if there is none."""
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        if default is not None:
+            return default
+        raise ArgumentError(f"environment variable {name}={raw!r} is "
+                            f"{'empty' if raw is not None else 'not set'}: expected {expected}")
+    text = raw.strip()
+    if not re.fullmatch(r"[+-]?\d+", text):  # int() would also take "1_0" and "١"
+        raise ArgumentError(f"environment variable {name}={raw!r} is not an integer: "
+                            f"expected {expected}")
+    value = int(text)
+    if not low <= value <= high:
+        raise ArgumentError(f"environment variable {name}={raw!r} is out of range: "
+                            f"expected {expected}")
+    return value
+
+
+def _take(env: Mapping[str, str], out: dict[str, str], name: str, var: str, low: int,
+          high: int, expected: str) -> int:
+    """Fill ``name`` from the scheduler's ``var`` unless it is set already; ``var``,
+    when used, must be an integer in ``[low, high]`` (else named). Returns its value,
+    or -1 if not used."""
+    if name in out:  # anything exported wins
+        return -1
+    value = env_int(env, var, low, high, expected)
+    out[name] = str(value)
+    return value
+
+
 def first_host(nodelist: str) -> str:
     """The first host of a SLURM node list: ``"gpu[03-05,07],cpu1"`` -> ``"gpu03"``."""
     return expand_hostlist(nodelist)[0]
@@ -73,17 +112,20 @@ def port_from_id(job_id: int) -> int:
     return 10000 + job_id % 20000
 
 
-def tasks_on_node(tasks_per_node: str, node: int) -> int:
-    """Node ``node``'s count in SLURM's ``2(x3),1`` notation; ``ArgumentError`` if absent."""
+def tasks_on_node(tasks_per_node: str, node: int, what: str = "tasks per node") -> int:
+    """Node ``node``'s count in SLURM's ``2(x3),1`` notation; ``ArgumentError`` naming
+    ``what`` (the variable it came from) if unreadable or absent."""
     seen = 0
     for item in tasks_per_node.split(","):
         m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
         if m is None:
-            raise ArgumentError(f"tasks per node {tasks_per_node!r}: cannot read {item!r}")
+            raise ArgumentError(f"{what}={tasks_per_node!r}: cannot read {item!r}: expected "
+                                f"counts per node as SLURM writes them, e.g. 2(x3),1")
         seen += int(m.group(2) or 1)
         if node < seen:
             return int(m.group(1))
-    raise ArgumentError(f"tasks per node {tasks_per_node!r} has no entry for node {node}")
+    raise ArgumentError(f"{what}={tasks_per_node!r} has no entry for node {node}: expected "
+                        f"counts per node as SLURM writes them, e.g. 2(x3),1")
 
 
 def slurm_node_address(name: str) -> str:
@@ -109,33 +151,48 @@ def slurm_node_address(name: str) -> str:
     return m.group(1)
 
 
-def _fill_slurm(env: Mapping[str, str], out: dict[str, str],
+def _job_port(env: Mapping[str, str], out: dict[str, str], var: str) -> None:
+    """MASTER_PORT from the job id in ``var`` unless set; a job id that is no integer is
+    named rather than left to a missing MASTER_PORT."""
+    if out.get("MASTER_PORT") or var not in env:
+        return
+    job = env_int(env, var, 0, 2**63 - 1, "the job's id, a non-negative integer (or export "
+                  "MASTER_PORT)")
+    out["MASTER_PORT"] = str(port_from_id(job))
+
+
+def _fill_slurm(env: Mapping[str, str], out: dict[str, str], size: int,
                 resolve: Callable[[str], str]) -> None:
-    for name, var in (("GROUP_RANK", "SLURM_NODEID"), ("GROUP_WORLD_SIZE", "SLURM_NNODES")):
-        if env.get(var):
-            out.setdefault(name, env[var])
-    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-    if per_node and env.get("SLURM_NODEID", "").isdigit():
-        out.setdefault("LOCAL_WORLD_SIZE", str(tasks_on_node(per_node, int(env["SLURM_NODEID"]))))
-    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") \
+    nodes = size
+    if env.get("SLURM_NNODES"):
+        taken = _take(env, out, "GROUP_WORLD_SIZE", "SLURM_NNODES", 1, size,
+                      f"the step's node count, 1..SLURM_NTASKS = {size}")
+        nodes = taken if taken > 0 else size
+    var = "SLURM_STEP_TASKS_PER_NODE" if env.get("SLURM_STEP_TASKS_PER_NODE") \
+        else "SLURM_TASKS_PER_NODE"
+    per_node = bool(env.get(var)) and "LOCAL_WORLD_SIZE" not in out
+    if env.get("SLURM_NODEID") and ("GROUP_RANK" not in out or per_node):
+        node = env_int(env, "SLURM_NODEID", 0, nodes - 1,
+                       f"this node's index in the step, 0..{nodes - 1}")
+        out.setdefault("GROUP_RANK", str(node))
+        if per_node:
+            out["LOCAL_WORLD_SIZE"] = str(tasks_on_node(env[var], node, var))
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") \
         or env.get("SLURM_NODELIST")
-    if nodes and not out.get("MASTER_ADDR"):
-        out["MASTER_ADDR"] = resolve(first_host(nodes))
-    job = env.get("SLURM_JOB_ID", "")
-    if job.isdigit() and not out.get("MASTER_PORT"):
-        out["MASTER_PORT"] = str(port_from_id(int(job)))
+    if nodelist and not out.get("MASTER_ADDR"):
+        out["MASTER_ADDR"] = resolve(first_host(nodelist))
+    _job_port(env, out, "SLURM_JOB_ID")
 
 
-def _fill_open_mpi(env: Mapping[str, str], out: dict[str, str]) -> None:
+def _fill_open_mpi(env: Mapping[str, str], out: dict[str, str], size: int) -> None:
     if env.get("OMPI_COMM_WORLD_LOCAL_SIZE"):
-        out.setdefault("LOCAL_WORLD_SIZE", env["OMPI_COMM_WORLD_LOCAL_SIZE"])
+        _take(env, out, "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", 1, size,
+              f"the ranks on this node, 1..OMPI_COMM_WORLD_SIZE = {size}")
     # "JOBID.VPID;tcp://10.0.0.1,10.1.0.1:PORT;...": mpirun's own addresses, first first
     hnp = re.search(r"tcp6?://\[?([^,:;\]]+)", env.get("OMPI_MCA_orte_hnp_uri", ""))
     if hnp and not out.get("MASTER_ADDR"):
         out["MASTER_ADDR"] = hnp.group(1)
-    job = env.get("OMPI_MCA_ess_base_jobid", "")
-    if job.isdigit() and not out.get("MASTER_PORT"):
-        out["MASTER_PORT"] = str(port_from_id(int(job)))
+    _job_port(env, out, "OMPI_MCA_ess_base_jobid")
 
 
 def scheduler_task(env: Mapping[str, str]) -> str:
@@ -162,12 +219,19 @@ def cluster_env(env: Mapping[str, str],
     if not task:
         return out
     rank_var, size_var, local_var = _SCHEDULERS[task]
-    out.setdefault("RANK", env[rank_var])
-    out.setdefault("WORLD_SIZE", env[size_var])
+    size = _take(env, out, "WORLD_SIZE", size_var, 1, MAX_WORLD_SIZE,
+                 f"the job's number of ranks, 1..{MAX_WORLD_SIZE}")
+    if size < 0:  # WORLD_SIZE exported wins; the scheduler's rank is checked against it
+        size = env_int(out, "WORLD_SIZE", 1, MAX_WORLD_SIZE,
+                       f"the number of ranks, 1..{MAX_WORLD_SIZE}")
+        size_var = "WORLD_SIZE"
+    _take(env, out, "RANK", rank_var, 0, size - 1,
+          f"this task's rank, 0..{size_var}-1 = {size - 1}")
     if local_var in env:
-        out.setdefault("LOCAL_RANK", env[local_var])
+        _take(env, out, "LOCAL_RANK", local_var, 0, size - 1,
+              f"this task's index on its node, 0..{size - 1}")
     if task == "SLURM":
-        _fill_slurm(env, out, resolve)
+        _fill_slurm(env, out, size, resolve)
     elif task in ("Open MPI", "PMIx"):
-        _fill_open_mpi(env, out)
+        _fill_open_mpi(env, out, size)
     return out

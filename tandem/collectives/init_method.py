@@ -7,9 +7,10 @@ and ``file:///path`` take ``?rank=`` and ``?world_size=`` in the URL or as argum
     store, rank, world_size, master = open_store("tcp://10.0.0.1:29500?rank=1&world_size=4",
                                                  -1, -1, timeout=1800, connect_timeout=60)
 
-Every value is checked before anything is allocated or connected: a rank or world size
-that is not an integer, out of range, or absurdly large is an ``ArgumentError`` naming it.
-Reaching the store waits at most ``connect_timeout``.
+Every value is checked before anything is allocated or connected: a rank, world size or
+port that is not an integer, out of range, or absurdly large is an ``ArgumentError`` naming
+it, and one read from the environment names the variable, its value and what it must be
+(:func:`env_int`). Reaching the store waits at most ``connect_timeout``.
 """
 
 from __future__ import annotations
@@ -18,14 +19,16 @@ import datetime
 import urllib.parse
 from typing import Mapping
 
-from tandem.collectives.cluster_env import cluster_env
+from tandem.collectives.cluster_env import cluster_env, env_int
 from tandem.config import MAX_WORLD_SIZE, at_most
 from tandem.errors import ArgumentError
 from tandem.store.base import Store
 from tandem.store.file import FileStore
 from tandem.store.tcp import TCPStore
 
-__all__ = ["open_store", "check_rank", "MAX_WORLD_SIZE"]
+__all__ = ["open_store", "check_rank", "env_int", "check_env", "MAX_WORLD_SIZE"]
+
+_PORTS = "a TCP port, 1..65535"
 
 
 def _int_text(raw: str, what: str) -> int:
@@ -35,11 +38,33 @@ def _int_text(raw: str, what: str) -> int:
         raise ArgumentError(f"{what}={raw!r} is not an integer") from exc
 
 
-def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    return _int_text(raw, f"environment variable {name}")
+def check_env(env: Mapping[str, str], rank: int = -1,
+              world_size: int = -1) -> tuple[int, int, int]:
+    """RANK, WORLD_SIZE and MASTER_PORT of ``env`` (a ``rank`` or ``world_size`` argument
+    of 0 or more wins over its variable), and LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK
+    and GROUP_WORLD_SIZE if set, each checked and named when wrong.
+    Returns (rank, world size, port)."""
+    if world_size < 0:
+        world_size = env_int(env, "WORLD_SIZE", 1, MAX_WORLD_SIZE,
+                             f"the number of ranks, 1..{MAX_WORLD_SIZE}")
+    else:
+        check_rank(0, world_size)
+    if rank < 0:
+        rank = env_int(env, "RANK", 0, world_size - 1,
+                       f"this process's rank, 0..WORLD_SIZE-1 = {world_size - 1}")
+    check_rank(rank, world_size)
+    if rank == 0:  # the store's host may take any free port (tandemrun's standby ranks)
+        port = env_int(env, "MASTER_PORT", 0, 65535,
+                       f"{_PORTS}, where rank 0 serves the store (0 on rank 0: any free port)")
+    else:
+        port = env_int(env, "MASTER_PORT", 1, 65535, f"{_PORTS}, where rank 0 serves the store")
+    # only each alone: an in-place spare has LOCAL_RANK >= LOCAL_WORLD_SIZE and WORLD_SIZE=1
+    for name, low, expected in (("LOCAL_WORLD_SIZE", 1, "the ranks on this node"),
+                                ("LOCAL_RANK", 0, "this rank's index on its node"),
+                                ("GROUP_WORLD_SIZE", 1, "the number of nodes"),
+                                ("GROUP_RANK", 0, "this node's rank")):
+        env_int(env, name, low, MAX_WORLD_SIZE, f"{expected}, {low}..{MAX_WORLD_SIZE}", 0)
+    return rank, world_size, port
 
 
 def check_rank(rank: object, world_size: object) -> None:
@@ -73,25 +98,30 @@ def open_store(init_method: str, rank: int, world_size: int, timeout: float,
         world_size = _int_text(query["world_size"], f"init_method {init_method!r}: world_size")
     if url.scheme == "env":
         env = cluster_env(env)  # srun / mpirun give ranks through their own variables
-        if rank < 0:
-            rank = _env_int(env, "RANK", -1)
-        if world_size < 0:
-            world_size = _env_int(env, "WORLD_SIZE", -1)
-        missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if not env.get(n)]
-        if rank < 0:
-            missing.append("RANK")
-        if world_size < 0:
-            missing.append("WORLD_SIZE")
+        missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if n not in env]
+        missing += [n for n, given in (("RANK", rank), ("WORLD_SIZE", world_size))
+                    if given < 0 and n not in env]
         if missing:
             raise ArgumentError(
                 f"init_method='env://' needs the environment variable(s) {', '.join(missing)} "
                 f"(set by tandemrun / torchrun, derived under srun / mpirun, or export them "
                 f"yourself)")
-        host, port = env["MASTER_ADDR"], _env_int(env, "MASTER_PORT", 0)
+        if not env["MASTER_ADDR"].strip():
+            raise ArgumentError(f"environment variable MASTER_ADDR={env['MASTER_ADDR']!r} is "
+                                f"empty: expected the host name or address of rank 0, where "
+                                f"the store is served")
+        rank, world_size, port = check_env(env, rank, world_size)
+        host = env["MASTER_ADDR"]
     elif url.scheme == "tcp":
-        if not url.hostname or not url.port:
-            raise ArgumentError(f"init_method {init_method!r} must look like tcp://host:port")
-        host, port = url.hostname, url.port
+        try:
+            url_port = url.port
+        except ValueError as exc:  # urllib: "Port out of range 0-65535" or not a number
+            raise ArgumentError(f"init_method {init_method!r}: the port must be an integer, "
+                                f"1..65535 ({exc})") from exc
+        if not url.hostname or not url_port:
+            raise ArgumentError(f"init_method {init_method!r} must look like tcp://host:port "
+                                f"(port 1..65535)")
+        host, port = url.hostname, url_port
     elif url.scheme == "file":
         if rank < 0 or world_size < 0:  # unset; a size of 0 is named by check_rank
             raise ArgumentError("init_method='file://...' needs rank= and world_size=")

@@ -24,7 +24,8 @@ from tandem.collectives import world
 from tandem.collectives.backend import Backend, resolve_backend
 from tandem.collectives.group import NON_GROUP_MEMBER
 from tandem.collectives.reduce_op import ReduceOp, check_dtype
-from tandem.config import Settings, load_settings
+from tandem.collectives.cluster_env import env_int
+from tandem.config import MAX_WORLD_SIZE, Settings, load_settings
 from tandem.errors import ArgumentError, StateError, TandemError
 
 __all__ = ["group", "GroupMember", "default_pg_timeout", "is_backend_available",
@@ -96,12 +97,9 @@ def is_torchelastic_launched() -> bool:
 def get_node_local_rank(fallback_rank: int | None = None) -> int:
     """This process's rank among those of its node: LOCAL_RANK, which the launchers
     set; else ``fallback_rank``; else an error saying so."""
-    value = os.environ.get("LOCAL_RANK")
-    if value is not None:
-        try:
-            return int(value)
-        except ValueError:
-            raise ArgumentError(f"LOCAL_RANK must be an integer, got {value!r}") from None
+    if os.environ.get("LOCAL_RANK") is not None:
+        return env_int(os.environ, "LOCAL_RANK", 0, MAX_WORLD_SIZE - 1,
+                       f"this process's rank on its node, 0..{MAX_WORLD_SIZE - 1}")
     if fallback_rank is not None:
         return int(fallback_rank)
     raise StateError("get_node_local_rank: LOCAL_RANK is not set (tandemrun and torchrun "

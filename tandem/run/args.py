@@ -19,7 +19,8 @@ import difflib
 import os
 from typing import Any, Callable, Mapping, NoReturn, Sequence
 
-from tandem.collectives.cluster_env import first_host, port_from_id, slurm_node_address
+from tandem.collectives.cluster_env import (env_int, first_host, port_from_id,
+                                            slurm_node_address)
 from tandem.errors import ArgumentError
 from tandem.run.config import (
     START_METHODS,
@@ -250,11 +251,9 @@ def operator_defaults(env: Mapping[str, str]) -> dict[str, Any]:
     if env.get("MASTER_ADDR") and not env.get("PET_MASTER_ADDR"):
         out["master_addr"] = env["MASTER_ADDR"]
     if env.get("MASTER_PORT") and not env.get("PET_MASTER_PORT"):
-        if not env["MASTER_PORT"].strip().isdigit():
-            raise ArgumentError(f"MASTER_PORT={env['MASTER_PORT']!r} (node 0's port in a "
-                                f"training operator's pod, with PET_NNODES set): expected "
-                                f"a port number; fix it or give --master-port")
-        out["master_port"] = int(env["MASTER_PORT"])
+        out["master_port"] = env_int(env, "MASTER_PORT", 0, 65535,
+                                     "node 0's port in a training operator's pod (PET_NNODES "
+                                     "is set), 0..65535; fix it or give --master-port")
     return out
 
 

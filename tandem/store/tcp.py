@@ -296,7 +296,8 @@ class TCPStore(Store):
             raise ArgumentError(f"TCPStore: port and world_size are ints, got {port!r} and "
                                 f"{world_size!r}")
         if not isinstance(port, int) or not 0 <= port <= 65535 or (port == 0 and not is_master):
-            raise ArgumentError(f"port must be 1..65535 (or 0 on the master), got {port!r}")
+            raise ArgumentError(f"TCPStore: port must be an int, 1..65535 (or 0 on the master: "
+                                f"any free port), got {port!r}")
         if world_size == -1:
             world_size = None
         if world_size is not None and (not isinstance(world_size, int) or world_size < 1):

@@ -30,7 +30,8 @@ from urllib.parse import parse_qs, urlparse
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from tandem.config import secret_configured
+from tandem.collectives.cluster_env import env_int
+from tandem.config import MAX_WORLD_SIZE, secret_configured
 from tandem.errors import ArgumentError
 from tandem.store.tcp import TCPStore
 
@@ -105,13 +106,31 @@ class AuthenticatedStore(dist.Store):
 
 
 def _rank_and_size(query: dict[str, list[str]], what: str) -> tuple[int, int]:
-    def one(name: str, variable: str) -> int:
-        text = query[name][0] if name in query else os.environ.get(variable)
-        if text is None:
+    def one(name: str, variable: str, low: int, expected: str) -> int:
+        if name in query:
+            text = query[name][0]
+            if not text.strip().isdigit():
+                raise ArgumentError(f"{what}: ?{name}={text!r} in the init_method is not a "
+                                    f"non-negative integer")
+            return int(text)
+        if os.environ.get(variable) is None:
             raise ArgumentError(f"{what}: no {name} (give ?{name}= in the init_method, the "
                                 f"argument {name}=, or the environment variable {variable})")
-        return int(text)
-    return one("rank", "RANK"), one("world_size", "WORLD_SIZE")
+        return env_int(os.environ, variable, low, MAX_WORLD_SIZE - low, expected)
+    size = one("world_size", "WORLD_SIZE", 1, f"the number of ranks, 1..{MAX_WORLD_SIZE}")
+    rank = one("rank", "RANK", 0, f"this process's rank, 0..{MAX_WORLD_SIZE - 1}")
+    if not 0 <= rank < size:
+        raise ArgumentError(f"{what}: rank {rank} is not below the world size {size} (check "
+                            f"RANK and WORLD_SIZE, or the init_method's rank= and world_size=)")
+    return rank, size
+
+
+def _url_port(url: str, what: str) -> int | None:
+    try:
+        return urlparse(url).port
+    except ValueError as exc:  # urllib: "Port out of range 0-65535" or not a number
+        raise ArgumentError(f"{what}: the port of {url!r} must be an integer, 1..65535 "
+                            f"({exc})") from exc
 
 
 def _rendezvous(url: str, timeout: datetime.timedelta, host: str | None, port: int | None,
@@ -127,8 +146,8 @@ def _rendezvous(url: str, timeout: datetime.timedelta, host: str | None, port: i
 
 def _tandem_handler(url: str, timeout: datetime.timedelta = default_pg_timeout,
                     **kwargs: Any) -> Iterator[tuple[dist.Store, int, int]]:
-    parsed = urlparse(url)
-    return _rendezvous(url, timeout, parsed.hostname, parsed.port, "tandem:// rendezvous")
+    what = "tandem:// rendezvous"
+    return _rendezvous(url, timeout, urlparse(url).hostname, _url_port(url, what), what)
 
 
 def _torch_protocol() -> bool:
@@ -148,11 +167,12 @@ def _preferring_authenticated(scheme: str, original: Callable[..., Any]) -> Call
                 raise ArgumentError(f"env:// rendezvous: the environment variables MASTER_ADDR "
                                     f"and MASTER_PORT are needed, got MASTER_ADDR={host!r}, "
                                     f"MASTER_PORT={port!r}")
-            return _rendezvous(url, timeout, host, int(port) if port else None,
+            number = env_int(os.environ, "MASTER_PORT", 0, 65535,
+                             "a TCP port, 1..65535 (0 on rank 0: any free port)")
+            return _rendezvous(url, timeout, host, number,
                                "env:// rendezvous (tandem's authenticated store)")
-        parsed = urlparse(url)
-        return _rendezvous(url, timeout, parsed.hostname, parsed.port,
-                           "tcp:// rendezvous (tandem's authenticated store)")
+        what = "tcp:// rendezvous (tandem's authenticated store)"
+        return _rendezvous(url, timeout, urlparse(url).hostname, _url_port(url, what), what)
 
     handler.tandem_original = original  # type: ignore[attr-defined]
     return handler

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import signal
 
 import pytest
@@ -328,10 +329,15 @@ def test_every_pet_switch_given_a_word_that_is_not_on_or_off_is_refused(
     assert getattr(build_parser().parse_args(["t.py"]), dest) is False
 
 
-def test_an_operator_pods_master_port_that_is_not_a_number_is_refused() -> None:
-    # it was dropped, and the job waited on port 29500 instead
-    with pytest.raises(ArgumentError, match="MASTER_PORT='abc'"):
-        operator_defaults({"PET_NNODES": "2", "MASTER_PORT": "abc"})
+@pytest.mark.parametrize("port", ["abc", "70000", "-1", "1.5", " "])
+def test_an_operator_pods_master_port_that_is_not_a_port_is_refused(port: str) -> None:
+    # abc was dropped, and the job waited on port 29500 instead; 70000 was blamed on
+    # --master-port, which the user never gave
+    with pytest.raises(ArgumentError, match=re.escape(f"MASTER_PORT={port!r}") + ".*expected"):
+        operator_defaults({"PET_NNODES": "2", "MASTER_PORT": port})
+
+
+def test_an_operator_pods_master_port_that_is_a_port_is_taken() -> None:
     assert operator_defaults({"PET_NNODES": "2", "MASTER_PORT": "1234"}) == {"master_port": 1234}
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import tandem.torch_backend  # noqa: F401 - registers the backend and the rendezvous
-from tandem.errors import AuthenticationError
+from tandem.errors import ArgumentError, AuthenticationError
 from tandem.torch_backend import AuthenticatedStore
 from tandem.torch_backend import _auth_store
 
@@ -115,3 +115,35 @@ def test_two_ranks_rendezvous_through_the_authenticated_store(tmp_path: Path) ->
     finally:
         server.close()
     assert values(outcomes) == [[6.0, 6.0], [6.0, 6.0]]
+
+
+@pytest.mark.parametrize("name,value", [
+    ("MASTER_PORT", "70000"), ("MASTER_PORT", "abc"), ("MASTER_PORT", "1.5"),
+    ("MASTER_PORT", "-1"), ("RANK", "abc"), ("RANK", "-1"), ("RANK", "1.5"), ("RANK", ""),
+    ("WORLD_SIZE", "0"), ("WORLD_SIZE", "abc"), ("WORLD_SIZE", "1.5"), ("WORLD_SIZE", ""),
+])
+def test_env_values_that_are_wrong_are_named_with_what_is_expected(
+        name: str, value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # rank 1 never serves, port 1 refuses: a value let through fails otherwise, and later
+    for var, text in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "RANK": "1",
+                      "WORLD_SIZE": "2", name: value}.items():
+        monkeypatch.setenv(var, text)
+    with pytest.raises(ArgumentError) as caught:
+        next(dist.rendezvous("env://"))
+    assert f"{name}={value!r}" in str(caught.value) and "expected" in str(caught.value)
+
+
+def test_a_rank_not_below_the_world_size_names_both_variables(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for var, text in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "RANK": "2",
+                      "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(var, text)
+    with pytest.raises(ArgumentError, match=r"rank 2 is not below the world size 2 .*RANK and "
+                                            r"WORLD_SIZE"):
+        next(dist.rendezvous("env://"))
+
+
+@pytest.mark.parametrize("url", ["tcp://127.0.0.1:70000", "tandem://127.0.0.1:abc"])
+def test_a_wrong_port_in_the_url_is_named(url: str) -> None:
+    with pytest.raises(ArgumentError, match="the port of .* must be an integer, 1..65535"):
+        next(dist.rendezvous(url, rank=1, world_size=2))
