@@ -154,12 +154,13 @@ class MixedTransport(Transport):
         self.mailbox = tcp.mailbox
         self.tcp = tcp
         self.shm = shm
-        # a rank rejecting a stray message tells its sender, by whichever way reaches it
-        self.mailbox.reply = lambda peers, group, error: self.abort(group, peers, error)
         self._keys = tcp.host_keys if isinstance(tcp, TcpTransport) else []
         self._leaders: dict[str, int] = {}  # each host's lowest rank
         for r, key in enumerate(self._keys):
             self._leaders.setdefault(key, r)
+        # a rank rejecting a stray message tells its sender, by whichever way reaches it
+        # (set once routing is known: a refusal may come from another thread at once)
+        self.mailbox.reply = lambda peers, group, error: self.abort(group, peers, error)
         if self._keys:
             self.mailbox.handle(Kind.ABORT, self._on_abort)
             first_hand = self.mailbox.peer_lost
@@ -175,6 +176,8 @@ class MixedTransport(Transport):
                 tcp.pass_news_on(self._pass_on)
             for peer in self.mailbox.failures.all_lost():
                 self._announce_lost(peer)
+        if isinstance(tcp, TcpTransport):  # refusals made before it: their senders hear now
+            tcp.pass_refusals_on(self.mailbox.reply)
 
     # -- failure news across hosts -------------------------------------------------------
     def _by_host(self, ranks: Sequence[int]) -> dict[str, list[int]]:

@@ -164,13 +164,17 @@ class TcpTransport(BoundedSends, Transport):
             raise ArgumentError(f"hosts has {len(hosts)} entries; a {world_size}-rank job "
                                 f"needs one per rank")
         self.mailbox = Mailbox(rank, park_limit)
-        self.mailbox.reply = lambda peers, group, error: self.abort(group, peers, error)
+        self.mailbox.reply = self._refuse
         # news that names ranks to pass it on to (only a mixed transport sends such, and
         # passes it on): what came before one took over, e.g. on a leader still setting
         # up its host's shared memory, waits for it (``pass_news_on``)
         self._news_lock = threading.Lock()
         self._held_news: list[tuple[Header, bytes]] = []
         self._news_taker: Callable[[Header, bytes], object] | None = None
+        # refusals this rank sends before a mixed transport takes over, to ranks only it
+        # reaches (same-host senders, over shared memory): held for it (``pass_refusals_on``)
+        self._held_refusals: list[tuple[list[int], int, TandemError]] = []
+        self._refusal_taker: Callable[[list[int], int, TandemError], object] | None = None
         if lazy:  # news of ranks it never connected to comes as notices (mixed.py)
             self.mailbox.handle(Kind.ABORT, self._on_abort)
         self._secret = secret
@@ -397,6 +401,33 @@ class TcpTransport(BoundedSends, Transport):
             held, self._held_news = self._held_news, []
         for header, data in held:
             taker(header, data)
+
+    def _refuse(self, peers: list[int], group: int, error: TandemError) -> None:
+        """The mailbox's reply: tell ``peers`` that ``group`` failed here with ``error``
+        (a refused message); those this transport has no link to are told by the mixed
+        transport once it exists (``pass_refusals_on``)."""
+        mine = [p for p in peers if p in self.links]
+        others = [p for p in peers if p != self.rank and p not in self.links]
+        if others:
+            with self._news_lock:
+                taker = self._refusal_taker
+                if taker is None:
+                    self._held_refusals.append((others, group, error))
+            if taker is not None:  # it took over while this was refused
+                taker(others, group, error)
+        self.abort(group, mine, error)
+
+    def pass_refusals_on(self, taker: Callable[[list[int], int, TandemError], object]) -> None:
+        """From now on ``taker(peers, group, error)`` tells the ranks this transport has
+        no link to of a message this rank refused (``Mailbox.reply``); it gets at once the
+        refusals made before, e.g. of a same-host sender that overran the park limit
+        while this rank set up its shared memory. A mixed transport calls this once it is
+        the mailbox's reply."""
+        with self._news_lock:
+            self._refusal_taker = taker
+            held, self._held_refusals = self._held_refusals, []
+        for peers, group, error in held:
+            taker(peers, group, error)
 
     def _unreachable(self, peer: int, exc: BaseException) -> PeerLostError:
         """``peer`` cannot be connected to: it is lost from now on; the error to raise."""

@@ -8,7 +8,12 @@ passed it on, and announced no such death: the other hosts waited for the deadli
 Two simulated hosts of two ranks each (threads of this process, told apart by host
 name), built by the ``auto`` backend; rank 0 (host a's leader) is held between its
 shared memory and its mixed transport until the news has reached it, as a loaded
-machine may hold it."""
+machine may hold it.
+
+A message such a leader refuses in that window (a same-host sender overran its cap on
+early messages) is refused to its sender over shared memory once the mixed transport
+exists: before, the refusal went to tcp, which has no link to a same-host rank, and was
+dropped, so the sender waited for its deadline."""
 
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from tandem.collectives.backend import BackendOptions
 from tandem.errors import PeerLostError, StateError
 from tandem.store import HashStore
 from tandem.testing import wait_until
-from tandem.transport import Kind, Slot
+from tandem.transport import Header, Kind, Slot
 from tandem.transport.mixed import MixedTransport
 from tandem.transport.shm import unsupported_reason
 from tandem.transport.tcp import TcpTransport
@@ -99,7 +104,7 @@ def job(monkeypatch: pytest.MonkeyPatch) -> Iterator[HeldJob]:
 
 
 def _failed(slot: Slot) -> BaseException | None:
-    assert slot.event.wait(NOTICED_WITHIN), "the news did not reach host b"
+    assert slot.event.wait(NOTICED_WITHIN), "the news did not reach its rank"
     return slot.error
 
 
@@ -138,3 +143,21 @@ def test_a_rank_that_died_while_its_leader_set_up_is_named_to_the_other_hosts(
     error = _failed(waiting)
     assert isinstance(error, PeerLostError) and error.rank == 1, error
     assert "rank 1 died (reported by rank 0)" in str(error), error
+
+
+def test_a_refusal_made_by_a_leader_in_set_up_reaches_its_same_host_sender(
+        job: HeldJob) -> None:
+    one = job.ready(1)
+    job.ready(2)
+    job.ready(3)
+    assert job.held.wait(DEADLINE)
+    job.shm0.mailbox.park_limit = 8  # the second early message below overruns it
+    waiting = one.irecv(0, Kind.P2P, 7, 0, 0, memoryview(bytearray(4)))
+    one.isend(0, Header(Kind.P2P, 7, 0, 0, 8), memoryview(bytes(8)))
+    one.isend(0, Header(Kind.P2P, 7, 1, 0, 64), memoryview(bytes(64)))
+    wait_until(lambda: job.shm0.mailbox.failures.aborted(7) is not None,
+               "rank 0 to refuse the second message", DEADLINE)
+    job.release()
+    error = _failed(waiting)  # the sender hears at once, not at its deadline
+    assert isinstance(error, StateError) and "cap on early messages is 8 bytes" in str(error), \
+        error
