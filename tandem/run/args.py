@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 from tandem.collectives.cluster_env import (env_int, first_host, port_from_id,
                                             slurm_node_address)
+from tandem.config import MAX_WORLD_SIZE
 from tandem.errors import ArgumentError
 from tandem.run.config import (
     START_METHODS,
@@ -217,20 +218,31 @@ def slurm_defaults(env: Mapping[str, str],
     ``PET_*`` variables win. Several launchers on one node would share its node rank:
     that is refused here, with the fix.
     """
-    nodes, tasks = env.get("SLURM_STEP_NUM_NODES", ""), env.get("SLURM_STEP_NUM_TASKS", "")
-    job, node = env.get("SLURM_JOB_ID", ""), env.get("SLURM_NODEID", "")
+    if not (env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_STEP_NUM_TASKS")):
+        return {}  # not a task of an srun step (a batch script's shell has no STEP_ values)
+    # in a step, a value unset or wrong is named, never taken for "no srun step"
+    fix = "fix or unset it, or give tandemrun's flags"
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
-    if not (nodes.isdigit() and tasks.isdigit() and job.isdigit() and node.isdigit()
-            and nodelist):
-        return {}  # not a task of an srun step
-    if int(tasks) != int(nodes):
+    if not nodelist.strip():
+        raise ArgumentError(f"tandemrun under srun: SLURM_STEP_NODELIST and SLURM_JOB_NODELIST "
+                            f"are unset or empty: expected the step's nodes in SLURM's notation, "
+                            f"e.g. gpu[07-08]; {fix}")
+    nodes = env_int(env, "SLURM_STEP_NUM_NODES", 1, MAX_WORLD_SIZE,
+                    f"the step's node count, 1..{MAX_WORLD_SIZE}; {fix}")
+    tasks = env_int(env, "SLURM_STEP_NUM_TASKS", 1, MAX_WORLD_SIZE,
+                    f"the step's task count, 1..{MAX_WORLD_SIZE}; {fix}")
+    job = env_int(env, "SLURM_JOB_ID", 0, 2**63 - 1, f"the job's id, an integer >= 0; {fix}")
+    node = env_int(env, "SLURM_NODEID", 0, nodes - 1,
+                   f"this node's index in the step, 0..SLURM_STEP_NUM_NODES-1 = {nodes - 1}; "
+                   f"{fix}")
+    if tasks != nodes:
         raise ArgumentError(
             f"tandemrun under srun: this step runs {tasks} tasks on {nodes} node(s) "
             f"(SLURM_STEP_NUM_TASKS, SLURM_STEP_NUM_NODES); start one tandemrun per node "
             f"(srun --ntasks-per-node=1 tandemrun --nproc-per-node N ...), or run the "
             f"script itself once per rank (srun --ntasks-per-node=N python train.py)")
-    addr, port = resolve(first_host(nodelist)), port_from_id(int(job))
-    return {"nnodes": nodes, "node_rank": int(node), "master_addr": addr, "master_port": port,
+    addr, port = resolve(first_host(nodelist)), port_from_id(job)
+    return {"nnodes": str(nodes), "node_rank": node, "master_addr": addr, "master_port": port,
             "rdzv_endpoint": f"{addr}:{port}", "rdzv_id": f"slurm-{job}"}
 
 

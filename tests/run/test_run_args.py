@@ -355,3 +355,24 @@ def test_a_monitor_interval_below_a_millisecond_is_refused(interval: str) -> Non
     with pytest.raises(ArgumentError, match=f"--monitor-interval {float(interval)} is below 0.001"):
         parse(["--monitor-interval", interval, "t.py"])
     assert parse(["--monitor-interval", "0.001", "t.py"]).monitor_interval == 0.001
+
+
+@pytest.mark.parametrize("name,value", [
+    ("SLURM_STEP_NUM_NODES", "abc"), ("SLURM_STEP_NUM_NODES", "0"),
+    ("SLURM_STEP_NUM_TASKS", "2.0"), ("SLURM_JOB_ID", "x42"), ("SLURM_JOB_ID", "-1"),
+    ("SLURM_NODEID", "abc"), ("SLURM_NODEID", "-1"), ("SLURM_NODEID", "2"),
+    ("SLURM_NODEID", ""), ("SLURM_JOB_ID", None), ("SLURM_STEP_NODELIST", None)])
+def test_a_wrong_slurm_value_under_srun_is_named_not_read_as_no_step(
+        monkeypatch: pytest.MonkeyPatch, name: str, value: str | None) -> None:
+    # SLURM_NODEID=abc made tandemrun a single-node launcher without a word
+    env = {k: v for k, v in SLURM_STEP.items() if k != name}
+    if value is not None:
+        env[name] = value
+    if name == "SLURM_STEP_NODELIST":
+        env.pop("SLURM_JOB_NODELIST")
+    with pytest.raises(ArgumentError, match=name):
+        slurm_defaults(env, resolve=lambda n: n)
+    for key, val in env.items():
+        monkeypatch.setenv(key, val)
+    with pytest.raises(ArgumentError, match=name):
+        parse(["train.py"])
