@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
-from typing import Any, Callable, Mapping, NoReturn, Sequence
+import re
+from typing import Any, Callable, Mapping, NamedTuple, NoReturn, Sequence
 
 from tandem.collectives.cluster_env import (env_int, first_host, port_from_id,
                                             slurm_node_address)
@@ -39,11 +40,20 @@ __all__ = ["build_parser", "parse", "slurm_defaults", "operator_defaults"]
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
 
 
+class _FromEnv(NamedTuple):
+    """A flag's value as its ``PET_<DEST>`` variable gave it; not a str, so argparse leaves
+    it to :func:`_take_env`, which names the variable when it is wrong."""
+    name: str
+    raw: str
+
+
 class _Env(argparse.Action):
     """A valued flag whose default comes from ``PET_<DEST>`` when that variable is set."""
 
     def __init__(self, dest: str, default: Any = None, **kwargs: Any) -> None:
-        default = os.environ.get(f"PET_{dest.upper()}", default)
+        name = f"PET_{dest.upper()}"
+        if name in os.environ:
+            default = _FromEnv(name, os.environ[name])
         super().__init__(dest=dest, default=default, **kwargs)
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
@@ -276,6 +286,45 @@ def parse(argv: Sequence[str] | None = None) -> LaunchConfig:
     parser.set_defaults(**{k: v for k, v in derived.items()
                            if f"PET_{k.upper()}" not in os.environ})
     ns = parser.parse_args(argv)
+    taken = _take_env(parser, ns)
+    try:
+        return _config(ns)
+    except ArgumentError as exc:  # "--master-port must be ..." when PET_MASTER_PORT said it
+        named = [f"environment variable {v.name}={v.raw!r} (tandemrun's {flag})"
+                 for flag, v in taken.items() if re.search(re.escape(flag) + r"(?![\w-])",
+                                                           str(exc))]
+        if not named:
+            raise
+        raise ArgumentError(f"{', '.join(named)}: {exc}; fix or unset it") from exc
+
+
+def _long_flag(action: argparse.Action) -> str:
+    return next(f for f in action.option_strings if f.startswith("--"))
+
+
+def _take_env(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict[str, _FromEnv]:
+    """Put the values ``PET_*`` variables gave in ``ns``, converted as their flag's are
+    (a wrong one names the variable); returns them by flag, for errors found later."""
+    taken: dict[str, _FromEnv] = {}
+    for action in parser._actions:
+        value = getattr(ns, action.dest, None)
+        if not isinstance(value, _FromEnv):
+            continue
+        flag = _long_flag(action)
+        convert = action.type if callable(action.type) else str
+        try:
+            setattr(ns, action.dest, convert(value.raw))
+        except ValueError as exc:
+            kinds: dict[object, str] = {int: "an integer", float: "a number"}
+            kind = kinds.get(convert, "valid")
+            raise ArgumentError(f"environment variable {value.name}={value.raw!r} (tandemrun's "
+                                f"{flag}) is not {kind}: fix or unset it") from exc
+        taken[flag] = value
+    return taken
+
+
+def _config(ns: argparse.Namespace) -> LaunchConfig:
+    """The launch configuration of parsed flags; ``ArgumentError`` naming a wrong one."""
     min_nodes, max_nodes = parse_nnodes(ns.nnodes)
     standalone = bool(ns.standalone)
     if standalone and (min_nodes, max_nodes) != (1, 1):

@@ -376,3 +376,31 @@ def test_a_wrong_slurm_value_under_srun_is_named_not_read_as_no_step(
         monkeypatch.setenv(key, val)
     with pytest.raises(ArgumentError, match=name):
         parse(["train.py"])
+
+
+@pytest.mark.parametrize("name,value", [
+    ("PET_MASTER_PORT", "70000"), ("PET_MASTER_PORT", "abc"), ("PET_NODE_RANK", "-1"),
+    ("PET_NODE_RANK", "x"), ("PET_NNODES", "abc"), ("PET_NNODES", "0"),
+    ("PET_NPROC_PER_NODE", "0"), ("PET_NPROC_PER_NODE", "two"), ("PET_MAX_RESTARTS", "-1"),
+    ("PET_MAX_RESTARTS", "1.5"), ("PET_SPARES", "-2"), ("PET_MONITOR_INTERVAL", "nan"),
+    ("PET_MONITOR_INTERVAL", "fast"), ("PET_SHUTDOWN_TIMEOUT", "-1"),
+    ("PET_SHUTDOWN_TIMEOUT", "inf"), ("PET_REDIRECTS", "7"), ("PET_TEE", "x"),
+    ("PET_LOCAL_RANKS_FILTER", "-1"), ("PET_RDZV_ENDPOINT", "h:70000")])
+def test_a_wrong_pet_value_names_the_variable_not_only_its_flag(
+        monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
+    # PET_MASTER_PORT=70000 said "--master-port must be 0..65535", a flag never given
+    monkeypatch.setenv(name, value)
+    if name == "PET_RDZV_ENDPOINT":
+        monkeypatch.setenv("PET_RDZV_BACKEND", "c10d")
+    with pytest.raises(ArgumentError, match=re.escape(f"{name}={value!r}")):
+        parse(["train.py"])
+
+
+def test_a_flag_given_wins_over_a_wrong_pet_value_and_is_named_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PET_MASTER_PORT", "abc")
+    assert parse(["--master-port", "1234", "train.py"]).master_port == 1234
+    with pytest.raises(ArgumentError) as err:
+        parse(["--master-port", "70000", "train.py"])
+    assert "--master-port must be 0..65535" in str(err.value)
+    assert "PET_MASTER_PORT" not in str(err.value)
