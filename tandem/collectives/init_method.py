@@ -97,6 +97,11 @@ def open_store(init_method: str, rank: int, world_size: int, timeout: float,
     """
     if not isinstance(init_method, str):
         raise ArgumentError(f"init_method must be a URL string, got {type(init_method).__name__}")
+    for name, value, low in (("rank", rank, 0), ("world_size", world_size, 1)):
+        # -1 is the default, "take it from the URL or the environment"; -5 was read as it
+        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+            raise ArgumentError(f"{name}={value!r}: expected an int, {low} or more, or -1 (the "
+                                f"default: take it from the init_method URL or the environment)")
     url = urllib.parse.urlparse(init_method)
     query = urllib.parse.parse_qs(url.query, keep_blank_values=True)  # "?rank=" is named too
     rank = _url_int(init_method, query, "rank", 0,
