@@ -54,7 +54,7 @@ from tandem.collectives.hostlist import expand_hostlist
 from tandem.config import MAX_WORLD_SIZE
 from tandem.errors import ArgumentError
 
-__all__ = ["cluster_env", "env_int", "scheduler_task", "first_host", "slurm_node_address",
+__all__ = ["cluster_env", "env_int", "text_int", "scheduler_task", "first_host", "slurm_node_address",
            "tasks_on_node", "port_from_id"]
 
 # scheduler: (rank, world size, local rank), in the order they are looked for
@@ -79,14 +79,18 @@ def env_int(env: Mapping[str, str], name: str, low: int, high: int, expected: st
             return default
         raise ArgumentError(f"environment variable {name}={raw!r} is "
                             f"{'empty' if raw is not None else 'not set'}: expected {expected}")
+    return text_int(raw, low, high, f"environment variable {name}", expected)
+
+
+def text_int(raw: str, low: int, high: int, what: str, expected: str) -> int:
+    """The integer written in ``raw`` (spaces around allowed), in ``[low, high]``; else an
+    ``ArgumentError`` naming ``what``, the text and ``expected``."""
     text = raw.strip()
     if not re.fullmatch(r"[+-]?\d+", text):  # int() would also take "1_0" and "١"
-        raise ArgumentError(f"environment variable {name}={raw!r} is not an integer: "
-                            f"expected {expected}")
+        raise ArgumentError(f"{what}={raw!r} is not an integer: expected {expected}")
     value = int(text)
     if not low <= value <= high:
-        raise ArgumentError(f"environment variable {name}={raw!r} is out of range: "
-                            f"expected {expected}")
+        raise ArgumentError(f"{what}={raw!r} is out of range: expected {expected}")
     return value
 
 

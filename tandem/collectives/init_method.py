@@ -19,7 +19,7 @@ import datetime
 import urllib.parse
 from typing import Mapping
 
-from tandem.collectives.cluster_env import cluster_env, env_int
+from tandem.collectives.cluster_env import cluster_env, env_int, text_int
 from tandem.config import MAX_WORLD_SIZE, at_most
 from tandem.errors import ArgumentError
 from tandem.store.base import Store
@@ -31,11 +31,18 @@ __all__ = ["open_store", "check_rank", "env_int", "check_env", "MAX_WORLD_SIZE"]
 _PORTS = "a TCP port, 1..65535"
 
 
-def _int_text(raw: str, what: str) -> int:
-    try:
-        return int(raw)
-    except ValueError as exc:
-        raise ArgumentError(f"{what}={raw!r} is not an integer") from exc
+def _url_int(init_method: str, query: Mapping[str, list[str]], key: str, low: int,
+             expected: str, given: int) -> int:
+    """``?key=`` of the URL, an integer in ``[low, MAX_WORLD_SIZE]``; else an
+    ``ArgumentError`` naming the URL's parameter (a wrong one is never read as unset)."""
+    if key not in query:
+        return given
+    raws = query[key]
+    if len(raws) != 1:
+        raise ArgumentError(f"init_method {init_method!r} gives {key}= {len(raws)} times: "
+                            f"give it once, {expected}")
+    return text_int(raws[0], low, MAX_WORLD_SIZE, f"init_method {init_method!r}: {key}",
+                    expected)
 
 
 def check_env(env: Mapping[str, str], rank: int = -1,
@@ -90,12 +97,17 @@ def open_store(init_method: str, rank: int, world_size: int, timeout: float,
     """
     if not isinstance(init_method, str):
         raise ArgumentError(f"init_method must be a URL string, got {type(init_method).__name__}")
+    for name, value, low in (("rank", rank, 0), ("world_size", world_size, 1)):
+        # -1 is the default, "take it from the URL or the environment"; -5 was read as it
+        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+            raise ArgumentError(f"{name}={value!r}: expected an int, {low} or more, or -1 (the "
+                                f"default: take it from the init_method URL or the environment)")
     url = urllib.parse.urlparse(init_method)
-    query = dict(urllib.parse.parse_qsl(url.query))
-    if "rank" in query:
-        rank = _int_text(query["rank"], f"init_method {init_method!r}: rank")
-    if "world_size" in query:
-        world_size = _int_text(query["world_size"], f"init_method {init_method!r}: world_size")
+    query = urllib.parse.parse_qs(url.query, keep_blank_values=True)  # "?rank=" is named too
+    rank = _url_int(init_method, query, "rank", 0,
+                    "this process's rank, 0..world_size-1", rank)
+    world_size = _url_int(init_method, query, "world_size", 1,
+                          f"the number of ranks, 1..{MAX_WORLD_SIZE}", world_size)
     if url.scheme == "env":
         env = cluster_env(env)  # srun / mpirun give ranks through their own variables
         missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if n not in env]

@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
-from typing import Any, Callable, Mapping, NoReturn, Sequence
+import re
+from typing import Any, Callable, Mapping, NamedTuple, NoReturn, Sequence
 
 from tandem.collectives.cluster_env import (env_int, first_host, port_from_id,
                                             slurm_node_address)
+from tandem.config import MAX_WORLD_SIZE
 from tandem.errors import ArgumentError
 from tandem.run.config import (
     START_METHODS,
@@ -38,11 +40,20 @@ __all__ = ["build_parser", "parse", "slurm_defaults", "operator_defaults"]
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
 
 
+class _FromEnv(NamedTuple):
+    """A flag's value as its ``PET_<DEST>`` variable gave it; not a str, so argparse leaves
+    it to :func:`_take_env`, which names the variable when it is wrong."""
+    name: str
+    raw: str
+
+
 class _Env(argparse.Action):
     """A valued flag whose default comes from ``PET_<DEST>`` when that variable is set."""
 
     def __init__(self, dest: str, default: Any = None, **kwargs: Any) -> None:
-        default = os.environ.get(f"PET_{dest.upper()}", default)
+        name = f"PET_{dest.upper()}"
+        if name in os.environ:
+            default = _FromEnv(name, os.environ[name])
         super().__init__(dest=dest, default=default, **kwargs)
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
@@ -217,20 +228,31 @@ def slurm_defaults(env: Mapping[str, str],
     ``PET_*`` variables win. Several launchers on one node would share its node rank:
     that is refused here, with the fix.
     """
-    nodes, tasks = env.get("SLURM_STEP_NUM_NODES", ""), env.get("SLURM_STEP_NUM_TASKS", "")
-    job, node = env.get("SLURM_JOB_ID", ""), env.get("SLURM_NODEID", "")
+    if not (env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_STEP_NUM_TASKS")):
+        return {}  # not a task of an srun step (a batch script's shell has no STEP_ values)
+    # in a step, a value unset or wrong is named, never taken for "no srun step"
+    fix = "fix or unset it, or give tandemrun's flags"
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
-    if not (nodes.isdigit() and tasks.isdigit() and job.isdigit() and node.isdigit()
-            and nodelist):
-        return {}  # not a task of an srun step
-    if int(tasks) != int(nodes):
+    if not nodelist.strip():
+        raise ArgumentError(f"tandemrun under srun: SLURM_STEP_NODELIST and SLURM_JOB_NODELIST "
+                            f"are unset or empty: expected the step's nodes in SLURM's notation, "
+                            f"e.g. gpu[07-08]; {fix}")
+    nodes = env_int(env, "SLURM_STEP_NUM_NODES", 1, MAX_WORLD_SIZE,
+                    f"the step's node count, 1..{MAX_WORLD_SIZE}; {fix}")
+    tasks = env_int(env, "SLURM_STEP_NUM_TASKS", 1, MAX_WORLD_SIZE,
+                    f"the step's task count, 1..{MAX_WORLD_SIZE}; {fix}")
+    job = env_int(env, "SLURM_JOB_ID", 0, 2**63 - 1, f"the job's id, an integer >= 0; {fix}")
+    node = env_int(env, "SLURM_NODEID", 0, nodes - 1,
+                   f"this node's index in the step, 0..SLURM_STEP_NUM_NODES-1 = {nodes - 1}; "
+                   f"{fix}")
+    if tasks != nodes:
         raise ArgumentError(
             f"tandemrun under srun: this step runs {tasks} tasks on {nodes} node(s) "
             f"(SLURM_STEP_NUM_TASKS, SLURM_STEP_NUM_NODES); start one tandemrun per node "
             f"(srun --ntasks-per-node=1 tandemrun --nproc-per-node N ...), or run the "
             f"script itself once per rank (srun --ntasks-per-node=N python train.py)")
-    addr, port = resolve(first_host(nodelist)), port_from_id(int(job))
-    return {"nnodes": nodes, "node_rank": int(node), "master_addr": addr, "master_port": port,
+    addr, port = resolve(first_host(nodelist)), port_from_id(job)
+    return {"nnodes": str(nodes), "node_rank": node, "master_addr": addr, "master_port": port,
             "rdzv_endpoint": f"{addr}:{port}", "rdzv_id": f"slurm-{job}"}
 
 
@@ -264,6 +286,45 @@ def parse(argv: Sequence[str] | None = None) -> LaunchConfig:
     parser.set_defaults(**{k: v for k, v in derived.items()
                            if f"PET_{k.upper()}" not in os.environ})
     ns = parser.parse_args(argv)
+    taken = _take_env(parser, ns)
+    try:
+        return _config(ns)
+    except ArgumentError as exc:  # "--master-port must be ..." when PET_MASTER_PORT said it
+        named = [f"environment variable {v.name}={v.raw!r} (tandemrun's {flag})"
+                 for flag, v in taken.items() if re.search(re.escape(flag) + r"(?![\w-])",
+                                                           str(exc))]
+        if not named:
+            raise
+        raise ArgumentError(f"{', '.join(named)}: {exc}; fix or unset it") from exc
+
+
+def _long_flag(action: argparse.Action) -> str:
+    return next(f for f in action.option_strings if f.startswith("--"))
+
+
+def _take_env(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict[str, _FromEnv]:
+    """Put the values ``PET_*`` variables gave in ``ns``, converted as their flag's are
+    (a wrong one names the variable); returns them by flag, for errors found later."""
+    taken: dict[str, _FromEnv] = {}
+    for action in parser._actions:
+        value = getattr(ns, action.dest, None)
+        if not isinstance(value, _FromEnv):
+            continue
+        flag = _long_flag(action)
+        convert = action.type if callable(action.type) else str
+        try:
+            setattr(ns, action.dest, convert(value.raw))
+        except ValueError as exc:
+            kinds: dict[object, str] = {int: "an integer", float: "a number"}
+            kind = kinds.get(convert, "valid")
+            raise ArgumentError(f"environment variable {value.name}={value.raw!r} (tandemrun's "
+                                f"{flag}) is not {kind}: fix or unset it") from exc
+        taken[flag] = value
+    return taken
+
+
+def _config(ns: argparse.Namespace) -> LaunchConfig:
+    """The launch configuration of parsed flags; ``ArgumentError`` naming a wrong one."""
     min_nodes, max_nodes = parse_nnodes(ns.nnodes)
     standalone = bool(ns.standalone)
     if standalone and (min_nodes, max_nodes) != (1, 1):

@@ -137,3 +137,32 @@ def test_a_wrong_tandem_setting_is_named(name: str, value: str) -> None:
         assert name in str(exc), exc
     else:
         assert value == "-1", f"{name}={value!r} was taken"  # -1: "off" for some settings
+
+
+@pytest.mark.parametrize("scheme", ["tcp://127.0.0.1:1", "file:///nonexistent/tandem-store",
+                                    "env://"])
+@pytest.mark.parametrize("query,key", [
+    ("rank=-1&world_size=2", "rank"), ("rank=1&world_size=-1", "world_size"),
+    ("rank=abc&world_size=2", "rank"), ("rank=&world_size=2", "rank"),
+    ("rank=1&world_size=", "world_size"), ("rank=1_0&world_size=20", "rank"),
+    ("rank=1&world_size=0", "world_size"), (f"rank=1&world_size={2 ** 40}", "world_size"),
+    ("rank=1&rank=0&world_size=2", "rank")])
+def test_a_wrong_rank_or_world_size_in_the_url_is_named_not_read_as_unset(
+        scheme: str, query: str, key: str) -> None:
+    # rank=-1 was read as unset: the error said the URL needs rank= and world_size=
+    url = f"{scheme}?{query}"
+    with pytest.raises(ArgumentError, match=re.escape(f"init_method {url!r}") + f".*{key}="):
+        open_store(url, -1, -1, 5.0, 2.0, _BASE)
+
+
+@pytest.mark.parametrize("scheme", ["tcp://127.0.0.1:1?world_size=2&rank=1",
+                                    "file:///nonexistent/tandem-store?world_size=2&rank=1",
+                                    "env://"])
+@pytest.mark.parametrize("rank,world_size,name", [
+    (-5, 2, "rank"), (1, -3, "world_size"), ("1", 2, "rank"), (1, 2.0, "world_size"),
+    (True, 2, "rank")])
+def test_a_wrong_rank_or_world_size_argument_is_named_not_read_as_unset(
+        scheme: str, rank: object, world_size: object, name: str) -> None:
+    # rank=-5 was read as the default -1, and rank="1" was a TypeError from a comparison
+    with pytest.raises(ArgumentError, match=f"^{name}="):
+        open_store(scheme, rank, world_size, 5.0, 2.0, _BASE)  # type: ignore[arg-type]

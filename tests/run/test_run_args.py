@@ -355,3 +355,52 @@ def test_a_monitor_interval_below_a_millisecond_is_refused(interval: str) -> Non
     with pytest.raises(ArgumentError, match=f"--monitor-interval {float(interval)} is below 0.001"):
         parse(["--monitor-interval", interval, "t.py"])
     assert parse(["--monitor-interval", "0.001", "t.py"]).monitor_interval == 0.001
+
+
+@pytest.mark.parametrize("name,value", [
+    ("SLURM_STEP_NUM_NODES", "abc"), ("SLURM_STEP_NUM_NODES", "0"),
+    ("SLURM_STEP_NUM_TASKS", "2.0"), ("SLURM_JOB_ID", "x42"), ("SLURM_JOB_ID", "-1"),
+    ("SLURM_NODEID", "abc"), ("SLURM_NODEID", "-1"), ("SLURM_NODEID", "2"),
+    ("SLURM_NODEID", ""), ("SLURM_JOB_ID", None), ("SLURM_STEP_NODELIST", None)])
+def test_a_wrong_slurm_value_under_srun_is_named_not_read_as_no_step(
+        monkeypatch: pytest.MonkeyPatch, name: str, value: str | None) -> None:
+    # SLURM_NODEID=abc made tandemrun a single-node launcher without a word
+    env = {k: v for k, v in SLURM_STEP.items() if k != name}
+    if value is not None:
+        env[name] = value
+    if name == "SLURM_STEP_NODELIST":
+        env.pop("SLURM_JOB_NODELIST")
+    with pytest.raises(ArgumentError, match=name):
+        slurm_defaults(env, resolve=lambda n: n)
+    for key, val in env.items():
+        monkeypatch.setenv(key, val)
+    with pytest.raises(ArgumentError, match=name):
+        parse(["train.py"])
+
+
+@pytest.mark.parametrize("name,value", [
+    ("PET_MASTER_PORT", "70000"), ("PET_MASTER_PORT", "abc"), ("PET_NODE_RANK", "-1"),
+    ("PET_NODE_RANK", "x"), ("PET_NNODES", "abc"), ("PET_NNODES", "0"),
+    ("PET_NPROC_PER_NODE", "0"), ("PET_NPROC_PER_NODE", "two"), ("PET_MAX_RESTARTS", "-1"),
+    ("PET_MAX_RESTARTS", "1.5"), ("PET_SPARES", "-2"), ("PET_MONITOR_INTERVAL", "nan"),
+    ("PET_MONITOR_INTERVAL", "fast"), ("PET_SHUTDOWN_TIMEOUT", "-1"),
+    ("PET_SHUTDOWN_TIMEOUT", "inf"), ("PET_REDIRECTS", "7"), ("PET_TEE", "x"),
+    ("PET_LOCAL_RANKS_FILTER", "-1"), ("PET_RDZV_ENDPOINT", "h:70000")])
+def test_a_wrong_pet_value_names_the_variable_not_only_its_flag(
+        monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
+    # PET_MASTER_PORT=70000 said "--master-port must be 0..65535", a flag never given
+    monkeypatch.setenv(name, value)
+    if name == "PET_RDZV_ENDPOINT":
+        monkeypatch.setenv("PET_RDZV_BACKEND", "c10d")
+    with pytest.raises(ArgumentError, match=re.escape(f"{name}={value!r}")):
+        parse(["train.py"])
+
+
+def test_a_flag_given_wins_over_a_wrong_pet_value_and_is_named_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PET_MASTER_PORT", "abc")
+    assert parse(["--master-port", "1234", "train.py"]).master_port == 1234
+    with pytest.raises(ArgumentError) as err:
+        parse(["--master-port", "70000", "train.py"])
+    assert "--master-port must be 0..65535" in str(err.value)
+    assert "PET_MASTER_PORT" not in str(err.value)
